@@ -1,0 +1,217 @@
+"""Plain data shared by every layer: sampling parameters, requests and batches. No I/O here."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+
+class InvalidRequest(ValueError):
+    """User input that cannot be served; the message is shown to the client as is."""
+
+
+@dataclass
+class SamplingParams:
+    """SGLang's `sampling_params`, same names and defaults."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = 1
+    sampling_seed: int | None = None
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any] | None) -> SamplingParams:
+        if values is None:
+            return cls()
+        if not isinstance(values, dict):
+            raise InvalidRequest("sampling_params must be a JSON object")
+        known = cls.__dataclass_fields__
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise InvalidRequest(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        params = cls(**{k: v for k, v in values.items() if v is not None})
+        params.validate()
+        return params
+
+    def validate(self) -> None:
+        def check_type(name: str, kinds: tuple[type, ...]) -> None:
+            value = getattr(self, name)
+            if isinstance(value, bool) and bool not in kinds:
+                raise InvalidRequest(f"{name} must be a number, got {value!r}")
+            if not isinstance(value, kinds):
+                raise InvalidRequest(f"{name} has the wrong type: {value!r}")
+
+        for name in ("max_new_tokens", "top_k", "min_new_tokens", "n"):
+            check_type(name, (int,))
+        for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
+                     "repetition_penalty"):
+            check_type(name, (int, float))
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+                     "no_stop_trim"):
+            check_type(name, (bool,))
+        if self.max_new_tokens < 0:
+            raise InvalidRequest(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise InvalidRequest(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise InvalidRequest(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise InvalidRequest(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise InvalidRequest(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty <= 2:
+            raise InvalidRequest(
+                f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if not 0 <= self.min_new_tokens <= max(self.max_new_tokens, 0):
+            raise InvalidRequest(
+                f"min_new_tokens must be in [0, max_new_tokens], got {self.min_new_tokens}")
+        if self.n < 1:
+            raise InvalidRequest(f"n must be >= 1, got {self.n}")
+        if self.stop is not None:
+            stops = [self.stop] if isinstance(self.stop, str) else self.stop
+            if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+                raise InvalidRequest("stop must be a non-empty string or a list of them")
+        if self.stop_token_ids is not None and not (
+            isinstance(self.stop_token_ids, list)
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids)
+        ):
+            raise InvalidRequest("stop_token_ids must be a list of integers")
+        if self.sampling_seed is not None and (
+            not isinstance(self.sampling_seed, int) or isinstance(self.sampling_seed, bool)
+        ):
+            raise InvalidRequest("sampling_seed must be an integer")
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (self.frequency_penalty != 0 or self.presence_penalty != 0
+                or self.repetition_penalty != 1)
+
+
+class ReqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Req:
+    """One sequence being served.
+
+    Positions [0, cached_len) have K/V computed (or being computed by a launched batch);
+    tokens [0, device_len) are known on the device (`token_pool`). `host_ids` holds the tokens
+    the host has seen: the prompt plus every processed output token.
+    """
+
+    uid: int
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_device_len: int
+    output_ids: list[int] = field(default_factory=list)
+    table_idx: int = -1
+    cached_len: int = 0
+    device_len: int = 0
+    prefix_len: int = 0  # tokens taken from the prefix cache at the last admission
+    tail_loc: int = -1  # KV location of position cached_len - 1 (for partly filled pages)
+    cache_handle: Any = None
+    status: ReqStatus = ReqStatus.WAITING
+    finish_reason: dict[str, Any] | None = None
+    generator: torch.Generator | None = None
+    admitted_at: int = 0  # admission order; retraction takes the newest first
+    logprob_num: int = -1  # -1: no logprobs; 0: the sampled token's; k: also the top k
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
+
+    @property
+    def host_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def extend_len(self) -> int:
+        return self.device_len - self.cached_len
+
+    @property
+    def remain_len(self) -> int:
+        return self.max_device_len - self.device_len
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is ReqStatus.FINISHED
+
+    def __hash__(self) -> int:
+        return self.uid
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+
+Phase = Literal["prefill", "decode"]
+
+
+@dataclass
+class Batch:
+    """What one forward runs. `reqs` are real; `padded_reqs` may end in dummy requests.
+
+    `last_chunk[i]` is False for a request whose prompt is only partly prefilled: its sampled
+    token is discarded.
+    """
+
+    reqs: list[Req]
+    phase: Phase
+    padded_reqs: list[Req] = field(default_factory=list)
+    last_chunk: list[bool] = field(default_factory=list)
+    input_positions: torch.Tensor | None = None  # [num_tokens]
+    out_loc: torch.Tensor | None = None  # [num_tokens] KV slot each new token writes to
+    seq_lens: list[int] = field(default_factory=list)  # per padded req, after this batch
+    extend_lens: list[int] = field(default_factory=list)  # per padded req
+    cached_lens: list[int] = field(default_factory=list)  # per padded req, before this batch
+    table_rows: list[int] = field(default_factory=list)  # per padded req
+    attn_metadata: Any = None
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.phase == "prefill"
+
+    @property
+    def is_decode(self) -> bool:
+        return self.phase == "decode"
+
+    @property
+    def size(self) -> int:
+        return len(self.reqs)
+
+    @property
+    def padded_size(self) -> int:
+        return len(self.padded_reqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.extend_lens)

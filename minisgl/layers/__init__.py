@@ -1,0 +1,17 @@
+"""Model building blocks, tensor-parallel aware (see minisgl.distributed)."""
+
+from minisgl.layers.activation import SiluAndMul
+from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from minisgl.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from minisgl.layers.norm import RMSNorm
+from minisgl.layers.rotary import RotaryEmbedding
+
+__all__ = [
+    "ColumnParallelLinear", "MergedColumnParallelLinear", "ParallelLMHead", "QKVParallelLinear",
+    "RMSNorm", "RotaryEmbedding", "RowParallelLinear", "SiluAndMul", "VocabParallelEmbedding",
+]

@@ -1,0 +1,48 @@
+"""Vocabulary-parallel embedding and LM head: each rank holds a contiguous slice of the vocab."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minisgl.distributed import all_gather_last_dim, all_reduce, get_tp_info
+from minisgl.layers.shard import copy_into, read_rows
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden: int) -> None:
+        super().__init__()
+        tp = get_tp_info()
+        self.vocab_size = vocab_size
+        self.shard = -(-vocab_size // tp.size)  # padded so every rank has the same rows
+        self.start = tp.rank * self.shard
+        self.weight = nn.Parameter(torch.zeros(self.shard, hidden), requires_grad=False)
+
+    def load(self, name: str, source: Any, shard_id: Any = None) -> None:
+        rows = min(self.shard, self.vocab_size - self.start)
+        copy_into(self.weight.data[:rows], read_rows(source, self.start, rows), name)
+        self.weight.data[rows:].zero_()  # padding rows of the last rank
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if get_tp_info().size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.shard)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return all_reduce(out.masked_fill_(outside.unsqueeze(-1), 0))
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Projects hidden states to logits; with tied embeddings it shares the embedding table."""
+
+    def __init__(self, vocab_size: int, hidden: int, tied_to: VocabParallelEmbedding | None) -> None:
+        super().__init__(vocab_size, hidden)
+        if tied_to is not None:
+            self.weight = tied_to.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = all_gather_last_dim(F.linear(hidden, self.weight))
+        return logits[..., : self.vocab_size]

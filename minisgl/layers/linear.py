@@ -1,0 +1,112 @@
+"""Linear layers sharded for tensor parallelism (Megatron style).
+
+Column-parallel layers split the output features across ranks; row-parallel layers split the
+input features and all-reduce the partial sums. Each module knows how to copy its own shard of
+a checkpoint tensor (`load`), so a rank never materialises another rank's weights.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minisgl.distributed import all_reduce, get_tp_info
+from minisgl.layers.shard import copy_into, read_all, read_cols, read_rows
+
+
+def divide(total: int, parts: int, what: str) -> int:
+    if total % parts:
+        raise ValueError(f"{what} ({total}) is not divisible by the tensor-parallel size ({parts})")
+    return total // parts
+
+
+class _Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(_Linear):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        tp = get_tp_info()
+        self.shard = divide(out_features, tp.size, "output features")
+        super().__init__(in_features, self.shard, bias)
+
+    def load(self, name: str, source: Any, shard_id: Any = None) -> None:
+        param = getattr(self, name)
+        copy_into(param.data, read_rows(source, get_tp_info().rank * self.shard, self.shard), name)
+
+
+class MergedColumnParallelLinear(_Linear):
+    """Several column-parallel projections of one input in one matmul (gate and up)."""
+
+    def __init__(self, in_features: int, out_features: list[int], bias: bool = False) -> None:
+        tp = get_tp_info()
+        self.shards = [divide(n, tp.size, "output features") for n in out_features]
+        super().__init__(in_features, sum(self.shards), bias)
+
+    def load(self, name: str, source: Any, shard_id: int) -> None:
+        size = self.shards[shard_id]
+        offset = sum(self.shards[:shard_id])
+        part = getattr(self, name).data.narrow(0, offset, size)
+        copy_into(part, read_rows(source, get_tp_info().rank * size, size), name)
+
+
+class QKVParallelLinear(_Linear):
+    """Merged q/k/v projection. Query heads are split across ranks; when there are fewer KV
+    heads than ranks, each KV head is replicated on the ranks whose query heads use it."""
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False) -> None:
+        tp = get_tp_info()
+        self.head_dim = head_dim
+        self.num_heads = divide(num_heads, tp.size, "attention heads")
+        if num_kv_heads >= tp.size:
+            self.num_kv_heads = divide(num_kv_heads, tp.size, "KV heads")
+            self.kv_head_start = tp.rank * self.num_kv_heads
+        else:
+            divide(tp.size, num_kv_heads, "tensor-parallel size over KV heads")
+            self.num_kv_heads = 1
+            self.kv_head_start = tp.rank * num_kv_heads // tp.size
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        super().__init__(hidden, self.q_size + 2 * self.kv_size, bias)
+
+    def load(self, name: str, source: Any, shard_id: str) -> None:
+        tp = get_tp_info()
+        if shard_id == "q":
+            offset, size, start = 0, self.q_size, tp.rank * self.q_size
+        else:
+            offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
+            size, start = self.kv_size, self.kv_head_start * self.head_dim
+        part = getattr(self, name).data.narrow(0, offset, size)
+        copy_into(part, read_rows(source, start, size), f"{name}[{shard_id}]")
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+
+
+class RowParallelLinear(_Linear):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        tp = get_tp_info()
+        self.shard = divide(in_features, tp.size, "input features")
+        super().__init__(self.shard, out_features, bias)
+
+    def load(self, name: str, source: Any, shard_id: Any = None) -> None:
+        if name == "bias":
+            copy_into(self.bias.data, read_all(source), name)
+        else:
+            src = read_cols(source, get_tp_info().rank * self.shard, self.shard)
+            copy_into(self.weight.data, src, name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = all_reduce(F.linear(x, self.weight))
+        # NOTE: the bias is added once, after the reduction, not once per rank.
+        return out + self.bias if self.bias is not None else out

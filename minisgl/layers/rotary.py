@@ -1,0 +1,51 @@
+"""Rotary position embedding (the "rotate half" layout used by Llama and Qwen checkpoints)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _inverse_frequencies(head_dim: int, rope: dict[str, Any]) -> torch.Tensor:
+    theta = float(rope.get("rope_theta", 10000.0))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "llama3":
+        factor = rope["factor"]
+        low, high = rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+        old_ctx = rope["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+        return torch.where(medium, blended, scaled)
+    if kind == "linear":
+        return inv_freq / rope["factor"]
+    raise ValueError(f"unsupported RoPE scaling type {kind!r} (supported: default, linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_positions: int, rope: dict[str, Any]) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32),
+                            _inverse_frequencies(head_dim, rope))
+        self.register_buffer("cos", freqs.cos(), persistent=False)  # [max_positions, head_dim/2]
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: [tokens, heads, head_dim]; cos/sin: [tokens, 1, head_dim/2]
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

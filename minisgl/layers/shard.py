@@ -1,0 +1,27 @@
+"""Helpers to copy a (possibly lazily read) checkpoint tensor's shard into a parameter.
+
+`source` is a torch.Tensor or a safetensors slice: both support `src[a:b]` and `src[:, a:b]`,
+so a rank reads only the rows or columns it owns.
+"""
+
+from typing import Any
+
+import torch
+
+
+def read_rows(source: Any, start: int, length: int) -> torch.Tensor:
+    return torch.as_tensor(source[start:start + length])
+
+
+def read_cols(source: Any, start: int, length: int) -> torch.Tensor:
+    return torch.as_tensor(source[:, start:start + length])
+
+
+def read_all(source: Any) -> torch.Tensor:
+    return torch.as_tensor(source[:])
+
+
+def copy_into(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"{what}: checkpoint shape {tuple(src.shape)} != expected {tuple(dst.shape)}")
+    dst.copy_(src)

@@ -1,0 +1,135 @@
+"""The Llama family decoder (Llama 2/3, SmolLM2), also the base of Qwen2 and Qwen3.
+
+Runs over a flat batch of tokens: input_ids [T], positions [T]; attention reads and writes the
+paged KV pool through the attention backend, which knows where each request's tokens live.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from minisgl.attention import AttentionBackend
+from minisgl.core import Batch
+from minisgl.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    SiluAndMul,
+    VocabParallelEmbedding,
+)
+from minisgl.models.arch import ModelArch
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ModelArch, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.head_dim = arch.head_dim
+        self.qkv_proj = QKVParallelLinear(arch.hidden_size, arch.head_dim, arch.num_heads,
+                                          arch.num_kv_heads, bias=arch.attention_bias)
+        self.o_proj = RowParallelLinear(arch.num_heads * arch.head_dim, arch.hidden_size,
+                                        bias=False)
+        self.rotary = rotary
+        if arch.qk_norm:
+            self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
+            self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: Batch,
+                backend: AttentionBackend) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = q.view(q.shape[0], -1, self.head_dim)
+        k = k.view(k.shape[0], -1, self.head_dim)
+        v = v.view(v.shape[0], -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm.forward_plain(q), self.k_norm.forward_plain(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(backend.forward(q, k, v, self.layer_id, batch))
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            arch.hidden_size, [arch.intermediate_size] * 2, bias=False)
+        self.act = SiluAndMul()
+        self.down_proj = RowParallelLinear(arch.intermediate_size, arch.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = Attention(arch, layer_id, rotary)
+        self.mlp = MLP(arch)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                batch: Batch, backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, batch, backend)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint projection name -> (our merged module, shard id)
+    STACKED = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.arch = arch
+        rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope)
+        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(arch, i, rotary) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        tied = self.embed_tokens if arch.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, tied)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: Batch,
+                backend: AttentionBackend, logit_rows: torch.Tensor | None) -> torch.Tensor:
+        """Logits [len(logit_rows), vocab] for the chosen token rows (all rows when None)."""
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(x, residual, positions, batch, backend)
+        x, _ = self.norm(x, residual)
+        if logit_rows is not None:
+            x = x.index_select(0, logit_rows)
+        return self.lm_head(x)
+
+    def load_weight(self, name: str, source: Any) -> bool:
+        """Copy one checkpoint tensor (HF naming) into its shard; False if it is not ours."""
+        name = name.removeprefix("model.")
+        if name == "lm_head.weight" and self.arch.tie_word_embeddings:
+            return True
+        if "rotary_emb" in name:
+            return True
+        module_path, _, param = name.rpartition(".")
+        parent_path, _, leaf = module_path.rpartition(".")
+        shard_id = None
+        if leaf in self.STACKED:
+            leaf, shard_id = self.STACKED[leaf]
+        try:
+            module = self.get_submodule(f"{parent_path}.{leaf}" if parent_path else leaf)
+        except AttributeError:
+            return False
+        if hasattr(module, "load"):
+            module.load(param, source, shard_id)
+        else:
+            from minisgl.layers.shard import copy_into, read_all
+            copy_into(getattr(module, param).data, read_all(source), name)
+        return True

