@@ -59,7 +59,7 @@ def resolve_model_path(model: str | None) -> Path:
         raise ModelNotFound(f"{path} has no config.json: not a Hugging Face model folder")
     raise ModelNotFound(
         f"model {model!r} not found: give a local Hugging Face folder, a .gguf file, or a "
-        f"shipped config name ({', '.join(sorted(p.name for p in CONFIGS_DIR.iterdir()))}); "
+        f"shipped config name ({', '.join(sorted(p.name for p in CONFIGS_DIR.iterdir() if p.is_dir()))}); "
         "nothing is downloaded")
 
 

@@ -1,0 +1,13 @@
+"""minisgl: an LLM inference server in one asyncio process, with SGLang-grade scheduling."""
+
+from minisgl.core import SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "__version__"]
+
+
+def __getattr__(name: str):  # `from minisgl import LLM` without importing torch eagerly
+    if name == "LLM":
+        from minisgl.llm import LLM
+        return LLM
+    raise AttributeError(name)

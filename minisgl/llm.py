@@ -1,0 +1,71 @@
+"""The offline API: `LLM(...).generate(...)`, driving the same scheduler as the server."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from minisgl.core import InvalidRequest, SamplingParams
+from minisgl.server.manager import RequestManager
+from minisgl.server_args import ServerArgs
+
+
+class LLM:
+    """`LLM(model=None, dtype="auto", **server_args)`; `model=None` is the bundled SmolLM2."""
+
+    def __init__(self, model: str | None = None, dtype: str = "auto", **server_args: Any) -> None:
+        self.args = ServerArgs(model_path=model, dtype=dtype, **server_args)
+        self._loop = asyncio.new_event_loop()
+        self.manager = RequestManager(self.args)
+        self._loop.run_until_complete(self.manager.start())
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.manager.tokenizer.hf if self.manager.tokenizer else None
+
+    def generate(self, prompt: str | list[str] | None = None,
+                 sampling_params: dict | SamplingParams | list | None = None,
+                 input_ids: list[int] | list[list[int]] | None = None,
+                 return_logprob: bool = False, top_logprobs_num: int = 0
+                 ) -> dict[str, Any] | list[dict[str, Any]]:
+        """One prompt (or ids) gives one SGLang-style dict; a list gives a list."""
+        return self._loop.run_until_complete(self._generate(
+            prompt, sampling_params, input_ids, return_logprob, top_logprobs_num))
+
+    async def _generate(self, prompt: Any, sampling_params: Any, input_ids: Any,
+                        return_logprob: bool, top_logprobs_num: int) -> Any:
+        if (prompt is None) == (input_ids is None):
+            raise InvalidRequest("give exactly one of prompt or input_ids")
+        if prompt is not None:
+            single = isinstance(prompt, str)
+            if self.manager.tokenizer is None:
+                raise InvalidRequest("this model has no tokenizer: pass input_ids")
+            ids = await self.manager.tokenizer.encode([prompt] if single else list(prompt))
+        else:
+            single = bool(input_ids) and isinstance(input_ids[0], int)
+            ids = [list(input_ids)] if single else [list(x) for x in input_ids]
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(ids)
+        if len(params) != len(ids):
+            raise InvalidRequest("sampling_params list and prompts differ in length")
+        params = [p if isinstance(p, SamplingParams) else SamplingParams.from_dict(p)
+                  for p in params]
+        logprob_num = top_logprobs_num if return_logprob else -1
+        handles = [self.manager.submit(i, p, logprob_num=logprob_num) for i, p in zip(ids, params)]
+        done = await asyncio.gather(*(self.manager.wait(h) for h in handles))
+        results = [h.result() for h in done]
+        return results[0] if single else results
+
+    def check_integrity(self) -> None:
+        self.manager.scheduler.check_integrity()
+
+    def shutdown(self) -> None:
+        if self._loop.is_closed():
+            return
+        self._loop.run_until_complete(self.manager.stop())
+        self._loop.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()

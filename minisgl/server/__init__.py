@@ -1,0 +1,1 @@
+"""The serving side: request manager, tokenizer/detokenizer, HTTP app."""

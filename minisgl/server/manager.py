@@ -1,0 +1,200 @@
+"""The request manager: tokenizer, scheduler task and detokenizer coroutine on one event loop.
+
+HTTP handlers and the offline `LLM` both talk to it: `submit` queues a request and returns a
+handle whose state grows as the scheduler produces tokens; `updates` yields its cumulative
+state whenever it changed (several steps coalesce when a client reads slowly).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from minisgl.core import InvalidRequest, SamplingParams
+from minisgl.engine import Engine
+from minisgl.scheduler import ReqOutput, Scheduler
+from minisgl.server.detokenizer import DecodeState, IncrementalDetokenizer
+from minisgl.server.metrics import Metrics
+from minisgl.server.tokenizer import Tokenizer
+from minisgl.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ReqHandle:
+    rid: str
+    prompt_ids: list[int]
+    decode: DecodeState
+    logprob_num: int
+    created: float = field(default_factory=time.perf_counter)
+    cached_tokens: int = 0
+    finished: bool = False
+    finish_reason: dict[str, Any] | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    finished_at: float | None = None
+    token_logprobs: list[tuple[float, int]] = field(default_factory=list)
+    top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def text(self) -> str:
+        return self.decode.visible_text
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.decode.output_ids
+
+    def meta_info(self) -> dict[str, Any]:
+        end = self.finished_at or time.perf_counter()
+        meta: dict[str, Any] = {
+            "id": self.rid,
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": len(self.prompt_ids),
+            "completion_tokens": len(self.output_ids),
+            "cached_tokens": self.cached_tokens,
+            "e2e_latency": end - self.created,
+        }
+        if self.logprob_num >= 0:
+            meta["output_token_logprobs"] = [[lp, tid, None] for lp, tid in self.token_logprobs]
+            meta["output_top_logprobs"] = [[[lp, tid, None] for lp, tid in step]
+                                           for step in self.top_logprobs]
+            meta["input_token_logprobs"] = []
+        return meta
+
+    def result(self) -> dict[str, Any]:
+        return {"text": self.text, "output_ids": list(self.output_ids),
+                "meta_info": self.meta_info()}
+
+
+class RequestManager:
+    def __init__(self, args: ServerArgs, engine: Engine | None = None) -> None:
+        self.args = args
+        self.engine = engine or Engine(args)
+        self.tokenizer = Tokenizer.load(args.tokenizer_path or self.engine.model_path)
+        self.scheduler = Scheduler(self.engine, args, self._on_outputs)
+        self.detokenizer = IncrementalDetokenizer(self.tokenizer.hf) if self.tokenizer else None
+        self.metrics = Metrics()
+        self.handles: dict[str, ReqHandle] = {}
+        self._outbox: asyncio.Queue[list[ReqOutput]] | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    @property
+    def running(self) -> bool:
+        return bool(self._tasks) and not any(t.done() for t in self._tasks)
+
+    async def start(self) -> None:
+        self._outbox = asyncio.Queue()
+        self._tasks = [asyncio.create_task(self.scheduler.run(), name="minisgl-scheduler"),
+                       asyncio.create_task(self._detokenize_loop(), name="minisgl-detokenizer")]
+
+    async def stop(self) -> None:
+        self.scheduler.stop()
+        scheduler_task, detok_task = self._tasks
+        await scheduler_task
+        while self._outbox is not None and not self._outbox.empty():
+            await asyncio.sleep(0)
+        detok_task.cancel()
+        self._tasks = []
+        self.engine.shutdown()
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def submit(self, input_ids: list[int], params: SamplingParams, rid: str | None = None,
+               logprob_num: int = -1) -> ReqHandle:
+        if params.stop_strings and self.detokenizer is None:
+            raise InvalidRequest("stop strings need a tokenizer, and this model has none")
+        if rid is not None and rid in self.handles:
+            raise InvalidRequest(f"a request with rid {rid!r} is already running")
+        req = self.scheduler.add_request(input_ids, params, rid, logprob_num)
+        handle = ReqHandle(req.rid, list(input_ids), DecodeState.start(input_ids, params),
+                           logprob_num)
+        self.handles[req.rid] = handle
+        self.metrics.on_submit()
+        return handle
+
+    async def updates(self, handle: ReqHandle) -> AsyncIterator[ReqHandle]:
+        """Yields the handle each time its state changed, last when it finished. Abandoning the
+        iteration (a client went away) aborts the request."""
+        try:
+            while True:
+                await handle.changed.wait()
+                handle.changed.clear()
+                yield handle
+                if handle.finished:
+                    return
+        finally:
+            if not handle.finished:
+                self.abort(handle.rid, "the client disconnected")
+
+    async def wait(self, handle: ReqHandle) -> ReqHandle:
+        async for _ in self.updates(handle):
+            pass
+        return handle
+
+    def abort(self, rid: str, message: str = "aborted by the client") -> bool:
+        if rid not in self.handles:
+            return False
+        self.scheduler.abort(rid, message)
+        return True
+
+    def abort_all(self, message: str = "aborted") -> None:
+        for rid in list(self.handles):
+            self.abort(rid, message)
+
+    # ---- outputs -----------------------------------------------------------------------------
+
+    def _on_outputs(self, outputs: list[ReqOutput]) -> None:
+        assert self._outbox is not None
+        self._outbox.put_nowait(outputs)
+
+    async def _detokenize_loop(self) -> None:
+        assert self._outbox is not None
+        while True:
+            outputs = await self._outbox.get()
+            while not self._outbox.empty():  # coalesce steps that queued up meanwhile
+                outputs += self._outbox.get_nowait()
+            self._apply(outputs)
+
+    def _apply(self, outputs: list[ReqOutput]) -> None:
+        now = time.perf_counter()
+        updates = []
+        for out in outputs:
+            handle = self.handles.get(out.req.rid)
+            if handle is None or handle.finished:
+                continue
+            if out.token is not None:
+                self.metrics.on_token(handle.first_token_at is None,
+                                      now - (handle.last_token_at or handle.created))
+                handle.first_token_at = handle.first_token_at or now
+                handle.last_token_at = now
+                if out.logprob is not None:
+                    handle.token_logprobs.append((out.logprob, out.token))
+                    handle.top_logprobs.append(out.top_logprobs or [])
+            handle.cached_tokens = out.req.cached_tokens
+            updates.append((handle, out))
+        if self.detokenizer is not None:
+            stopped = self.detokenizer.step(
+                [(h.decode, o.token, o.finished) for h, o in updates])
+            for state in stopped:
+                handle = next(h for h, _ in updates if h.decode is state)
+                reason = {"type": "stop", "matched": state.stop_hit}
+                self.scheduler.finish(handle.rid, reason)
+                self._close(handle, reason, now)
+        else:
+            for handle, out in updates:
+                if out.token is not None:
+                    handle.decode.output_ids.append(out.token)
+        for handle, out in updates:
+            if out.finished and not handle.finished:
+                self._close(handle, out.req.finish_reason, now)
+            handle.changed.set()
+
+    def _close(self, handle: ReqHandle, reason: dict[str, Any] | None, now: float) -> None:
+        handle.finished, handle.finish_reason, handle.finished_at = True, reason, now
+        self.handles.pop(handle.rid, None)
+        self.metrics.on_finish(now - handle.created)
