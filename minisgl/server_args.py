@@ -18,6 +18,8 @@ class ServerArgs:
         None, "Hugging Face model folder, .gguf file or shipped config name "
         "(default: the bundled SmolLM2-135M-Instruct).", "--model")
     tokenizer_path: str | None = _flag(None, "Tokenizer folder (default: the model's).")
+    json_model_override_args: str | None = _flag(
+        None, 'JSON object merged into the model config, e.g. \'{"num_hidden_layers": 2}\'.')
     load_format: str = _flag("auto", "auto: read the weights; dummy: random weights from the "
                              "config alone (benchmarks).", choices=["auto", "dummy"])
     dtype: str = _flag("auto", "auto (bfloat16), bfloat16, float16 or float32.",

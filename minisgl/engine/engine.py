@@ -7,6 +7,7 @@ the next batch will gather them) and copy them to the host.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -72,6 +73,8 @@ class Engine:
         started = time.perf_counter()
         self.model_path: Path = resolve_model_path(args.model_path)
         self.config = load_config(self.model_path)
+        if args.json_model_override_args:
+            self.config.update(json.loads(args.json_model_override_args))
         self.arch = ModelArch.from_config(self.config)
         self.context_len = args.context_length or self.arch.max_position_embeddings
         self.model = self._build_model()

@@ -1,0 +1,155 @@
+"""Our model code and engine against transformers float32 on the same SmolLM2 weights."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from minisgl.core import Batch, Req, SamplingParams
+from minisgl.engine import Engine
+from minisgl.server_args import ServerArgs
+from tests import reference as ref
+
+LOGIT_TOLERANCE = 1e-3  # max |ours - reference| over all vocab logits, float32
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine(ServerArgs(dtype="float32", max_total_tokens=4096, max_running_requests=4))
+
+
+def forward_positions(engine: Engine, ids: list[int], prefill_len: int) -> torch.Tensor:
+    """Logits for every position: a prefill of ids[:prefill_len], then one decode step per
+    remaining token (teacher forcing), through the paged KV pool and both attention paths."""
+    ctx = engine.page_table.shape[1]
+    row = 0
+    engine.page_table[row, : len(ids)] = torch.arange(len(ids), dtype=torch.int32)
+    req = Req(uid=0, rid="t", prompt_ids=ids, params=SamplingParams(), max_device_len=len(ids))
+    logits = []
+    spans = [(0, prefill_len)] + [(p, p + 1) for p in range(prefill_len, len(ids))]
+    for start, end in spans:
+        positions = torch.arange(start, end)
+        batch = Batch(reqs=[req], phase="prefill" if start == 0 else "decode", padded_reqs=[req],
+                      last_chunk=[True], input_positions=positions, out_loc=positions.clone(),
+                      seq_lens=[end], extend_lens=[end - start], cached_lens=[start],
+                      table_rows=[row])
+        engine.attn_backend.prepare_metadata(batch)
+        with torch.inference_mode():
+            logits.append(engine.model(torch.tensor(ids[start:end]), positions, batch,
+                                       engine.attn_backend, None).float())
+    assert ctx >= len(ids)
+    return torch.cat(logits)
+
+
+@pytest.mark.parametrize("text", [ref.PLAIN_PROMPTS[0], ref.chat_prompt(ref.CHAT_QUESTIONS[0])])
+def test_teacher_forced_logits_match_transformers(engine: Engine, text: str) -> None:
+    ids = ref.prompt_ids(text) + ref.prompt_ids(" and then some more words follow here")
+    ours = forward_positions(engine, ids, prefill_len=len(ids) - 8)
+    theirs = ref.hf_logits(ids)
+    diff = (ours - theirs).abs().max().item()
+    print(f"max |logit diff| = {diff:.3g} over {len(ids)} positions")
+    assert diff < LOGIT_TOLERANCE
+
+
+def test_chunked_prefix_logits_match(engine: Engine) -> None:
+    """A prefill over a cached prefix (masked SDPA path) gives the same logits."""
+    ids = ref.prompt_ids(ref.PLAIN_PROMPTS[2] + " the old miller lived with his daughter")
+    full = forward_positions(engine, ids, prefill_len=len(ids))
+    # first half as one prefill, second half as a prefill over the cached first half
+    half = len(ids) // 2
+    forward_positions(engine, ids[:half], prefill_len=half)
+    positions = torch.arange(half, len(ids))
+    req = Req(uid=1, rid="c", prompt_ids=ids, params=SamplingParams(), max_device_len=len(ids))
+    batch = Batch(reqs=[req], phase="prefill", padded_reqs=[req], last_chunk=[True],
+                  input_positions=positions, out_loc=positions.clone(), seq_lens=[len(ids)],
+                  extend_lens=[len(ids) - half], cached_lens=[half], table_rows=[0])
+    engine.page_table[0, : len(ids)] = torch.arange(len(ids), dtype=torch.int32)
+    engine.attn_backend.prepare_metadata(batch)
+    with torch.inference_mode():
+        second = engine.model(torch.tensor(ids[half:]), positions, batch, engine.attn_backend,
+                              None).float()
+    assert (second - full[half:]).abs().max().item() < LOGIT_TOLERANCE
+
+
+@pytest.fixture(scope="module")
+def llm():
+    from minisgl import LLM
+    with LLM(dtype="float32", max_total_tokens=8192, max_running_requests=8) as llm:
+        yield llm
+
+
+def all_prompts() -> list[str]:
+    return ref.PLAIN_PROMPTS + [ref.chat_prompt(q) for q in ref.CHAT_QUESTIONS]
+
+
+def test_greedy_generation_matches_transformers(llm) -> None:
+    greedy = {"temperature": 0, "max_new_tokens": 24}
+    for text in all_prompts():
+        ids = ref.prompt_ids(text)
+        out = llm.generate(input_ids=ids, sampling_params=greedy)
+        expected = ref.hf_greedy(ids, 24)
+        ref.assert_greedy_matches(ids, out["output_ids"], expected)
+        assert out["meta_info"]["prompt_tokens"] == len(ids)
+        assert out["meta_info"]["completion_tokens"] == len(out["output_ids"])
+
+
+def test_batch_equals_each_alone(llm) -> None:
+    greedy = {"temperature": 0, "max_new_tokens": 24}
+    prompts = all_prompts()
+    together = llm.generate(prompt=prompts, sampling_params=greedy)
+    for text, out in zip(prompts, together):
+        alone = llm.generate(prompt=text, sampling_params=greedy)
+        ids = ref.prompt_ids(text)
+        ref.assert_greedy_matches(ids, out["output_ids"], alone["output_ids"])
+        if out["output_ids"] == alone["output_ids"]:
+            assert out["text"] == alone["text"]
+    llm.check_integrity()
+
+
+def test_generate_shapes(llm) -> None:
+    out = llm.generate(prompt="Hello", sampling_params={"max_new_tokens": 3, "temperature": 0})
+    assert isinstance(out, dict) and set(out) == {"text", "output_ids", "meta_info"}
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
+    outs = llm.generate(input_ids=[[1, 2, 3], [4, 5]], sampling_params={"max_new_tokens": 2})
+    assert isinstance(outs, list) and len(outs) == 2
+    assert all(len(o["output_ids"]) == 2 for o in outs)
+
+
+def test_sampled_generation_is_seeded(llm) -> None:
+    params = {"temperature": 0.8, "top_p": 0.9, "max_new_tokens": 16, "sampling_seed": 7}
+    a = llm.generate(prompt="Tell me a story", sampling_params=params)
+    b = llm.generate(prompt=["Tell me a story", "Another prompt"],
+                     sampling_params=[params, {"temperature": 1.0, "max_new_tokens": 20}])[0]
+    assert a["output_ids"] == b["output_ids"]
+
+
+@pytest.mark.parametrize("config", ["llama-3.1-8b", "qwen3-0.6b"])
+def test_dummy_weights_build_and_run(config: str) -> None:
+    args = ServerArgs(model_path=config, load_format="dummy", max_total_tokens=256,
+                      max_running_requests=2, json_model_override_args='{"num_hidden_layers": 2}')
+    engine = Engine(args)
+    ids = list(range(100, 120))
+    logits = forward_positions(engine, ids, prefill_len=16)
+    assert logits.shape == (len(ids), engine.arch.vocab_size)
+    assert torch.isfinite(logits).all()
+    engine.shutdown()
+
+
+def test_cli_generate_paris() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "minisgl", "generate", "--prompt", "The capital of France is",
+         "--max-new-tokens", "8", "--temperature", "0", "--dtype", "float32",
+         "--max-total-tokens", "1024"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(" Paris")
+
+
+def test_cli_missing_model_is_one_clear_line() -> None:
+    out = subprocess.run([sys.executable, "-m", "minisgl", "generate", "--prompt", "x",
+                          "--model", "/no/such/model"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.strip().count("\n") == 0 and "not found" in out.stderr
+    assert "Traceback" not in out.stderr

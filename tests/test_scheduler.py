@@ -1,0 +1,181 @@
+"""The scheduler on the real model: batching invariance, chunked prefill, prefix cache,
+retraction, finish conditions, and aborts at random moments (a fuzz over KV integrity)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from minisgl import LLM
+from minisgl.core import InvalidRequest, SamplingParams
+from minisgl.server.manager import RequestManager
+from minisgl.server_args import ServerArgs
+from tests import reference as ref
+
+GREEDY = {"temperature": 0, "max_new_tokens": 8}
+
+
+def random_prompts(count: int, low: int, high: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 20000) for _ in range(rng.randint(low, high))]
+            for _ in range(count)]
+
+
+def run(prompts: list[list[int]], params=GREEDY, **args) -> list[list[int]]:
+    with LLM(dtype="float32", **args) as llm:
+        outs = llm.generate(input_ids=prompts, sampling_params=params)
+        llm.check_integrity()
+        return [o["output_ids"] for o in outs]
+
+
+@pytest.fixture(scope="module")
+def prompts64() -> list[list[int]]:
+    return random_prompts(64, 5, 600)
+
+
+@pytest.fixture(scope="module")
+def alone(prompts64) -> list[list[int]]:
+    """Each prompt alone in its batch: one request may run at a time."""
+    return run(prompts64, max_running_requests=1, disable_radix_cache=True,
+               max_total_tokens=4096)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_64_prompts_together_equal_each_alone(prompts64, alone, overlap: bool) -> None:
+    together = run(prompts64, max_running_requests=64, max_total_tokens=48000,
+                   disable_overlap_schedule=not overlap)
+    for ids, ours, expected in zip(prompts64, together, alone):
+        ref.assert_greedy_matches(ids, ours, expected)
+
+
+@pytest.mark.parametrize("chunk", [16, 64, 4096])
+def test_chunked_prefill_equals_unchunked(prompts64, alone, chunk: int) -> None:
+    subset = prompts64[:12]
+    chunked = run(subset, chunked_prefill_size=chunk, max_running_requests=12,
+                  max_total_tokens=12000)
+    for ids, ours, expected in zip(subset, chunked, alone[:12]):
+        ref.assert_greedy_matches(ids, ours, expected)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_shared_prefix_hits_cache_with_same_output(page_size: int) -> None:
+    system = ref.prompt_ids(ref.chat_prompt("Summarise the plot of Hamlet in one sentence."))
+    with LLM(dtype="float32", page_size=page_size, max_total_tokens=4096) as llm:
+        first = llm.generate(input_ids=system, sampling_params=GREEDY)
+        second = llm.generate(input_ids=system, sampling_params=GREEDY)
+        longer = llm.generate(input_ids=system + ref.prompt_ids(" Sure"), sampling_params=GREEDY)
+        llm.check_integrity()
+    assert first["meta_info"]["cached_tokens"] == 0
+    expected_hit = (len(system) - 1) // page_size * page_size
+    assert second["meta_info"]["cached_tokens"] == expected_hit > 0
+    assert longer["meta_info"]["cached_tokens"] >= expected_hit
+    assert second["output_ids"] == first["output_ids"]
+    without_cache = run([system + ref.prompt_ids(" Sure")], disable_radix_cache=True,
+                        max_total_tokens=4096)[0]
+    ref.assert_greedy_matches(system, longer["output_ids"], without_cache)
+
+
+def test_page_size_does_not_change_outputs(prompts64, alone) -> None:
+    subset = prompts64[:8]
+    paged = run(subset, page_size=16, max_running_requests=8, max_total_tokens=8192)
+    for ids, ours, expected in zip(subset, paged, alone[:8]):
+        ref.assert_greedy_matches(ids, ours, expected)
+
+
+def test_retraction_under_a_tiny_pool_completes_everything() -> None:
+    prompts = random_prompts(12, 20, 60, seed=3)
+    params = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
+    roomy = run(prompts, params, max_total_tokens=8192, max_running_requests=12)
+    with LLM(dtype="float32", max_total_tokens=400, max_running_requests=12) as llm:
+        outs = llm.generate(input_ids=prompts, sampling_params=params)
+        retractions = llm.manager.scheduler.stats.retractions
+        llm.check_integrity()
+    assert retractions > 0, "the pool was meant to be too small to run everything at once"
+    for ids, out, expected in zip(prompts, outs, roomy):
+        assert len(out["output_ids"]) == 40
+        ref.assert_greedy_matches(ids, out["output_ids"], expected)
+
+
+def test_request_larger_than_the_pool_gets_a_clear_error() -> None:
+    with LLM(dtype="float32", max_total_tokens=64) as llm:
+        with pytest.raises(InvalidRequest, match="pool holds only 64"):
+            llm.generate(input_ids=list(range(100, 150)), sampling_params={"max_new_tokens": 30})
+        ok = llm.generate(input_ids=list(range(100, 110)), sampling_params={"max_new_tokens": 4})
+        assert len(ok["output_ids"]) == 4
+
+
+def test_context_length_is_enforced_with_numbers() -> None:
+    with LLM(dtype="float32", context_length=64, max_total_tokens=512) as llm:
+        with pytest.raises(InvalidRequest, match=r"maximum context length is 64 tokens.*70"):
+            llm.generate(input_ids=list(range(100, 150)), sampling_params={"max_new_tokens": 20})
+
+
+def test_finish_conditions() -> None:
+    with LLM(dtype="float32", max_total_tokens=4096) as llm:
+        ids = ref.prompt_ids(ref.chat_prompt("Say hi."))
+        free = llm.generate(input_ids=ids, sampling_params={"temperature": 0,
+                                                            "max_new_tokens": 64})
+        assert free["meta_info"]["finish_reason"] == {"type": "stop", "matched": 2}
+        n = len(free["output_ids"])
+        assert free["output_ids"][-1] == 2
+        ignored = llm.generate(input_ids=ids, sampling_params={
+            "temperature": 0, "max_new_tokens": n + 3, "ignore_eos": True})
+        assert ignored["meta_info"]["finish_reason"] == {"type": "length", "length": n + 3}
+        minimum = llm.generate(input_ids=ids, sampling_params={
+            "temperature": 0, "max_new_tokens": n + 3, "min_new_tokens": n + 2})
+        assert len(minimum["output_ids"]) >= n + 2 and 2 not in minimum["output_ids"][:n + 1]
+        stop_id = free["output_ids"][1]
+        stopped = llm.generate(input_ids=ids, sampling_params={
+            "temperature": 0, "max_new_tokens": 64, "stop_token_ids": [stop_id]})
+        assert stopped["output_ids"] == free["output_ids"][:2]
+        assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_id}
+        zero = llm.generate(input_ids=ids, sampling_params={"max_new_tokens": 0})
+        assert zero["output_ids"] == [] and zero["meta_info"]["finish_reason"]["length"] == 0
+        llm.check_integrity()
+
+
+def test_abort_fuzz_keeps_every_page_accounted_for() -> None:
+    """Hundreds of requests of random lengths; random ones aborted at random moments (waiting,
+    prefilling, decoding). Integrity holds throughout, and every page is free at the end."""
+    args = ServerArgs(dtype="bfloat16", max_total_tokens=3000, max_running_requests=24,
+                      chunked_prefill_size=128, page_size=2)
+    rng = random.Random(11)
+
+    async def scenario() -> tuple[int, int]:
+        manager = RequestManager(args)
+        await manager.start()
+        handles, aborted = [], 0
+        shared = [rng.randrange(100, 20000) for _ in range(40)]
+        for i in range(300):
+            prompt = (shared if rng.random() < 0.3 else []) + [
+                rng.randrange(100, 20000) for _ in range(rng.randint(1, 300))]
+            params = SamplingParams(max_new_tokens=rng.randint(1, 40), ignore_eos=True,
+                                    temperature=rng.choice([0, 1.0]))
+            handles.append(manager.submit(prompt, params))
+            for _ in range(rng.randint(0, 2)):
+                await asyncio.sleep(rng.random() * 0.02)
+            if rng.random() < 0.4:
+                victim = rng.choice(handles)
+                aborted += manager.abort(victim.rid, "fuzz")
+        results = await asyncio.gather(*(manager.wait(h) for h in handles))
+        scheduler = manager.scheduler
+        while scheduler.has_work() or scheduler.to_release:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        scheduler.check_integrity()
+        assert scheduler.stats.integrity_error is None
+        for h in results:
+            reason = h.finish_reason
+            assert reason["type"] in ("length", "abort"), reason
+            if reason["type"] == "length":
+                assert len(h.output_ids) == reason["length"]
+        scheduler.cache.reset_cache()
+        free = scheduler.cache.num_free
+        await manager.stop()
+        return aborted, free
+
+    aborted, free = asyncio.run(scenario())
+    assert aborted > 50
+    assert free == 1500  # 3000 tokens / page_size 2: everything free after the cache is flushed
