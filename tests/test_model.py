@@ -153,3 +153,42 @@ def test_cli_missing_model_is_one_clear_line() -> None:
     assert out.returncode == 2
     assert out.stderr.strip().count("\n") == 0 and "not found" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+
+def tiny_hf_model(kind: str):
+    import transformers
+    if kind == "llama3-rope":
+        config = transformers.LlamaConfig(**TINY, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+        return transformers.LlamaForCausalLM(config)
+    if kind == "qwen2":
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**TINY,
+                                                                      tie_word_embeddings=True))
+    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**TINY, head_dim=32,
+                                                                  tie_word_embeddings=False))
+
+
+@pytest.mark.parametrize("kind", ["llama3-rope", "qwen2", "qwen3"])
+def test_architectures_match_transformers(kind: str, tmp_path) -> None:
+    """Qwen2 (q/k/v bias), Qwen3 (q/k norm) and Llama 3 RoPE scaling, each a tiny random model
+    saved as a Hugging Face folder, against transformers' own implementation."""
+    torch.manual_seed(0)
+    model = tiny_hf_model(kind).eval()
+    with torch.no_grad():  # random biases: transformers initialises them to zero
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    model.save_pretrained(tmp_path)
+    engine = Engine(ServerArgs(model_path=str(tmp_path), dtype="float32", max_total_tokens=256,
+                               max_running_requests=2))
+    ids = torch.randint(0, TINY["vocab_size"], (100,), generator=torch.Generator().manual_seed(1))
+    ours = forward_positions(engine, ids.tolist(), prefill_len=90)
+    with torch.inference_mode():
+        theirs = model(ids[None]).logits[0]
+    assert (ours - theirs).abs().max().item() < 1e-4
+    engine.shutdown()

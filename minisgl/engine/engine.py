@@ -94,6 +94,8 @@ class Engine:
         self.sampler = Sampler(self.arch.vocab_size, self.device, list(self.arch.eos_token_ids))
         self.stream = create_stream(self.device)
         self.busy_seconds = 0.0
+        self.phase_seconds = {"prefill": 0.0, "decode": 0.0}
+        self.phase_steps = {"prefill": 0, "decode": 0}
 
     def _build_model(self) -> torch.nn.Module:
         default_dtype = torch.get_default_dtype()
@@ -151,7 +153,10 @@ class Engine:
                                 top_logprobs=None if tops is None else
                                 (_to_host(tops[0]), _to_host(tops[1]))))
         # NOTE: on CPU this is the real compute time; on CUDA only the launch time.
-        self.busy_seconds += time.perf_counter() - started
+        elapsed = time.perf_counter() - started
+        self.busy_seconds += elapsed
+        self.phase_seconds[batch.phase] += elapsed
+        self.phase_steps[batch.phase] += 1
         return output
 
     def shutdown(self) -> None:

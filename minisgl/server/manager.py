@@ -82,6 +82,7 @@ class RequestManager:
         self.handles: dict[str, ReqHandle] = {}
         self._outbox: asyncio.Queue[list[ReqOutput]] | None = None
         self._tasks: list[asyncio.Task] = []
+        self._stopping = False
 
     @property
     def running(self) -> bool:
@@ -89,18 +90,35 @@ class RequestManager:
 
     async def start(self) -> None:
         self._outbox = asyncio.Queue()
+        self._stopping = False
         self._tasks = [asyncio.create_task(self.scheduler.run(), name="minisgl-scheduler"),
                        asyncio.create_task(self._detokenize_loop(), name="minisgl-detokenizer")]
+        for task in self._tasks:
+            task.add_done_callback(self._on_task_done)
 
     async def stop(self) -> None:
+        self._stopping = True
         self.scheduler.stop()
         scheduler_task, detok_task = self._tasks
-        await scheduler_task
-        while self._outbox is not None and not self._outbox.empty():
+        await asyncio.gather(scheduler_task, return_exceptions=True)  # a crash was logged
+        while self._outbox is not None and not self._outbox.empty() and not detok_task.done():
             await asyncio.sleep(0)
         detok_task.cancel()
         self._tasks = []
         self.engine.shutdown()
+
+    def _on_task_done(self, task: asyncio.Task) -> None:
+        """A scheduler or detokenizer that ends outside `stop` is a crash: log it and end
+        every open request, so that no client waits forever."""
+        if self._stopping:
+            return
+        exc = None if task.cancelled() else task.exception()
+        logger.error("%s ended unexpectedly", task.get_name(), exc_info=exc)
+        now = time.perf_counter()
+        for handle in list(self.handles.values()):
+            self._close(handle, {"type": "abort", "message": "internal error: the server's "
+                                 f"{task.get_name()} task stopped"}, now)
+            handle.changed.set()
 
     # ---- requests ----------------------------------------------------------------------------
 

@@ -1,0 +1,273 @@
+"""The HTTP server: one event loop hosts aiohttp, the tokenizer/detokenizer and the scheduler.
+
+`serve(args)` loads the model, starts the request manager, listens, prints one ready line and
+runs until SIGINT/SIGTERM; then it refuses new requests, aborts the running ones (their
+clients get a final chunk with finish_reason abort), closes connections and stops the manager.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import signal
+import time
+import uuid
+from contextlib import aclosing
+from typing import Any, Awaitable, Callable
+
+from aiohttp import web
+
+from minisgl import __version__
+from minisgl.core import InvalidRequest, SamplingParams
+from minisgl.scheduler import QueueFull
+from minisgl.server.manager import ReqHandle, RequestManager
+from minisgl.server.openai_api import OpenAIAPI
+from minisgl.server.protocol import (
+    MAX_BODY_BYTES,
+    HTTPError,
+    TokenTexts,
+    error_response,
+    generate_result,
+    json_response,
+    parse_generate,
+    read_json,
+    submit_all,
+)
+from minisgl.server.sse import DONE, encode_event, follow, open_stream, wait_all
+from minisgl.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+SHUTDOWN_GRACE_S = 5.0  # for aborted requests to deliver their last chunk
+HEALTH_GENERATE_TIMEOUT_S = 60.0
+OPEN_PATHS = frozenset({"/health"})  # reachable without the API key
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class Server:
+    def __init__(self, args: ServerArgs, manager: RequestManager) -> None:
+        self.args, self.manager = args, manager
+        self.shutting_down = False
+        self.model_name = args.model_path or manager.engine.model_path.name
+        self.tokens = TokenTexts(manager.tokenizer)
+        self.openai = OpenAIAPI(manager, self.model_name, self.tokens, self.ensure_ready)
+
+    def build_app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY_BYTES,
+                              middlewares=[self.errors_middleware, self.auth_middleware])
+        app.add_routes([
+            web.get("/health", self.health), web.post("/health", self.health),
+            web.get("/health_generate", self.health_generate),
+            web.get("/get_model_info", self.model_info),
+            web.get("/get_server_info", self.server_info),
+            web.get("/flush_cache", self.flush_cache), web.post("/flush_cache", self.flush_cache),
+            web.post("/abort_request", self.abort_request),
+            web.get("/metrics", self.metrics),
+            web.post("/generate", self.generate),
+            *self.openai.routes(),
+        ])
+        return app
+
+    # ---- middlewares -------------------------------------------------------------------------
+
+    @web.middleware
+    async def errors_middleware(self, request: web.Request, handler: Handler
+                                ) -> web.StreamResponse:
+        """Every failure as {"error": {"message", "type", "code"}}."""
+        try:
+            return await handler(request)
+        except HTTPError as exc:
+            return error_response(exc.status, exc.message, exc.type)
+        except InvalidRequest as exc:
+            return error_response(400, str(exc))
+        except QueueFull as exc:
+            return error_response(503, str(exc))
+        except web.HTTPRequestEntityTooLarge:
+            return error_response(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return error_response(exc.status, f"{exc.reason}: {request.method} {request.path}")
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception:
+            logger.exception("%s %s failed", request.method, request.path)
+            return error_response(500, "internal server error (see the server log)")
+
+    @web.middleware
+    async def auth_middleware(self, request: web.Request, handler: Handler
+                              ) -> web.StreamResponse:
+        key = self.args.api_key
+        if key and request.path not in OPEN_PATHS:
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                raise HTTPError(401, "a valid API key is needed: Authorization: Bearer KEY")
+        return await handler(request)
+
+    def ensure_ready(self) -> None:
+        if self.shutting_down:
+            raise HTTPError(503, "the server is shutting down")
+        if not self.manager.running:
+            raise HTTPError(503, "the scheduler is not running (see the server log)")
+
+    # ---- SGLang-native generation ------------------------------------------------------------
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        self.ensure_ready()
+        req = parse_generate(await read_json(request))
+        tokens = self.tokens if req.text_in_logprobs else None
+        handles = await submit_all(self.manager, req.prompts)
+        if not req.stream:
+            await wait_all(self.manager, handles)
+            results = [generate_result(h, tokens) for h in handles]
+            return json_response(results[0] if req.single else results)
+        try:
+            response = await open_stream(request)
+        except BaseException:
+            self._abort(handles, "the client disconnected")
+            raise
+        sent: dict[int, tuple[int, int, bool]] = {}
+        try:
+            async with aclosing(follow(self.manager, handles)) as updates:
+                async for i, h in updates:
+                    key = (len(h.output_ids), len(h.text), h.finished)
+                    if sent.get(i) == key:
+                        continue
+                    sent[i] = key
+                    chunk = generate_result(h, tokens)
+                    if not req.single:
+                        chunk["index"] = i
+                    await response.write(encode_event(chunk))
+            await response.write(DONE)
+        except ConnectionResetError:
+            pass  # the client went away; leaving `follow` aborted its requests
+        return response
+
+    def _abort(self, handles: list[ReqHandle], message: str) -> None:
+        for h in handles:
+            if not h.finished:
+                self.manager.abort(h.rid, message)
+
+    # ---- operations --------------------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.shutting_down or not self.manager.running:
+            return error_response(503, "unhealthy: shutting down or the scheduler stopped")
+        return web.Response(status=200)
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        self.ensure_ready()
+        params = SamplingParams(max_new_tokens=1, temperature=0)
+        handle = self.manager.submit([0], params, f"health-{uuid.uuid4().hex}")
+        started = time.perf_counter()
+        try:
+            await asyncio.wait_for(self.manager.wait(handle), HEALTH_GENERATE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            return error_response(503, f"no token generated in {HEALTH_GENERATE_TIMEOUT_S} s")
+        if len(handle.output_ids) != 1:
+            return error_response(503, f"health generation ended with {handle.finish_reason}")
+        return json_response({"status": "ok", "latency": time.perf_counter() - started})
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        path = str(self.manager.engine.model_path)
+        tokenizer = (self.args.tokenizer_path or path) if self.manager.tokenizer else None
+        return json_response({"model_path": path, "tokenizer_path": tokenizer,
+                              "is_generation": True, "served_model_name": self.model_name})
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        return json_response({**self.args.to_dict(),
+                              "internal_states": [self.manager.scheduler.state()],
+                              "version": __version__})
+
+    def _idle(self) -> bool:
+        scheduler = self.manager.scheduler
+        return not (self.manager.handles or scheduler.reqs or scheduler.to_release
+                    or scheduler.has_work())
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        if not self._idle():
+            raise HTTPError(400, "cannot flush the cache while requests are running")
+        self.manager.scheduler.cache.reset_cache()
+        logger.info("prefix cache flushed")
+        return json_response({"success": True, "message": "cache flushed"})
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        body = await read_json(request)
+        if body.get("abort_all"):
+            rids = list(self.manager.handles)
+            self.manager.abort_all("aborted by /abort_request")
+            return json_response({"success": True, "aborted": rids})
+        rid = body.get("rid")
+        if not isinstance(rid, str):
+            raise InvalidRequest("give rid (a string) or abort_all: true")
+        found = self.manager.abort(rid, "aborted by /abort_request")
+        return json_response({"success": found, "aborted": [rid] if found else []})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        text = self.manager.metrics.render(self.manager.scheduler.state())
+        return web.Response(body=text.encode(),
+                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    async def shutdown(self, runner: web.AppRunner) -> None:
+        self.shutting_down = True
+        self.manager.abort_all("the server is shutting down")
+        deadline = time.monotonic() + SHUTDOWN_GRACE_S
+        while self.manager.handles and self.manager.running and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        await runner.cleanup()  # stops listening, lets handlers write their last chunk
+        await self.manager.stop()
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+async def run_server(args: ServerArgs) -> None:
+    started = time.perf_counter()
+    logger.info("loading model %s (dtype %s, device %s)", args.model_path or "(bundled SmolLM2)",
+                args.dtype, args.device)
+    manager = RequestManager(args)
+    logger.info("model %s loaded in %.1f s", manager.engine.model_path,
+                time.perf_counter() - started)
+    await manager.start()
+    server = Server(args, manager)
+    debug = args.log_level == "debug"
+    runner = web.AppRunner(server.build_app(), handler_cancellation=True,
+                           shutdown_timeout=SHUTDOWN_GRACE_S,
+                           **({} if debug else {"access_log": None}))
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port)
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        await manager.stop()
+        raise ValueError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}") from None
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"minisgl ready: listening on {_url(args.host, site.port)}", flush=True)
+    await stop.wait()
+    logger.info("shutting down")
+    await server.shutdown(runner)
+    logger.info("stopped")
+
+
+def serve(args: ServerArgs) -> None:
+    """Run the server until SIGINT/SIGTERM (uvloop when available)."""
+    try:
+        import uvloop
+    except ImportError:  # e.g. Windows
+        run: Callable[[Any], Any] = asyncio.run
+    else:
+        run = uvloop.run
+    try:
+        run(run_server(args))
+    except KeyboardInterrupt:  # Ctrl-C while the model was still loading
+        logger.info("interrupted")

@@ -1,0 +1,335 @@
+"""Request parsing shared by the HTTP endpoints, and SGLang's native `/generate` protocol.
+
+Everything here validates before anything is queued: a batch with one bad element fails as a
+whole. Errors are raised as `HTTPError` (or the core's `InvalidRequest`, which means 400) and
+rendered by the app as `{"error": {"message", "type", "code"}}`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import orjson
+from aiohttp import web
+
+from minisgl.core import InvalidRequest, SamplingParams
+from minisgl.scheduler import QueueFull
+from minisgl.server.manager import ReqHandle, RequestManager
+
+MAX_BODY_BYTES = 32 * 2**20  # larger request bodies get a 413
+MAX_TOP_LOGPROBS = 100  # native API; the OpenAI endpoints allow 20, as OpenAI does
+MAX_N = 256  # parallel samples of one prompt
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               405: "invalid_request_error", 413: "request_too_large", 500: "internal_server_error",
+               503: "service_unavailable"}
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str, type: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+        self.type = type or ERROR_TYPES.get(status, "error")
+
+
+def json_response(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
+
+
+def error_response(status: int, message: str, type: str | None = None) -> web.Response:
+    body = {"error": {"message": message, "type": type or ERROR_TYPES.get(status, "error"),
+                      "code": status}}
+    return json_response(body, status)
+
+
+async def read_json(request: web.Request) -> dict[str, Any]:
+    """The body as a JSON object; 400 when it is not one, 413 when it is too large."""
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise HTTPError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes") from None
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise HTTPError(400, f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise HTTPError(400, "the request body must be a JSON object")
+    return body
+
+
+# ---- small type checks -----------------------------------------------------------------------
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(is_int(t) for t in value)
+
+
+def check_bool(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidRequest(f"{name} must be true or false, got {value!r}")
+    return value
+
+
+def check_int(value: Any, name: str, low: int, high: int | None = None) -> int:
+    if not is_int(value) or value < low or (high is not None and value > high):
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise InvalidRequest(f"{name} must be an integer {bound}, got {value!r}")
+    return value
+
+
+def per_item(value: Any, count: int, name: str, check: Callable[[Any], Any],
+             single: bool) -> list[Any]:
+    """A field that is one value for every prompt or (in a batch) a list with one per prompt."""
+    if isinstance(value, list) and not single:
+        if len(value) != count:
+            raise InvalidRequest(f"{name} has {len(value)} elements for {count} prompts")
+        return [check(v) for v in value]
+    return [check(value)] * count
+
+
+# ---- submission ------------------------------------------------------------------------------
+
+@dataclass
+class Prompt:
+    """One request to submit: ids (or text, tokenized on submission) and its parameters."""
+
+    params: SamplingParams
+    text: str | None = None
+    input_ids: list[int] | None = None
+    rid: str | None = None
+    logprob_num: int = -1
+
+
+def expand_n(prompts: list[Prompt]) -> list[list[Prompt]]:
+    """Each prompt becomes `params.n` requests (group i holds prompt i's samples). A seeded
+    prompt's sample j uses sampling_seed + j, so that the samples differ."""
+    groups = []
+    for p in prompts:
+        n = p.params.n
+        if n > MAX_N:
+            raise InvalidRequest(f"n must be <= {MAX_N}, got {n}")
+        group = []
+        for j in range(n):
+            params = dataclasses.replace(p.params, n=1)
+            if n > 1 and params.sampling_seed is not None:
+                params.sampling_seed += j
+            rid = p.rid if n == 1 or p.rid is None else f"{p.rid}-{j}"
+            group.append(dataclasses.replace(p, params=params, rid=rid))
+        groups.append(group)
+    return groups
+
+
+async def tokenize(manager: RequestManager, prompts: list[Prompt]) -> None:
+    """Fill `input_ids` of the text prompts (one batched call)."""
+    texts = [p for p in prompts if p.input_ids is None]
+    if not texts:
+        return
+    if manager.tokenizer is None:
+        raise InvalidRequest("this model has no tokenizer: send input_ids instead of text")
+    for p in texts:
+        if not p.text:
+            raise InvalidRequest("the prompt is empty")
+    unique = list(dict.fromkeys(p.text for p in texts))  # n > 1 repeats a text n times
+    ids = dict(zip(unique, await manager.tokenizer.encode(unique)))
+    for p in texts:
+        p.input_ids = ids[p.text]
+
+
+def check_fits(manager: RequestManager, prompts: list[Prompt]) -> None:
+    """What the scheduler would reject, checked for the whole batch before any is queued."""
+    scheduler = manager.scheduler
+    vocab = scheduler.engine.arch.vocab_size
+    pool = scheduler.cache.num_pages * scheduler.cache.page_size
+    rids = [p.rid for p in prompts if p.rid is not None]
+    if len(set(rids)) != len(rids):
+        raise InvalidRequest("rid values must be unique within a request")
+    for p in prompts:
+        ids = p.input_ids or []
+        if not ids:
+            raise InvalidRequest("the prompt is empty")
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise InvalidRequest(f"input_ids must be token ids in [0, {vocab})")
+        total = len(ids) + p.params.max_new_tokens
+        if total > scheduler.context_len:
+            raise InvalidRequest(
+                f"This model's maximum context length is {scheduler.context_len} tokens. "
+                f"However, you requested {total} tokens ({len(ids)} in the prompt, "
+                f"{p.params.max_new_tokens} for the completion). Please reduce the prompt or "
+                "max_new_tokens.")
+        if total > pool:
+            raise InvalidRequest(f"the request needs {total} tokens of KV cache but the pool "
+                                 f"holds only {pool} (--max-total-tokens)")
+        if p.rid is not None and p.rid in manager.handles:
+            raise InvalidRequest(f"a request with rid {p.rid!r} is already running")
+    limit = manager.args.max_queued_requests
+    if limit is not None and scheduler.state()["num_waiting_reqs"] + len(prompts) > limit:
+        raise QueueFull(f"the waiting queue is full ({limit} requests); retry later")
+
+
+async def submit_all(manager: RequestManager, prompts: list[Prompt]) -> list[ReqHandle]:
+    """Tokenize, validate the whole batch, then queue it; all or nothing."""
+    await tokenize(manager, prompts)
+    check_fits(manager, prompts)
+    handles: list[ReqHandle] = []
+    try:
+        for p in prompts:
+            assert p.input_ids is not None
+            handles.append(manager.submit(p.input_ids, p.params, p.rid, p.logprob_num))
+    except BaseException:
+        # NOTE: submit and abort run in one loop turn, so the scheduler never starts these.
+        for handle in handles:
+            manager.abort(handle.rid, "another request of the batch was rejected")
+        raise
+    return handles
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2 byte-level BPE: the printable character that stands for each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+class TokenTexts:
+    """The text and the raw bytes of single tokens (logprob entries), cached by id. A token
+    that holds part of a UTF-8 character decodes to U+FFFD; its bytes are still exact for
+    byte-level BPE and byte-fallback vocabularies."""
+
+    def __init__(self, tokenizer: Any | None) -> None:
+        self.hf = tokenizer.hf if tokenizer is not None else None
+        self._cache: dict[int, tuple[str, bytes]] = {}
+        self._alphabet: dict[str, int] | None = None
+        decoder = getattr(getattr(self.hf, "backend_tokenizer", None), "decoder", None)
+        if type(decoder).__name__ == "ByteLevel":
+            self._alphabet = _byte_level_alphabet()
+
+    def _lookup(self, ids: list[int]) -> list[tuple[str, bytes]]:
+        missing = list(dict.fromkeys(t for t in ids if t not in self._cache))
+        if missing:
+            if self.hf is None:
+                for t in missing:
+                    self._cache[t] = ("", b"")
+            else:
+                texts = self.hf.batch_decode([[t] for t in missing], skip_special_tokens=False)
+                pieces = self.hf.convert_ids_to_tokens(missing)
+                for t, text, piece in zip(missing, texts, pieces):
+                    self._cache[t] = (text, self._bytes(text, piece))
+        return [self._cache[t] for t in ids]
+
+    def _bytes(self, text: str, piece: str | None) -> bytes:
+        if piece and self._alphabet is not None and all(c in self._alphabet for c in piece):
+            return bytes(self._alphabet[c] for c in piece)
+        if piece and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])  # a byte-fallback token
+            except ValueError:
+                pass
+        return text.encode()
+
+    def texts(self, ids: list[int]) -> list[str]:
+        return [text for text, _ in self._lookup(ids)]
+
+    def text_and_bytes(self, ids: list[int]) -> list[tuple[str, bytes]]:
+        return self._lookup(ids)
+
+
+# ---- SGLang-native /generate -----------------------------------------------------------------
+
+GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "rid", "stream", "return_logprob",
+                   "top_logprobs_num", "logprob_start_len", "return_text_in_logprobs",
+                   "log_metrics"}
+# SGLang fields for features minisgl lacks: accepted only when they ask for nothing.
+UNSUPPORTED_UNLESS_EMPTY = {"lora_path", "image_data", "video_data", "audio_data",
+                            "return_hidden_states", "custom_logit_processor", "modalities"}
+
+
+@dataclass
+class GenerateRequest:
+    groups: list[list[Prompt]]  # per prompt, its n samples
+    single: bool  # answer one object (one prompt, n == 1) rather than a list
+    stream: bool
+    text_in_logprobs: bool
+
+    @property
+    def prompts(self) -> list[Prompt]:
+        return [p for group in self.groups for p in group]
+
+
+def parse_generate(body: dict[str, Any]) -> GenerateRequest:
+    unknown = sorted(set(body) - GENERATE_FIELDS - UNSUPPORTED_UNLESS_EMPTY)
+    if unknown:
+        raise InvalidRequest(f"unknown field(s): {', '.join(unknown)}")
+    for name in UNSUPPORTED_UNLESS_EMPTY & set(body):
+        if body[name]:
+            raise InvalidRequest(f"{name} is not supported by minisgl")
+    text, input_ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (input_ids is None):
+        raise InvalidRequest("give exactly one of text or input_ids")
+    if text is not None:
+        if isinstance(text, str):
+            single, texts = True, [text]
+        elif isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+            single, texts = False, text
+        else:
+            raise InvalidRequest("text must be a string or a non-empty list of strings")
+        prompts = [Prompt(SamplingParams(), text=t) for t in texts]
+    else:
+        if is_ids(input_ids) and input_ids:
+            single, batches = True, [input_ids]
+        elif isinstance(input_ids, list) and input_ids and all(is_ids(x) for x in input_ids):
+            single, batches = False, input_ids
+        else:
+            raise InvalidRequest("input_ids must be a non-empty list of token ids or a "
+                                 "non-empty list of such lists")
+        prompts = [Prompt(SamplingParams(), input_ids=list(ids)) for ids in batches]
+    count = len(prompts)
+
+    params = per_item(body.get("sampling_params"), count, "sampling_params",
+                      SamplingParams.from_dict, single)
+
+    def check_rid(r: Any) -> str | None:
+        if r is not None and (not isinstance(r, str) or not r):
+            raise InvalidRequest(f"rid must be a non-empty string, got {r!r}")
+        return r
+
+    rid = body.get("rid")
+    if not single and isinstance(rid, str):
+        raise InvalidRequest("a batch needs rid as a list with one string per prompt")
+    rids = per_item(rid, count, "rid", check_rid, single)
+    want = per_item(body.get("return_logprob", False), count, "return_logprob",
+                    lambda v: check_bool(v, "return_logprob"), single)
+    tops = per_item(body.get("top_logprobs_num", 0) or 0, count, "top_logprobs_num",
+                    lambda v: check_int(v, "top_logprobs_num", 0, MAX_TOP_LOGPROBS), single)
+    per_item(body.get("logprob_start_len", -1), count, "logprob_start_len",
+             lambda v: check_int(v if v is not None else -1, "logprob_start_len", -1), single)
+    for p, sp, r, w, k in zip(prompts, params, rids, want, tops):
+        p.params, p.rid, p.logprob_num = sp, r, (k if w else -1)
+    stream = check_bool(body.get("stream", False), "stream")
+    text_in_logprobs = check_bool(body.get("return_text_in_logprobs", False),
+                                  "return_text_in_logprobs")
+    groups = expand_n(prompts)
+    return GenerateRequest(groups, single and len(groups[0]) == 1, stream, text_in_logprobs)
+
+
+def generate_result(handle: ReqHandle, tokens: TokenTexts | None) -> dict[str, Any]:
+    """ReqHandle.result(), with logprob entries' token text filled in if `tokens` is given."""
+    result = handle.result()
+    meta = result["meta_info"]
+    if tokens is not None and "output_token_logprobs" in meta:
+        entries = meta["output_token_logprobs"] + [e for step in meta["output_top_logprobs"]
+                                                   for e in step]
+        for entry, text in zip(entries, tokens.texts([e[1] for e in entries])):
+            entry[2] = text
+    return result
