@@ -50,7 +50,14 @@ class LLM:
         params = [p if isinstance(p, SamplingParams) else SamplingParams.from_dict(p)
                   for p in params]
         logprob_num = top_logprobs_num if return_logprob else -1
-        handles = [self.manager.submit(i, p, logprob_num=logprob_num) for i, p in zip(ids, params)]
+        handles = []
+        try:
+            for one_ids, one_params in zip(ids, params):
+                handles.append(self.manager.submit(one_ids, one_params, logprob_num=logprob_num))
+        except Exception:
+            for handle in handles:  # all or nothing: a bad prompt leaves nothing running
+                self.manager.abort(handle.rid, "another prompt of the batch was invalid")
+            raise
         done = await asyncio.gather(*(self.manager.wait(h) for h in handles))
         results = [h.result() for h in done]
         return results[0] if single else results

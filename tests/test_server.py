@@ -7,16 +7,13 @@ import http.client
 import json
 import signal
 import subprocess
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
 import psutil
-import pytest
 import requests
-
 
 PROMPT = "The capital of France is"
 GREEDY = {"temperature": 0, "max_new_tokens": 12}
@@ -452,3 +449,50 @@ def test_second_server_concurrently(minisgl_server, minisgl_server_factory):
     assert not [c for c in children if c.is_running()]
     # the first server was not disturbed
     assert get(minisgl_server, "/health").status_code == 200
+
+
+# ---- a dead scheduler ----------------------------------------------------------------------------
+
+def test_dead_scheduler_turns_health_503_and_ends_requests():
+    """In-process (the same Server and RequestManager that `serve` runs): when the scheduler
+    task dies, /health answers 503, the request in flight ends with an abort instead of
+    hanging, and new requests get 503."""
+    import asyncio
+
+    import aiohttp
+
+    from minisgl.server.app import Server, listen
+    from minisgl.server.manager import RequestManager
+    from minisgl.server_args import ServerArgs
+
+    async def scenario() -> None:
+        args = ServerArgs(dtype="float32", max_total_tokens=4096, max_running_requests=4)
+        manager = RequestManager(args)
+        await manager.start()
+        server = Server(args, manager)
+        runner, port = await listen(server, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            async with aiohttp.ClientSession() as session:
+                async with session.get(url + "/health") as r:
+                    assert r.status == 200
+                body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 4000,
+                                                            "ignore_eos": True}}
+                pending = asyncio.create_task(session.post(url + "/generate", json=body))
+                while not manager.handles:
+                    await asyncio.sleep(0.01)
+                manager._tasks[0].cancel()  # the scheduler task dies
+                async with await asyncio.wait_for(pending, 30) as r:
+                    assert r.status == 200
+                    result = await r.json()
+                assert result["meta_info"]["finish_reason"]["type"] == "abort"
+                async with session.get(url + "/health") as r:
+                    assert r.status == 503
+                    assert (await r.json())["error"]["code"] == 503
+                async with session.post(url + "/generate", json=body) as r:
+                    assert r.status == 503
+        finally:
+            await runner.cleanup()
+            await manager.stop()
+
+    asyncio.run(scenario())

@@ -18,7 +18,7 @@ from minisgl.core import Batch
 @dataclass
 class DecodeMetadata:
     locations: torch.Tensor  # [batch, max_len] KV locations, padding points at the dummy page
-    padding: torch.Tensor  # [batch, 1, 1, max_len] True where a position is past seq_len
+    padding: torch.Tensor  # [1, batch, 1, max_len] True where a position is past seq_len
 
 
 @dataclass
@@ -49,13 +49,13 @@ class TorchBackend(AttentionBackend):
         max_len = max(batch.seq_lens)
         padding = torch.arange(max_len, device=device)[None, :] >= seq_lens[:, None]
         locations = self.page_table[rows, :max_len].masked_fill(padding, self.kv_pool.dummy_loc)
-        return DecodeMetadata(locations, padding[:, None, None, :])
+        return DecodeMetadata(locations, padding[None, :, None, :])
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: Batch) -> torch.Tensor:
         k_cache, v_cache = self.kv_pool.layer(layer_id)
-        k_cache.index_copy_(0, batch.out_loc, k)
-        v_cache.index_copy_(0, batch.out_loc, v)
+        k_cache.index_copy_(1, batch.out_loc, k.transpose(0, 1))
+        v_cache.index_copy_(1, batch.out_loc, v.transpose(0, 1))
         if batch.is_decode:
             return self._decode(q, k_cache, v_cache, batch.attn_metadata)
         return self._prefill(q, k, v, k_cache, v_cache, batch.attn_metadata)
@@ -64,15 +64,18 @@ class TorchBackend(AttentionBackend):
                 meta: DecodeMetadata) -> torch.Tensor:
         bs, max_len = meta.locations.shape
         num_heads, head_dim = q.shape[1], q.shape[2]
-        num_kv = k_cache.shape[1]
+        num_kv = k_cache.shape[0]
+        group = num_heads // num_kv
         flat = meta.locations.view(-1)
-        keys = k_cache.index_select(0, flat).view(bs, max_len, num_kv, head_dim)
-        values = v_cache.index_select(0, flat).view(bs, max_len, num_kv, head_dim)
-        q = q.view(bs, num_kv, num_heads // num_kv, head_dim)
-        scores = torch.matmul(q, keys.permute(0, 2, 3, 1)).float() * self.scale
-        probs = scores.masked_fill_(meta.padding, float("-inf")).softmax(dim=-1).to(q.dtype)
-        out = torch.matmul(probs, values.transpose(1, 2))  # [bs, kv, group, head_dim]
-        return out.reshape(bs, num_heads * head_dim)
+        # [kv, bs * max_len, d] -> [kv * bs, max_len, d]: contiguous, no transpose copies
+        keys = k_cache.index_select(1, flat).view(num_kv * bs, max_len, head_dim)
+        values = v_cache.index_select(1, flat).view(num_kv * bs, max_len, head_dim)
+        q = (q * self.scale).view(bs, num_kv, group, head_dim).transpose(0, 1)
+        scores = torch.bmm(q.reshape(num_kv * bs, group, head_dim), keys.transpose(1, 2))
+        scores = scores.view(num_kv, bs, group, max_len).masked_fill_(meta.padding, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.bmm(probs.view(num_kv * bs, group, max_len), values)
+        return out.view(num_kv, bs, group, head_dim).transpose(0, 1).reshape(bs, -1)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, segments: list[PrefillSegment]) -> torch.Tensor:
@@ -82,16 +85,17 @@ class TorchBackend(AttentionBackend):
                 continue
             qs = q[seg.start:seg.end].transpose(0, 1)
             if seg.locations is None:
-                ks, vs = k[seg.start:seg.end], v[seg.start:seg.end]
+                ks = k[seg.start:seg.end].transpose(0, 1)
+                vs = v[seg.start:seg.end].transpose(0, 1)
                 mask, causal = None, True
             else:
-                ks, vs = k_cache[seg.locations], v_cache[seg.locations]
+                ks = k_cache.index_select(1, seg.locations)
+                vs = v_cache.index_select(1, seg.locations)
                 new = seg.end - seg.start
                 query_pos = torch.arange(new, device=q.device)[:, None] + seg.cached_len
-                mask = torch.arange(ks.shape[0], device=q.device)[None, :] <= query_pos
+                mask = torch.arange(ks.shape[1], device=q.device)[None, :] <= query_pos
                 causal = False
-            o = F.scaled_dot_product_attention(
-                qs, ks.transpose(0, 1), vs.transpose(0, 1), attn_mask=mask, is_causal=causal,
-                scale=self.scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=causal,
+                                               scale=self.scale, enable_gqa=True)
             out[seg.start:seg.end] = o.transpose(0, 1).reshape(seg.end - seg.start, -1)
         return out

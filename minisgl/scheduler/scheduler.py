@@ -188,6 +188,8 @@ class Scheduler:
                         await self._wake.wait()
                     continue
                 self._drain_inbox()
+                if last is None and self.to_release:
+                    self._release_finished(None)
                 fwd, last = await self._schedule(last)
                 ongoing = self._launch(fwd) if fwd is not None else None
                 if last is not None:

@@ -226,6 +226,24 @@ def _url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
+async def listen(server: Server, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Serve `server` on host:port (0: a free port); returns the runner and the bound port."""
+    debug = server.args.log_level == "debug"
+    # NOTE: handler_cancellation makes a client that goes away cancel its handler, which
+    # aborts its requests (RequestManager.updates); aiohttp leaves it off by default.
+    runner = web.AppRunner(server.build_app(), handler_cancellation=True,
+                           shutdown_timeout=SHUTDOWN_GRACE_S,
+                           **({} if debug else {"access_log": None}))
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    return runner, site.port
+
+
 async def run_server(args: ServerArgs) -> None:
     started = time.perf_counter()
     logger.info("loading model %s (dtype %s, device %s)", args.model_path or "(bundled SmolLM2)",
@@ -235,28 +253,24 @@ async def run_server(args: ServerArgs) -> None:
                 time.perf_counter() - started)
     await manager.start()
     server = Server(args, manager)
-    debug = args.log_level == "debug"
-    runner = web.AppRunner(server.build_app(), handler_cancellation=True,
-                           shutdown_timeout=SHUTDOWN_GRACE_S,
-                           **({} if debug else {"access_log": None}))
-    await runner.setup()
-    site = web.TCPSite(runner, args.host, args.port)
     try:
-        await site.start()
-    except OSError as exc:
-        await runner.cleanup()
+        runner, port = await listen(server, args.host, args.port)
+    except ValueError:
         await manager.stop()
-        raise ValueError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}") from None
-
+        raise
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    print(f"minisgl ready: listening on {_url(args.host, site.port)}", flush=True)
+    print(f"minisgl ready: listening on {_url(args.host, port)}", flush=True)
     await stop.wait()
     logger.info("shutting down")
     await server.shutdown(runner)
     logger.info("stopped")
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def serve(args: ServerArgs) -> None:
@@ -267,7 +281,9 @@ def serve(args: ServerArgs) -> None:
         run: Callable[[Any], Any] = asyncio.run
     else:
         run = uvloop.run
+    # Until the loop takes the signals over (once the model is loaded), SIGTERM acts as Ctrl-C.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         run(run_server(args))
-    except KeyboardInterrupt:  # Ctrl-C while the model was still loading
-        logger.info("interrupted")
+    except KeyboardInterrupt:
+        logger.info("interrupted while loading")

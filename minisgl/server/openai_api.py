@@ -75,7 +75,7 @@ def refuse_unsupported(body: dict[str, Any]) -> None:
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         raise InvalidRequest("only response_format {\"type\": \"text\"} is supported")
     best_of = body.get("best_of")
-    if best_of is not None and best_of != body.get("n", 1):
+    if best_of is not None and best_of != (body.get("n") or 1):
         raise InvalidRequest("best_of other than n is not supported by minisgl")
 
 

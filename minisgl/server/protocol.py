@@ -106,8 +106,8 @@ class Prompt:
 
 
 def expand_n(prompts: list[Prompt]) -> list[list[Prompt]]:
-    """Each prompt becomes `params.n` requests (group i holds prompt i's samples). A seeded
-    prompt's sample j uses sampling_seed + j, so that the samples differ."""
+    """Each prompt becomes `params.n` requests (group i holds prompt i's samples). With n > 1,
+    sample j gets rid `{rid}-{j}` and, when seeded, sampling_seed + j (so the samples differ)."""
     groups = []
     for p in prompts:
         n = p.params.n
