@@ -40,7 +40,20 @@ def output_lens(args: argparse.Namespace, count: int) -> list[int]:
 
 
 def weight_bytes(llm: LLM) -> int:
-    return sum(p.numel() * p.element_size() for p in llm.manager.engine.model.parameters())
+    """Bytes of weights one decode step reads: every matmul weight (packed or plain) and the
+    norms; the embedding table is only gathered from, unless the LM head shares it."""
+    model = llm.manager.engine.model
+    total = 0
+    for module in model.modules():
+        packed = getattr(module, "packed", None)
+        weight = getattr(module, "weight", None)
+        if module is getattr(model, "embed_tokens", None):
+            continue
+        if packed is not None:
+            total += packed.numel() * packed.element_size()
+        elif isinstance(weight, torch.Tensor):
+            total += weight.numel() * weight.element_size()
+    return total
 
 
 def run_minisgl(prompts: list[list[int]], lens: list[int], concurrency: int, overlap: bool,

@@ -42,7 +42,16 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(vocab_size, hidden)
         if tied_to is not None:
             self.weight = tied_to.weight
+        self.packed: torch.Tensor | None = None
+
+    def prepack_for_cpu(self) -> None:
+        """See _Linear.prepack_for_cpu; the weight stays (the embedding may share it)."""
+        from minisgl.layers.linear import pack_weight
+        self.packed = pack_weight(self.weight.data)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = all_gather_last_dim(F.linear(hidden, self.weight))
-        return logits[..., : self.vocab_size]
+        if self.packed is not None:
+            local = torch.ops.mkldnn._linear_pointwise(hidden, self.packed, None, "none", [], "")
+        else:
+            local = F.linear(hidden, self.weight)
+        return all_gather_last_dim(local)[..., : self.vocab_size]
