@@ -1,4 +1,9 @@
-"""Tensor-parallel context: which rank this process is, and the collectives layers call."""
+"""Tensor parallelism.
+
+context: which rank this thread/process is, and the collectives layers call.
+worker: spawning, feeding, watching and stopping ranks 1..N-1 (and the worker process itself).
+shm_queue: the shared-memory ring that carries each step's inputs from rank 0 to a worker.
+"""
 
 from minisgl.distributed.context import (
     TPInfo,

@@ -1,5 +1,5 @@
 """The engine: model + device memory + one forward, run on an engine stream."""
 
-from minisgl.engine.engine import Engine, ForwardInput, ForwardOutput
+from minisgl.engine.engine import Engine, EngineFailed, ForwardInput, ForwardOutput, HostInputs
 
-__all__ = ["Engine", "ForwardInput", "ForwardOutput"]
+__all__ = ["Engine", "EngineFailed", "ForwardInput", "ForwardOutput", "HostInputs"]

@@ -15,6 +15,12 @@ from typing import Any, Callable
 
 import torch
 
+from minisgl.distributed.context import bind_thread, tp_context
+
+
+class EngineFailed(RuntimeError):
+    """A tensor-parallel rank died or a collective failed: the engine cannot run any more."""
+
 
 class Completion:
     """Awaitable result of a launched forward."""
@@ -25,27 +31,42 @@ class Completion:
     async def wait(self) -> Any:
         return await asyncio.wrap_future(self._future)
 
+    async def wait_unless(self, failure: asyncio.Future) -> Any:
+        """Like `wait`, but raise EngineFailed(failure's message) as soon as `failure`
+        completes: a forward stuck in a collective with a dead rank must not hold the loop."""
+        future = asyncio.wrap_future(self._future)
+        if not future.done():
+            await asyncio.wait((future, failure), return_when=asyncio.FIRST_COMPLETED)
+        if future.done():
+            return future.result()
+        future.cancel()  # NOTE: detaches us; the engine thread settles the forward on its own
+        raise EngineFailed(failure.result())
+
     def result(self) -> Any:
         return self._future.result()
 
 
 class CpuStream:
-    def __init__(self) -> None:
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="minisgl-engine")
+    def __init__(self, binding: tuple[Any, Any] | None = None) -> None:
+        """`binding`: (TPInfo, group) the engine thread's layers use (tp > 1)."""
+        extra = {"initializer": bind_thread, "initargs": binding} if binding else {}
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="minisgl-engine", **extra)
 
     def launch(self, fn: Callable[[], Any]) -> Completion:
         return Completion(self._pool.submit(_in_inference_mode, fn))
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+    def close(self, wait: bool = True) -> None:
+        self._pool.shutdown(wait=wait, cancel_futures=True)
 
 
 class CudaStream:
     """Runs `fn` now on the engine stream (it only enqueues kernels) and completes when its
     recorded event fires. A waiter thread blocks on events in launch order."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, binding: tuple[Any, Any] | None = None) -> None:
         self.stream = torch.cuda.Stream(device=device)
+        self._binding = binding
         self._events: queue.SimpleQueue[tuple[Any, Any, concurrent.futures.Future] | None]
         self._events = queue.SimpleQueue()
         self._waiter = threading.Thread(target=self._wait_events, daemon=True,
@@ -55,6 +76,12 @@ class CudaStream:
     def launch(self, fn: Callable[[], Any]) -> Completion:
         future: concurrent.futures.Future = concurrent.futures.Future()
         self.stream.wait_stream(torch.cuda.current_stream())
+        if self._binding is not None:  # fn runs on the caller's thread: bind it for the call
+            with tp_context(*self._binding):
+                return self._launch(fn, future)
+        return self._launch(fn, future)
+
+    def _launch(self, fn: Callable[[], Any], future: concurrent.futures.Future) -> Completion:
         with torch.cuda.stream(self.stream), torch.inference_mode():
             output = fn()
             event = torch.cuda.Event()
@@ -71,9 +98,9 @@ class CudaStream:
             except BaseException as exc:  # a device error surfaces in the awaiting task
                 future.set_exception(exc)
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         self._events.put(None)
-        self._waiter.join(timeout=5)
+        self._waiter.join(timeout=5 if wait else 0)
 
 
 def _in_inference_mode(fn: Callable[[], Any]) -> Any:
@@ -81,5 +108,15 @@ def _in_inference_mode(fn: Callable[[], Any]) -> Any:
         return fn()
 
 
-def create_stream(device: torch.device) -> CpuStream | CudaStream:
-    return CudaStream(device) if device.type == "cuda" else CpuStream()
+def create_stream(device: torch.device, binding: tuple[Any, Any] | None = None,
+                  wait: str = "thread") -> Any:
+    """`wait` (CUDA): "thread" completes forwards from a waiter thread, "poll" polls their
+    events from the event loop (minisgl.engine.cuda_events; bench_gpu.py events compares)."""
+    if device.type != "cuda":
+        return CpuStream(binding)
+    if wait == "poll":
+        from minisgl.engine.cuda_events import PollingCudaStream
+        return PollingCudaStream(device, binding)
+    if wait != "thread":
+        raise ValueError(f"unknown CUDA wait mode {wait!r} (thread or poll)")
+    return CudaStream(device, binding)

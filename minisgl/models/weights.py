@@ -117,14 +117,3 @@ def load_safetensors(model: nn.Module, path: Path) -> None:
     if unknown or missing:
         raise ValueError(f"checkpoint does not fit the model: unknown tensors {unknown[:5]}, "
                          f"parameters left unfilled {missing[:5]}")
-
-
-def init_dummy(model: nn.Module, seed: int = 0) -> None:
-    generator: torch.Generator | None = None
-    for name, param in model.named_parameters():
-        if generator is None:
-            generator = torch.Generator(device=param.device).manual_seed(seed)
-        if name.endswith("norm.weight"):
-            param.data.fill_(1.0)
-        else:
-            param.data.normal_(0.0, 0.02, generator=generator)

@@ -13,13 +13,12 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, Callable
 
 import torch
 
 from minisgl.core import Batch, InvalidRequest, Req, ReqStatus, SamplingParams
-from minisgl.engine import Engine, ForwardInput, ForwardOutput
+from minisgl.engine import Engine, EngineFailed, ForwardInput, ForwardOutput, HostInputs
 from minisgl.engine.stream import Completion
 from minisgl.kvcache import NaiveCache, RadixCache
 from minisgl.scheduler.cache import CacheManager, locations_for, pages_spanned
@@ -76,7 +75,9 @@ class Scheduler:
         ps = engine.page_size
         prefix_cache = NaiveCache(ps) if args.disable_radix_cache else RadixCache(ps)
         self.cache = CacheManager(engine.kv_pool.num_pages, ps, prefix_cache)
-        self.table = TableManager(engine.max_running, engine.page_table, engine.token_pool)
+        self.tp = engine.tp.size > 1
+        self.table = TableManager(engine.max_running, engine.page_table, engine.token_pool,
+                                  mirror=self.tp)
         self.decode = DecodeManager()
         self.prefill = PrefillManager(self.cache, self.table, self.decode, args.schedule_policy)
         self.context_len = engine.context_len
@@ -89,6 +90,7 @@ class Scheduler:
         self._wake: asyncio.Event | None = None
         self._stopping = False
         self._in_flight: InFlight | None = None
+        self._failure: asyncio.Future | None = None  # tp > 1: completes when a rank dies
 
     # ---- requests in -------------------------------------------------------------------------
 
@@ -179,8 +181,11 @@ class Scheduler:
         self._stopping = False
         last: InFlight | None = None
         overlap = not self.args.disable_overlap_schedule
+        on_failure = self._watch_engine() if self.tp else None
         try:
             while not self._stopping or last is not None:
+                if self._failure is not None and self._failure.done():
+                    raise EngineFailed(self._failure.result())
                 if last is None and not self.has_work():
                     self._on_idle()
                     self._wake.clear()
@@ -193,14 +198,20 @@ class Scheduler:
                 fwd, last = await self._schedule(last)
                 ongoing = self._launch(fwd) if fwd is not None else None
                 if last is not None:
-                    self._process(last, await last.completion.wait(), ongoing)
+                    self._process(last, await self._result(last), ongoing)
                 last = ongoing
                 if not overlap and last is not None:
-                    self._process(last, await last.completion.wait(), None)
+                    self._process(last, await self._result(last), None)
                     last = None
                 await asyncio.sleep(0)  # let handlers run between steps, even when saturated
+        except EngineFailed as exc:
+            last = None  # NOTE: never wait for a forward that may sit in a broken collective
+            self._fail_all(str(exc))
+            raise
         finally:
             self._in_flight = None
+            if on_failure is not None:
+                self.engine.remove_failure_listener(on_failure)
             if last is not None:
                 last.completion.result()
 
@@ -213,12 +224,51 @@ class Scheduler:
 
     def _launch(self, fwd: ForwardInput) -> InFlight:
         self.stats.batches += 1
-        flight = InFlight(fwd, self.engine.stream.launch(partial(self.engine.forward, fwd)))
+        flight = InFlight(fwd, self.engine.launch(fwd))
         self._in_flight = flight
         return flight
 
+    async def _result(self, flight: InFlight) -> ForwardOutput:
+        if self._failure is None:
+            return await flight.completion.wait()
+        return await flight.completion.wait_unless(self._failure)
+
     async def _drain(self, last: InFlight) -> None:
-        self._process(last, await last.completion.wait(), None)
+        self._process(last, await self._result(last), None)
+
+    # ---- tensor-parallel failure -------------------------------------------------------------
+
+    def _watch_engine(self) -> Callable[[str], None]:
+        """Complete `_failure` (and wake the loop) when a tensor-parallel rank dies."""
+        loop = asyncio.get_running_loop()
+        failure = self._failure = loop.create_future()
+        wake = self._wake
+
+        def settle(message: str) -> None:
+            if not failure.done():
+                failure.set_result(message)
+            if wake is not None:
+                wake.set()
+
+        def on_failure(message: str) -> None:  # monitor thread
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(settle, message)
+
+        self.engine.add_failure_listener(on_failure)
+        return on_failure
+
+    def _fail_all(self, message: str) -> None:
+        """The engine is gone: end every live request with an abort. Slots and pages are left
+        as they are; nothing can run on this engine any more."""
+        reason = {"type": "abort", "message": message}
+        outputs = []
+        for req in list(self.reqs.values()):
+            req.status, req.finish_reason = ReqStatus.FINISHED, reason
+            outputs.append(ReqOutput(req, None, True))
+        self.reqs.clear()
+        self._inbox.clear()
+        if outputs:
+            self.sink(outputs)
 
     # ---- scheduling --------------------------------------------------------------------------
 
@@ -299,6 +349,8 @@ class Scheduler:
                       input_positions=positions.to(device, non_blocking=True),
                       out_loc=locations.to(device, non_blocking=True),
                       seq_lens=ends, extend_lens=counts, cached_lens=starts, table_rows=rows)
+        if self.engine.graph_runner is not None:  # NOTE: decode only; dummy rows, dummy page
+            self.engine.graph_runner.pad_batch(batch)
         self.engine.attn_backend.prepare_metadata(batch)
         sample_args = self.engine.sampler.prepare(
             reqs, prompt_lens=[len(r.prompt_ids) for r in reqs],
@@ -314,9 +366,14 @@ class Scheduler:
                 req.device_len = ends[i] + 1
                 if phase == "prefill":
                     self.decode.add(req)
+        host = None
+        if self.tp:  # what ranks 1..N-1 need: host copies and the table writes since last step
+            host = HostInputs(positions, locations, load, write,
+                              None if phase == "decode" else counts_t.cumsum(0) - 1,
+                              *self.table.take_log())
         return ForwardInput(batch=batch, load_indices=load.to(device, non_blocking=True),
                             write_indices=write.to(device, non_blocking=True),
-                            logit_rows=logit_rows, sample_args=sample_args)
+                            logit_rows=logit_rows, sample_args=sample_args, host=host)
 
     # ---- results -----------------------------------------------------------------------------
 

@@ -40,6 +40,7 @@ from minisgl.server_args import ServerArgs
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 5.0  # for aborted requests to deliver their last chunk
+FAILURE_GRACE_S = 2.0  # after an engine failure, answer 503 this long before exiting
 HEALTH_GENERATE_TIMEOUT_S = 60.0
 OPEN_PATHS = frozenset({"/health"})  # reachable without the API key
 
@@ -263,10 +264,20 @@ async def run_server(args: ServerArgs) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     print(f"minisgl ready: listening on {_url(args.host, port)}", flush=True)
-    await stop.wait()
+    failed = asyncio.ensure_future(manager.wait_failed())
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({failed, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    if failed.done():
+        logger.error("the engine failed (%s); exiting", failed.result())
+        server.shutting_down = True  # /health answers 503 while probes notice
+        await asyncio.wait({stopped}, timeout=FAILURE_GRACE_S)
+    failed.cancel()
+    stopped.cancel()
     logger.info("shutting down")
-    await server.shutdown(runner)
+    await server.shutdown(runner)  # manager.stop: TP workers stopped, shared memory unlinked
     logger.info("stopped")
+    if manager.failed is not None:
+        raise SystemExit(1)
 
 
 def _interrupt(signum: int, frame: Any) -> None:

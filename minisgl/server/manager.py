@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from minisgl.core import InvalidRequest, SamplingParams
-from minisgl.engine import Engine
+from minisgl.engine import Engine, EngineFailed
 from minisgl.scheduler import ReqOutput, Scheduler
 from minisgl.server.detokenizer import DecodeState, IncrementalDetokenizer
 from minisgl.server.metrics import Metrics
@@ -86,7 +86,29 @@ class RequestManager:
 
     @property
     def running(self) -> bool:
-        return bool(self._tasks) and not any(t.done() for t in self._tasks)
+        return (bool(self._tasks) and not any(t.done() for t in self._tasks)
+                and self.engine.failed is None)
+
+    @property
+    def failed(self) -> str | None:
+        """Why the engine cannot serve any more (a tensor-parallel rank died), else None."""
+        return self.engine.failed
+
+    async def wait_failed(self) -> str:
+        """Returns the reason once the engine has failed (never returns on tp 1). The HTTP
+        server races this against its stop signal, answers /health with 503, then exits."""
+        loop = asyncio.get_running_loop()
+        failed: asyncio.Future[str] = loop.create_future()
+
+        def on_failure(message: str) -> None:  # monitor thread
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(lambda: failed.done() or failed.set_result(message))
+
+        self.engine.add_failure_listener(on_failure)
+        try:
+            return await failed
+        finally:
+            self.engine.remove_failure_listener(on_failure)
 
     async def start(self) -> None:
         self._outbox = asyncio.Queue()
@@ -113,17 +135,23 @@ class RequestManager:
         if self._stopping:
             return
         exc = None if task.cancelled() else task.exception()
-        logger.error("%s ended unexpectedly", task.get_name(), exc_info=exc)
+        if isinstance(exc, EngineFailed):  # a tensor-parallel rank died: say which, no trace
+            logger.error("%s stopped: %s", task.get_name(), exc)
+            message = str(exc)
+        else:
+            logger.error("%s ended unexpectedly", task.get_name(), exc_info=exc)
+            message = f"internal error: the server's {task.get_name()} task stopped"
         now = time.perf_counter()
         for handle in list(self.handles.values()):
-            self._close(handle, {"type": "abort", "message": "internal error: the server's "
-                                 f"{task.get_name()} task stopped"}, now)
+            self._close(handle, {"type": "abort", "message": message}, now)
             handle.changed.set()
 
     # ---- requests ----------------------------------------------------------------------------
 
     def submit(self, input_ids: list[int], params: SamplingParams, rid: str | None = None,
                logprob_num: int = -1) -> ReqHandle:
+        if self.engine.failed is not None:
+            raise EngineFailed(self.engine.failed)
         if params.stop_strings and self.detokenizer is None:
             raise InvalidRequest("stop strings need a tokenizer, and this model has none")
         if rid is not None and rid in self.handles:

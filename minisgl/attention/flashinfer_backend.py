@@ -1,0 +1,260 @@
+"""FlashInfer paged attention (CUDA): prefill of ragged new tokens over the paged KV cache
+(cached prefix included) and decode, eager or inside CUDA graphs.
+
+KV layout. The pool keeps each layer's K (and V) head-major, [kv_heads, locations, head_dim],
+page p owning locations [p * page_size, (p + 1) * page_size). That is *not* the memory of a
+contiguous HND cache ([pages, kv_heads, page_size, head_dim]), but it is the same tensor seen
+through other strides: view it as [kv_heads, pages, page_size, head_dim] and permute to
+[pages, kv_heads, page_size, head_dim]; the strides become (page_size * head_dim,
+locations * head_dim, head_dim, 1). FlashInfer's paged kernels address K/V through
+`paged_kv_t`, whose stride_page / stride_h / stride_n come from the cache tensor's strides
+(K and V must have identical strides, which they do), so the pool needs no copy and no change.
+We pin the "fa2" kernels, which all use `paged_kv_t`; the Hopper "fa3" prefill is not used.
+
+When plan() runs. A wrapper's plan() writes device buffers (indptr, indices, last_page_len, the
+int workspace copied from a pinned host buffer) on the *current* stream and never waits. In the
+overlap loop batch N+1 is scheduled while batch N still runs on the engine stream, so planning
+in `prepare_metadata` (scheduler side) would overwrite buffers batch N is reading. Hence:
+`prepare_metadata` builds only small host arrays; `plan` runs on the engine stream when the
+forward starts (lazily at the first attention call, or from GraphRunner before a replay), so it
+is stream-ordered after batch N. Page ids are gathered from the device page table there too
+(`page_indices`): only O(batch) integers cross PCIe per step, and nothing synchronises.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from minisgl.attention.base import AttentionBackend
+from minisgl.core import Batch
+
+if TYPE_CHECKING:
+    from minisgl.kvcache import KVPool
+
+FLOAT_WORKSPACE_BYTES = 128 * 1024 * 1024  # split-kv partial results (FlashInfer's advice)
+INT_WORKSPACE_BYTES = 8 * 1024 * 1024  # plan info; shared by every wrapper (plans are ordered)
+OPTIONS = ("num_qo_heads", "use_tensor_cores", "workspace_bytes")
+
+
+@dataclass
+class PagedMetadata:
+    """One batch as FlashInfer wants it. Host tensors (pinned on CUDA); built by
+    `prepare_metadata`, turned into device state by `FlashInferBackend.plan`."""
+
+    is_decode: bool
+    batch_size: int  # rows, padding rows included
+    num_pages: int  # kv_indptr[-1]: page ids over the whole batch
+    kv_indptr: torch.Tensor  # [B + 1] int32: request b owns page ids [kv_indptr[b], kv_indptr[b+1])
+    last_page_len: torch.Tensor  # [B] int32, in [1, page_size]
+    qo_indptr: torch.Tensor | None  # [B + 1] int32 over the new tokens; None for decode
+    gather: torch.Tensor  # [2, B] int64: (flat page_table offset of page 0 minus kv_indptr[b] *
+    #                       page_size, page count) -> see page_indices
+    wrapper: Any = None  # the planned wrapper, set by plan()
+    indices: torch.Tensor | None = None  # device page ids, kept alive while the batch runs
+
+
+def build_paged_metadata(table_rows: list[int], seq_lens: list[int], extend_lens: list[int],
+                         page_size: int, context_len: int, is_decode: bool,
+                         pin: bool = False) -> PagedMetadata:
+    """Host-side FlashInfer arrays for requests in page_table rows `table_rows`, each attending
+    over positions [0, seq_len) of which the last extend_len are new. Pure torch on the CPU."""
+    seq = torch.tensor(seq_lens, dtype=torch.int64)
+    pages = (seq + page_size - 1) // page_size
+    kv_indptr = torch.zeros(len(seq_lens) + 1, dtype=torch.int64)
+    torch.cumsum(pages, 0, out=kv_indptr[1:])
+    last = seq - (pages - 1) * page_size
+    rows = torch.tensor(table_rows, dtype=torch.int64)
+    # NOTE: page k of request b sits at page_table[row_b, k * page_size] (positions keep their
+    # offset within a page), i.e. flat offset row_b * context_len + k * page_size.
+    gather = torch.stack((rows * context_len - kv_indptr[:-1] * page_size, pages))
+    qo_indptr = None
+    if not is_decode:
+        qo_indptr = torch.zeros(len(extend_lens) + 1, dtype=torch.int64)
+        torch.cumsum(torch.tensor(extend_lens, dtype=torch.int64), 0, out=qo_indptr[1:])
+        qo_indptr = qo_indptr.to(torch.int32)
+    meta = PagedMetadata(is_decode=is_decode, batch_size=len(seq_lens),
+                         num_pages=int(kv_indptr[-1]), kv_indptr=kv_indptr.to(torch.int32),
+                         last_page_len=last.to(torch.int32), qo_indptr=qo_indptr, gather=gather)
+    if pin:
+        meta.kv_indptr = meta.kv_indptr.pin_memory()
+        meta.last_page_len = meta.last_page_len.pin_memory()
+        meta.gather = meta.gather.pin_memory()
+        if meta.qo_indptr is not None:
+            meta.qo_indptr = meta.qo_indptr.pin_memory()
+    return meta
+
+
+def page_indices(page_table: torch.Tensor, gather: torch.Tensor, num_pages: int,
+                 page_size: int) -> torch.Tensor:
+    """Page ids [num_pages] int32 of a batch, request after request, read from `page_table`
+    (per-token locations) on its device. `gather` is PagedMetadata.gather on that device. No
+    host sync: the output size is given."""
+    base = torch.repeat_interleave(gather[0], gather[1], output_size=num_pages)
+    flat = base + torch.arange(num_pages, device=page_table.device) * page_size
+    locations = page_table.view(-1).index_select(0, flat)
+    if page_size == 1:
+        return locations
+    return torch.div(locations, page_size, rounding_mode="floor")
+
+
+def paged_view(cache: torch.Tensor, page_size: int) -> torch.Tensor:
+    """[kv_heads, locations, head_dim] -> strided HND view [pages, kv_heads, page_size, head_dim]
+    of the same memory: view[p, h, e] is cache[h, p * page_size + e]."""
+    heads, locations, head_dim = cache.shape
+    return cache.view(heads, locations // page_size, page_size, head_dim).permute(1, 0, 2, 3)
+
+
+class FlashInferBackend(AttentionBackend):
+    """Options: `num_qo_heads` (query heads on this rank; else taken from the first forward),
+    `use_tensor_cores` (decode; default: GQA group >= 4), `workspace_bytes` (float workspace)."""
+
+    def __init__(self, kv_pool: KVPool, page_table: torch.Tensor, scale: float,
+                 **options: Any) -> None:
+        super().__init__(kv_pool, page_table, scale)
+        unknown = sorted(set(options) - set(OPTIONS))
+        if unknown:
+            raise ValueError(f"unknown flashinfer backend option(s): {', '.join(unknown)}")
+        try:
+            import flashinfer
+        except ImportError as exc:
+            raise ImportError(
+                "--attention-backend flashinfer needs the FlashInfer package: "
+                "pip install minisgl[gpu] (or use --attention-backend torch)") from exc
+        self._flashinfer = flashinfer
+        buffer = kv_pool.buffer  # [2, layers, kv_heads, locations, head_dim]
+        if buffer.device.type != "cuda":
+            raise ValueError("the flashinfer backend needs the KV pool on a CUDA device")
+        if buffer.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"flashinfer attention runs in float16/bfloat16, not {buffer.dtype}; "
+                             "use --dtype bfloat16 or --attention-backend torch")
+        self.device, self.dtype = buffer.device, buffer.dtype
+        self.page_size = kv_pool.page_size
+        self.num_layers, self.num_kv_heads, self.head_dim = (
+            buffer.shape[1], buffer.shape[2], buffer.shape[4])
+        self.context_len = page_table.shape[1]
+        self.num_qo_heads: int | None = options.get("num_qo_heads")
+        self._tensor_cores: bool | None = options.get("use_tensor_cores")
+        self.float_workspace = torch.zeros(options.get("workspace_bytes", FLOAT_WORKSPACE_BYTES),
+                                           dtype=torch.uint8, device=self.device)
+        self.int_workspace = torch.zeros(INT_WORKSPACE_BYTES, dtype=torch.uint8,
+                                         device=self.device)
+        self.paged = [tuple(paged_view(c, self.page_size) for c in kv_pool.layer(i))
+                      for i in range(self.num_layers)]
+        self.prefill_wrapper = self._wrapper(flashinfer.BatchPrefillWithPagedKVCacheWrapper)
+        self.decode_wrapper: Any = None  # made at the first decode: needs num_qo_heads
+        self.graph_wrappers: dict[int, Any] = {}
+        self._plan_done: dict[int, torch.cuda.Event] = {}  # id(wrapper) -> its last plan
+        self._graph_buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    # ---- wrappers ----------------------------------------------------------------------------
+
+    def _wrapper(self, cls: Any, **kwargs: Any) -> Any:
+        try:  # NOTE: fa2 kernels address K/V through paged_kv_t strides (see module doc)
+            wrapper = cls(self.float_workspace, "HND", backend="fa2", **kwargs)
+        except TypeError:  # a FlashInfer without the `backend` argument: fa2 is all it has
+            wrapper = cls(self.float_workspace, "HND", **kwargs)
+        # NOTE: one int workspace for all: every plan and run is ordered on the engine stream.
+        wrapper.reset_workspace_buffer(self.float_workspace, self.int_workspace)
+        return wrapper
+
+    @property
+    def use_tensor_cores(self) -> bool:
+        if self._tensor_cores is None:
+            assert self.num_qo_heads is not None
+            self._tensor_cores = self.num_qo_heads // self.num_kv_heads >= 4
+        return self._tensor_cores
+
+    def _decode_wrapper(self) -> Any:
+        if self.decode_wrapper is None:
+            self.decode_wrapper = self._wrapper(
+                self._flashinfer.BatchDecodeWithPagedKVCacheWrapper,
+                use_tensor_cores=self.use_tensor_cores)
+        return self.decode_wrapper
+
+    # ---- metadata and plan -------------------------------------------------------------------
+
+    def prepare_metadata(self, batch: Batch) -> None:
+        batch.attn_metadata = build_paged_metadata(
+            batch.table_rows, batch.seq_lens, batch.extend_lens, self.page_size,
+            self.context_len, batch.is_decode, pin=True)
+
+    def plan(self, batch: Batch, graph_bs: int | None = None) -> None:
+        """Plan `batch` on the current stream (the engine stream): with the eager prefill or
+        decode wrapper, or with the CUDA-graph decode wrapper captured for `graph_bs` rows."""
+        meta: PagedMetadata = batch.attn_metadata
+        if self.num_qo_heads is None:
+            raise RuntimeError("flashinfer: num_qo_heads is unknown before the first forward")
+        if graph_bs is not None:
+            if meta.batch_size != graph_bs or not meta.is_decode:
+                raise ValueError(f"a {meta.batch_size}-row batch cannot replay the graph "
+                                 f"captured for {graph_bs} decode rows")
+            wrapper = self.graph_wrappers[graph_bs]
+        else:
+            wrapper = self._decode_wrapper() if meta.is_decode else self.prefill_wrapper
+        # NOTE: plan() refills this wrapper's pinned host buffer before its async copy; the
+        # previous copy from it was queued a step ago and has all but surely finished.
+        done = self._plan_done.get(id(wrapper))
+        if done is not None and not done.query():
+            done.synchronize()
+        gather = meta.gather.to(self.device, non_blocking=True)
+        indices = page_indices(self.page_table, gather, meta.num_pages, self.page_size)
+        common = dict(sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.dtype,
+                      non_blocking=True)
+        if meta.is_decode:
+            wrapper.plan(meta.kv_indptr, indices, meta.last_page_len, self.num_qo_heads,
+                         self.num_kv_heads, self.head_dim, self.page_size,
+                         pos_encoding_mode="NONE", **common)
+        else:
+            wrapper.plan(meta.qo_indptr, meta.kv_indptr, indices, meta.last_page_len,
+                         self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size,
+                         causal=True, **common)
+        if done is None:
+            done = self._plan_done[id(wrapper)] = torch.cuda.Event()
+        done.record()
+        meta.wrapper, meta.indices = wrapper, indices
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                batch: Batch) -> torch.Tensor:
+        k_cache, v_cache = self.kv_pool.layer(layer_id)
+        k_cache.index_copy_(1, batch.out_loc, k.transpose(0, 1))
+        v_cache.index_copy_(1, batch.out_loc, v.transpose(0, 1))
+        meta: PagedMetadata = batch.attn_metadata
+        if meta.wrapper is None:  # eager: plan once per batch, at its first attention layer
+            if self.num_qo_heads is None:
+                self.num_qo_heads = q.shape[1]
+            self.plan(batch)
+        out = meta.wrapper.run(q, self.paged[layer_id])
+        return out.view(q.shape[0], -1)
+
+    # ---- CUDA graphs (used by minisgl.engine.graph.GraphRunner) ------------------------------
+
+    def init_graphs(self, max_bs: int) -> None:
+        """Static indptr / indices / last_page_len buffers, shared by every captured size (one
+        graph replays at a time, each after its own plan)."""
+        max_pages = max_bs * (-(-self.context_len // self.page_size))
+        self._graph_buffers = (
+            torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device),
+            torch.zeros(max(max_pages, 1), dtype=torch.int32, device=self.device),
+            torch.ones(max_bs, dtype=torch.int32, device=self.device))
+
+    def prepare_capture(self, batch: Batch, bs: int) -> None:
+        """Make the graph wrapper for `bs` rows and plan the (dummy) capture batch with it."""
+        if self._graph_buffers is None:
+            raise RuntimeError("call init_graphs before capturing")
+        if bs not in self.graph_wrappers:
+            indptr, indices, last = self._graph_buffers
+            self.graph_wrappers[bs] = self._wrapper(
+                self._flashinfer.BatchDecodeWithPagedKVCacheWrapper,
+                use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores,
+                paged_kv_indptr_buffer=indptr[: bs + 1], paged_kv_indices_buffer=indices,
+                paged_kv_last_page_len_buffer=last[:bs])
+        self.prepare_metadata(batch)
+        self.plan(batch, graph_bs=bs)
+
+    def prepare_replay(self, batch: Batch, bs: int) -> None:
+        """Before replaying the graph for `bs` rows: plan `batch` (already padded to `bs` and
+        given its metadata by `prepare_metadata`) into that graph's wrapper."""
+        self.plan(batch, graph_bs=bs)

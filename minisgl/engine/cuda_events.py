@@ -1,0 +1,192 @@
+"""Awaiting a CUDA event by polling it from the event loop, and a benchmark against the waiter
+thread of `minisgl.engine.stream.CudaStream`.
+
+Two ways for the scheduler task to learn that a forward's host copy is done:
+
+- waiter thread (CudaStream): a thread blocks in `event.synchronize()` (no GIL held), then
+  completes a future; the loop wakes through its self-pipe. Costs a thread hop and two
+  wake-ups per step, and the blocked thread spins a core under the default CUDA device flags.
+- polling (PollingCudaStream here): the awaiting coroutine calls `event.query()` (~1 us, no
+  sync) and yields with `asyncio.sleep(0)` while the event is young, then backs off to short
+  sleeps. No thread, no cross-thread wake-up; it costs loop iterations while it waits, and
+  once sleeping its latency is bounded by the loop's timer resolution (about 1 ms on epoll).
+
+`benchmark_waiters` measures both against a blocking `event.synchronize()` on the loop thread
+(the latency floor): latency overhead, CPU time per wait, and how much other coroutine work the
+loop still does meanwhile. `python scripts/bench_gpu.py events` runs it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+
+from minisgl.engine.stream import CudaStream, EngineFailed
+
+SPIN_SECONDS = 2e-3  # poll every loop iteration for this long ...
+MAX_SLEEP_SECONDS = 1e-3  # ... then sleep between polls, doubling up to this
+
+
+async def wait_event(event: Any, spin_s: float = SPIN_SECONDS,
+                     max_sleep_s: float = MAX_SLEEP_SECONDS,
+                     failure: asyncio.Future | None = None) -> int:
+    """Return once `event.query()` is true; the number of polls it took. Raises EngineFailed
+    if `failure` completes first (see Completion.wait_unless)."""
+    polls, delay = 0, 5e-5
+    started = time.perf_counter()
+    while not event.query():
+        if failure is not None and failure.done():
+            raise EngineFailed(failure.result())
+        polls += 1
+        if time.perf_counter() - started < spin_s:
+            await asyncio.sleep(0)
+        else:
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, max_sleep_s)
+    return polls
+
+
+class PolledCompletion:
+    """Same interface as stream.Completion, completed by polling the recorded event."""
+
+    def __init__(self, event: torch.cuda.Event, output: Any, spin_s: float,
+                 max_sleep_s: float) -> None:
+        self._event, self._output = event, output
+        self._spin_s, self._max_sleep_s = spin_s, max_sleep_s
+
+    def done(self) -> bool:
+        return self._event.query()
+
+    async def wait(self) -> Any:
+        await wait_event(self._event, self._spin_s, self._max_sleep_s)
+        return self._output
+
+    async def wait_unless(self, failure: asyncio.Future) -> Any:
+        await wait_event(self._event, self._spin_s, self._max_sleep_s, failure)
+        return self._output
+
+    def result(self) -> Any:
+        self._event.synchronize()
+        return self._output
+
+
+class PollingCudaStream:
+    """Drop-in for CudaStream: `fn` is enqueued on the engine stream at once; the returned
+    completion polls the event recorded after it. No thread."""
+
+    def __init__(self, device: torch.device, binding: tuple[Any, Any] | None = None,
+                 spin_s: float = SPIN_SECONDS, max_sleep_s: float = MAX_SLEEP_SECONDS) -> None:
+        self.stream = torch.cuda.Stream(device=device)
+        self._binding = binding
+        self._spin_s, self._max_sleep_s = spin_s, max_sleep_s
+
+    def launch(self, fn: Callable[[], Any]) -> PolledCompletion:
+        self.stream.wait_stream(torch.cuda.current_stream())
+        if self._binding is not None:
+            from minisgl.distributed.context import tp_context
+            with tp_context(*self._binding):
+                return self._launch(fn)
+        return self._launch(fn)
+
+    def _launch(self, fn: Callable[[], Any]) -> PolledCompletion:
+        with torch.cuda.stream(self.stream), torch.inference_mode():
+            output = fn()
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return PolledCompletion(event, output, self._spin_s, self._max_sleep_s)
+
+    def close(self, wait: bool = True) -> None:
+        pass
+
+
+# ---- benchmark (CUDA only) -----------------------------------------------------------------
+
+def _cycles_per_ms(device: torch.device) -> float:
+    """Calibrate torch.cuda._sleep (a spin kernel of N clock cycles) against CUDA events."""
+    with torch.cuda.device(device):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1_000_000)  # warm-up
+        start.record()
+        torch.cuda._sleep(50_000_000)
+        end.record()
+        end.synchronize()
+        return 50_000_000 / start.elapsed_time(end)
+
+
+async def _measure(mode: str, device: torch.device, cycles: int, iters: int,
+                   busy_us: float) -> dict[str, Any]:
+    stream: Any = None
+    if mode == "thread":
+        stream = CudaStream(device)
+    elif mode == "poll":
+        stream = PollingCudaStream(device)
+    else:
+        side = torch.cuda.Stream(device=device)
+    ticks, stop = 0, False
+
+    async def background() -> None:  # other coroutines' work: busy_us of Python, then yield
+        nonlocal ticks
+        while not stop:
+            end = time.perf_counter() + busy_us * 1e-6
+            while time.perf_counter() < end:
+                pass
+            ticks += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(background()) if busy_us > 0 else None
+    await asyncio.sleep(0)
+    latencies = []
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    try:
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            if mode == "sync":
+                with torch.cuda.stream(side):
+                    torch.cuda._sleep(cycles)
+                    event = torch.cuda.Event()
+                    event.record(side)
+                event.synchronize()  # blocks the loop: the latency floor
+            else:
+                await stream.launch(lambda: torch.cuda._sleep(cycles)).wait()
+            latencies.append(time.perf_counter() - t0)
+            await asyncio.sleep(0)
+    finally:
+        cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+        stop = True
+        if task is not None:
+            await task
+        if mode == "thread":
+            stream.close()
+    latencies.sort()
+    return {"mode": mode, "median_ms": statistics.median(latencies) * 1e3,
+            "p90_ms": latencies[int(0.9 * (len(latencies) - 1))] * 1e3,
+            "cpu_ms_per_wait": cpu / iters * 1e3,
+            "background_ticks_per_s": ticks / wall if busy_us > 0 else None}
+
+
+def benchmark_waiters(device: torch.device | str | None = None,
+                      durations_ms: tuple[float, ...] = (0.2, 1.0, 5.0, 20.0), iters: int = 50,
+                      busy_us: float = 0.0) -> list[dict[str, Any]]:
+    """For each GPU step duration: blocking sync (floor), waiter thread and polling. Rows have
+    median/p90 latency from launch to the coroutine resuming, overhead over the floor, process
+    CPU time per wait (all threads) and, with busy_us > 0, the background coroutine's ticks/s
+    (a busy loop: how much scheduler/handler work still gets done while waiting)."""
+    device = torch.device(device or "cuda")
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise RuntimeError("benchmark_waiters needs a CUDA device")
+    per_ms = _cycles_per_ms(device)
+    rows = []
+    for duration in durations_ms:
+        cycles = int(per_ms * duration)
+        floor = None
+        for mode in ("sync", "thread", "poll"):
+            row = asyncio.run(_measure(mode, device, cycles, iters, busy_us))
+            floor = row["median_ms"] if mode == "sync" else floor
+            row.update(gpu_ms=duration, busy_us=busy_us,
+                       overhead_us=(row["median_ms"] - floor) * 1e3)
+            rows.append(row)
+    return rows

@@ -1,0 +1,170 @@
+"""CUDA graphs for decode: one graph per padded batch size, replayed instead of the eager model.
+
+A decode step of a small model is a few hundred tiny kernels; launching them one by one costs
+more host time than the GPU spends on them. Each size in `graph_batch_sizes` is captured once,
+largest first, into one shared memory pool; a decode batch of size n runs the graph of the
+smallest captured size >= n, the extra rows being dummy requests:
+
+- a dummy row reads page_table[dummy_row] (every entry is the dummy location) with seq_len 1,
+  and writes its K/V to the dummy location, so it never touches a real request's KV;
+- its logits are computed and ignored: callers sample `logits[:batch.size]` only.
+
+What the graphs read from outside is fixed memory: the static input_ids / positions / out_loc
+buffers here, the KV pool, and the attention backend's per-size metadata buffers, which
+`prepare_replay` refills (on the engine stream) before each replay. Prefill batches, batches
+larger than the largest size, and models whose backend cannot be captured run eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from minisgl.core import Batch, Req, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+GRAPH_PROTOCOL = ("init_graphs", "prepare_capture", "prepare_replay")
+
+
+def graph_batch_sizes(max_bs: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 8 up to max_bs (and max_bs itself)."""
+    if max_bs < 1:
+        return []
+    sizes = {b for b in (1, 2, 4, 8) if b <= max_bs} | set(range(16, max_bs + 1, 8))
+    sizes.add(max_bs)
+    return sorted(sizes)
+
+
+def supports_graphs(backend: Any) -> bool:
+    """The torch backend shapes its decode by the longest sequence: it cannot be captured."""
+    return all(callable(getattr(backend, name, None)) for name in GRAPH_PROTOCOL)
+
+
+def _pad_to(x: torch.Tensor, size: int, value: int) -> torch.Tensor:
+    return x if x.numel() >= size else F.pad(x, (0, size - x.numel()), value=value)
+
+
+class GraphRunner:
+    """`model(input_ids, positions, batch, backend, logit_rows) -> logits` captured at decode
+    sizes up to `max_bs`. Create, then `capture()` (before serving: capture is global to the
+    device), then per step `pad_batch` (scheduler, before prepare_metadata) and `replay`."""
+
+    def __init__(self, model: Callable[..., torch.Tensor], backend: Any, *, max_bs: int,
+                 dummy_row: int, dummy_loc: int, device: torch.device) -> None:
+        if not supports_graphs(backend):
+            raise ValueError(f"{type(backend).__name__} cannot run in CUDA graphs")
+        self.model, self.backend, self.device = model, backend, torch.device(device)
+        self.batch_sizes = graph_batch_sizes(max_bs)
+        self.max_bs = self.batch_sizes[-1] if self.batch_sizes else 0
+        self.dummy_row, self.dummy_loc = dummy_row, dummy_loc
+        # NOTE: padding rows share this one request; it is never scheduled, sampled or freed.
+        self.dummy_req = Req(uid=-1, rid="minisgl-graph-padding", prompt_ids=[0],
+                             params=SamplingParams(), max_device_len=1, table_idx=dummy_row,
+                             cached_len=0, device_len=1)
+        n = max(self.max_bs, 1)
+        self.input_ids = torch.zeros(n, dtype=torch.int32, device=self.device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=self.device)
+        self.out_loc = torch.full((n,), dummy_loc, dtype=torch.int64, device=self.device)
+        self.logits: torch.Tensor | None = None  # [max_bs, vocab], written by every graph
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool: Any = None
+        self.capture_seconds = 0.0
+
+    # ---- capture -----------------------------------------------------------------------------
+
+    def _dummy_batch(self, bs: int) -> Batch:
+        self.out_loc[:bs].fill_(self.dummy_loc)
+        self.positions[:bs].zero_()
+        return Batch(reqs=[], phase="decode", padded_reqs=[self.dummy_req] * bs, last_chunk=[],
+                     input_positions=self.positions[:bs], out_loc=self.out_loc[:bs],
+                     seq_lens=[1] * bs, extend_lens=[1] * bs, cached_lens=[0] * bs,
+                     table_rows=[self.dummy_row] * bs)
+
+    def _run(self, batch: Batch, bs: int) -> torch.Tensor:
+        return self.model(self.input_ids[:bs], self.positions[:bs], batch, self.backend, None)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        if not self.batch_sizes:
+            return
+        started = time.perf_counter()
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        self.backend.init_graphs(self.max_bs)
+        stream = torch.cuda.Stream(device=self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            # An eager step first: compiles/loads kernels, tells the backend its head count,
+            # and gives the logits' vocabulary and dtype.
+            warm = self._dummy_batch(self.max_bs)
+            self.backend.prepare_metadata(warm)
+            self.logits = torch.empty_like(self._run(warm, self.max_bs))
+        self.pool = torch.cuda.graph_pool_handle()
+        for bs in reversed(self.batch_sizes):  # NOTE: largest first, so smaller ones reuse its pool
+            with torch.cuda.stream(stream):
+                batch = self._dummy_batch(bs)
+                self.backend.prepare_capture(batch, bs)
+                for _ in range(2):
+                    self._run(batch, bs)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                self.logits[:bs].copy_(self._run(batch, bs))
+            self.graphs[bs] = graph
+        torch.cuda.synchronize(self.device)
+        self.capture_seconds = time.perf_counter() - started
+        used = free_before - torch.cuda.mem_get_info(self.device)[0]
+        logger.info("CUDA graphs: %d decode sizes up to %d captured in %.1f s (%.0f MiB)",
+                    len(self.graphs), self.max_bs, self.capture_seconds, used / 2**20)
+
+    # ---- per step ----------------------------------------------------------------------------
+
+    def graph_size(self, batch: Batch) -> int | None:
+        """The captured size this batch runs at, or None (eager)."""
+        if not self.graphs or not batch.is_decode or batch.size > self.max_bs:
+            return None
+        return next(b for b in self.batch_sizes if b >= batch.size)
+
+    def pad_batch(self, batch: Batch) -> int:
+        """Pad a decode batch to its graph size with the dummy request: padded_reqs, table_rows
+        (dummy_row), seq_lens (1), cached_lens (0), extend_lens (1), input_positions (0) and
+        out_loc (the dummy location). Returns the padding rows. Pads *to* the size, so it is a
+        no-op on fields already padded (a tensor-parallel worker rebuilds its batch from rank
+        0's padded lists but unpadded positions). Call before `prepare_metadata`."""
+        bs = self.graph_size(batch)
+        if bs is None:
+            return 0
+        batch.padded_reqs = list(batch.padded_reqs) + [self.dummy_req] * (
+            bs - len(batch.padded_reqs))
+        for name, value in (("table_rows", self.dummy_row), ("seq_lens", 1),
+                            ("cached_lens", 0), ("extend_lens", 1)):
+            values = getattr(batch, name)
+            setattr(batch, name, list(values) + [value] * (bs - len(values)))
+        batch.input_positions = _pad_to(batch.input_positions, bs, 0)
+        batch.out_loc = _pad_to(batch.out_loc, bs, self.dummy_loc)
+        return bs - batch.size
+
+    def can_run(self, batch: Batch) -> bool:
+        bs = batch.padded_size
+        return (batch.is_decode and bs in self.graphs and self.graph_size(batch) == bs
+                and len(batch.table_rows) == bs and batch.out_loc.numel() == bs
+                and batch.input_positions.numel() == bs)
+
+    def replay(self, batch: Batch, input_ids: torch.Tensor, positions: torch.Tensor
+               ) -> torch.Tensor:
+        """Logits [batch.size, vocab] of a padded decode batch (`can_run`), on the current
+        stream. `input_ids` may hold the real rows only: padding rows keep stale, valid ids."""
+        bs = batch.padded_size
+        assert self.logits is not None
+        self.input_ids[: input_ids.numel()].copy_(input_ids, non_blocking=True)
+        self.positions[:bs].copy_(positions, non_blocking=True)
+        self.out_loc[:bs].copy_(batch.out_loc, non_blocking=True)
+        self.backend.prepare_replay(batch, bs)
+        self.graphs[bs].replay()
+        # NOTE: a view of the shared buffer: the next replay overwrites it, so it must be used
+        # (sampled) on this stream before then, which Engine.forward does.
+        return self.logits[: batch.size]

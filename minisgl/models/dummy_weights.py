@@ -1,0 +1,67 @@
+"""Random ("dummy") weights that do not depend on the tensor-parallel size.
+
+`--load-format dummy` used to draw each rank's shard from one generator in parameter order, so
+tp 1 and tp 2 ran different models. Here every checkpoint tensor (Hugging Face naming, Llama
+family: Llama, Mistral, Qwen2, Qwen3) is drawn whole from a generator seeded by its name and
+`--seed`, then handed to `model.load_weight` like a real checkpoint tensor, so each rank keeps
+exactly its shard of the same model. Norm weights are 1, everything else N(0, 0.02).
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def checkpoint_shapes(arch: Any) -> dict[str, tuple[int, ...]]:
+    """Name -> full shape of every tensor of a Llama-family checkpoint for `arch`."""
+    hidden, head_dim, inter = arch.hidden_size, arch.head_dim, arch.intermediate_size
+    q, kv = arch.num_heads * head_dim, arch.num_kv_heads * head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (arch.vocab_size, hidden)}
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "self_attn.q_proj.weight": (q, hidden),
+            p + "self_attn.k_proj.weight": (kv, hidden),
+            p + "self_attn.v_proj.weight": (kv, hidden),
+            p + "self_attn.o_proj.weight": (hidden, q),
+            p + "mlp.gate_proj.weight": (inter, hidden),
+            p + "mlp.up_proj.weight": (inter, hidden),
+            p + "mlp.down_proj.weight": (hidden, inter),
+            p + "input_layernorm.weight": (hidden,),
+            p + "post_attention_layernorm.weight": (hidden,),
+        })
+        if arch.attention_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                           p + "self_attn.v_proj.bias": (kv,)})
+        if arch.qk_norm or arch.architecture == "Qwen3ForCausalLM":
+            shapes.update({p + "self_attn.q_norm.weight": (head_dim,),
+                           p + "self_attn.k_norm.weight": (head_dim,)})
+    shapes["model.norm.weight"] = (hidden,)
+    if not arch.tie_word_embeddings:
+        shapes["lm_head.weight"] = (arch.vocab_size, hidden)
+    return shapes
+
+
+def load_dummy(model: nn.Module, arch: Any, seed: int, device: torch.device,
+               dtype: torch.dtype) -> None:
+    params = dict(model.named_parameters())
+    for p in params.values():
+        p.data.fill_(float("nan"))
+    for name, shape in checkpoint_shapes(arch).items():
+        if name.endswith("norm.weight"):
+            full = torch.ones(shape, dtype=dtype, device=device)
+        else:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            full = torch.empty(shape, dtype=torch.float32, device=device).normal_(
+                0.0, 0.02, generator=gen).to(dtype)
+        if not model.load_weight(name, full):
+            raise ValueError(f"dummy weights: the model has no place for {name}")
+        del full
+    missing = [n for n, p in params.items() if torch.isnan(p).any()]
+    if missing:
+        raise ValueError(f"dummy weights left parameters unfilled: {missing[:5]}")

@@ -1,0 +1,299 @@
+"""GPU benchmarks (CUDA only), all on dummy weights from the shipped shape-only configs.
+
+    python scripts/bench_gpu.py decode   # bs=1 decode tok/s and memory-bandwidth utilisation
+    python scripts/bench_gpu.py offline  # nano-vllm's offline workload through minisgl.LLM
+    python scripts/bench_gpu.py idle     # GPU idle between decode steps, overlap on vs off
+    python scripts/bench_gpu.py events   # awaiting copy-done: waiter thread vs polling
+    python scripts/bench_gpu.py all --json results.json
+
+decode: `--model llama-3.1-8b --load-format dummy`; one request, decode time = time(1 + N new
+tokens) - time(1 new token), plus the median GPU time of a decode step (CUDA events around
+Engine.forward). Bytes per step = every weight a step reads (the input embedding table is
+gathered, not read, unless it is tied to the LM head) + the KV cache read at the mean context.
+MBU = bytes per step / step time / the device's peak (H100 SXM 3.35 TB/s, H200 4.8 TB/s, ...;
+`--peak-tbps` overrides).
+
+offline: 256 requests, input and output lengths uniform in [100, 1024], random token ids,
+ignore_eos, temperature 0.6 (nano-vllm's bench.py) on `qwen3-0.6b`; output tokens / wall time.
+
+idle: CUDA events at the start and end of every Engine.forward on the engine stream. A gap is
+end of step k -> start of step k+1 on the GPU; the idle fraction is the sum of gaps between
+consecutive decode steps over their span. With the overlap loop the next step is queued before
+the previous one ends, so gaps should be ~0; without it each gap is the host's turnaround.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from minisgl import LLM  # noqa: E402
+
+PEAK_TBPS = [  # substring of torch.cuda.get_device_name -> HBM bandwidth, TB/s
+    ("GH200", 4.0), ("H200", 4.8), ("H100 NVL", 3.9), ("H100 PCIe", 2.0), ("H100", 3.35),
+    ("H800", 3.35), ("B200", 8.0), ("A100-SXM4-80GB", 2.039), ("A100 80GB PCIe", 1.935),
+    ("A100", 1.555), ("L40S", 0.864), ("L40", 0.864), ("L4", 0.3), ("A10G", 0.6),
+    ("RTX 4090", 1.008), ("RTX 3090", 0.936),
+]
+
+
+def peak_bandwidth(override_tbps: float | None) -> tuple[float, str]:
+    """Bytes/s and where the number comes from."""
+    if override_tbps:
+        return override_tbps * 1e12, "--peak-tbps"
+    name = torch.cuda.get_device_name()
+    for key, tbps in PEAK_TBPS:
+        if key in name:
+            return tbps * 1e12, f"table ({key})"
+    props = torch.cuda.get_device_properties(0)
+    clock, width = getattr(props, "memory_clock_rate", 0), getattr(props, "memory_bus_width", 0)
+    if clock and width:  # kHz, bits; double data rate
+        return 2 * clock * 1e3 * width / 8, "device properties"
+    raise SystemExit(f"unknown peak bandwidth for {name!r}: pass --peak-tbps")
+
+
+class StepTimer:
+    """CUDA events around each Engine.forward (they land on the engine stream)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine, self.original = engine, engine.forward
+        self.steps: list[tuple[str, int, torch.cuda.Event, torch.cuda.Event]] = []
+        engine.forward = self._forward
+
+    def _forward(self, fwd: Any) -> Any:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = self.original(fwd)
+        end.record()
+        self.steps.append((fwd.batch.phase, fwd.batch.size, start, end))
+        return out
+
+    def reset(self) -> None:
+        self.steps.clear()
+
+    def summary(self) -> dict[str, Any]:
+        torch.cuda.synchronize()
+        decode = [s for s in self.steps if s[0] == "decode"]
+        busy = [s[2].elapsed_time(s[3]) for s in decode]
+        pairs = [(a, b) for a, b in zip(self.steps, self.steps[1:]) if a[0] == b[0] == "decode"]
+        gaps = [a[3].elapsed_time(b[2]) for a, b in pairs]  # end of one -> start of the next
+        span = sum(gaps) + sum(b[2].elapsed_time(b[3]) for _, b in pairs)
+        return {"decode_steps": len(decode),
+                "decode_step_ms": statistics.median(busy) if busy else None,
+                "mean_gap_ms": statistics.mean(gaps) if gaps else None,
+                "gpu_idle_fraction": sum(gaps) / span if span else None}
+
+
+def weight_bytes_per_step(engine: Any) -> int:
+    model = engine.model
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.embed_tokens.weight
+    if not engine.arch.tie_word_embeddings:  # only the prompt's rows of the table are read
+        total -= embed.numel() * embed.element_size()
+    return total
+
+
+def random_ids(rng: random.Random, n: int, vocab: int = 10000) -> list[int]:
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+def common_llm_args(args: argparse.Namespace) -> dict[str, Any]:
+    extra: dict[str, Any] = {"load_format": args.load_format, "device": "cuda",
+                             "disable_cuda_graph": args.disable_cuda_graph}
+    if args.attention_backend:
+        extra["attention_backend"] = args.attention_backend
+    return extra
+
+
+# ---- decode ----------------------------------------------------------------------------------
+
+def bench_decode(args: argparse.Namespace) -> dict[str, Any]:
+    peak, peak_source = peak_bandwidth(args.peak_tbps)
+    rng = random.Random(args.seed)
+    prompt = random_ids(rng, args.input_len)
+    ctx = args.input_len + args.output_len + 8
+    with LLM(model=args.model, dtype=args.dtype, max_running_requests=4, context_length=ctx,
+             **common_llm_args(args)) as llm:
+        engine = llm.manager.engine
+        timer = StepTimer(engine)
+
+        def timed(new_tokens: int) -> float:
+            params = {"max_new_tokens": new_tokens, "ignore_eos": True, "temperature": 0}
+            started = time.perf_counter()
+            llm.generate(input_ids=prompt, sampling_params=params)
+            return time.perf_counter() - started
+
+        timed(8)  # warm-up: kernels, allocator, graphs
+        runs = []
+        for _ in range(args.repeats):
+            timer.reset()
+            short, long_ = timed(1), timed(1 + args.output_len)
+            runs.append((long_ - short, timer.summary()["decode_step_ms"]))
+        wall_s = statistics.median(r[0] for r in runs) / args.output_len
+        gpu_s = statistics.median(r[1] for r in runs) / 1e3
+        weights = weight_bytes_per_step(engine)
+        kv = engine.kv_pool.bytes_per_token(
+            engine.arch.num_layers, engine.kv_pool.buffer.shape[2], engine.arch.head_dim,
+            engine.dtype) * (args.input_len + args.output_len / 2)
+        step_bytes = weights + kv
+    return {"bench": "decode", "model": args.model, "device": torch.cuda.get_device_name(),
+            "batch_size": 1, "input_len": args.input_len, "output_len": args.output_len,
+            "tok_s": 1 / wall_s, "step_ms": wall_s * 1e3, "gpu_step_ms": gpu_s * 1e3,
+            "bytes_per_step_GB": step_bytes / 1e9, "achieved_TBps": step_bytes / wall_s / 1e12,
+            "mbu": step_bytes / wall_s / peak, "mbu_gpu_time": step_bytes / gpu_s / peak,
+            "peak_TBps": peak / 1e12, "peak_source": peak_source,
+            "cuda_graph": not args.disable_cuda_graph}
+
+
+# ---- offline (nano-vllm's workload) ----------------------------------------------------------
+
+def nano_vllm_workload(args: argparse.Namespace) -> tuple[list[list[int]], list[dict]]:
+    rng = random.Random(args.seed)
+    prompts = [random_ids(rng, rng.randint(args.min_len, args.max_input_len))
+               for _ in range(args.num_seqs)]
+    params = [{"temperature": args.temperature, "ignore_eos": True,
+               "max_new_tokens": rng.randint(args.min_len, args.max_output_len)}
+              for _ in range(args.num_seqs)]
+    return prompts, params
+
+
+def bench_offline(args: argparse.Namespace) -> list[dict[str, Any]]:
+    prompts, params = nano_vllm_workload(args)
+    rows = []
+    for overlap in (True, False) if args.compare_overlap else (True,):
+        with LLM(model=args.offline_model, dtype=args.dtype,
+                 disable_overlap_schedule=not overlap, **common_llm_args(args)) as llm:
+            llm.generate(input_ids=prompts[:1], sampling_params=params[:1])  # warm-up
+            started = time.perf_counter()
+            outs = llm.generate(input_ids=prompts, sampling_params=params)
+            wall = time.perf_counter() - started
+            tokens = sum(len(o["output_ids"]) for o in outs)
+            rows.append({"bench": "offline", "model": args.offline_model, "overlap": overlap,
+                         "requests": len(prompts), "prompt_tokens": sum(map(len, prompts)),
+                         "output_tokens": tokens, "wall_s": wall, "output_tok_s": tokens / wall,
+                         "device": torch.cuda.get_device_name()})
+    return rows
+
+
+# ---- idle fraction ---------------------------------------------------------------------------
+
+def bench_idle(args: argparse.Namespace) -> list[dict[str, Any]]:
+    rng = random.Random(args.seed)
+    prompts = [random_ids(rng, args.idle_input_len) for _ in range(args.idle_requests)]
+    params = {"max_new_tokens": args.idle_output_len, "ignore_eos": True, "temperature": 0}
+    rows = []
+    for overlap in (True, False):
+        with LLM(model=args.offline_model, dtype=args.dtype,
+                 max_running_requests=args.idle_requests, disable_overlap_schedule=not overlap,
+                 **common_llm_args(args)) as llm:
+            timer = StepTimer(llm.manager.engine)
+            llm.generate(input_ids=prompts[:2], sampling_params=params)  # warm-up
+            timer.reset()
+            started = time.perf_counter()
+            if args.trace and overlap:
+                from torch.profiler import ProfilerActivity, profile
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    outs = llm.generate(input_ids=prompts, sampling_params=params)
+                prof.export_chrome_trace(str(args.trace))
+            else:
+                outs = llm.generate(input_ids=prompts, sampling_params=params)
+            wall = time.perf_counter() - started
+            tokens = sum(len(o["output_ids"]) for o in outs)
+            rows.append({"bench": "idle", "model": args.offline_model, "overlap": overlap,
+                         "batch": args.idle_requests, "output_tok_s": tokens / wall,
+                         **timer.summary()})
+    return rows
+
+
+# ---- events ----------------------------------------------------------------------------------
+
+def bench_events(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from minisgl.engine.cuda_events import benchmark_waiters
+    rows = []
+    for busy in (0.0, 50.0):
+        for row in benchmark_waiters("cuda", tuple(args.event_ms), args.event_iters, busy):
+            rows.append({"bench": "events", **row})
+    return rows
+
+
+# ---- main ------------------------------------------------------------------------------------
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    keys: list[str] = []
+    for row in rows:
+        keys += [k for k in row if k not in keys and k not in ("bench", "device")]
+    print("| " + " | ".join(keys) + " |")
+    print("|" + "---|" * len(keys))
+    for row in rows:
+        cells = []
+        for key in keys:
+            value = row.get(key)
+            cells.append("" if value is None else f"{value:.4g}" if isinstance(value, float)
+                         else str(value))
+        print("| " + " | ".join(cells) + " |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=["decode", "offline", "idle", "events", "all"])
+    parser.add_argument("--model", default="llama-3.1-8b", help="decode bench model")
+    parser.add_argument("--offline-model", default="qwen3-0.6b", help="offline/idle model")
+    parser.add_argument("--load-format", default="dummy", choices=["auto", "dummy"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--attention-backend", choices=["torch", "flashinfer"])
+    parser.add_argument("--disable-cuda-graph", action="store_true")
+    parser.add_argument("--peak-tbps", type=float, help="device peak memory bandwidth, TB/s")
+    parser.add_argument("--input-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--min-len", type=int, default=100)
+    parser.add_argument("--max-input-len", type=int, default=1024)
+    parser.add_argument("--max-output-len", type=int, default=1024)
+    parser.add_argument("--temperature", type=float, default=0.6)
+    parser.add_argument("--compare-overlap", action="store_true",
+                        help="offline: also run with --disable-overlap-schedule")
+    parser.add_argument("--idle-requests", type=int, default=64)
+    parser.add_argument("--idle-input-len", type=int, default=256)
+    parser.add_argument("--idle-output-len", type=int, default=256)
+    parser.add_argument("--trace", type=Path, help="idle: chrome trace of the overlap run")
+    parser.add_argument("--event-ms", type=float, nargs="+", default=[0.2, 1.0, 5.0, 20.0])
+    parser.add_argument("--event-iters", type=int, default=50)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_gpu.py needs a CUDA device")
+
+    rows: list[dict[str, Any]] = []
+    if args.what in ("decode", "all"):
+        rows.append(bench_decode(args))
+    if args.what in ("offline", "all"):
+        rows += bench_offline(args)
+    if args.what in ("idle", "all"):
+        rows += bench_idle(args)
+    if args.what in ("events", "all"):
+        rows += bench_events(args)
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    for bench in dict.fromkeys(r["bench"] for r in rows):
+        print(f"\n{bench}")
+        print_table([r for r in rows if r["bench"] == bench])
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
