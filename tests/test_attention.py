@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minisgl.attention.cpu_kernels import decode_kernels
+from minisgl.kernels import cpu_kernels
 from minisgl.attention.torch_backend import TorchBackend
 from minisgl.core import Batch, Req, SamplingParams
 from minisgl.kvcache import KVPool
@@ -13,7 +13,7 @@ from minisgl.kvcache import KVPool
 
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_kernel_matches_torch_decode(dtype: torch.dtype, tolerance: float) -> None:
-    if decode_kernels() is None:
+    if cpu_kernels() is None:
         pytest.skip("no C++ compiler here: the kernel falls back to torch ops")
     gen = torch.Generator().manual_seed(0)
     heads, kv_heads, dim, batch, context = 9, 3, 64, 6, 80
@@ -38,3 +38,23 @@ def test_kernel_matches_torch_decode(dtype: torch.dtype, tolerance: float) -> No
     fast = with_kernel._decode(q, k_cache, v_cache, batch_.attn_metadata)
     slow = without._decode(q, k_cache, v_cache, batch_.attn_metadata)
     assert (fast.float() - slow.float()).abs().max().item() < tolerance
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_rms_norm_kernel_matches_torch(dtype: torch.dtype, tolerance: float) -> None:
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("no C++ compiler here: RMSNorm falls back to torch ops")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 576, generator=gen).to(dtype)
+    residual = torch.randn(37, 576, generator=gen).to(dtype)
+    weight = (1 + torch.randn(576, generator=gen) * 0.1).to(dtype)
+    expected_carry = x + residual
+    expected = torch.nn.functional.rms_norm(expected_carry.float(), (576,), weight.float(), 1e-5)
+    normed, carry = kernels.rms_norm(x, residual.clone(), weight, 1e-5)
+    assert torch.equal(carry, expected_carry)
+    assert (normed.float() - expected).abs().max().item() < tolerance
+    plain, same = kernels.rms_norm(x, None, weight, 1e-5)
+    assert same is x or torch.equal(same, x)
+    reference = torch.nn.functional.rms_norm(x.float(), (576,), weight.float(), 1e-5)
+    assert (plain.float() - reference).abs().max().item() < tolerance

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from minisgl.attention.base import AttentionBackend
-from minisgl.attention.cpu_kernels import decode_kernels
+from minisgl.kernels import cpu_kernels
 from minisgl.core import Batch
 
 if TYPE_CHECKING:
@@ -39,7 +39,7 @@ class PrefillSegment:
 class TorchBackend(AttentionBackend):
     def __init__(self, kv_pool: KVPool, page_table: torch.Tensor, scale: float) -> None:
         super().__init__(kv_pool, page_table, scale)
-        self.kernels = decode_kernels() if page_table.device.type == "cpu" else None
+        self.kernels = cpu_kernels() if page_table.device.type == "cpu" else None
 
     def prepare_metadata(self, batch: Batch) -> None:
         if batch.is_decode:

@@ -2,25 +2,35 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minisgl.kernels import cpu_kernels
+
 
 class RMSNorm(nn.Module):
-    """RMSNorm (float32 accumulation inside the kernel), with the residual add fused in."""
+    """RMSNorm with float32 math and the residual add fused in; on CPU one compiled pass."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+    def _kernels(self, x: torch.Tensor):  # noqa: ANN202 - the extension module or None
+        return cpu_kernels() if x.device.type == "cpu" and x.is_contiguous() else None
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (normed, residual to carry): the carry is x, plus residual when given."""
+        """Returns (normed, residual to carry): the carry is x, plus residual when given.
+        NOTE: with the CPU kernel the sum is written into `residual` in place."""
+        kernels = self._kernels(x)
+        if kernels is not None:
+            normed, carry = kernels.rms_norm(x, residual, self.weight, self.eps)
+            return normed, carry
         if residual is not None:
             x = x + residual
-        return self._norm(x), x
+        return self.forward_plain(x), x
 
     def forward_plain(self, x: torch.Tensor) -> torch.Tensor:
-        return self._norm(x)
+        kernels = self._kernels(x)
+        if kernels is not None:
+            return kernels.rms_norm(x, None, self.weight, self.eps)[0]
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)

@@ -1,4 +1,4 @@
-"""CPU attention kernels compiled on first use (torch's C++ extension loader; needs a C++
+"""CPU kernels (paged decode attention, add + RMSNorm) compiled on first use (torch's C++ extension loader; needs a C++
 compiler and ninja). When they cannot be built, callers fall back to plain torch ops."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 
 
 @functools.lru_cache(maxsize=1)
-def decode_kernels() -> Any | None:
+def cpu_kernels() -> Any | None:
     if os.environ.get("MINISGL_DISABLE_CPU_KERNELS"):
         return None
     try:
@@ -24,10 +24,10 @@ def decode_kernels() -> Any | None:
         from minisgl.models.weights import cache_root
         build = cache_root() / "kernels"
         build.mkdir(parents=True, exist_ok=True)
-        return load(name="minisgl_cpu_decode_attention", sources=[str(SOURCE)],
-                    build_directory=str(build), extra_cflags=["-O3", "-march=native", "-fopenmp"],
+        return load(name="minisgl_cpu_kernels", sources=[str(SOURCE)],
+                    build_directory=str(build), extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, no ninja, an unsupported platform
-        logger.warning("CPU decode-attention kernel unavailable (%s); using torch ops",
+        logger.warning("CPU kernels unavailable (%s); using torch ops",
                        str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         return None

@@ -1,6 +1,8 @@
-// Paged decode attention for the CPU over the head-major KV pool ([kv_heads, locations, dim]).
-// One pass over each request's K and V, read in place through its location row: no gathered
-// copy, no padded batch matmuls. Parallel over (request, kv head) pairs with ATen's pool.
+// CPU kernels where torch's composite ops cost several passes over memory:
+// - paged decode attention over the head-major KV pool ([kv_heads, locations, dim]): one pass
+//   over each request's K and V, read in place through its location row (no gathered copy, no
+//   padded batch matmuls), parallel over (request, kv head) pairs;
+// - residual add + RMSNorm in one pass per row (float32 math, one rounding).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -50,11 +52,14 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* locat
         }
       }
       for (int64_t g = 0; g < group; ++g) {
+        float* pg = probs.data() + g * max_len;
+        const float m = maxs[g];
         float sum = 0.f;
+        // NOTE: a separate simd loop so that expf is vectorised (libmvec, -ffast-math).
+#pragma omp simd reduction(+ : sum)
         for (int64_t t = 0; t < len; ++t) {
-          const float e = std::exp(probs[g * max_len + t] - maxs[g]);
-          probs[g * max_len + t] = e;
-          sum += e;
+          pg[t] = std::exp(pg[t] - m);
+          sum += pg[t];
         }
         sums[g] = sum;
       }
@@ -76,7 +81,51 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* locat
   });
 }
 
+template <typename T>
+void add_rms_norm(T* x, T* residual, const T* weight, T* out, int64_t rows, int64_t hidden,
+                  float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(hidden);
+    for (int64_t r = begin; r < end; ++r) {
+      T* xr = x + r * hidden;
+      float squares = 0.f;
+      for (int64_t i = 0; i < hidden; ++i) {
+        T sum = xr[i];
+        if (residual != nullptr) {  // the carried residual is rounded like torch's `x + res`
+          sum = static_cast<T>(load(xr, i) + load(residual + r * hidden, i));
+          residual[r * hidden + i] = sum;
+        }
+        row[i] = static_cast<float>(sum);
+        squares += row[i] * row[i];
+      }
+      const float inv = 1.f / std::sqrt(squares / static_cast<float>(hidden) + eps);
+      T* o = out + r * hidden;
+      for (int64_t i = 0; i < hidden; ++i) o[i] = static_cast<T>(row[i] * inv * load(weight, i));
+    }
+  });
+}
+
 }  // namespace
+
+// Returns (normed, carry). With a residual: carry = x + residual, written into `residual` in
+// place (the caller owns that buffer); without: carry = x.
+std::vector<torch::Tensor> rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual,
+                                    torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous());
+  auto out = torch::empty_like(x);
+  torch::Tensor carry = x;
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->is_contiguous() && residual->sizes() == x.sizes());
+    carry = *residual;
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    add_rms_norm<scalar_t>(x.data_ptr<scalar_t>(),
+                           residual.has_value() ? residual->data_ptr<scalar_t>() : nullptr,
+                           weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                           x.numel() / x.size(-1), x.size(-1), static_cast<float>(eps));
+  });
+  return {out, carry};
+}
 
 // q: [batch, heads, dim]; k_cache/v_cache: [kv_heads, pool, dim]; locations: [batch, max_len]
 // int64 (entries past seq_len are not read); seq_lens: [batch] int64, each >= 1.
@@ -98,5 +147,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention (CPU)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm", &rms_norm, "residual add + RMSNorm (CPU)",
         py::call_guard<py::gil_scoped_release>());
 }

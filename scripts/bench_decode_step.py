@@ -1,0 +1,79 @@
+"""Time one decode forward (model only: no scheduler, no sampler) at several batch sizes.
+
+    python scripts/bench_decode_step.py --batch 1 8 32 64 --context 128 [--dtype bfloat16]
+
+Reports ms per step, tokens/s and the weight bytes read per second (the bandwidth floor).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from minisgl.core import Batch, Req, SamplingParams
+from minisgl.engine import Engine
+from minisgl.server_args import ServerArgs
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    total = 0
+    for module in model.modules():
+        if module is getattr(model, "embed_tokens", None):
+            continue
+        packed, weight = getattr(module, "packed", None), getattr(module, "weight", None)
+        tensor = packed if packed is not None else weight
+        if isinstance(tensor, torch.Tensor):
+            total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def decode_batch(engine: Engine, batch_size: int, context: int) -> tuple[Batch, torch.Tensor]:
+    stride = context + 8
+    for row in range(batch_size):
+        engine.page_table[row, : context + 1] = torch.arange(
+            row * stride, row * stride + context + 1, dtype=torch.int32)
+    reqs = [Req(uid=i, rid=str(i), prompt_ids=[1], params=SamplingParams(),
+                max_device_len=context + 1) for i in range(batch_size)]
+    positions = torch.full((batch_size,), context)
+    batch = Batch(reqs=reqs, phase="decode", padded_reqs=reqs, last_chunk=[True] * batch_size,
+                  input_positions=positions,
+                  out_loc=torch.arange(batch_size) * stride + context,
+                  seq_lens=[context + 1] * batch_size, extend_lens=[1] * batch_size,
+                  cached_lens=[context] * batch_size, table_rows=list(range(batch_size)))
+    engine.attn_backend.prepare_metadata(batch)
+    return batch, torch.randint(100, 20000, (batch_size,))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args()
+    most = max(args.batch)
+    engine = Engine(ServerArgs(dtype=args.dtype, max_running_requests=most,
+                               max_total_tokens=most * (args.context + 8) + 16))
+    read = weight_bytes(engine.model)
+    print(f"{args.dtype}, context {args.context}, weights read per step {read / 1e6:.0f} MB, "
+          f"{torch.get_num_threads()} threads")
+    print("| batch | step ms | tok/s | weight GB/s |\n|---|---|---|---|")
+    for batch_size in args.batch:
+        batch, ids = decode_batch(engine, batch_size, args.context)
+        with torch.inference_mode():
+            for _ in range(3):
+                engine.model(ids, batch.input_positions, batch, engine.attn_backend, None)
+            started = time.perf_counter()
+            for _ in range(args.steps):
+                engine.model(ids, batch.input_positions, batch, engine.attn_backend, None)
+        step = (time.perf_counter() - started) / args.steps
+        print(f"| {batch_size} | {step * 1e3:.1f} | {batch_size / step:.0f} | "
+              f"{read / step / 1e9:.1f} |", flush=True)
+    engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()
