@@ -58,7 +58,7 @@ def weight_bytes(llm: LLM) -> int:
 
 def run_minisgl(prompts: list[list[int]], lens: list[int], concurrency: int, overlap: bool,
                 args: argparse.Namespace) -> dict:
-    with LLM(dtype=args.dtype, max_running_requests=concurrency,
+    with LLM(dtype=args.dtype, max_running_requests=concurrency, tp_size=args.tp_size,
              disable_overlap_schedule=not overlap, max_total_tokens=args.max_total_tokens) as llm:
         engine = llm.manager.engine
         params = [{"max_new_tokens": n, "ignore_eos": True, "temperature": 0} for n in lens]
@@ -72,7 +72,8 @@ def run_minisgl(prompts: list[list[int]], lens: list[int], concurrency: int, ove
         decode_steps = engine.phase_steps["decode"] - steps0["decode"]
         step = (engine.phase_seconds["decode"] - decode0) / max(decode_steps, 1)
         return {
-            "system": "minisgl" + ("" if overlap else " --disable-overlap-schedule"),
+            "system": "minisgl" + ("" if overlap else " --disable-overlap-schedule")
+                      + (f" --tp-size {args.tp_size}" if args.tp_size > 1 else ""),
             "concurrency": concurrency, "output_tokens": tokens, "wall_s": wall,
             "output_tok_s": tokens / wall,
             "engine_idle_fraction": 1 - (engine.busy_seconds - busy0) / wall,
@@ -114,6 +115,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, nargs="+", default=[128])
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--max-total-tokens", type=int, default=65536)
+    parser.add_argument("--tp-size", type=int, default=1)
     parser.add_argument("--compare-hf", action="store_true")
     parser.add_argument("--no-overlap-baseline", dest="overlap_baseline", action="store_false")
     parser.add_argument("--seed", type=int, default=0)

@@ -77,6 +77,24 @@ def test_shared_prefix_hits_cache_with_same_output(page_size: int) -> None:
     ref.assert_greedy_matches(system, longer["output_ids"], without_cache)
 
 
+def test_lpm_policy_serves_shared_prefixes_first_with_same_outputs() -> None:
+    shared = random_prompts(1, 120, 120, seed=5)[0]
+    others = random_prompts(6, 20, 40, seed=6)
+    prompts = [others[0], shared + [101], others[1], shared + [102], others[2], shared + [103]]
+    fcfs = run(prompts, max_running_requests=1, max_total_tokens=4096)
+    with LLM(dtype="float32", max_running_requests=1, max_total_tokens=4096,
+             schedule_policy="lpm") as llm:
+        llm.generate(input_ids=shared + [100], sampling_params=GREEDY)  # warm the cache
+        outs = llm.generate(input_ids=prompts, sampling_params=GREEDY)
+        llm.check_integrity()
+    for ids, out, expected in zip(prompts, outs, fcfs):
+        ref.assert_greedy_matches(ids, out["output_ids"], expected)
+    hits = [out["meta_info"]["cached_tokens"] for out in outs]
+    assert all(hits[i] >= 120 for i in (1, 3, 5)), hits
+    latency = [out["meta_info"]["e2e_latency"] for out in outs]
+    assert max(latency[i] for i in (1, 3, 5)) < min(latency[i] for i in (0, 2, 4)), latency
+
+
 def test_page_size_does_not_change_outputs(prompts64, alone) -> None:
     subset = prompts64[:8]
     paged = run(subset, page_size=16, max_running_requests=8, max_total_tokens=8192)

@@ -23,9 +23,20 @@ if TYPE_CHECKING:
 
 @dataclass
 class DecodeMetadata:
-    locations: torch.Tensor  # [batch, max_len] int64 KV locations, padding at the dummy page
-    padding: torch.Tensor  # [1, batch, 1, max_len] True where a position is past seq_len
+    rows: torch.Tensor  # [batch] page-table rows
     seq_lens: torch.Tensor  # [batch] int64
+    max_len: int
+    locations: torch.Tensor | None = None  # [batch, max_len] int64, padding at the dummy page
+    padding: torch.Tensor | None = None  # [1, batch, 1, max_len] True past seq_len
+
+    def materialize(self, page_table: torch.Tensor, dummy_loc: int) -> None:
+        """Gather the location rows: done by the first layer, on the engine thread (the
+        gather can be large enough to be parallel, and only that thread may run parallel work:
+        see engine.stream.CpuStream)."""
+        padding = torch.arange(self.max_len, device=page_table.device)[None, :] >= \
+            self.seq_lens[:, None]
+        self.locations = page_table[self.rows, : self.max_len].masked_fill(padding, dummy_loc).long()
+        self.padding = padding[None, :, None, :]
 
 
 @dataclass
@@ -55,12 +66,8 @@ class TorchBackend(AttentionBackend):
 
     def _decode_metadata(self, batch: Batch) -> DecodeMetadata:
         device = self.page_table.device
-        rows = torch.tensor(batch.table_rows, device=device)
-        seq_lens = torch.tensor(batch.seq_lens, device=device)
-        max_len = max(batch.seq_lens)
-        padding = torch.arange(max_len, device=device)[None, :] >= seq_lens[:, None]
-        locations = self.page_table[rows, :max_len].masked_fill(padding, self.kv_pool.dummy_loc)
-        return DecodeMetadata(locations.long(), padding[None, :, None, :], seq_lens)
+        return DecodeMetadata(torch.tensor(batch.table_rows, device=device),
+                              torch.tensor(batch.seq_lens, device=device), max(batch.seq_lens))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: Batch) -> torch.Tensor:
@@ -73,6 +80,8 @@ class TorchBackend(AttentionBackend):
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: DecodeMetadata) -> torch.Tensor:
+        if meta.locations is None:
+            meta.materialize(self.page_table, self.kv_pool.dummy_loc)
         if self.kernels is not None:
             out = self.kernels.decode_attention(q.contiguous(), k_cache, v_cache, meta.locations,
                                                 meta.seq_lens, self.scale)

@@ -27,12 +27,18 @@ import torch
 from minisgl.attention import AttentionBackend, create_attention_backend
 from minisgl.core import Batch
 from minisgl.distributed import TPInfo
-from minisgl.distributed.context import all_reduce_min, broadcast, create_group, tp_context
+from minisgl.distributed.context import (
+    all_reduce_min,
+    bind_thread,
+    broadcast,
+    create_group,
+    tp_context,
+)
 from minisgl.distributed.shm_queue import QueueClosed
 from minisgl.distributed.worker import GLOO_TIMEOUT_S, TPWorkers, cpu_threads
 from minisgl.engine.graph import GraphRunner, supports_graphs
 from minisgl.engine.sampler import SampleOutput, Sampler, SamplingArgs
-from minisgl.engine.stream import Completion, EngineFailed, create_stream
+from minisgl.engine.stream import Completion, CpuStream, EngineFailed, create_stream
 from minisgl.kvcache import KVPool
 from minisgl.layers.linear import can_prepack
 from minisgl.models import (
@@ -143,7 +149,11 @@ class Engine:
                     self._saved_threads = torch.get_num_threads()
                     torch.set_num_threads(cpu_threads(self.tp.size))
                 self.workers = TPWorkers(args, self.tp.size, self.device)
-            self._build(started)
+            if self.device.type == "cpu" and self.tp.is_primary:
+                self.stream = CpuStream()  # built on the thread that will run the forwards
+                self.stream.call(lambda: self._build(started))
+            else:
+                self._build(started)
         except BaseException as exc:
             self._restore_threads()
             if self.workers is not None:
@@ -192,8 +202,12 @@ class Engine:
         if not self.tp.is_primary:
             return  # a worker runs its steps on its main thread
         binding = (self.tp, self.group) if self.tp.size > 1 else None
-        self.stream = create_stream(self.device, binding,
-                                    wait=os.environ.get("MINISGL_CUDA_WAIT", "thread"))
+        if isinstance(self.stream, CpuStream):
+            if binding is not None:
+                bind_thread(*binding)  # NOTE: _build runs on the engine thread itself
+        else:
+            self.stream = create_stream(self.device, binding,
+                                        wait=os.environ.get("MINISGL_CUDA_WAIT", "thread"))
         if self.workers is not None:
             self.workers.wait_for("ready")
             self.workers.start_monitor()

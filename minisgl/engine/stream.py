@@ -47,11 +47,22 @@ class Completion:
 
 
 class CpuStream:
-    def __init__(self, binding: tuple[Any, Any] | None = None) -> None:
-        """`binding`: (TPInfo, group) the engine thread's layers use (tp > 1)."""
-        extra = {"initializer": bind_thread, "initargs": binding} if binding else {}
+    """The engine thread. NOTE: all of an engine's parallel torch work (loading, prepacking,
+    forwards) runs here: a second thread using OpenMP makes a second thread pool, and with more
+    pool threads than cores libgomp stops spinning between parallel regions, which cost ~35%
+    per decode step at batch 1 on 2 cores."""
+
+    def __init__(self) -> None:
         self._pool = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="minisgl-engine", **extra)
+            1, thread_name_prefix="minisgl-engine")
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on the engine thread and wait for its result (set-up work)."""
+        return self._pool.submit(fn).result()
+
+    def bind(self, binding: tuple[Any, Any]) -> None:
+        """(TPInfo, group) that the engine thread's layers use (tp > 1)."""
+        self.call(lambda: bind_thread(*binding))
 
     def launch(self, fn: Callable[[], Any]) -> Completion:
         return Completion(self._pool.submit(_in_inference_mode, fn))
@@ -113,7 +124,10 @@ def create_stream(device: torch.device, binding: tuple[Any, Any] | None = None,
     """`wait` (CUDA): "thread" completes forwards from a waiter thread, "poll" polls their
     events from the event loop (minisgl.engine.cuda_events; bench_gpu.py events compares)."""
     if device.type != "cuda":
-        return CpuStream(binding)
+        stream = CpuStream()
+        if binding is not None:
+            stream.bind(binding)
+        return stream
     if wait == "poll":
         from minisgl.engine.cuda_events import PollingCudaStream
         return PollingCudaStream(device, binding)

@@ -6,6 +6,7 @@ live requests use it as their prefix). Eviction moves unlocked cached pages back
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from minisgl.kvcache import CacheHandle, PrefixCache
@@ -16,7 +17,9 @@ class CacheManager:
         self.num_pages = num_pages
         self.page_size = page_size
         self.prefix_cache = prefix_cache
-        self._free = torch.arange(num_pages, dtype=torch.int64)  # a stack: [0, num_free) is free
+        # NOTE: numpy-built, like every large host tensor of the scheduler's thread: a parallel
+        # torch op here would start a second OpenMP pool (see engine.stream.CpuStream).
+        self._free = torch.from_numpy(np.arange(num_pages, dtype=np.int64))  # [0, num_free) free
         self.num_free = num_pages
 
     @property
@@ -64,8 +67,8 @@ class CacheManager:
         tail = locations[max(aligned, owned_from):]
         self.free_locations(tail)
 
-    def free_page_ids(self) -> torch.Tensor:
-        return self._free[: self.num_free].clone()
+    def free_page_ids(self) -> np.ndarray:
+        return self._free[: self.num_free].numpy().copy()
 
     def reset_cache(self) -> None:
         self.free_locations(self.prefix_cache.reset())

@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from minisgl.core import Batch, InvalidRequest, Req, ReqStatus, SamplingParams
@@ -465,11 +466,12 @@ class Scheduler:
         for req in admitted:
             own = self.table.locations(req.table_idx, req.cached_len)[req.prefix_len:]
             owned.append(own[::ps] // ps)
-        pages = torch.cat([free, cached[::ps] // ps if len(cached) else cached, *owned])
+        parts = [free, cached[::ps] // ps if len(cached) else cached, *owned]
+        pages = np.concatenate([np.asarray(p) for p in parts])  # NOTE: numpy, see CacheManager
         assert len(pages) == self.cache.num_pages, (
             f"{len(pages)} pages accounted for (free {len(free)}, cached {len(cached) // ps}, "
             f"owned {sum(len(o) for o in owned)}), the pool has {self.cache.num_pages}")
-        assert len(torch.unique(pages)) == len(pages), "a page is counted twice"
+        assert len(np.unique(pages)) == len(pages), "a page is counted twice"
         rows = self.table.free_rows() + [r.table_idx for r in admitted]
         assert sorted(rows) == list(range(self.table.max_running)), "slots leaked or shared"
         if not self.reqs and not self.to_release:
