@@ -61,15 +61,20 @@ def main() -> None:
     print(f"{args.dtype}, context {args.context}, weights read per step {read / 1e6:.0f} MB, "
           f"{torch.get_num_threads()} threads")
     print("| batch | step ms | tok/s | weight GB/s |\n|---|---|---|---|")
-    for batch_size in args.batch:
-        batch, ids = decode_batch(engine, batch_size, args.context)
+    def time_steps(batch: Batch, ids: torch.Tensor) -> float:
         with torch.inference_mode():
             for _ in range(3):
                 engine.model(ids, batch.input_positions, batch, engine.attn_backend, None)
             started = time.perf_counter()
             for _ in range(args.steps):
                 engine.model(ids, batch.input_positions, batch, engine.attn_backend, None)
-        step = (time.perf_counter() - started) / args.steps
+        return (time.perf_counter() - started) / args.steps
+
+    for batch_size in args.batch:
+        batch, ids = decode_batch(engine, batch_size, args.context)
+        # NOTE: on the engine thread, as in serving (see engine.stream.CpuStream)
+        run = engine.stream.call if hasattr(engine.stream, "call") else (lambda fn: fn())
+        step = run(lambda: time_steps(batch, ids))
         print(f"| {batch_size} | {step * 1e3:.1f} | {batch_size / step:.0f} | "
               f"{read / step / 1e9:.1f} |", flush=True)
     engine.shutdown()
