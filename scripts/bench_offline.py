@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_decode_step import weight_bytes  # noqa: E402 (this folder)
 from minisgl import LLM  # noqa: E402
 
 
@@ -37,23 +38,6 @@ def output_lens(args: argparse.Namespace, count: int) -> list[int]:
     rng = random.Random(args.seed + 1)
     lo, hi = args.output_len if len(args.output_len) == 2 else (args.output_len[0],) * 2
     return [rng.randint(lo, hi) for _ in range(count)]
-
-
-def weight_bytes(llm: LLM) -> int:
-    """Bytes of weights one decode step reads: every matmul weight (packed or plain) and the
-    norms; the embedding table is only gathered from, unless the LM head shares it."""
-    model = llm.manager.engine.model
-    total = 0
-    for module in model.modules():
-        packed = getattr(module, "packed", None)
-        weight = getattr(module, "weight", None)
-        if module is getattr(model, "embed_tokens", None):
-            continue
-        if packed is not None:
-            total += packed.numel() * packed.element_size()
-        elif isinstance(weight, torch.Tensor):
-            total += weight.numel() * weight.element_size()
-    return total
 
 
 def run_minisgl(prompts: list[list[int]], lens: list[int], concurrency: int, overlap: bool,
@@ -78,7 +62,7 @@ def run_minisgl(prompts: list[list[int]], lens: list[int], concurrency: int, ove
             "output_tok_s": tokens / wall,
             "engine_idle_fraction": 1 - (engine.busy_seconds - busy0) / wall,
             "decode_step_ms": step * 1e3, "decode_steps": decode_steps,
-            "weight_read_GBps": weight_bytes(llm) / step / 1e9 if decode_steps else None,
+            "weight_read_GBps": weight_bytes(engine.model) / step / 1e9 if decode_steps else None,
         }
 
 
