@@ -10,9 +10,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -64,7 +63,6 @@ class SchedulerStats:
     batches: int = 0
     retractions: int = 0
     integrity_error: str | None = None
-    started_at: float = field(default_factory=time.perf_counter)
 
 
 OutputSink = Callable[[list[ReqOutput]], None]
@@ -170,6 +168,7 @@ class Scheduler:
                     self._finish(req, reason)
                     outputs.append(ReqOutput(req, None, True))
         if outputs:
+            self._release_finished(self._in_flight)
             self.sink(outputs)
 
     # ---- the loop ----------------------------------------------------------------------------
@@ -194,8 +193,6 @@ class Scheduler:
                         await self._wake.wait()
                     continue
                 self._drain_inbox()
-                if last is None and self.to_release:
-                    self._release_finished(None)
                 fwd, last = await self._schedule(last)
                 ongoing = self._launch(fwd) if fwd is not None else None
                 if last is not None:
@@ -426,8 +423,7 @@ class Scheduler:
         self.decode.remove(req)
         if self.prefill.remove(req) or req.table_idx < 0:
             return  # never admitted: holds nothing
-        self.to_release.append(req)
-        self._release_finished(self._in_flight)
+        self.to_release.append(req)  # released by the caller, once per step
 
     def _release_finished(self, ongoing: InFlight | None) -> None:
         busy = set(ongoing.batch.reqs) if ongoing is not None else set()
@@ -448,7 +444,8 @@ class Scheduler:
     # ---- bookkeeping -------------------------------------------------------------------------
 
     def _on_idle(self) -> None:
-        self.to_release and self._release_finished(None)
+        if self.to_release:
+            self._release_finished(None)
         try:
             self.check_integrity()
         except AssertionError as exc:

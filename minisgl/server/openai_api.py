@@ -218,10 +218,16 @@ class OpenAIAPI:
         cursor.chars, cursor.prefix = len(text), ""
         return choice
 
-    def _completion_logprobs(self, h: ReqHandle, cursor: Cursor) -> dict[str, Any]:
-        new = h.token_logprobs[cursor.tokens:]
-        tops = h.top_logprobs[cursor.tokens:]
+    @staticmethod
+    def _unsent_logprobs(h: ReqHandle, cursor: Cursor
+                         ) -> tuple[list[tuple[float, int]], list[list[tuple[float, int]]]]:
+        """The token and top logprobs not sent yet; advances the cursor past them."""
+        new, tops = h.token_logprobs[cursor.tokens:], h.top_logprobs[cursor.tokens:]
         cursor.tokens += len(new)
+        return new, tops
+
+    def _completion_logprobs(self, h: ReqHandle, cursor: Cursor) -> dict[str, Any]:
+        new, tops = self._unsent_logprobs(h, cursor)
         texts = self.tokens.texts([t for _, t in new])
         top_texts = self.tokens.texts([t for step in tops for _, t in step])
         offsets = []
@@ -287,9 +293,7 @@ class OpenAIAPI:
         return json_response({**head, "choices": choices, "usage": usage(groups, handles)})
 
     def _chat_logprobs(self, h: ReqHandle, cursor: Cursor) -> dict[str, Any]:
-        new = h.token_logprobs[cursor.tokens:]
-        tops = h.top_logprobs[cursor.tokens:]
-        cursor.tokens += len(new)
+        new, tops = self._unsent_logprobs(h, cursor)
         texts = self.tokens.text_and_bytes([t for _, t in new])
         top_texts = self.tokens.text_and_bytes([t for step in tops for _, t in step])
         content, at = [], 0
