@@ -43,7 +43,9 @@ class ServerArgs:
         None, "Waiting requests at most; beyond it new ones get HTTP 503.")
     chunked_prefill_size: int = _flag(
         8192, "Most prompt tokens in one prefill batch; longer prompts are chunked.")
-    page_size: int = _flag(1, "Tokens per KV page.")
+    page_size: int | None = _flag(
+        None, "Tokens per KV page (default: 1 on GPU; 16 on CPU, where reading a request's KV "
+        "in runs of a page is much faster than from scattered tokens).")
     schedule_policy: str = _flag("fcfs", "Order of the waiting queue: fcfs or lpm (longest "
                                  "prefix match first).", choices=["fcfs", "lpm"])
     disable_radix_cache: bool = _flag(False, "Use no prefix cache.")
@@ -58,11 +60,11 @@ class ServerArgs:
     log_level: str = _flag("info", "Logging level.", choices=["debug", "info", "warning", "error"])
 
     def __post_init__(self) -> None:
-        for name in ("tp_size", "page_size", "chunked_prefill_size", "port"):
-            if getattr(self, name) < 1 and name != "port":
+        for name in ("tp_size", "chunked_prefill_size"):
+            if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         for name in ("max_running_requests", "max_total_tokens", "context_length",
-                     "max_queued_requests"):
+                     "max_queued_requests", "page_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")

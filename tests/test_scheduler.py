@@ -37,9 +37,10 @@ def prompts64() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def alone(prompts64) -> list[list[int]]:
-    """Each prompt alone in its batch: one request may run at a time."""
+    """Each prompt alone in its batch: one request may run at a time, one token per page
+    (the other tests run the CPU default of 16)."""
     return run(prompts64, max_running_requests=1, disable_radix_cache=True,
-               max_total_tokens=4096)
+               max_total_tokens=4096, page_size=1)
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
@@ -81,8 +82,8 @@ def test_lpm_policy_serves_shared_prefixes_first_with_same_outputs() -> None:
     shared = random_prompts(1, 120, 120, seed=5)[0]
     others = random_prompts(6, 20, 40, seed=6)
     prompts = [others[0], shared + [101], others[1], shared + [102], others[2], shared + [103]]
-    fcfs = run(prompts, max_running_requests=1, max_total_tokens=4096)
-    with LLM(dtype="float32", max_running_requests=1, max_total_tokens=4096,
+    fcfs = run(prompts, max_running_requests=1, max_total_tokens=4096, page_size=1)
+    with LLM(dtype="float32", max_running_requests=1, max_total_tokens=4096, page_size=1,
              schedule_policy="lpm") as llm:
         llm.generate(input_ids=shared + [100], sampling_params=GREEDY)  # warm the cache
         outs = llm.generate(input_ids=prompts, sampling_params=GREEDY)
@@ -97,7 +98,7 @@ def test_lpm_policy_serves_shared_prefixes_first_with_same_outputs() -> None:
 
 def test_page_size_does_not_change_outputs(prompts64, alone) -> None:
     subset = prompts64[:8]
-    paged = run(subset, page_size=16, max_running_requests=8, max_total_tokens=8192)
+    paged = run(subset, page_size=64, max_running_requests=8, max_total_tokens=8192)
     for ids, ours, expected in zip(subset, paged, alone[:8]):
         ref.assert_greedy_matches(ids, ours, expected)
 

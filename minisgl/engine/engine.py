@@ -174,7 +174,7 @@ class Engine:
             self.load_seconds = time.perf_counter() - started
             self.max_running = args.max_running_requests or (
                 256 if self.device.type == "cuda" else 128)
-            self.page_size = args.page_size
+            self.page_size = args.page_size or (1 if self.device.type == "cuda" else 16)
             self.kv_pool = self._allocate_kv_pool()
         rows = self.max_running + 1  # the last row belongs to the dummy request
         self.dummy_row = self.max_running

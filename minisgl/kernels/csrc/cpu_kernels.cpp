@@ -26,6 +26,17 @@ inline float load<at::BFloat16>(const at::BFloat16* p, int64_t i) {
   return f;
 }
 
+// NOTE: a request's locations are scattered over the pool (pages are handed out as they
+// free up), which defeats the hardware prefetcher: fetch the row kPrefetch tokens ahead.
+constexpr int64_t kPrefetch = 16;
+
+template <typename T>
+inline void prefetch_row(const T* row, int64_t dim) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t offset = 0; offset < dim * static_cast<int64_t>(sizeof(T)); offset += 64)
+    __builtin_prefetch(p + offset);
+}
+
 template <typename T>
 void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* locations,
             const int64_t* seq_lens, T* out, int64_t batch, int64_t heads, int64_t kv_heads,
@@ -42,6 +53,7 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* locat
       std::fill(maxs.begin(), maxs.end(), -std::numeric_limits<float>::infinity());
       for (int64_t t = 0; t < len; ++t) {
         const T* k = k_cache + (h * pool + loc[t]) * dim;
+        if (t + kPrefetch < len) prefetch_row(k_cache + (h * pool + loc[t + kPrefetch]) * dim, dim);
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = qf.data() + g * dim;
           float s = 0.f;
@@ -66,6 +78,7 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* locat
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < len; ++t) {
         const T* v = v_cache + (h * pool + loc[t]) * dim;
+        if (t + kPrefetch < len) prefetch_row(v_cache + (h * pool + loc[t + kPrefetch]) * dim, dim);
         for (int64_t g = 0; g < group; ++g) {
           const float p = probs[g * max_len + t];
           float* ag = acc.data() + g * dim;
