@@ -83,7 +83,8 @@ def run_hf(prompts: list[list[int]], lens: list[int], batch: int, args: argparse
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
             out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
                                  do_sample=False, pad_token_id=2)
-            tokens += (out.shape[1] - width) * len(group)
+            assert out.shape[1] - width == new
+            tokens += sum(lens[i:i + batch])  # NOTE: the tokens asked for, as minisgl counts
     wall = time.perf_counter() - started
     return {"system": "transformers generate", "concurrency": batch, "output_tokens": tokens,
             "wall_s": wall, "output_tok_s": tokens / wall}

@@ -125,9 +125,12 @@ async def probe_health(session: aiohttp.ClientSession, url: str, stop: asyncio.E
                        latencies: list[float]) -> None:
     while not stop.is_set():
         started = time.perf_counter()
-        async with session.get(url + "/health") as resp:
-            await resp.read()
-        latencies.append(time.perf_counter() - started)
+        try:
+            async with session.get(url + "/health") as resp:
+                await resp.read()
+            latencies.append(time.perf_counter() - started)
+        except aiohttp.ClientError:
+            pass  # NOTE: a failed probe is not a latency; the run's requests still count
         await asyncio.sleep(0.05)
 
 
@@ -163,7 +166,9 @@ async def run(args: argparse.Namespace) -> dict:
     rng = random.Random(args.seed + 7)
     done = 0
     timeout = aiohttp.ClientTimeout(total=None, sock_read=args.timeout)
-    connector = aiohttp.TCPConnector(limit=0)
+    # NOTE: a fresh connection per request, as sglang.bench_serving; reusing keep-alive ones
+    # races with servers that close idle connections (llama-server).
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         stop, health = asyncio.Event(), []
         prober = asyncio.create_task(probe_health(session, args.base_url, stop, health)) \

