@@ -36,6 +36,11 @@ async def follow(manager: RequestManager, handles: list[ReqHandle]
     """Yields (index, handle) whenever a handle's state changed, until all finished; each
     handle's last yield is the one where it is finished. Leaving early (the client went away,
     the handler was cancelled) aborts every request still running."""
+    if len(handles) == 1:  # the common case: no pump task, no queue
+        async with aclosing(manager.updates(handles[0])) as updates:
+            async for handle in updates:
+                yield 0, handle
+        return
     changed: asyncio.Queue[int] = asyncio.Queue()
 
     async def pump(i: int, handle: ReqHandle) -> None:

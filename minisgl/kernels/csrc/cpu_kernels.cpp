@@ -2,7 +2,8 @@
 // - paged decode attention over the head-major KV pool ([kv_heads, locations, dim]): one pass
 //   over each request's K and V, read in place through its location row (no gathered copy, no
 //   padded batch matmuls), parallel over (request, kv head) pairs;
-// - residual add + RMSNorm in one pass per row (float32 math, one rounding).
+// - residual add + RMSNorm in one pass per row (float32 math, one rounding);
+// - silu(gate) * up over a merged [rows, 2 * d] projection, one pass (float32 math).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -35,6 +36,18 @@ inline void prefetch_row(const T* row, int64_t dim) {
   const char* p = reinterpret_cast<const char*>(row);
   for (int64_t offset = 0; offset < dim * static_cast<int64_t>(sizeof(T)); offset += 64)
     __builtin_prefetch(p + offset);
+}
+
+template <typename T>
+inline void store(T* p, int64_t i, float v) { p[i] = static_cast<T>(v); }
+
+template <>
+inline void store<at::BFloat16>(at::BFloat16* p, int64_t i, float v) {
+  // NOTE: round to nearest even like c10, as integer ops the compiler vectorises (finite v).
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  reinterpret_cast<uint16_t*>(p)[i] = static_cast<uint16_t>(bits >> 16);
 }
 
 template <typename T>
@@ -89,7 +102,7 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* locat
       T* oh = out + (b * heads + h * group) * dim;
       for (int64_t g = 0; g < group; ++g)
         for (int64_t d = 0; d < dim; ++d)
-          oh[g * dim + d] = static_cast<T>(acc[g * dim + d] / sums[g]);
+          store(oh, g * dim + d, acc[g * dim + d] / sums[g]);
     }
   });
 }
@@ -100,25 +113,56 @@ void add_rms_norm(T* x, T* residual, const T* weight, T* out, int64_t rows, int6
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> row(hidden);
     for (int64_t r = begin; r < end; ++r) {
-      T* xr = x + r * hidden;
+      const T* carry = x + r * hidden;
+      if (residual != nullptr) {  // the carried residual is rounded like torch's `x + res`
+        T* res = residual + r * hidden;
+#pragma omp simd
+        for (int64_t i = 0; i < hidden; ++i) store(res, i, load(carry, i) + load(res, i));
+        carry = res;
+      }
       float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
       for (int64_t i = 0; i < hidden; ++i) {
-        T sum = xr[i];
-        if (residual != nullptr) {  // the carried residual is rounded like torch's `x + res`
-          sum = static_cast<T>(load(xr, i) + load(residual + r * hidden, i));
-          residual[r * hidden + i] = sum;
-        }
-        row[i] = static_cast<float>(sum);
+        row[i] = load(carry, i);
         squares += row[i] * row[i];
       }
       const float inv = 1.f / std::sqrt(squares / static_cast<float>(hidden) + eps);
       T* o = out + r * hidden;
-      for (int64_t i = 0; i < hidden; ++i) o[i] = static_cast<T>(row[i] * inv * load(weight, i));
+#pragma omp simd
+      for (int64_t i = 0; i < hidden; ++i) store(o, i, row[i] * inv * load(weight, i));
+    }
+  });
+}
+
+template <typename T>
+void silu_and_mul_rows(const T* x, T* out, int64_t rows, int64_t d) {
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = x + r * 2 * d;
+      const T* up = gate + d;
+      T* o = out + r * d;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) {
+        const float g = load(gate, i);
+        store(o, i, g / (1.f + std::exp(-g)) * load(up, i));
+      }
     }
   });
 }
 
 }  // namespace
+
+torch::Tensor silu_and_mul(torch::Tensor x) {
+  TORCH_CHECK(x.is_contiguous() && x.size(-1) % 2 == 0);
+  const int64_t d = x.size(-1) / 2;
+  auto sizes = x.sizes().vec();
+  sizes.back() = d;
+  auto out = torch::empty(sizes, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
+    silu_and_mul_rows<scalar_t>(x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), x.numel() / (2 * d), d);
+  });
+  return out;
+}
 
 // Returns (normed, carry). With a residual: carry = x + residual, written into `residual` in
 // place (the caller owns that buffer); without: carry = x.
@@ -162,5 +206,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention (CPU)",
         py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "residual add + RMSNorm (CPU)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a merged projection (CPU)",
         py::call_guard<py::gil_scoped_release>());
 }
