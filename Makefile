@@ -24,8 +24,10 @@ serve: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# minisgl vs llama.cpp llama-server vs transformers, appended to BENCHMARKS.md (~25 min the
+# first time: it builds llama-server into ~/.cache/minisgl/llama.cpp)
 bench: $(STAMP)
-	$(PY) scripts/bench_offline.py $(ARGS)
+	$(PY) scripts/compare.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
