@@ -48,7 +48,7 @@ def run_minisgl(prompts: list[list[int]], lens: list[int], concurrency: int, ove
         params = [{"max_new_tokens": n, "ignore_eos": True, "temperature": 0} for n in lens]
         llm.generate(input_ids=prompts[:2], sampling_params=params[:2])  # warm-up
         busy0, steps0 = engine.busy_seconds, dict(engine.phase_steps)
-        decode0 = engine.phase_seconds["decode"]
+        decode0, prefill0 = engine.phase_seconds["decode"], engine.phase_seconds["prefill"]
         started = time.perf_counter()
         outs = llm.generate(input_ids=prompts, sampling_params=params)
         wall = time.perf_counter() - started
@@ -62,6 +62,7 @@ def run_minisgl(prompts: list[list[int]], lens: list[int], concurrency: int, ove
             "output_tok_s": tokens / wall,
             "engine_idle_fraction": 1 - (engine.busy_seconds - busy0) / wall,
             "decode_step_ms": step * 1e3, "decode_steps": decode_steps,
+            "prefill_s": engine.phase_seconds["prefill"] - prefill0,
             "weight_read_GBps": weight_bytes(engine.model) / step / 1e9 if decode_steps else None,
         }
 
@@ -122,14 +123,17 @@ def main() -> None:
     print(f"\nmachine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} "
           f"torch threads, torch {torch.__version__}; dtype {args.dtype}; "
           f"{args.num_prompts} prompts, input {args.input_len}, output {args.output_len}")
-    print("| system | concurrency | output tok/s | engine idle | decode step | weights GB/s |")
-    print("|---|---|---|---|---|---|")
+    print("| system | concurrency | output tok/s | engine idle | prefill | decode step | "
+          "weights GB/s |")
+    print("|---|---|---|---|---|---|---|")
     for row in rows:
         idle = row.get("engine_idle_fraction")
         step = row.get("decode_step_ms")
         bw = row.get("weight_read_GBps")
+        prefill = row.get("prefill_s")
         print(f"| {row['system']} | {row['concurrency']} | {row['output_tok_s']:.0f} | "
               f"{'' if idle is None else f'{idle:.1%}'} | "
+              f"{'' if prefill is None else f'{prefill:.1f} s'} | "
               f"{'' if step is None else f'{step:.1f} ms'} | {'' if bw is None else f'{bw:.1f}'} |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
