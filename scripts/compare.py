@@ -10,7 +10,8 @@ Serving (same random token-id prompts, same lengths, streamed through each serve
     from the llama.cpp sources inside the llama-cpp-python sdist into ~/.cache/minisgl/llama.cpp
     (if it cannot be built, the table says so and the rest goes on).
 Offline (scripts/bench_offline.py): minisgl `LLM.generate` vs transformers `generate` in static
-batches, bf16, on the same prompts.
+batches, bf16, on the same prompts: fixed lengths (64 in, 128 out) at batch 1 / 8 / 32, and the
+nano-vllm workload scaled down (64 prompts, lengths uniform in 32-512) at 32 / 64.
 
 Prints a ratio table and appends it, with the command and the machine, to BENCHMARKS.md.
 """
@@ -74,7 +75,8 @@ def build_llama_server(cache: Path = LLAMA_CACHE) -> tuple[Path | None, str]:
         if not source.exists():
             with tarfile.open(sdist) as tar:
                 tar.extractall(cache / "unpack", filter="data")
-            (cache / "unpack" / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp").rename(source)
+            unpacked = cache / "unpack" / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
+            unpacked.rename(source)
             shutil.rmtree(cache / "unpack")
         generator = ["-G", "Ninja"] if shutil.which("ninja") else []
         log(f"building llama-server {version} (several minutes on 2 cores)")
@@ -229,26 +231,51 @@ def run_serving(args: argparse.Namespace, llama: Path | None) -> dict[str, dict[
     return results
 
 
-def run_offline(args: argparse.Namespace) -> list[dict]:
-    ns = argparse.Namespace(dtype="bfloat16", tp_size=1, max_total_tokens=65536,
-                            input_len=args.offline_input_len, output_len=args.offline_output_len,
-                            num_prompts=args.offline_prompts, seed=args.seed)
-    prompts = bench_offline.make_prompts(ns)
-    lens = bench_offline.output_lens(ns, len(prompts))
+@dataclass
+class OfflineWorkload:
+    name: str
+    concurrency: list[int]
+    input_len: list[int]  # one length, or a uniform range LOW HIGH
+    output_len: list[int]
+    prompts: int  # per run; 0: twice the concurrency (at least 4)
+
+
+def offline_workloads(args: argparse.Namespace) -> list[OfflineWorkload]:
+    loads = []
+    if args.fixed_concurrency:  # the issue's transformers baseline: 64 in, 128 out
+        loads.append(OfflineWorkload("fixed", args.fixed_concurrency, [args.fixed_input_len],
+                                     [args.fixed_output_len], 0))
+    if args.offline_concurrency:  # the nano-vllm workload, scaled to this CPU
+        loads.append(OfflineWorkload("varied", args.offline_concurrency, args.offline_input_len,
+                                     args.offline_output_len, args.offline_prompts))
+    return loads
+
+
+def run_offline(args: argparse.Namespace, load: OfflineWorkload) -> list[dict]:
     rows = []
-    for c in args.offline_concurrency:
-        log(f"offline, concurrency {c}")
+    for c in load.concurrency:
+        ns = argparse.Namespace(dtype="bfloat16", tp_size=1, max_total_tokens=65536,
+                                input_len=load.input_len, output_len=load.output_len,
+                                num_prompts=load.prompts or max(4, 2 * c), seed=args.seed + c)
+        prompts = bench_offline.make_prompts(ns)
+        lens = bench_offline.output_lens(ns, len(prompts))
+        log(f"offline {load.name}, concurrency {c}, {len(prompts)} prompts")
         rows.append(bench_offline.run_minisgl(prompts, lens, c, True, ns))
         if not args.skip_hf:
             rows.append(bench_offline.run_hf(prompts, lens, c, ns))
     return rows
 
 
+def span(lens: list[int]) -> str:
+    return "-".join(map(str, lens))
+
+
 def ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}x" if a and b else "n/a"
 
 
-def report(args: argparse.Namespace, serving: dict[str, dict[int, dict]], offline: list[dict],
+def report(args: argparse.Namespace, serving: dict[str, dict[int, dict]],
+           offline: list[tuple[OfflineWorkload, list[dict]]],
            llama_note: str, command: str) -> str:
     import torch
     lines = [f"## Peer comparison ({date.today().isoformat()}, `scripts/compare.py`)", "",
@@ -258,7 +285,8 @@ def report(args: argparse.Namespace, serving: dict[str, dict[int, dict]], offlin
              f"bf16 (269 MB of weights read per decode step); llama.cpp: {llama_note}, on the "
              f"bundled Q4_1 GGUF (98 MB per step).", ""]
     if serving:
-        ours, off = serving.get("minisgl", {}), serving.get("minisgl --disable-overlap-schedule", {})
+        ours = serving.get("minisgl", {})
+        off = serving.get("minisgl --disable-overlap-schedule", {})
         peer = serving.get("llama.cpp llama-server", {})
         lines += [f"Serving: {args.input_len} input / {args.output_len} output tokens, "
                   f"ignore_eos, greedy, {args.prompts_per_stream} prompts per stream, all sent "
@@ -286,17 +314,17 @@ def report(args: argparse.Namespace, serving: dict[str, dict[int, dict]], offlin
             lines += ["", "minisgl `/health` while serving: " + "; ".join(
                 f"{c} streams p50 {h['median']:.1f} / p99 {h['p99']:.1f} ms" for c, h in health)]
         lines.append("")
-    if offline:
-        lo, hi = args.offline_input_len, args.offline_output_len
-        lines += [f"Offline: {args.offline_prompts} prompts, input {'-'.join(map(str, lo))}, "
-                  f"output {'-'.join(map(str, hi))} tokens (uniform), ignore_eos, greedy; "
-                  "transformers runs static batches of the same size (tokens counted: the ones "
-                  "asked for).", "",
+    for load, rows in offline:
+        count = f"{load.prompts} prompts" if load.prompts else "2 prompts per slot (at least 4)"
+        lines += [f"Offline, {load.name} lengths: {count}, input {span(load.input_len)}, output "
+                  f"{span(load.output_len)} tokens{' (uniform)' if len(load.input_len) > 1 else ''}"
+                  ", ignore_eos, greedy; transformers runs static batches of the same size, "
+                  "bf16 (tokens counted: the ones asked for).", "",
                   "| concurrency | minisgl tok/s | engine idle | decode step | transformers tok/s "
                   "| minisgl / transformers |", "|---|---|---|---|---|---|"]
-        for c in args.offline_concurrency:
-            ours = next(r for r in offline if r["system"] == "minisgl" and r["concurrency"] == c)
-            hf = next((r for r in offline if r["system"] == "transformers generate"
+        for c in load.concurrency:
+            ours = next(r for r in rows if r["system"] == "minisgl" and r["concurrency"] == c)
+            hf = next((r for r in rows if r["system"] == "transformers generate"
                        and r["concurrency"] == c), None)
             hf_tok = hf["output_tok_s"] if hf else None
             lines.append(f"| {c} | {ours['output_tok_s']:.0f} | "
@@ -315,7 +343,12 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--prompts-per-stream", type=int, default=2)
     parser.add_argument("--min-prompts", type=int, default=4)
-    parser.add_argument("--offline-concurrency", type=int, nargs="+", default=[32, 64])
+    parser.add_argument("--fixed-concurrency", type=int, nargs="*", default=[1, 8, 32],
+                        help="offline, fixed lengths (none: skip)")
+    parser.add_argument("--fixed-input-len", type=int, default=64)
+    parser.add_argument("--fixed-output-len", type=int, default=128)
+    parser.add_argument("--offline-concurrency", type=int, nargs="*", default=[32, 64],
+                        help="offline, varied lengths (none: skip)")
     parser.add_argument("--offline-prompts", type=int, default=64)
     parser.add_argument("--offline-input-len", type=int, nargs="+", default=[32, 512])
     parser.add_argument("--offline-output-len", type=int, nargs="+", default=[32, 512])
@@ -341,7 +374,8 @@ def main() -> None:
             if llama is None:
                 log(llama_note)
     serving = {} if args.skip_serving else run_serving(args, llama)
-    offline = [] if args.skip_offline else run_offline(args)
+    offline = [] if args.skip_offline else [(load, run_offline(args, load))
+                                            for load in offline_workloads(args)]
     text = report(args, serving, offline, llama_note, command.strip())
     print(text)
     if args.append is not None:

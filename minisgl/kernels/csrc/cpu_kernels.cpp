@@ -66,7 +66,8 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* locat
       std::fill(maxs.begin(), maxs.end(), -std::numeric_limits<float>::infinity());
       for (int64_t t = 0; t < len; ++t) {
         const T* k = k_cache + (h * pool + loc[t]) * dim;
-        if (t + kPrefetch < len) prefetch_row(k_cache + (h * pool + loc[t + kPrefetch]) * dim, dim);
+        if (t + kPrefetch < len)
+          prefetch_row(k_cache + (h * pool + loc[t + kPrefetch]) * dim, dim);
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = qf.data() + g * dim;
           float s = 0.f;
@@ -91,7 +92,8 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* locat
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < len; ++t) {
         const T* v = v_cache + (h * pool + loc[t]) * dim;
-        if (t + kPrefetch < len) prefetch_row(v_cache + (h * pool + loc[t + kPrefetch]) * dim, dim);
+        if (t + kPrefetch < len)
+          prefetch_row(v_cache + (h * pool + loc[t + kPrefetch]) * dim, dim);
         for (int64_t g = 0; g < group; ++g) {
           const float p = probs[g * max_len + t];
           float* ag = acc.data() + g * dim;
@@ -159,7 +161,8 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   sizes.back() = d;
   auto out = torch::empty(sizes, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
-    silu_and_mul_rows<scalar_t>(x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), x.numel() / (2 * d), d);
+    silu_and_mul_rows<scalar_t>(x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                                x.numel() / (2 * d), d);
   });
   return out;
 }
