@@ -365,7 +365,8 @@ def main() -> None:
     args = parser.parse_args()
     command = "python scripts/compare.py " + " ".join(sys.argv[1:])
 
-    llama, llama_note = None, "skipped (--skip-llama-cpp)"
+    llama = None
+    llama_note = "not run (" + ("--skip-serving" if args.skip_serving else "--skip-llama-cpp") + ")"
     if not args.skip_serving and not args.skip_llama_cpp:
         if args.llama_server is not None:
             llama, llama_note = args.llama_server, f"`{args.llama_server}`"
