@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from minisgl.kernels import cpu_kernels
+
 
 def _inverse_frequencies(head_dim: int, rope: dict[str, Any]) -> torch.Tensor:
     theta = float(rope.get("rope_theta", 10000.0))
@@ -47,8 +49,17 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        kernels = cpu_kernels() if q.device.type == "cpu" else None
+        if (kernels is not None and _heads_contiguous(q) and _heads_contiguous(k)
+                and positions.dtype == torch.int64 and self.cos.dtype == torch.float32):
+            kernels.rotary_(q, k, positions, self.cos, self.sin)  # float32 math, in place
+            return q, k
         # NOTE: like the reference implementations, the angles are computed in float32 and
         # applied in the activation dtype.
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+
+def _heads_contiguous(x: torch.Tensor) -> bool:
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]

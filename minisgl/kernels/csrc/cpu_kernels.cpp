@@ -3,7 +3,8 @@
 //   over each request's K and V, read in place through its location row (no gathered copy, no
 //   padded batch matmuls), parallel over (request, kv head) pairs;
 // - residual add + RMSNorm in one pass per row (float32 math, one rounding);
-// - silu(gate) * up over a merged [rows, 2 * d] projection, one pass (float32 math).
+// - silu(gate) * up over a merged [rows, 2 * d] projection, one pass (float32 math);
+// - rotary embedding ("rotate half") of q and k in place, one pass (float32 math).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -152,7 +153,45 @@ void silu_and_mul_rows(const T* x, T* out, int64_t rows, int64_t d) {
   });
 }
 
+template <typename T>
+void rotate_half(T* x, int64_t tokens, int64_t heads, int64_t token_stride, int64_t dim,
+                 const int64_t* positions, const float* cos, const float* sin) {
+  const int64_t half = dim / 2;
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cos + positions[t] * half;
+      const float* s = sin + positions[t] * half;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* xh = x + t * token_stride + h * dim;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = load(xh, i), x2 = load(xh, i + half);
+          store(xh, i, x1 * c[i] - x2 * s[i]);
+          store(xh, i + half, x2 * c[i] + x1 * s[i]);
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
+
+// q: [tokens, heads, dim], k: [tokens, kv_heads, dim], each with contiguous heads (a token
+// stride of their own: views into the fused QKV output); cos/sin: [positions, dim / 2] float32.
+void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor positions, torch::Tensor cos,
+             torch::Tensor sin) {
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous());
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous());
+  for (const auto& x : {q, k}) {
+    TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2) &&
+                x.size(0) == positions.size(0) && x.size(2) == 2 * cos.size(1));
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rotary", [&] {
+      rotate_half<scalar_t>(x.data_ptr<scalar_t>(), x.size(0), x.size(1), x.stride(0),
+                            x.size(2), positions.data_ptr<int64_t>(), cos.data_ptr<float>(),
+                            sin.data_ptr<float>());
+    });
+  }
+}
 
 torch::Tensor silu_and_mul(torch::Tensor x) {
   TORCH_CHECK(x.is_contiguous() && x.size(-1) % 2 == 0);
@@ -209,6 +248,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention (CPU)",
         py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "residual add + RMSNorm (CPU)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("rotary_", &rotary_, "rotary embedding of q and k, in place (CPU)",
         py::call_guard<py::gil_scoped_release>());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a merged projection (CPU)",
         py::call_guard<py::gil_scoped_release>());
