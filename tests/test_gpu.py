@@ -10,6 +10,7 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from minisgl.core import Req, SamplingParams
 from minisgl.server_args import ServerArgs
@@ -30,6 +31,7 @@ MODELS = {  # shape-only configs with dummy weights, 2 layers: no download neede
 }
 BF16_REL_TOL = 0.05  # relative L2 error of a bfloat16 model's logits between kernels
 GRAPH_REL_TOL = 2e-2
+FUSED_REL_TOL = 1e-2  # bfloat16 outputs against float32 math: one rounding is ~4e-3
 TOP2_MARGIN_BF16 = 0.25  # logit units: where greedy runs may legitimately differ
 
 
@@ -111,6 +113,7 @@ def test_graph_replay_matches_eager_and_padding_stays_in_the_dummy_page(
                              dummy_loc=engine.kv_pool.dummy_loc, device=engine.device)
         runner.capture()
         assert sorted(runner.graphs) == [1, 2, 4, 8]
+        engine.kv_pool.buffer.zero_()  # NOTE: defined values, so that unwritten == unchanged
         rows = list(range(8))
         lengths = [30 + 9 * r for r in rows]
         locations = _locations(engine, rows, 200, page_size)
@@ -253,6 +256,56 @@ def test_engine_captures_graphs_when_integrated(flashinfer) -> None:
         assert runner is not None and sorted(runner.graphs) == [1, 2, 4, 8]
     finally:
         engine.shutdown()
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.detach().float(), want.detach().float()
+    return float((got - want).norm() / want.norm())
+
+
+def test_fused_cuda_layers_match_float32_math(flashinfer) -> None:
+    """RMSNorm (with the residual add, and per head as QK-norm), silu(gate) * up and RoPE run
+    FlashInfer's kernels on CUDA; each against its float32 formula, on strided inputs as the
+    model passes them (q and k are views into the fused qkv output)."""
+    from minisgl.kernels import cuda_kernels
+    from minisgl.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+    torch.manual_seed(0)
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    tokens, heads, kv_heads, head_dim, hidden = 37, 8, 2, 128, 1024
+    assert cuda_kernels(torch.empty(1, device=dev, dtype=dt)) is not None
+    assert cuda_kernels(torch.empty(1, device=dev)) is None  # float32 keeps the torch ops
+
+    norm = RMSNorm(hidden, 1e-6).to(dev, dt)
+    norm.weight.data.normal_(1.0, 0.1)
+    x, residual = (torch.randn(tokens, hidden, device=dev, dtype=dt) for _ in range(2))
+    total = x.float() + residual.float()
+    want = F.rms_norm(total, (hidden,), norm.weight.float(), 1e-6)
+    normed, carry = norm(x.clone(), residual.clone())
+    assert _rel(normed, want) < FUSED_REL_TOL and _rel(carry, total) < FUSED_REL_TOL
+    normed, carry = norm(x, None)  # the first layer: no residual yet, x is the carry
+    assert carry is x
+    assert _rel(normed, F.rms_norm(x.float(), (hidden,), norm.weight.float(), 1e-6)) < FUSED_REL_TOL
+
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device=dev, dtype=dt)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    q_norm = RMSNorm(head_dim, 1e-6).to(dev, dt)
+    q_norm.weight.data.normal_(1.0, 0.1)
+    want = F.rms_norm(q.float(), (head_dim,), q_norm.weight.float(), 1e-6)
+    assert _rel(q_norm.forward_plain(q), want) < FUSED_REL_TOL
+
+    gate_up = torch.randn(tokens, 2 * 512, device=dev, dtype=dt)
+    want = F.silu(gate_up[:, :512].float()) * gate_up[:, 512:].float()
+    assert _rel(SiluAndMul()(gate_up), want) < FUSED_REL_TOL
+
+    rope = RotaryEmbedding(head_dim, 4096, {"rope_theta": 500000.0}).to(dev)
+    positions = torch.randint(0, 4096, (tokens,), device=dev)
+    cos, sin = rope.cos[positions].unsqueeze(1), rope.sin[positions].unsqueeze(1)
+    want_q = RotaryEmbedding._rotate(q.float(), cos, sin)
+    want_k = RotaryEmbedding._rotate(k.float(), cos, sin)
+    got_q, got_k = rope(positions, q, k)
+    assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr()  # in place
+    assert _rel(got_q, want_q) < FUSED_REL_TOL and _rel(got_k, want_k) < FUSED_REL_TOL
 
 
 def test_polling_stream_completes_like_the_waiter_thread() -> None:

@@ -2,14 +2,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minisgl.kernels import cpu_kernels
+from minisgl.kernels import cpu_kernels, cuda_kernels
 
 
 class SiluAndMul(nn.Module):
-    """silu(gate) * up over a merged [..., 2 * d] gate/up projection; on CPU one compiled pass
-    (float32 math, one rounding)."""
+    """silu(gate) * up over a merged [..., 2 * d] gate/up projection; one kernel on CPU (ours,
+    float32 math, one rounding) and on CUDA (FlashInfer's)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = cuda_kernels(x)
+        if fused is not None and x.is_contiguous() and x.shape[-1] * x.element_size() % 32 == 0:
+            return fused.silu_and_mul(x)
         kernels = cpu_kernels() if x.device.type == "cpu" and x.is_contiguous() else None
         if kernels is not None:
             return kernels.silu_and_mul(x)

@@ -2,11 +2,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minisgl.kernels import cpu_kernels
+from minisgl.kernels import cpu_kernels, cuda_kernels
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm with float32 math and the residual add fused in; on CPU one compiled pass."""
+    """RMSNorm with float32 math and the residual add fused in; one kernel on CPU (ours) and on
+    CUDA (FlashInfer's)."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -20,7 +21,15 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (normed, residual to carry): the carry is x, plus residual when given.
-        NOTE: with the CPU kernel the sum is written into `residual` in place."""
+        NOTE: with the CPU kernel the sum is written into `residual` in place; with the CUDA
+        kernel too, and the normed values into `x`."""
+        fused = cuda_kernels(x)
+        contiguous = x.is_contiguous() and (residual is None or residual.is_contiguous())
+        if fused is not None and contiguous:
+            if residual is None:
+                return fused.rmsnorm(x, self.weight, self.eps), x
+            fused.fused_add_rmsnorm(x, residual, self.weight, self.eps)
+            return x, residual
         kernels = self._kernels(x)
         if kernels is not None:
             normed, carry = kernels.rms_norm(x, residual, self.weight, self.eps)
@@ -30,6 +39,10 @@ class RMSNorm(nn.Module):
         return self.forward_plain(x), x
 
     def forward_plain(self, x: torch.Tensor) -> torch.Tensor:
+        """Over the last dim of x (2-D, or 3-D per head as QK-norm uses it); x is not changed."""
+        fused = cuda_kernels(x)
+        if fused is not None and x.dim() in (2, 3) and x.stride(-1) == 1:
+            return fused.rmsnorm(x, self.weight, self.eps)
         kernels = self._kernels(x)
         if kernels is not None:
             return kernels.rms_norm(x, None, self.weight, self.eps)[0]

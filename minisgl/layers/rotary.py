@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from minisgl.kernels import cpu_kernels
+from minisgl.kernels import cpu_kernels, cuda_kernels
 
 
 def _inverse_frequencies(head_dim: int, rope: dict[str, Any]) -> torch.Tensor:
@@ -40,6 +40,7 @@ class RotaryEmbedding(nn.Module):
                             _inverse_frequencies(head_dim, rope))
         self.register_buffer("cos", freqs.cos(), persistent=False)  # [max_positions, head_dim/2]
         self.register_buffer("sin", freqs.sin(), persistent=False)
+        self._cos_sin: torch.Tensor | None = None  # [max_positions, head_dim] (CUDA kernel)
 
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -49,6 +50,14 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        fused = cuda_kernels(q)
+        if fused is not None and q.stride(-1) == 1 and k.stride(-1) == 1:
+            if self._cos_sin is None or self._cos_sin.device != q.device:
+                # NOTE: made at the first (eager) forward, before any CUDA-graph capture
+                self._cos_sin = torch.cat((self.cos, self.sin), dim=-1).float()
+            fused.apply_rope_with_cos_sin_cache_inplace(  # float32 math, in place
+                positions, q, k, self.head_dim, self._cos_sin, is_neox=True)
+            return q, k
         kernels = cpu_kernels() if q.device.type == "cpu" else None
         if (kernels is not None and _heads_contiguous(q) and _heads_contiguous(k)
                 and positions.dtype == torch.int64 and self.cos.dtype == torch.float32):
