@@ -52,7 +52,8 @@ class ServerArgs:
     disable_overlap_schedule: bool = _flag(
         False, "Process each batch's results before launching the next one.")
     attention_backend: str | None = _flag(
-        None, "torch or flashinfer (default: flashinfer on CUDA, torch on CPU).",
+        None, "torch or flashinfer (default: flashinfer on CUDA for float16/bfloat16 when "
+        "installed, else torch).",
         choices=["torch", "flashinfer"])
     cuda_graph_max_bs: int = _flag(160, "Largest decode batch captured in a CUDA graph.")
     disable_cuda_graph: bool = _flag(False, "Run decode eagerly on CUDA.")

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+import importlib.util
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -9,6 +11,8 @@ from minisgl.core import Batch
 
 if TYPE_CHECKING:
     from minisgl.kvcache import KVPool
+
+logger = logging.getLogger(__name__)
 
 
 class AttentionBackend(ABC):
@@ -29,6 +33,20 @@ class AttentionBackend(ABC):
                 batch: Batch) -> torch.Tensor:
         """q: [tokens, heads, head_dim], k/v: [tokens, kv_heads, head_dim] of the new tokens.
         Stores k/v at batch.out_loc and returns [tokens, heads * head_dim]."""
+
+
+def default_attention_backend(device: torch.device, dtype: torch.dtype) -> str:
+    """FlashInfer on CUDA for half-precision models when it is installed; torch otherwise."""
+    if device.type != "cuda":
+        return "torch"
+    if dtype not in (torch.float16, torch.bfloat16):
+        logger.info("attention: torch backend (FlashInfer runs in float16/bfloat16 only)")
+        return "torch"
+    if importlib.util.find_spec("flashinfer") is None:
+        logger.warning("attention: FlashInfer is not installed (pip install minisgl[gpu]); "
+                       "using the slower torch backend without CUDA graphs")
+        return "torch"
+    return "flashinfer"
 
 
 def create_attention_backend(name: str, kv_pool: KVPool, page_table: torch.Tensor,

@@ -24,7 +24,11 @@ import numpy as np
 import psutil
 import torch
 
-from minisgl.attention import AttentionBackend, create_attention_backend
+from minisgl.attention import (
+    AttentionBackend,
+    create_attention_backend,
+    default_attention_backend,
+)
 from minisgl.core import Batch
 from minisgl.distributed import TPInfo
 from minisgl.distributed.context import (
@@ -182,7 +186,7 @@ class Engine:
         self.token_pool = torch.zeros(rows, self.context_len, dtype=torch.int32, device=self.device)
         self.page_table[self.dummy_row].fill_(self.kv_pool.dummy_loc)
         self.attn_backend: AttentionBackend = create_attention_backend(
-            args.attention_backend or ("flashinfer" if self.device.type == "cuda" else "torch"),
+            args.attention_backend or default_attention_backend(self.device, self.dtype),
             self.kv_pool, self.page_table, self.arch.head_dim ** -0.5,
             num_qo_heads=self.model.layers[0].self_attn.qkv_proj.num_heads)  # flashinfer only
         self.sampler = Sampler(self.arch.vocab_size, self.device, list(self.arch.eos_token_ids))
@@ -420,6 +424,29 @@ class Engine:
             self.workers = None
         self.group = None
         self._restore_threads()
+        if self.device.type == "cuda":
+            self._release_device_memory()
+
+    def _release_device_memory(self) -> None:
+        """Free the weights, KV pool, tables and graphs now, even while callers still hold
+        this engine (an `LLM` kept in a variable): a second engine in the same process needs
+        the memory. The engine cannot run after this."""
+        torch.cuda.synchronize(self.device)
+        if self.graph_runner is not None:
+            for graph in self.graph_runner.graphs.values():
+                graph.reset()
+            self.graph_runner = None
+        tensors = [getattr(self, name, None) for name in ("page_table", "token_pool")]
+        if getattr(self, "kv_pool", None) is not None:
+            tensors.append(self.kv_pool.buffer)
+        if getattr(self, "model", None) is not None:
+            tensors += [*self.model.parameters(), *self.model.buffers()]
+            tensors += [value for module in self.model.modules() for value in vars(module).values()
+                        if isinstance(value, torch.Tensor)]  # caches such as RoPE's cos_sin
+        for tensor in tensors:
+            if tensor is not None and tensor.device.type == "cuda":
+                tensor.untyped_storage().resize_(0)
+        torch.cuda.empty_cache()
 
     def _restore_threads(self) -> None:
         if self._saved_threads is not None:
