@@ -6,6 +6,7 @@ import asyncio
 from typing import Any
 
 from minisgl.core import InvalidRequest, SamplingParams
+from minisgl.engine import no_openmp_on_this_thread
 from minisgl.server.manager import RequestManager
 from minisgl.server_args import ServerArgs
 
@@ -17,7 +18,7 @@ class LLM:
         self.args = ServerArgs(model_path=model, dtype=dtype, **server_args)
         self._loop = asyncio.new_event_loop()
         self.manager = RequestManager(self.args)
-        self._loop.run_until_complete(self.manager.start())
+        self._run(self.manager.start())
 
     @property
     def tokenizer(self) -> Any:
@@ -29,8 +30,14 @@ class LLM:
                  return_logprob: bool = False, top_logprobs_num: int = 0
                  ) -> dict[str, Any] | list[dict[str, Any]]:
         """One prompt (or ids) gives one SGLang-style dict; a list gives a list."""
-        return self._loop.run_until_complete(self._generate(
+        return self._run(self._generate(
             prompt, sampling_params, input_ids, return_logprob, top_logprobs_num))
+
+    def _run(self, coroutine: Any) -> Any:
+        """Run the event loop (scheduler included) on the caller's thread until `coroutine`
+        is done; the caller's own torch work between calls keeps its threads."""
+        with no_openmp_on_this_thread():
+            return self._loop.run_until_complete(coroutine)
 
     async def _generate(self, prompt: Any, sampling_params: Any, input_ids: Any,
                         return_logprob: bool, top_logprobs_num: int) -> Any:
@@ -68,7 +75,7 @@ class LLM:
     def shutdown(self) -> None:
         if self._loop.is_closed():
             return
-        self._loop.run_until_complete(self.manager.stop())
+        self._run(self.manager.stop())
         self._loop.close()
 
     def __enter__(self) -> LLM:

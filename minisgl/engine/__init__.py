@@ -1,5 +1,7 @@
 """The engine: model + device memory + one forward, run on an engine stream."""
 
 from minisgl.engine.engine import Engine, EngineFailed, ForwardInput, ForwardOutput, HostInputs
+from minisgl.engine.stream import no_openmp_on_this_thread
 
-__all__ = ["Engine", "EngineFailed", "ForwardInput", "ForwardOutput", "HostInputs"]
+__all__ = ["Engine", "EngineFailed", "ForwardInput", "ForwardOutput", "HostInputs",
+           "no_openmp_on_this_thread"]

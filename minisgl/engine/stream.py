@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import ctypes
+import functools
 import queue
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -112,6 +115,37 @@ class CudaStream:
     def close(self, wait: bool = True) -> None:
         self._events.put(None)
         self._waiter.join(timeout=5 if wait else 0)
+
+
+@functools.lru_cache(maxsize=1)
+def _omp_set_num_threads() -> Callable[[int], None] | None:
+    """`omp_set_num_threads` of the OpenMP runtime torch loaded (Linux), else None."""
+    try:
+        with open("/proc/self/maps") as maps:
+            path = next(line.split()[-1] for line in maps
+                        if any(name in line for name in ("libgomp", "libiomp", "libomp")))
+        return ctypes.CDLL(path).omp_set_num_threads
+    except (OSError, StopIteration, AttributeError):
+        return None
+
+
+@contextlib.contextmanager
+def no_openmp_on_this_thread() -> Iterator[None]:
+    """Run this thread's torch ops serially (OpenMP team of one) inside the block: the event
+    loop's thread, while the engine thread serves. NOTE: one op there big enough to go parallel
+    gives this thread its own OpenMP team; with more OpenMP threads than cores libgomp stops
+    spinning between parallel regions, and every later CPU engine step ran ~1.5x slower, for
+    the rest of the process (BENCHMARKS.md, "overlap mode at 2 streams")."""
+    setter = _omp_set_num_threads()
+    if setter is None:
+        yield
+        return
+    before = torch.get_num_threads()  # NOTE: also runs torch's per-thread lazy init first
+    setter(1)
+    try:
+        yield
+    finally:
+        setter(before)
 
 
 def _in_inference_mode(fn: Callable[[], Any]) -> Any:

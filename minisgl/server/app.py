@@ -20,6 +20,7 @@ from aiohttp import web
 
 from minisgl import __version__
 from minisgl.core import InvalidRequest, SamplingParams
+from minisgl.engine import no_openmp_on_this_thread
 from minisgl.scheduler import QueueFull
 from minisgl.server.manager import ReqHandle, RequestManager
 from minisgl.server.openai_api import OpenAIAPI
@@ -295,6 +296,7 @@ def serve(args: ServerArgs) -> None:
     # Until the loop takes the signals over (once the model is loaded), SIGTERM acts as Ctrl-C.
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        run(run_server(args))
+        with no_openmp_on_this_thread():  # the event loop's thread leaves OpenMP to the engine
+            run(run_server(args))
     except KeyboardInterrupt:
         logger.info("interrupted while loading")
