@@ -128,8 +128,11 @@ def test_sampled_generation_is_seeded(llm) -> None:
 
 @pytest.mark.parametrize("config", ["llama-3.1-8b", "qwen3-0.6b"])
 def test_dummy_weights_build_and_run(config: str) -> None:
+    # NOTE: 2 layers and a 32k vocabulary: the 8B shape's full embedding and head alone are
+    # 1B parameters to fill with random values
     args = ServerArgs(model_path=config, load_format="dummy", max_total_tokens=256,
-                      max_running_requests=2, json_model_override_args='{"num_hidden_layers": 2}')
+                      max_running_requests=2,
+                      json_model_override_args='{"num_hidden_layers": 2, "vocab_size": 32000}')
     engine = Engine(args)
     ids = list(range(100, 120))
     logits = forward_positions(engine, ids, prefill_len=16)
