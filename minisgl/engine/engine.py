@@ -149,12 +149,12 @@ class Engine:
             check_tp_size(self.arch, self.tp.size, self.model_path.name)
         try:
             if self.tp.size > 1 and self.tp.is_primary and group is None:
-                if self.device.type == "cpu":  # NOTE: process-wide; restored at shutdown
-                    self._saved_threads = torch.get_num_threads()
-                    torch.set_num_threads(cpu_threads(self.tp.size))
                 self.workers = TPWorkers(args, self.tp.size, self.device)
             if self.device.type == "cpu" and self.tp.is_primary:
                 self.stream = CpuStream()  # built on the thread that will run the forwards
+                if self.workers is not None:  # NOTE: process-wide; restored at shutdown
+                    self._saved_threads = self.stream.call(
+                        partial(_share_cores, cpu_threads(self.tp.size)))
                 self.stream.call(lambda: self._build(started))
             else:
                 self._build(started)
@@ -452,6 +452,15 @@ class Engine:
         if self._saved_threads is not None:
             torch.set_num_threads(self._saved_threads)
             self._saved_threads = None
+
+
+def _share_cores(threads: int) -> int:
+    """On the engine thread (tp > 1 on CPU: the ranks share the host's cores): set torch's
+    intra-op threads, the process default and this thread's; returns the previous count. The
+    caller's thread keeps its own (the event loop's runs without OpenMP)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    return previous
 
 
 def _to_host(x: torch.Tensor | None) -> torch.Tensor | None:
