@@ -78,4 +78,6 @@ def run_scenario(model: torch.nn.Module, backend, page_table: torch.Tensor,
 
 
 def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    """||ours - ref|| / ||ref||, in float32 whatever the inputs' dtypes."""
+    ours, ref = ours.detach().float(), ref.detach().float()
     return float((ours - ref).norm() / ref.norm())

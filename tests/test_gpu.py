@@ -258,11 +258,6 @@ def test_engine_captures_graphs_when_integrated(flashinfer) -> None:
         engine.shutdown()
 
 
-def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.detach().float(), want.detach().float()
-    return float((got - want).norm() / want.norm())
-
-
 def test_fused_cuda_layers_match_float32_math(flashinfer) -> None:
     """RMSNorm (with the residual add, and per head as QK-norm), silu(gate) * up and RoPE run
     FlashInfer's kernels on CUDA; each against its float32 formula, on strided inputs as the
@@ -281,10 +276,12 @@ def test_fused_cuda_layers_match_float32_math(flashinfer) -> None:
     total = x.float() + residual.float()
     want = F.rms_norm(total, (hidden,), norm.weight.float(), 1e-6)
     normed, carry = norm(x.clone(), residual.clone())
-    assert _rel(normed, want) < FUSED_REL_TOL and _rel(carry, total) < FUSED_REL_TOL
+    assert scenario.relative_error(normed, want) < FUSED_REL_TOL
+    assert scenario.relative_error(carry, total) < FUSED_REL_TOL
     normed, carry = norm(x, None)  # the first layer: no residual yet, x is the carry
     assert carry is x
-    assert _rel(normed, F.rms_norm(x.float(), (hidden,), norm.weight.float(), 1e-6)) < FUSED_REL_TOL
+    want = F.rms_norm(x.float(), (hidden,), norm.weight.float(), 1e-6)
+    assert scenario.relative_error(normed, want) < FUSED_REL_TOL
 
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device=dev, dtype=dt)
     q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
@@ -292,11 +289,11 @@ def test_fused_cuda_layers_match_float32_math(flashinfer) -> None:
     q_norm = RMSNorm(head_dim, 1e-6).to(dev, dt)
     q_norm.weight.data.normal_(1.0, 0.1)
     want = F.rms_norm(q.float(), (head_dim,), q_norm.weight.float(), 1e-6)
-    assert _rel(q_norm.forward_plain(q), want) < FUSED_REL_TOL
+    assert scenario.relative_error(q_norm.forward_plain(q), want) < FUSED_REL_TOL
 
     gate_up = torch.randn(tokens, 2 * 512, device=dev, dtype=dt)
     want = F.silu(gate_up[:, :512].float()) * gate_up[:, 512:].float()
-    assert _rel(SiluAndMul()(gate_up), want) < FUSED_REL_TOL
+    assert scenario.relative_error(SiluAndMul()(gate_up), want) < FUSED_REL_TOL
 
     rope = RotaryEmbedding(head_dim, 4096, {"rope_theta": 500000.0}).to(dev)
     positions = torch.randint(0, 4096, (tokens,), device=dev)
@@ -305,7 +302,8 @@ def test_fused_cuda_layers_match_float32_math(flashinfer) -> None:
     want_k = RotaryEmbedding._rotate(k.float(), cos, sin)
     got_q, got_k = rope(positions, q, k)
     assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr()  # in place
-    assert _rel(got_q, want_q) < FUSED_REL_TOL and _rel(got_k, want_k) < FUSED_REL_TOL
+    assert scenario.relative_error(got_q, want_q) < FUSED_REL_TOL
+    assert scenario.relative_error(got_k, want_k) < FUSED_REL_TOL
 
 
 def test_polling_stream_completes_like_the_waiter_thread() -> None:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from minisgl.core import Batch
+from minisgl.kernels.cuda import HALF_DTYPES
 
 if TYPE_CHECKING:
     from minisgl.kvcache import KVPool
@@ -39,7 +40,7 @@ def default_attention_backend(device: torch.device, dtype: torch.dtype) -> str:
     """FlashInfer on CUDA for half-precision models when it is installed; torch otherwise."""
     if device.type != "cuda":
         return "torch"
-    if dtype not in (torch.float16, torch.bfloat16):
+    if dtype not in HALF_DTYPES:
         logger.info("attention: torch backend (FlashInfer runs in float16/bfloat16 only)")
         return "torch"
     if importlib.util.find_spec("flashinfer") is None:

@@ -30,6 +30,7 @@ import torch
 
 from minisgl.attention.base import AttentionBackend
 from minisgl.core import Batch
+from minisgl.kernels.cuda import HALF_DTYPES
 
 if TYPE_CHECKING:
     from minisgl.kvcache import KVPool
@@ -127,7 +128,7 @@ class FlashInferBackend(AttentionBackend):
         buffer = kv_pool.buffer  # [2, layers, kv_heads, locations, head_dim]
         if buffer.device.type != "cuda":
             raise ValueError("the flashinfer backend needs the KV pool on a CUDA device")
-        if buffer.dtype not in (torch.float16, torch.bfloat16):
+        if buffer.dtype not in HALF_DTYPES:
             raise ValueError(f"flashinfer attention runs in float16/bfloat16, not {buffer.dtype}; "
                              "use --dtype bfloat16 or --attention-backend torch")
         self.device, self.dtype = buffer.device, buffer.dtype
