@@ -4,6 +4,7 @@
     python scripts/bench_gpu.py offline  # nano-vllm's offline workload through minisgl.LLM
     python scripts/bench_gpu.py idle     # GPU idle between decode steps, overlap on vs off
     python scripts/bench_gpu.py events   # awaiting copy-done: waiter thread vs polling
+    python scripts/bench_gpu.py events --device cpu  # the same hand-off, stand-in events, no GPU
     python scripts/bench_gpu.py all --json results.json
 
 decode: `--model llama-3.1-8b --load-format dummy`; one request, decode time = time(1 + N new
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 import random
 import statistics
 import sys
@@ -221,7 +223,7 @@ def bench_events(args: argparse.Namespace) -> list[dict[str, Any]]:
     from minisgl.engine.cuda_events import benchmark_waiters
     rows = []
     for busy in (0.0, 50.0):
-        for row in benchmark_waiters("cuda", tuple(args.event_ms), args.event_iters, busy):
+        for row in benchmark_waiters(args.device, tuple(args.event_ms), args.event_iters, busy):
             rows.append({"bench": "events", **row})
     return rows
 
@@ -270,11 +272,14 @@ def main() -> None:
     parser.add_argument("--trace", type=Path, help="idle: chrome trace of the overlap run")
     parser.add_argument("--event-ms", type=float, nargs="+", default=[0.2, 1.0, 5.0, 20.0])
     parser.add_argument("--event-iters", type=int, default=50)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                        help="events only: cpu times the thread hand-off with stand-in events")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_gpu.py needs a CUDA device")
+    if not torch.cuda.is_available() and not (args.what == "events" and args.device == "cpu"):
+        raise SystemExit("bench_gpu.py needs a CUDA device (only `events --device cpu` runs "
+                         "without one)")
 
     rows: list[dict[str, Any]] = []
     if args.what in ("decode", "all"):
@@ -287,7 +292,8 @@ def main() -> None:
         rows += bench_events(args)
     for row in rows:
         print(json.dumps(row), flush=True)
-    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    device = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor()
+    print(f"\n{device or platform.machine()}, torch {torch.__version__}")
     for bench in dict.fromkeys(r["bench"] for r in rows):
         print(f"\n{bench}")
         print_table([r for r in rows if r["bench"] == bench])

@@ -1,20 +1,22 @@
-"""Awaiting a CUDA event by polling it from the event loop, and a benchmark against the waiter
-thread of `minisgl.engine.stream.CudaStream`.
+"""Awaiting a CUDA event by polling it from the event loop, and a benchmark of the ways to
+await it.
 
-Two ways for the scheduler task to learn that a forward's host copy is done:
+How the scheduler task learns that a forward's host copy is done:
 
-- waiter thread (CudaStream): a thread blocks in `event.synchronize()` (no GIL held), then
-  completes a future; the loop wakes through its self-pipe. Costs a thread hop and two
-  wake-ups per step, and the blocked thread spins a core under the default CUDA device flags.
+- waiter thread (CudaStream, the default): a thread blocks in `event.synchronize()` (no GIL
+  held), then completes a future; the loop wakes through its self-pipe. Costs a thread hop and
+  two wake-ups per step. Alone it can be late by hundreds of milliseconds when the loop is busy
+  (the thread cannot get the GIL back: see stream.Completion), so the awaiting coroutine also
+  probes `event.query()` every millisecond while it waits.
 - polling (PollingCudaStream here): the awaiting coroutine calls `event.query()` (~1 us, no
   sync) and yields with `asyncio.sleep(0)` while the event is young, then backs off to short
   sleeps. No thread, no cross-thread wake-up; it costs loop iterations while it waits, and
   once sleeping its latency is bounded by the loop's timer resolution (about 1 ms on epoll).
 
-`benchmark_waiters` measures both against a blocking `event.synchronize()` on the loop thread
+`benchmark_waiters` measures them against a blocking `event.synchronize()` on the loop thread
 (the latency floor): latency overhead, CPU time per wait, and how much other coroutine work the
-loop still does meanwhile. `python scripts/bench_gpu.py events` runs it.
-"""
+loop still does meanwhile. `python scripts/bench_gpu.py events` runs it on a GPU;
+`--device cpu` runs the thread hand-off alone, with stand-in events."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from minisgl.engine.stream import CudaStream, EngineFailed
+from minisgl.engine.stream import EngineFailed, EventWaiter
 
 SPIN_SECONDS = 2e-3  # poll every loop iteration for this long ...
 MAX_SLEEP_SECONDS = 1e-3  # ... then sleep between polls, doubling up to this
@@ -103,7 +105,26 @@ class PollingCudaStream:
         pass
 
 
-# ---- benchmark (CUDA only) -----------------------------------------------------------------
+# ---- benchmark -----------------------------------------------------------------------------
+
+WAIT_MODES = ("sync", "thread", "thread+probe", "poll")
+
+
+class DeadlineEvent:
+    """CPU stand-in for a recorded CUDA event that fires `seconds` after it is made: `query`
+    does not block, and `synchronize` sleeps without the GIL, like cudaEventSynchronize."""
+
+    def __init__(self, seconds: float) -> None:
+        self._deadline = time.perf_counter() + seconds
+
+    def query(self) -> bool:
+        return time.perf_counter() >= self._deadline
+
+    def synchronize(self) -> None:
+        left = self._deadline - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+
 
 def _cycles_per_ms(device: torch.device) -> float:
     """Calibrate torch.cuda._sleep (a spin kernel of N clock cycles) against CUDA events."""
@@ -117,15 +138,25 @@ def _cycles_per_ms(device: torch.device) -> float:
         return 50_000_000 / start.elapsed_time(end)
 
 
-async def _measure(mode: str, device: torch.device, cycles: int, iters: int,
-                   busy_us: float) -> dict[str, Any]:
-    stream: Any = None
-    if mode == "thread":
-        stream = CudaStream(device)
-    elif mode == "poll":
-        stream = PollingCudaStream(device)
-    else:
-        side = torch.cuda.Stream(device=device)
+def _event_maker(device: torch.device) -> Callable[[float], Any]:
+    """duration_ms -> an event that fires that long from now: a spin kernel and the event
+    recorded after it on a side stream (CUDA), or a DeadlineEvent (CPU)."""
+    if device.type != "cuda":
+        return lambda duration_ms: DeadlineEvent(duration_ms * 1e-3)
+    per_ms, side = _cycles_per_ms(device), torch.cuda.Stream(device=device)
+
+    def make(duration_ms: float) -> torch.cuda.Event:
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(int(per_ms * duration_ms))
+            event = torch.cuda.Event()
+            event.record(side)
+        return event
+    return make
+
+
+async def _measure(mode: str, make_event: Callable[[float], Any], duration_ms: float,
+                   iters: int, busy_us: float) -> dict[str, Any]:
+    waiter = EventWaiter("bench-waiter") if mode.startswith("thread") else None
     ticks, stop = 0, False
 
     async def background() -> None:  # other coroutines' work: busy_us of Python, then yield
@@ -144,14 +175,13 @@ async def _measure(mode: str, device: torch.device, cycles: int, iters: int,
     try:
         for _ in range(iters):
             t0 = time.perf_counter()
+            event = make_event(duration_ms)
             if mode == "sync":
-                with torch.cuda.stream(side):
-                    torch.cuda._sleep(cycles)
-                    event = torch.cuda.Event()
-                    event.record(side)
                 event.synchronize()  # blocks the loop: the latency floor
+            elif mode == "poll":
+                await wait_event(event)
             else:
-                await stream.launch(lambda: torch.cuda._sleep(cycles)).wait()
+                await waiter.completion(event, None, probe=mode == "thread+probe").wait()
             latencies.append(time.perf_counter() - t0)
             await asyncio.sleep(0)
     finally:
@@ -159,8 +189,8 @@ async def _measure(mode: str, device: torch.device, cycles: int, iters: int,
         stop = True
         if task is not None:
             await task
-        if mode == "thread":
-            stream.close()
+        if waiter is not None:
+            waiter.close()
     latencies.sort()
     return {"mode": mode, "median_ms": statistics.median(latencies) * 1e3,
             "p90_ms": latencies[int(0.9 * (len(latencies) - 1))] * 1e3,
@@ -171,20 +201,19 @@ async def _measure(mode: str, device: torch.device, cycles: int, iters: int,
 def benchmark_waiters(device: torch.device | str | None = None,
                       durations_ms: tuple[float, ...] = (0.2, 1.0, 5.0, 20.0), iters: int = 50,
                       busy_us: float = 0.0) -> list[dict[str, Any]]:
-    """For each GPU step duration: blocking sync (floor), waiter thread and polling. Rows have
+    """For each step duration, every WAIT_MODES entry: blocking sync (the floor), the waiter
+    thread alone, the waiter thread with the event probe (CudaStream), polling. Rows have
     median/p90 latency from launch to the coroutine resuming, overhead over the floor, process
     CPU time per wait (all threads) and, with busy_us > 0, the background coroutine's ticks/s
-    (a busy loop: how much scheduler/handler work still gets done while waiting)."""
+    (a busy loop: how much scheduler/handler work still gets done while waiting). On a CPU
+    device the events are DeadlineEvent stand-ins: the thread hand-off is measured, no GPU."""
     device = torch.device(device or "cuda")
-    if device.type != "cuda" or not torch.cuda.is_available():
-        raise RuntimeError("benchmark_waiters needs a CUDA device")
-    per_ms = _cycles_per_ms(device)
+    make_event = _event_maker(device)
     rows = []
     for duration in durations_ms:
-        cycles = int(per_ms * duration)
         floor = None
-        for mode in ("sync", "thread", "poll"):
-            row = asyncio.run(_measure(mode, device, cycles, iters, busy_us))
+        for mode in WAIT_MODES:
+            row = asyncio.run(_measure(mode, make_event, duration, iters, busy_us))
             floor = row["median_ms"] if mode == "sync" else floor
             row.update(gpu_ms=duration, busy_us=busy_us,
                        overhead_us=(row["median_ms"] - floor) * 1e3)

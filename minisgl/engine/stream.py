@@ -25,25 +25,45 @@ class EngineFailed(RuntimeError):
     """A tensor-parallel rank died or a collective failed: the engine cannot run any more."""
 
 
-class Completion:
-    """Awaitable result of a launched forward."""
+PROBE_SECONDS = 2.5e-4
 
-    def __init__(self, future: concurrent.futures.Future) -> None:
+
+class Completion:
+    """Awaitable result of a launched forward.
+
+    `ready` (CUDA: the recorded event's `query`) is a second way to see the forward done; the
+    awaiting coroutine probes it every PROBE_SECONDS while the future is pending. NOTE: the
+    waiter thread needs the GIL to complete the future, and a loop that runs Python between
+    its GIL-releasing epoll calls takes the GIL back before the woken thread can. CPython
+    forces a hand-over after 5 ms only if no switch happened meanwhile, so the thread can wait
+    hundreds of milliseconds (the convoy effect; BENCHMARKS.md, "Awaiting the copy-done
+    event"). The probe bounds that delay by PROBE_SECONDS."""
+
+    def __init__(self, future: concurrent.futures.Future,
+                 ready: Callable[[], bool] | None = None, output: Any = None) -> None:
         self._future = future
+        self._ready, self._output = ready, output
 
     async def wait(self) -> Any:
-        return await asyncio.wrap_future(self._future)
+        return await self._wait(None)
 
     async def wait_unless(self, failure: asyncio.Future) -> Any:
         """Like `wait`, but raise EngineFailed(failure's message) as soon as `failure`
         completes: a forward stuck in a collective with a dead rank must not hold the loop."""
+        return await self._wait(failure)
+
+    async def _wait(self, failure: asyncio.Future | None) -> Any:
         future = asyncio.wrap_future(self._future)
-        if not future.done():
-            await asyncio.wait((future, failure), return_when=asyncio.FIRST_COMPLETED)
-        if future.done():
-            return future.result()
-        future.cancel()  # NOTE: detaches us; the engine thread settles the forward on its own
-        raise EngineFailed(failure.result())
+        pending = {future} if failure is None else {future, failure}
+        timeout = None if self._ready is None else PROBE_SECONDS
+        while not future.done():
+            if failure is not None and failure.done():
+                future.cancel()  # NOTE: detaches us; the engine settles the forward on its own
+                raise EngineFailed(failure.result())
+            if self._ready is not None and self._ready():
+                return self._output  # the waiter thread completes its future later, unseen
+            await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        return future.result()
 
     def result(self) -> Any:
         return self._future.result()
@@ -74,47 +94,66 @@ class CpuStream:
         self._pool.shutdown(wait=wait, cancel_futures=True)
 
 
-class CudaStream:
-    """Runs `fn` now on the engine stream (it only enqueues kernels) and completes when its
-    recorded event fires. A waiter thread blocks on events in launch order."""
+class EventWaiter:
+    """A thread that blocks on recorded events in launch order (no GIL held while it blocks)
+    and completes each one's future with its output."""
 
-    def __init__(self, device: torch.device, binding: tuple[Any, Any] | None = None) -> None:
-        self.stream = torch.cuda.Stream(device=device)
-        self._binding = binding
+    def __init__(self, name: str = "minisgl-cuda-waiter") -> None:
         self._events: queue.SimpleQueue[tuple[Any, Any, concurrent.futures.Future] | None]
         self._events = queue.SimpleQueue()
-        self._waiter = threading.Thread(target=self._wait_events, daemon=True,
-                                        name="minisgl-cuda-waiter")
-        self._waiter.start()
+        self._thread = threading.Thread(target=self._run, daemon=True, name=name)
+        self._thread.start()
 
-    def launch(self, fn: Callable[[], Any]) -> Completion:
+    def completion(self, event: Any, output: Any, probe: bool = True) -> Completion:
+        """`output` once `event` fires; `probe=False` leaves the waiter thread as the only
+        signal (the benchmark's baseline)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self.stream.wait_stream(torch.cuda.current_stream())
-        if self._binding is not None:  # fn runs on the caller's thread: bind it for the call
-            with tp_context(*self._binding):
-                return self._launch(fn, future)
-        return self._launch(fn, future)
-
-    def _launch(self, fn: Callable[[], Any], future: concurrent.futures.Future) -> Completion:
-        with torch.cuda.stream(self.stream), torch.inference_mode():
-            output = fn()
-            event = torch.cuda.Event()
-            event.record(self.stream)
         self._events.put((event, output, future))
-        return Completion(future)
+        return Completion(future, event.query if probe else None, output)
 
-    def _wait_events(self) -> None:
+    def _run(self) -> None:
         while (item := self._events.get()) is not None:
             event, output, future = item
             try:
                 event.synchronize()
                 future.set_result(output)
+            except concurrent.futures.InvalidStateError:
+                pass  # cancelled: its awaiting task gave up on the engine (EngineFailed)
             except BaseException as exc:  # a device error surfaces in the awaiting task
-                future.set_exception(exc)
+                with contextlib.suppress(concurrent.futures.InvalidStateError):
+                    future.set_exception(exc)
 
     def close(self, wait: bool = True) -> None:
         self._events.put(None)
-        self._waiter.join(timeout=5 if wait else 0)
+        self._thread.join(timeout=5 if wait else 0)
+
+
+class CudaStream:
+    """Runs `fn` now on the engine stream (it only enqueues kernels) and completes when its
+    recorded event fires: the waiter thread signals it, and the awaiting coroutine also probes
+    the event (see Completion)."""
+
+    def __init__(self, device: torch.device, binding: tuple[Any, Any] | None = None) -> None:
+        self.stream = torch.cuda.Stream(device=device)
+        self._binding = binding
+        self._waiter = EventWaiter()
+
+    def launch(self, fn: Callable[[], Any]) -> Completion:
+        self.stream.wait_stream(torch.cuda.current_stream())
+        if self._binding is not None:  # fn runs on the caller's thread: bind it for the call
+            with tp_context(*self._binding):
+                return self._launch(fn)
+        return self._launch(fn)
+
+    def _launch(self, fn: Callable[[], Any]) -> Completion:
+        with torch.cuda.stream(self.stream), torch.inference_mode():
+            output = fn()
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return self._waiter.completion(event, output)
+
+    def close(self, wait: bool = True) -> None:
+        self._waiter.close(wait)
 
 
 @functools.lru_cache(maxsize=1)
