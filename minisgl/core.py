@@ -148,11 +148,30 @@ class Req:
     generator: torch.Generator | None = None
     admitted_at: int = 0  # admission order; retraction takes the newest first
     logprob_num: int = -1  # -1: no logprobs; 0: the sampled token's; k: also the top k
+    logprob_start_len: int = -1  # input logprobs from this prompt position (-1: none)
+    input_logprobs: list[float] = field(default_factory=list)  # of prompt_ids[start + 1 + i]
+    input_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    input_logprobs_sent: bool = False  # delivered with the first output token
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
 
     @property
     def host_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def input_logprob_positions(self) -> range:
+        """Prompt positions whose logits give an input logprob still to deliver: position p
+        scores prompt_ids[p + 1]. (SGLang's layout: the token at logprob_start_len itself gets
+        None, and the last prompt position's logits are the first output's.)"""
+        if self.logprob_start_len < 0 or self.input_logprobs_sent:
+            return range(0)
+        return range(self.logprob_start_len, len(self.prompt_ids) - 1)
+
+    @property
+    def scores_only(self) -> bool:
+        """max_new_tokens 0 with prompt tokens to score: one prefill, then finished."""
+        return self.params.max_new_tokens == 0 and self.logprob_start_len >= 0 and (
+            self.logprob_start_len < len(self.prompt_ids) - 1)
 
     @property
     def extend_len(self) -> int:

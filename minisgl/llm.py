@@ -27,11 +27,13 @@ class LLM:
     def generate(self, prompt: str | list[str] | None = None,
                  sampling_params: dict | SamplingParams | list | None = None,
                  input_ids: list[int] | list[list[int]] | None = None,
-                 return_logprob: bool = False, top_logprobs_num: int = 0
-                 ) -> dict[str, Any] | list[dict[str, Any]]:
-        """One prompt (or ids) gives one SGLang-style dict; a list gives a list."""
-        return self._run(self._generate(
-            prompt, sampling_params, input_ids, return_logprob, top_logprobs_num))
+                 return_logprob: bool = False, top_logprobs_num: int = 0,
+                 logprob_start_len: int = -1) -> dict[str, Any] | list[dict[str, Any]]:
+        """One prompt (or ids) gives one SGLang-style dict; a list gives a list. With
+        return_logprob, meta_info holds SGLang's output and input token logprobs (the input
+        ones from prompt position logprob_start_len; -1: the last prompt token only)."""
+        return self._run(self._generate(prompt, sampling_params, input_ids, return_logprob,
+                                        top_logprobs_num, logprob_start_len))
 
     def _run(self, coroutine: Any) -> Any:
         """Run the event loop (scheduler included) on the caller's thread until `coroutine`
@@ -40,7 +42,8 @@ class LLM:
             return self._loop.run_until_complete(coroutine)
 
     async def _generate(self, prompt: Any, sampling_params: Any, input_ids: Any,
-                        return_logprob: bool, top_logprobs_num: int) -> Any:
+                        return_logprob: bool, top_logprobs_num: int,
+                        logprob_start_len: int) -> Any:
         if (prompt is None) == (input_ids is None):
             raise InvalidRequest("give exactly one of prompt or input_ids")
         if prompt is not None:
@@ -60,7 +63,9 @@ class LLM:
         handles = []
         try:
             for one_ids, one_params in zip(ids, params):
-                handles.append(self.manager.submit(one_ids, one_params, logprob_num=logprob_num))
+                handles.append(self.manager.submit(
+                    one_ids, one_params, logprob_num=logprob_num,
+                    logprob_start_len=logprob_start_len if return_logprob else -1))
         except Exception:
             for handle in handles:  # all or nothing: a bad prompt leaves nothing running
                 self.manager.abort(handle.rid, "another prompt of the batch was invalid")

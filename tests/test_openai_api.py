@@ -75,6 +75,36 @@ def test_completions_batch_n_logprobs_seed(client):
     assert out.usage.completion_tokens == 20
 
 
+def test_completions_echo_with_logprobs_scores_the_prompt(client, minisgl_server):
+    """The loglikelihood request of evaluation harnesses: echo + logprobs (max_tokens 0
+    scores the prompt only). Prompt entries equal /generate's input_token_logprobs."""
+    scored = client.completions.create(model="m", prompt=PROMPT, max_tokens=0, echo=True,
+                                       logprobs=2, temperature=0)
+    choice = scored.choices[0]
+    lp = choice.logprobs
+    n = scored.usage.prompt_tokens
+    assert choice.text == PROMPT and "".join(lp.tokens) == PROMPT
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x <= 0 for x in lp.token_logprobs[1:])
+    assert all(len(top) == 2 for top in lp.top_logprobs[1:])
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    meta = native(minisgl_server, {"text": PROMPT, "sampling_params": {"max_new_tokens": 0},
+                                   "return_logprob": True, "logprob_start_len": 0})["meta_info"]
+    assert [e[0] for e in meta["input_token_logprobs"]] == pytest.approx(
+        lp.token_logprobs, abs=1e-5)  # (None == None under approx)
+
+    for stream in (False, True):
+        out = client.completions.create(model="m", prompt=PROMPT, max_tokens=3, echo=True,
+                                        logprobs=1, temperature=0, stream=stream)
+        chunks = list(out) if stream else [out]
+        tokens = [t for c in chunks if c.choices and c.choices[0].logprobs
+                  for t in c.choices[0].logprobs.token_logprobs]
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert len(tokens) == n + 3 and tokens[0] is None and text.startswith(PROMPT)
+        assert tokens[1:n] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
+
+
 def test_completions_stop_string(client):
     free = client.completions.create(model="m", prompt=PROMPT, max_tokens=12, temperature=0)
     text = free.choices[0].text  # " Paris.\n\nThe answer is: ..."

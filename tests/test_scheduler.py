@@ -15,6 +15,8 @@ from minisgl.server_args import ServerArgs
 from tests import reference as ref
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8}
+# float32 engine vs the float32 reference: input logprobs agree to this (measured ~1e-5)
+LOGPROB_ABS_BOUND = 1e-3
 
 
 def random_prompts(count: int, low: int, high: int, seed: int = 0) -> list[list[int]]:
@@ -108,13 +110,62 @@ def test_retraction_under_a_tiny_pool_completes_everything() -> None:
     params = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
     roomy = run(prompts, params, max_total_tokens=8192, max_running_requests=12)
     with LLM(dtype="float32", max_total_tokens=400, max_running_requests=12) as llm:
-        outs = llm.generate(input_ids=prompts, sampling_params=params)
+        outs = llm.generate(input_ids=prompts, sampling_params=params, return_logprob=True,
+                            logprob_start_len=0)
         retractions = llm.manager.scheduler.stats.retractions
         llm.check_integrity()
     assert retractions > 0, "the pool was meant to be too small to run everything at once"
     for ids, out, expected in zip(prompts, outs, roomy):
         assert len(out["output_ids"]) == 40
         ref.assert_greedy_matches(ids, out["output_ids"], expected)
+        assert_input_logprobs_match(ids, 0, out["meta_info"])  # once, whole, after re-prefills
+
+
+def assert_input_logprobs_match(ids: list[int], start: int, meta: dict, top: int = 0) -> None:
+    """SGLang's layout against the reference: entry i is (logprob of ids[start + i] given
+    ids[:start + i], that id); entry 0 has None (nothing before it was scored)."""
+    import torch
+    entries = meta["input_token_logprobs"]
+    assert [e[1] for e in entries] == ids[start:]
+    assert entries[0][0] is None and meta["input_top_logprobs"][0] is None
+    want = torch.log_softmax(ref.hf_logits(ids), dim=-1)
+    for i, (lp, tid, _) in enumerate(entries[1:], start=start + 1):
+        assert abs(lp - want[i - 1, tid].item()) < LOGPROB_ABS_BOUND, (i, lp)
+    tops = meta["input_top_logprobs"][1:]
+    assert len(tops) == len(entries) - 1
+    for i, step in enumerate(tops, start=start):
+        assert len(step) == top
+        want_top = want[i].topk(top).values.tolist() if top else []
+        assert all(abs(lp - w) < LOGPROB_ABS_BOUND for (lp, _, _), w in zip(step, want_top))
+
+
+def test_input_logprobs_match_transformers() -> None:
+    """Scored prompt rows across prefill chunks, mixed in one batch with unscored requests,
+    and again with the prompts in the prefix cache (the scored part must run again)."""
+    prompts = random_prompts(4, 30, 70, seed=5)
+    starts = [0, 7, -1, 40]
+    with LLM(dtype="float32", chunked_prefill_size=32, page_size=1,
+             max_total_tokens=4096) as llm:
+        for attempt in range(2):
+            outs = [llm.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True,
+                                 top_logprobs_num=2, logprob_start_len=s) for s in starts]
+            for s, batch in zip(starts, outs):
+                for ids, out in zip(prompts, batch):
+                    start = len(ids) - 1 if s < 0 else s
+                    assert_input_logprobs_match(ids, start, out["meta_info"], top=2)
+                    if attempt:  # served from the cache up to the scored part at most
+                        assert out["meta_info"]["cached_tokens"] <= start
+        scoring = llm.generate(input_ids=prompts, sampling_params={"max_new_tokens": 0},
+                               return_logprob=True, logprob_start_len=3)
+        for ids, out in zip(prompts, scoring):  # a prefill only, no token
+            assert out["output_ids"] == [] and out["meta_info"]["finish_reason"]["type"] == "length"
+            assert_input_logprobs_match(ids, 3, out["meta_info"])
+        with pytest.raises(InvalidRequest, match="logprob_start_len"):
+            llm.generate(input_ids=prompts[0], sampling_params=GREEDY, return_logprob=True,
+                         logprob_start_len=len(prompts[0]))
+        plain = llm.generate(input_ids=prompts[0], sampling_params=GREEDY)
+        assert "input_token_logprobs" not in plain["meta_info"]
+        llm.check_integrity()
 
 
 def test_request_larger_than_the_pool_gets_a_clear_error() -> None:

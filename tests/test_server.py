@@ -276,7 +276,16 @@ def test_logprobs(minisgl_server):
         assert len(top) == 3 and lp <= 0
         assert top[0][1] == tid and abs(top[0][0] - lp) < 1e-4  # greedy picks the top one
         assert top[0][0] >= top[1][0] >= top[2][0]
-    assert isinstance(meta["input_token_logprobs"], list)
+    # input logprobs from position 0 (values are checked against transformers in
+    # test_scheduler.py): one entry per prompt token, the first None, texts spell the prompt
+    inputs, input_tops = meta["input_token_logprobs"], meta["input_top_logprobs"]
+    assert len(inputs) == len(input_tops) == meta["prompt_tokens"]
+    assert inputs[0][0] is None and input_tops[0] is None
+    assert all(lp <= 0 and len(top) == 3 for (lp, _, _), top in zip(inputs[1:], input_tops[1:]))
+    assert "".join(t[2] for t in inputs) == PROMPT
+    default = generate(minisgl_server, {"text": PROMPT, "sampling_params": GREEDY,
+                                        "return_logprob": True})["meta_info"]
+    assert default["input_token_logprobs"] == [[None, inputs[-1][1], None]]  # last token only
     plain = generate(minisgl_server, {"text": PROMPT, "sampling_params": GREEDY})
     assert "output_token_logprobs" not in plain["meta_info"]
 
@@ -320,6 +329,8 @@ BAD_GENERATE = {
     "empty input_ids": {"input_ids": []},
     "token id beyond the vocabulary": {"input_ids": [10**9]},
     "top_logprobs_num too large": {"text": "a", "return_logprob": True, "top_logprobs_num": 10**6},
+    "logprob_start_len past the prompt": {"input_ids": [1, 2], "return_logprob": True,
+                                          "logprob_start_len": 2},
     "batch with one bad sampling_params": {
         "text": ["a", "b"], "sampling_params": [{"max_new_tokens": 2}, {"temperature": -1}]},
     "batch with one empty prompt": {"text": ["a", ""]},

@@ -119,10 +119,15 @@ def tp3():
 def test_tp3_greedy_matches_tp1(tp1, tp3) -> None:
     prompts = [ref.prompt_ids(p) for p in ref.PLAIN_PROMPTS]
     params = {"temperature": 0, "max_new_tokens": 24}
-    ours = tp3.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
-    base = tp1.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+    logprobs = {"return_logprob": True, "top_logprobs_num": 2, "logprob_start_len": 0}
+    ours = tp3.generate(input_ids=prompts, sampling_params=params, **logprobs)
+    base = tp1.generate(input_ids=prompts, sampling_params=params, **logprobs)
     for prompt, a, b in zip(prompts, ours, base):
         ref.assert_greedy_matches(prompt, a["output_ids"], b["output_ids"])
+        # input logprobs: the scored prompt rows' LM head runs on every rank too
+        ia = torch.tensor([lp for lp, _, _ in a["meta_info"]["input_token_logprobs"][1:]])
+        ib = torch.tensor([lp for lp, _, _ in b["meta_info"]["input_token_logprobs"][1:]])
+        assert len(ia) == len(prompt) - 1 and (ia - ib).abs().max().item() < LOGPROB_TOLERANCE
         if a["output_ids"] == b["output_ids"]:
             la = torch.tensor([lp for lp, _, _ in a["meta_info"]["output_token_logprobs"]])
             lb = torch.tensor([lp for lp, _, _ in b["meta_info"]["output_token_logprobs"]])

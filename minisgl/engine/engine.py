@@ -57,6 +57,7 @@ from minisgl.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
+SCORE_SLICE = 1024  # prompt rows whose logits exist at once when scoring input logprobs
 DTYPES = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float32": torch.float32}
 
@@ -76,20 +77,49 @@ class HostInputs:
 
 
 @dataclass
+class InputLogprobRows:
+    """Prompt positions scored in a prefill (rank 0): their rows follow the batch's sampling
+    rows in `ForwardInput.logit_rows`, in request order."""
+
+    targets: torch.Tensor  # [R] int64 on the device: the prompt token each row predicts
+    top_k: int  # also the top k of each row (0: none)
+    spans: list[tuple[int, int]]  # (index in batch.reqs, rows), in row order
+
+
+@dataclass
+class InputLogprobs:
+    """Host copies: raw log-softmax at each scored row's target, and its top k."""
+
+    values: torch.Tensor  # [R] float32
+    top: tuple[torch.Tensor, torch.Tensor] | None  # ([R, k] float32, [R, k] int64)
+
+
+@dataclass
 class ForwardInput:
     batch: Batch
     load_indices: torch.Tensor  # flat token_pool indices of the input ids
     write_indices: torch.Tensor  # flat token_pool index for each real request's sampled id
-    logit_rows: torch.Tensor | None  # which token rows need logits (prefill: each last token)
+    # which token rows need logits: prefill, each request's last token, then any scored
+    # prompt positions (input logprobs)
+    logit_rows: torch.Tensor | None
     sample_args: SamplingArgs | None
     host: HostInputs | None = None  # tp > 1: sent to ranks 1..N-1
     logits_only: bool = False  # return the logits instead of sampling (prefill_logits)
+    input_logprobs: InputLogprobRows | None = None  # rank 0
+
+    @property
+    def num_scored_rows(self) -> int:
+        """Rows after the sampling rows (every rank can count them)."""
+        if self.logit_rows is None or self.logits_only:
+            return 0
+        return len(self.logit_rows) - self.batch.size
 
 
 @dataclass
 class ForwardOutput:
     next_tokens: torch.Tensor  # host copy, [batch.size] int32
     sample: SampleOutput  # logprobs, when asked, already on the host
+    input_logprobs: InputLogprobs | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -288,8 +318,14 @@ class Engine:
         started = time.perf_counter()
         batch = fwd.batch
         input_ids = self.token_pool.view(-1)[fwd.load_indices]
+        scored = None
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             logits = self.graph_runner.replay(batch, input_ids, batch.input_positions)
+        elif fwd.num_scored_rows:
+            hidden = self.model.hidden_states(input_ids, batch.input_positions, batch,
+                                              self.attn_backend, fwd.logit_rows)
+            logits = self.model.lm_head(hidden[: batch.size])
+            scored = self._score_rows(hidden[batch.size:], fwd.input_logprobs)
         else:
             logits = self.model(input_ids, batch.input_positions, batch, self.attn_backend,
                                 fwd.logit_rows)
@@ -308,13 +344,36 @@ class Engine:
             next_tokens=_to_host(sample.next_tokens),
             sample=SampleOutput(next_tokens=sample.next_tokens, logprobs=_to_host(sample.logprobs),
                                 top_logprobs=None if tops is None else
-                                (_to_host(tops[0]), _to_host(tops[1]))))
+                                (_to_host(tops[0]), _to_host(tops[1]))),
+            input_logprobs=scored)
         # NOTE: on CPU this is the real compute time; on CUDA only the launch time.
         elapsed = time.perf_counter() - started
         self.busy_seconds += elapsed
         self.phase_seconds[batch.phase] += elapsed
         self.phase_steps[batch.phase] += 1
         return output
+
+    def _score_rows(self, hidden: torch.Tensor, rows: InputLogprobRows | None
+                    ) -> InputLogprobs | None:
+        """Input logprobs of the scored prompt rows, SCORE_SLICE rows of logits at a time.
+        Every rank runs the LM head (a collective with tp > 1); rank 0 (`rows` given) keeps
+        the log-softmax at each target and its top k."""
+        values, top_values, top_ids = [], [], []
+        for begin in range(0, len(hidden), SCORE_SLICE):
+            logits = self.model.lm_head(hidden[begin:begin + SCORE_SLICE])
+            if rows is None:
+                continue
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            targets = rows.targets[begin:begin + SCORE_SLICE, None]
+            values.append(logp.gather(1, targets).squeeze(1))
+            if rows.top_k > 0:
+                top = logp.topk(rows.top_k, dim=-1)
+                top_values.append(top.values)
+                top_ids.append(top.indices)
+        if rows is None:
+            return None
+        top = (_to_host(torch.cat(top_values)), _to_host(torch.cat(top_ids))) if top_ids else None
+        return InputLogprobs(values=_to_host(torch.cat(values)), top=top)
 
     # ---- tensor parallelism ------------------------------------------------------------------
 

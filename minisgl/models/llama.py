@@ -103,13 +103,16 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: Batch,
                 backend: AttentionBackend, logit_rows: torch.Tensor | None) -> torch.Tensor:
         """Logits [len(logit_rows), vocab] for the chosen token rows (all rows when None)."""
+        return self.lm_head(self.hidden_states(input_ids, positions, batch, backend, logit_rows))
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: Batch,
+                      backend: AttentionBackend, rows: torch.Tensor | None) -> torch.Tensor:
+        """Final hidden states [len(rows), hidden] of the chosen token rows (all when None)."""
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             x, residual = layer(x, residual, positions, batch, backend)
         x, _ = self.norm(x, residual)
-        if logit_rows is not None:
-            x = x.index_select(0, logit_rows)
-        return self.lm_head(x)
+        return x if rows is None else x.index_select(0, rows)
 
     def load_weight(self, name: str, source: Any) -> bool:
         """Copy one checkpoint tensor (HF naming) into its shard; False if it is not ours."""

@@ -100,7 +100,10 @@ class PrefillManager:
 
     def _admit(self, req: Req, budget: int) -> bool:
         ps = self.cache.page_size
-        handle, prefix = self.cache.match(req.host_ids)
+        scored = req.input_logprob_positions
+        # NOTE: scored positions must run (their logits are wanted): match before them only
+        handle, prefix = self.cache.match(req.host_ids[: scored.start + 1] if scored
+                                          else req.host_ids)
         input_len = len(req.host_ids)
         first_chunk = min(input_len - handle.length, budget)
         future = min(req.max_device_len - input_len, RESERVE_CLIP) * self.ratio.value

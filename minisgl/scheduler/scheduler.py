@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from minisgl.core import Batch, InvalidRequest, Req, ReqStatus, SamplingParams
-from minisgl.engine import Engine, EngineFailed, ForwardInput, ForwardOutput, HostInputs
+from minisgl.engine import (Engine, EngineFailed, ForwardInput, ForwardOutput, HostInputs,
+                            InputLogprobRows)
 from minisgl.engine.stream import Completion
 from minisgl.kvcache import NaiveCache, RadixCache
 from minisgl.scheduler.cache import CacheManager, locations_for, pages_spanned
@@ -43,6 +44,9 @@ class ReqOutput:
     finished: bool
     logprob: float | None = None
     top_logprobs: list[tuple[float, int]] | None = None
+    # with the first token, when input logprobs were asked for: Req.input_logprobs (and tops)
+    input_logprobs: list[float] | None = None
+    input_top_logprobs: list[list[tuple[float, int]]] | None = None
 
 
 @dataclass
@@ -94,11 +98,16 @@ class Scheduler:
     # ---- requests in -------------------------------------------------------------------------
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None,
-                    logprob_num: int = -1) -> Req:
-        """Validate and queue a request; raises InvalidRequest or QueueFull. Loop thread only."""
+                    logprob_num: int = -1, logprob_start_len: int = -1) -> Req:
+        """Validate and queue a request; raises InvalidRequest or QueueFull. Loop thread only.
+        With logprob_num >= 0, input logprobs start at prompt position logprob_start_len
+        (-1: the last prompt token, which scores nothing)."""
         prompt_len = len(prompt_ids)
         if prompt_len == 0:
             raise InvalidRequest("the prompt is empty")
+        if logprob_start_len >= prompt_len:
+            raise InvalidRequest(f"logprob_start_len ({logprob_start_len}) must be below the "
+                                 f"number of prompt tokens ({prompt_len})")
         vocab = self.engine.arch.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise InvalidRequest(f"input_ids must be token ids in [0, {vocab})")
@@ -121,7 +130,9 @@ class Scheduler:
         if rid in self.reqs:
             raise InvalidRequest(f"a request with rid {rid!r} is already running")
         req = Req(uid=uid, rid=rid, prompt_ids=list(prompt_ids), params=params,
-                  max_device_len=total, logprob_num=logprob_num)
+                  max_device_len=total, logprob_num=logprob_num,
+                  logprob_start_len=-1 if logprob_num < 0 else
+                  (prompt_len - 1 if logprob_start_len < 0 else logprob_start_len))
         if params.sampling_seed is not None:
             req.generator = torch.Generator(self.engine.device).manual_seed(params.sampling_seed)
         self.reqs[rid] = req
@@ -155,7 +166,7 @@ class Scheduler:
                 req: Req = payload
                 if req.is_finished:
                     continue  # aborted before it was ever queued
-                if req.params.max_new_tokens == 0:
+                if req.params.max_new_tokens == 0 and not req.scores_only:
                     self._finish(req, {"type": "length", "length": 0})
                     outputs.append(ReqOutput(req, None, True))
                     continue
@@ -306,6 +317,9 @@ class Scheduler:
             self.prefill.chunked = None
         self._release(victim)
         victim.cached_len = victim.device_len = victim.prefix_len = 0
+        if not victim.input_logprobs_sent:  # its prefill starts over, and scores again
+            victim.input_logprobs.clear()
+            victim.input_top_logprobs.clear()
         self.prefill.add(victim, front=True)
         self.prefill.ratio.after_retraction()
         self.stats.retractions += 1
@@ -341,8 +355,8 @@ class Scheduler:
             load = torch.repeat_interleave(torch.tensor(rows), counts_t) * ctx + positions
         self.table.write_locations(load, locations)
         dummy_write = self.table.dummy_row * ctx
-        write = torch.tensor([r * ctx + e if last else dummy_write
-                              for r, e, last in zip(rows, ends, last_chunk)])
+        write = torch.tensor([r * ctx + e if last and not req.scores_only else dummy_write
+                              for req, r, e, last in zip(reqs, rows, ends, last_chunk)])
         batch = Batch(reqs=reqs, phase=phase, padded_reqs=reqs, last_chunk=last_chunk,
                       input_positions=positions.to(device, non_blocking=True),
                       out_loc=locations.to(device, non_blocking=True),
@@ -354,24 +368,56 @@ class Scheduler:
             reqs, prompt_lens=[len(r.prompt_ids) for r in reqs],
             output_counts=[e - len(r.prompt_ids) for r, e in zip(reqs, ends)],
             table_rows=rows, seq_lens=ends, logprob_nums=[r.logprob_num for r in reqs])
-        logit_rows = None if phase == "decode" else (counts_t.cumsum(0) - 1).to(device)
+        rows_host, scored = None, None  # prefill: each last token, then any scored rows
+        if phase == "prefill":
+            rows_host = counts_t.cumsum(0) - 1
+            scored = self._scored_rows(reqs, starts, counts)
+            if scored is not None:
+                rows_host = torch.cat([rows_host, scored[0]])
+        logit_rows = None if rows_host is None else rows_host.to(device, non_blocking=True)
         tails = locations[counts_t.cumsum(0) - 1].tolist() if self.cache.page_size > 1 else None
         for i, req in enumerate(reqs):
             req.cached_len = ends[i]
             if tails is not None:
                 req.tail_loc = tails[i]
-            if last_chunk[i]:
+            if last_chunk[i] and not req.scores_only:
                 req.device_len = ends[i] + 1
                 if phase == "prefill":
                     self.decode.add(req)
         host = None
         if self.tp:  # what ranks 1..N-1 need: host copies and the table writes since last step
-            host = HostInputs(positions, locations, load, write,
-                              None if phase == "decode" else counts_t.cumsum(0) - 1,
+            host = HostInputs(positions, locations, load, write, rows_host,
                               *self.table.take_log())
+        input_logprobs = None
+        if scored is not None:
+            input_logprobs = InputLogprobRows(
+                targets=scored[1].to(device, non_blocking=True),
+                top_k=max(reqs[i].logprob_num for i, _ in scored[2]), spans=scored[2])
         return ForwardInput(batch=batch, load_indices=load.to(device, non_blocking=True),
                             write_indices=write.to(device, non_blocking=True),
-                            logit_rows=logit_rows, sample_args=sample_args, host=host)
+                            logit_rows=logit_rows, sample_args=sample_args, host=host,
+                            input_logprobs=input_logprobs)
+
+    @staticmethod
+    def _scored_rows(reqs: list[Req], starts: list[int], counts: list[int]
+                     ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]] | None:
+        """Token rows of this prefill whose logits score a prompt token (input logprobs), the
+        token each one scores, and (request index, rows) in row order; None if there are none."""
+        rows: list[int] = []
+        targets: list[int] = []
+        spans: list[tuple[int, int]] = []
+        offset = 0
+        for i, (req, start, count) in enumerate(zip(reqs, starts, counts)):
+            wanted = req.input_logprob_positions
+            first, end = max(start, wanted.start), min(start + count, wanted.stop)
+            if first < end:
+                rows += range(offset + first - start, offset + end - start)
+                targets += req.prompt_ids[first + 1:end + 1]
+                spans.append((i, end - first))
+            offset += count
+        if not spans:
+            return None
+        return torch.tensor(rows), torch.tensor(targets, dtype=torch.int64), spans
 
     # ---- results -----------------------------------------------------------------------------
 
@@ -384,27 +430,57 @@ class Scheduler:
         if out.sample.top_logprobs is not None:
             tops = list(zip(out.sample.top_logprobs[0].tolist(),
                             out.sample.top_logprobs[1].tolist()))
+        if out.input_logprobs is not None:
+            self._store_input_logprobs(done.fwd, out)
         outputs: list[ReqOutput] = []
         for i, req in enumerate(batch.reqs):
             if not batch.last_chunk[i] or req.is_finished:
                 continue  # NOTE: a request finished in an earlier batch gets no extra token
-            token = tokens[i]
-            req.output_ids.append(token)
-            reason = self._finish_reason(req, token)
-            if reason is not None:
-                self._finish(req, reason)
-            output = ReqOutput(req, token, reason is not None)
-            if req.logprob_num >= 0 and logprobs is not None:
+            if req.scores_only:  # prefilled for its input logprobs; the sample is unused
+                self._finish(req, {"type": "length", "length": 0})
+                output = ReqOutput(req, None, True)
+            else:
+                token = tokens[i]
+                req.output_ids.append(token)
+                reason = self._finish_reason(req, token)
+                if reason is not None:
+                    self._finish(req, reason)
+                output = ReqOutput(req, token, reason is not None)
+                self.stats.tokens_generated += 1
+            if req.logprob_num >= 0 and logprobs is not None and output.token is not None:
                 output.logprob = logprobs[i]
                 if req.logprob_num > 0 and tops is not None:
                     values, ids = tops[i]
                     output.top_logprobs = list(zip(values[: req.logprob_num],
                                                    ids[: req.logprob_num]))
+            if req.logprob_num >= 0 and not req.input_logprobs_sent:
+                output.input_logprobs = req.input_logprobs
+                output.input_top_logprobs = req.input_top_logprobs
+                req.input_logprobs_sent = True
             outputs.append(output)
-        self.stats.tokens_generated += len(outputs)
         self._release_finished(ongoing)
         if outputs:
             self.sink(outputs)
+
+    @staticmethod
+    def _store_input_logprobs(fwd: ForwardInput, out: ForwardOutput) -> None:
+        """Append each request's scored rows of this prefill to Req.input_logprobs."""
+        assert fwd.input_logprobs is not None and out.input_logprobs is not None
+        values = out.input_logprobs.values.tolist()
+        top = out.input_logprobs.top
+        top_values = top[0].tolist() if top is not None else None
+        top_ids = top[1].tolist() if top is not None else None
+        offset = 0
+        for i, count in fwd.input_logprobs.spans:
+            req = fwd.batch.reqs[i]
+            req.input_logprobs += values[offset:offset + count]
+            if req.logprob_num > 0 and top_values is not None and top_ids is not None:
+                k = req.logprob_num
+                req.input_top_logprobs += [list(zip(v[:k], t[:k])) for v, t in zip(
+                    top_values[offset:offset + count], top_ids[offset:offset + count])]
+            else:
+                req.input_top_logprobs += [[] for _ in range(count)]
+            offset += count
 
     def _finish_reason(self, req: Req, token: int) -> dict[str, Any] | None:
         params = req.params

@@ -39,6 +39,9 @@ class ReqHandle:
     finished_at: float | None = None
     token_logprobs: list[tuple[float, int]] = field(default_factory=list)
     top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    logprob_start_len: int = -1  # first prompt position of input_token_logprobs
+    input_logprobs: list[float] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -63,7 +66,13 @@ class ReqHandle:
             meta["output_token_logprobs"] = [[lp, tid, None] for lp, tid in self.token_logprobs]
             meta["output_top_logprobs"] = [[[lp, tid, None] for lp, tid in step]
                                            for step in self.top_logprobs]
-            meta["input_token_logprobs"] = []
+            # SGLang's layout: the token at logprob_start_len gets None (nothing before it
+            # was scored), each later prompt token its logprob given everything before it
+            scored = self.prompt_ids[self.logprob_start_len:]
+            meta["input_token_logprobs"] = [
+                [lp, tid, None] for lp, tid in zip([None, *self.input_logprobs], scored)]
+            meta["input_top_logprobs"] = [None] + [[[lp, tid, None] for lp, tid in step]
+                                                   for step in self.input_top_logprobs]
         return meta
 
     def result(self) -> dict[str, Any]:
@@ -149,16 +158,16 @@ class RequestManager:
     # ---- requests ----------------------------------------------------------------------------
 
     def submit(self, input_ids: list[int], params: SamplingParams, rid: str | None = None,
-               logprob_num: int = -1) -> ReqHandle:
+               logprob_num: int = -1, logprob_start_len: int = -1) -> ReqHandle:
         if self.engine.failed is not None:
             raise EngineFailed(self.engine.failed)
         if params.stop_strings and self.detokenizer is None:
             raise InvalidRequest("stop strings need a tokenizer, and this model has none")
         if rid is not None and rid in self.handles:
             raise InvalidRequest(f"a request with rid {rid!r} is already running")
-        req = self.scheduler.add_request(input_ids, params, rid, logprob_num)
+        req = self.scheduler.add_request(input_ids, params, rid, logprob_num, logprob_start_len)
         handle = ReqHandle(req.rid, list(input_ids), DecodeState.start(input_ids, params),
-                           logprob_num)
+                           logprob_num, logprob_start_len=req.logprob_start_len)
         self.handles[req.rid] = handle
         self.metrics.on_submit()
         return handle
@@ -221,6 +230,9 @@ class RequestManager:
                 if out.logprob is not None:
                     handle.token_logprobs.append((out.logprob, out.token))
                     handle.top_logprobs.append(out.top_logprobs or [])
+            if out.input_logprobs is not None:  # with the first token, or alone (scoring)
+                handle.input_logprobs = out.input_logprobs
+                handle.input_top_logprobs = out.input_top_logprobs or []
             handle.cached_tokens = out.req.cached_tokens
             updates.append((handle, out))
         if self.detokenizer is not None:

@@ -52,6 +52,7 @@ class Cursor:
     tokens: int = 0  # of the logprobs
     offset: int = 0  # text_offset of the next token (completions logprobs)
     prefix: str = ""  # echo text still to send
+    prompt_logprobs: bool = False  # echo with logprobs: the prompt's still to send
 
 
 def finish_reason(reason: dict[str, Any] | None) -> str | None:
@@ -176,13 +177,11 @@ class OpenAIAPI:
         if logprobs is not None:
             check_int(logprobs, "logprobs", 0, MAX_TOP_LOGPROBS)
         echo = check_bool(body.get("echo", False), "echo")
-        if echo and logprobs is not None:
-            raise InvalidRequest("echo with logprobs needs prompt logprobs, which minisgl does "
-                                 "not compute")
         stream = check_bool(body.get("stream", False), "stream")
         include_usage = stream_usage_wanted(body)
         for p in prompts:
             p.params, p.logprob_num = params, (-1 if logprobs is None else logprobs)
+            p.logprob_start_len = 0 if echo and logprobs is not None else -1
         rid = f"cmpl-{uuid.uuid4().hex}"
         groups = expand_n(prompts)
         flat = [p for g in groups for p in g]
@@ -196,11 +195,13 @@ class OpenAIAPI:
                       (tokenizer.decode(p.input_ids) if tokenizer else "") for p in flat]
         head = {"id": rid, "object": "text_completion", "created": int(time.time()),
                 "model": model}
+        echo_logprobs = echo and logprobs is not None
         if stream:
             return await self._stream(request, head, groups, handles, include_usage,
-                                      self._completion_choice, echoes)
+                                      self._completion_choice, echoes, echo_logprobs)
         await wait_all(self.manager, handles)
-        choices = [self._completion_choice(k, h, Cursor(prefix=echoes[k]))
+        choices = [self._completion_choice(k, h, Cursor(prefix=echoes[k],
+                                                        prompt_logprobs=echo_logprobs))
                    for k, h in enumerate(handles)]
         return json_response({**head, "choices": choices, "usage": usage(groups, handles)})
 
@@ -228,18 +229,31 @@ class OpenAIAPI:
 
     def _completion_logprobs(self, h: ReqHandle, cursor: Cursor) -> dict[str, Any]:
         new, tops = self._unsent_logprobs(h, cursor)
-        texts = self.tokens.texts([t for _, t in new])
-        top_texts = self.tokens.texts([t for step in tops for _, t in step])
+        values: list[float | None] = [lp for lp, _ in new]
+        ids = [t for _, t in new]
+        steps: list[list[tuple[float, int]] | None] = list(tops)
+        if cursor.prompt_logprobs:  # echo: the prompt's tokens first, the first one unscored
+            cursor.prompt_logprobs = False
+            scored = len(h.input_logprobs)
+            values = [None, *h.input_logprobs, *values]
+            ids = [*h.prompt_ids[: scored + 1], *ids]
+            steps = [None, *h.input_top_logprobs, *steps]
+        texts = self.tokens.texts(ids)
+        top_texts = self.tokens.texts([t for step in steps if step for _, t in step])
         offsets = []
         for text in texts:
             offsets.append(cursor.offset)
             cursor.offset += len(text)
-        top_dicts, at = [], 0
-        for step in tops:
+        top_dicts: list[dict[str, float] | None] = []
+        at = 0
+        for step in steps:
+            if step is None:
+                top_dicts.append(None)
+                continue
             top_dicts.append({top_texts[at + i]: lp for i, (lp, _) in enumerate(step)})
             at += len(step)
-        return {"tokens": texts, "token_logprobs": [lp for lp, _ in new],
-                "top_logprobs": top_dicts, "text_offset": offsets}
+        return {"tokens": texts, "token_logprobs": values, "top_logprobs": top_dicts,
+                "text_offset": offsets}
 
     # ---- /v1/chat/completions ----------------------------------------------------------------
 
@@ -322,7 +336,8 @@ class OpenAIAPI:
     async def _stream(self, request: web.Request, head: dict[str, Any],
                       groups: list[list[Prompt]], handles: list[ReqHandle], include_usage: bool,
                       make_choice: Callable[[int, ReqHandle, Cursor], dict[str, Any]],
-                      prefixes: list[str] | None) -> web.StreamResponse:
+                      prefixes: list[str] | None, prompt_logprobs: bool = False
+                      ) -> web.StreamResponse:
         """One chunk per change of one choice: the text it gained (a delta, as OpenAI streams),
         then a chunk with its finish_reason; a usage chunk if asked; then [DONE]."""
         chat = head["object"] == "chat.completion.chunk"
@@ -333,7 +348,8 @@ class OpenAIAPI:
             for h in handles:
                 self.manager.abort(h.rid, "the client disconnected")
             raise
-        cursors = [Cursor(prefix=p) for p in (prefixes or [""] * len(handles))]
+        cursors = [Cursor(prefix=p, prompt_logprobs=prompt_logprobs)
+                   for p in (prefixes or [""] * len(handles))]
         try:
             if chat:
                 for k in range(len(handles)):

@@ -103,6 +103,7 @@ class Prompt:
     input_ids: list[int] | None = None
     rid: str | None = None
     logprob_num: int = -1
+    logprob_start_len: int = -1
 
 
 def expand_n(prompts: list[Prompt]) -> list[list[Prompt]]:
@@ -166,6 +167,9 @@ def check_fits(manager: RequestManager, prompts: list[Prompt]) -> None:
                                  f"holds only {pool} (--max-total-tokens)")
         if p.rid is not None and p.rid in manager.handles:
             raise InvalidRequest(f"a request with rid {p.rid!r} is already running")
+        if p.logprob_start_len >= len(ids):
+            raise InvalidRequest(f"logprob_start_len ({p.logprob_start_len}) must be below the "
+                                 f"number of prompt tokens ({len(ids)})")
     limit = manager.args.max_queued_requests
     if limit is not None and scheduler.state()["num_waiting_reqs"] + len(prompts) > limit:
         raise QueueFull(f"the waiting queue is full ({limit} requests); retry later")
@@ -179,7 +183,8 @@ async def submit_all(manager: RequestManager, prompts: list[Prompt]) -> list[Req
     try:
         for p in prompts:
             assert p.input_ids is not None
-            handles.append(manager.submit(p.input_ids, p.params, p.rid, p.logprob_num))
+            handles.append(manager.submit(p.input_ids, p.params, p.rid, p.logprob_num,
+                                          p.logprob_start_len))
     except BaseException:
         # NOTE: submit and abort run in one loop turn, so the scheduler never starts these.
         for handle in handles:
@@ -312,10 +317,12 @@ def parse_generate(body: dict[str, Any]) -> GenerateRequest:
                     lambda v: check_bool(v, "return_logprob"), single)
     tops = per_item(body.get("top_logprobs_num", 0) or 0, count, "top_logprobs_num",
                     lambda v: check_int(v, "top_logprobs_num", 0, MAX_TOP_LOGPROBS), single)
-    per_item(body.get("logprob_start_len", -1), count, "logprob_start_len",
-             lambda v: check_int(v if v is not None else -1, "logprob_start_len", -1), single)
-    for p, sp, r, w, k in zip(prompts, params, rids, want, tops):
+    starts = per_item(body.get("logprob_start_len", -1), count, "logprob_start_len",
+                      lambda v: check_int(v if v is not None else -1, "logprob_start_len", -1),
+                      single)
+    for p, sp, r, w, k, start in zip(prompts, params, rids, want, tops, starts):
         p.params, p.rid, p.logprob_num = sp, r, (k if w else -1)
+        p.logprob_start_len = start if w else -1
     stream = check_bool(body.get("stream", False), "stream")
     text_in_logprobs = check_bool(body.get("return_text_in_logprobs", False),
                                   "return_text_in_logprobs")
@@ -328,8 +335,9 @@ def generate_result(handle: ReqHandle, tokens: TokenTexts | None) -> dict[str, A
     result = handle.result()
     meta = result["meta_info"]
     if tokens is not None and "output_token_logprobs" in meta:
-        entries = meta["output_token_logprobs"] + [e for step in meta["output_top_logprobs"]
-                                                   for e in step]
+        entries = [*meta["output_token_logprobs"], *meta["input_token_logprobs"]]
+        entries += [e for key in ("output_top_logprobs", "input_top_logprobs")
+                    for step in meta[key] if step is not None for e in step]
         for entry, text in zip(entries, tokens.texts([e[1] for e in entries])):
             entry[2] = text
     return result
