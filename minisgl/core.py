@@ -34,6 +34,7 @@ class SamplingParams:
     no_stop_trim: bool = False
     n: int = 1
     sampling_seed: int | None = None
+    logit_bias: dict[int, float] | None = None  # token id (JSON: its string) -> added logit
 
     @classmethod
     def from_dict(cls, values: dict[str, Any] | None) -> SamplingParams:
@@ -99,6 +100,8 @@ class SamplingParams:
             not isinstance(self.sampling_seed, int) or isinstance(self.sampling_seed, bool)
         ):
             raise InvalidRequest("sampling_seed must be an integer")
+        if self.logit_bias is not None:
+            self.logit_bias = _check_logit_bias(self.logit_bias)
 
     @property
     def stop_strings(self) -> list[str]:
@@ -114,6 +117,29 @@ class SamplingParams:
     def needs_penalties(self) -> bool:
         return (self.frequency_penalty != 0 or self.presence_penalty != 0
                 or self.repetition_penalty != 1)
+
+
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: +-100 bans or forces a token
+
+
+def _check_logit_bias(bias: Any) -> dict[int, float]:
+    """{token id: bias} from JSON's {"id": bias}; raises InvalidRequest."""
+    if not isinstance(bias, dict):
+        raise InvalidRequest("logit_bias must be an object mapping token ids to numbers")
+    checked = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            token = -1
+        if token < 0 or isinstance(key, bool):
+            raise InvalidRequest(f"logit_bias keys must be token ids, got {key!r}")
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+                or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
+            raise InvalidRequest(f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, "
+                                 f"{MAX_LOGIT_BIAS:g}], got {value!r} for token {key}")
+        checked[token] = float(value)
+    return checked
 
 
 class ReqStatus(enum.Enum):

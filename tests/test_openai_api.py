@@ -105,6 +105,20 @@ def test_completions_echo_with_logprobs_scores_the_prompt(client, minisgl_server
         assert tokens[1:n] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
 
 
+def test_logit_bias_forces_and_bans_tokens(client):
+    from tests import reference as ref
+    ids = ref.prompt_ids(PROMPT)
+    top2 = ref.hf_logits(ids)[-1].topk(2).indices.tolist()
+    free = client.completions.create(model="m", prompt=ids, max_tokens=1, temperature=0)
+    assert free.choices[0].text == ref.tokenizer().decode([top2[0]])
+    banned = client.completions.create(model="m", prompt=ids, max_tokens=1, temperature=0,
+                                       logit_bias={str(top2[0]): -100})
+    assert banned.choices[0].text == ref.tokenizer().decode([top2[1]])  # the runner-up
+    forced = client.completions.create(model="m", prompt=ids, max_tokens=3, temperature=0.7,
+                                       logit_bias={"330": 100})
+    assert forced.choices[0].text == ref.tokenizer().decode([330] * 3)
+
+
 def test_completions_stop_string(client):
     free = client.completions.create(model="m", prompt=PROMPT, max_tokens=12, temperature=0)
     text = free.choices[0].text  # " Paris.\n\nThe answer is: ..."
@@ -181,7 +195,9 @@ BAD_OPENAI = [
     ("/v1/completions", {"prompt": PROMPT, "max_tokens": 9000}, "8192"),
     ("/v1/completions", {"prompt": ""}, "empty"),
     ("/v1/completions", {"prompt": 5}, "prompt"),
-    ("/v1/completions", {"prompt": PROMPT, "logit_bias": {"1": 5}}, "logit_bias"),
+    ("/v1/completions", {"prompt": PROMPT, "logit_bias": {"1": 500}}, "logit_bias"),
+    ("/v1/completions", {"prompt": PROMPT, "logit_bias": {"999999": 5}}, "logit_bias"),
+    ("/v1/completions", {"prompt": PROMPT, "logit_bias": {"the": 5}}, "logit_bias"),
     ("/v1/completions", {"prompt": PROMPT, "logprobs": 50}, "logprobs"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": CHAT, "n": 0}, "n"),

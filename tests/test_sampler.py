@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from minisgl.core import Req, SamplingParams
+from minisgl.core import InvalidRequest, Req, SamplingParams
 from minisgl.engine.sampler import SampleOutput, Sampler, SamplingArgs
 
 CPU = torch.device("cpu")
@@ -16,8 +16,9 @@ EOS = 5
 
 def make_req(i: int, prompt: list[int] | None = None, seed: int | None = None,
              **params: object) -> Req:
-    req = Req(uid=i, rid=str(i), prompt_ids=prompt or [0], params=SamplingParams(**params),
-              max_device_len=100)
+    sampling = SamplingParams(**params)
+    sampling.validate()  # as the server does (it also turns logit_bias keys into ints)
+    req = Req(uid=i, rid=str(i), prompt_ids=prompt or [0], params=sampling, max_device_len=100)
     if seed is not None:
         req.generator = torch.Generator().manual_seed(seed)
     return req
@@ -162,7 +163,8 @@ def test_min_new_tokens_masks_eos_and_stop_ids() -> None:
 
 MIXED = [dict(temperature=0.0), dict(temperature=0.7), dict(temperature=1.3, top_k=4),
          dict(top_p=0.8), dict(min_p=0.1, temperature=0.9), dict(top_k=6, top_p=0.9, min_p=0.05),
-         dict(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2)]
+         dict(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2),
+         dict(temperature=0.8, logit_bias={"3": 2.5, 7: -1.0})]
 
 
 def test_mixed_batch_equals_rows_alone() -> None:
@@ -218,3 +220,29 @@ def test_logprobs_are_raw_log_softmax() -> None:
     assert only_chosen.logprobs is not None and only_chosen.top_logprobs is None
     assert sample(sampler, logits, reqs, logprob_nums=[-1, -1, -1]).logprobs is None
     assert math.isclose(out.logprobs[0].item(), expected[0].max().item(), rel_tol=1e-6)
+
+
+def test_logit_bias_adds_to_the_chosen_logits() -> None:
+    logits = torch.tensor([[0.0, 1.0, 3.0, 2.0, 0.5, -1.0]])
+    sampler = seeded_sampler(6)
+    forced = make_req(0, temperature=0.0, logit_bias={"4": 100})
+    banned = make_req(1, temperature=0.0, logit_bias={2: -100.0})
+    plain = make_req(2, temperature=0.0)
+    out = sample(sampler, logits.expand(3, 6), [forced, banned, plain], logprob_nums=[0, 0, 0])
+    assert out.next_tokens.tolist() == [4, 3, 2]  # forced; the runner-up; untouched
+    raw = torch.log_softmax(logits, -1)[0]
+    assert out.logprobs is not None  # logprobs stay those of the raw logits
+    assert torch.allclose(out.logprobs, raw[[4, 3, 2]])
+    # sampled rows draw from softmax(logits + bias)
+    bias = {1: 1.5, 5: 2.0}
+    many = [make_req(i, temperature=1.0, logit_bias=bias) for i in range(N)]
+    tokens = sample(seeded_sampler(6, 1), logits.expand(N, 6), many).next_tokens
+    shifted = logits[0] + torch.tensor([0.0, 1.5, 0.0, 0.0, 0.0, 2.0])
+    assert (frequencies(tokens, 6) - torch.softmax(shifted, -1)).abs().max() < TOL
+
+
+@pytest.mark.parametrize("bias", [[1, 2], {"x": 1.0}, {"-3": 1.0}, {"1": 101}, {"1": "5"},
+                                  {"1": True}, {"1": float("nan")}])
+def test_logit_bias_validation(bias: object) -> None:
+    with pytest.raises(InvalidRequest, match="logit_bias"):
+        SamplingParams.from_dict({"logit_bias": bias})

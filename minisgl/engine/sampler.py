@@ -1,8 +1,9 @@
 """Batched token sampling on the device.
 
 `Sampler.prepare` turns a batch's `SamplingParams` into device tensors on the host;
-`Sampler.sample` applies penalties and min_new_tokens masking, then either takes the argmax or
-samples after temperature / top-k / top-p / min-p, and gathers logprobs of the raw logits.
+`Sampler.sample` applies penalties, logit_bias and min_new_tokens masking, then either takes
+the argmax or samples after temperature / top-k / top-p / min-p, and gathers logprobs of the
+raw logits.
 Everything is vectorized over the batch and vocabulary; the only Python loop is over requests
 with their own seeded generator. Sampling uses the exponential race: argmax(p / E), E ~ Exp(1),
 picks token i with probability p_i, so every row can bring its own noise.
@@ -43,6 +44,7 @@ class SamplingArgs:
     min_ps: torch.Tensor | None = None  # [B, 1] float32, None unless some row uses min_p
     penalties: PenaltyArgs | None = None
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) set to -inf
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows, ids, added)
     seeded: list[tuple[int, torch.Generator]] = field(default_factory=list)  # sampled rows
     return_logprobs: bool = False
     top_logprobs_num: int = 0  # K, the largest top_logprobs_num asked in the batch
@@ -121,6 +123,14 @@ class Sampler:
         if ban_rows:
             args.banned = (self._tensor(ban_rows, torch.int64), self._tensor(ban_ids, torch.int64))
 
+        biased = [(i, t, b) for i, p in enumerate(params)
+                  for t, b in (p.logit_bias or {}).items()]
+        if biased:
+            rows, ids, values = zip(*biased)
+            args.bias = (self._tensor(list(rows), torch.int64),
+                         self._tensor(list(ids), torch.int64),
+                         self._tensor(list(values), torch.float32))
+
         if logprob_nums is not None and any(n >= 0 for n in logprob_nums):
             args.return_logprobs = True
             args.top_logprobs_num = min(max(logprob_nums), vocab)
@@ -128,7 +138,8 @@ class Sampler:
 
     def _adjust_logits(self, logits: torch.Tensor, args: SamplingArgs,
                        token_pool: torch.Tensor) -> torch.Tensor:
-        """Penalties and min_new_tokens masking, out of place (float32 in, float32 out)."""
+        """Penalties, logit_bias and min_new_tokens masking, out of place (float32 in, float32
+        out)."""
         pen = args.penalties
         if pen is not None:
             num_rows, max_len = pen.rows.numel(), min(pen.max_len, token_pool.shape[1])
@@ -145,6 +156,9 @@ class Sampler:
             rows = torch.where(seen, repeated, rows)
             rows = rows - pen.frequency * counts - pen.presence * (counts > 0).float()
             logits = logits.index_put((pen.rows,), rows)
+        if args.bias is not None:
+            rows, ids, values = args.bias
+            logits = logits.index_put((rows, ids), values, accumulate=True)
         if args.banned is not None:
             logits = logits.index_put(args.banned, logits.new_full((), float("-inf")))
         return logits

@@ -111,6 +111,8 @@ class Scheduler:
         vocab = self.engine.arch.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise InvalidRequest(f"input_ids must be token ids in [0, {vocab})")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise InvalidRequest(f"logit_bias keys must be token ids in [0, {vocab})")
         total = prompt_len + params.max_new_tokens
         if total > self.context_len:
             raise InvalidRequest(

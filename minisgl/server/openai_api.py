@@ -41,6 +41,7 @@ SAMPLING_FIELDS = {  # OpenAI (or SGLang extension) name -> SamplingParams name
     "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos",
     "skip_special_tokens": "skip_special_tokens", "no_stop_trim": "no_stop_trim",
     "spaces_between_special_tokens": "spaces_between_special_tokens",
+    "logit_bias": "logit_bias",
 }
 
 
@@ -64,8 +65,6 @@ def matched_stop(reason: dict[str, Any] | None) -> Any:
 
 
 def refuse_unsupported(body: dict[str, Any]) -> None:
-    if body.get("logit_bias"):
-        raise InvalidRequest("logit_bias is not supported by minisgl")
     if body.get("suffix"):
         raise InvalidRequest("suffix is not supported by minisgl")
     if body.get("tools") or body.get("functions"):
