@@ -160,6 +160,14 @@ def test_input_logprobs_match_transformers() -> None:
         for ids, out in zip(prompts, scoring):  # a prefill only, no token
             assert out["output_ids"] == [] and out["meta_info"]["finish_reason"]["type"] == "length"
             assert_input_logprobs_match(ids, 3, out["meta_info"])
+        # teacher forcing: scoring prompt + output gives the logprobs generation reported
+        gen = llm.generate(input_ids=prompts[1], sampling_params=GREEDY, return_logprob=True)
+        forced = llm.generate(input_ids=prompts[1] + gen["output_ids"],
+                              sampling_params={"max_new_tokens": 0}, return_logprob=True,
+                              logprob_start_len=len(prompts[1]))
+        scored = [e[0] for e in forced["meta_info"]["input_token_logprobs"][1:]]
+        reported = [e[0] for e in gen["meta_info"]["output_token_logprobs"][1:]]
+        assert scored == pytest.approx(reported, abs=LOGPROB_ABS_BOUND)
         with pytest.raises(InvalidRequest, match="logprob_start_len"):
             llm.generate(input_ids=prompts[0], sampling_params=GREEDY, return_logprob=True,
                          logprob_start_len=len(prompts[0]))
