@@ -373,9 +373,10 @@ class Scheduler:
         rows_host, scored = None, None  # prefill: each last token, then any scored rows
         if phase == "prefill":
             rows_host = counts_t.cumsum(0) - 1
-            scored = self._scored_rows(reqs, starts, counts)
-            if scored is not None:
-                rows_host = torch.cat([rows_host, scored[0]])
+            scored_rows = self._scored_rows(reqs, starts, counts)
+            if scored_rows is not None:
+                extra, scored = scored_rows
+                rows_host = torch.cat([rows_host, extra])
         logit_rows = None if rows_host is None else rows_host.to(device, non_blocking=True)
         tails = locations[counts_t.cumsum(0) - 1].tolist() if self.cache.page_size > 1 else None
         for i, req in enumerate(reqs):
@@ -390,21 +391,15 @@ class Scheduler:
         if self.tp:  # what ranks 1..N-1 need: host copies and the table writes since last step
             host = HostInputs(positions, locations, load, write, rows_host,
                               *self.table.take_log())
-        input_logprobs = None
-        if scored is not None:
-            input_logprobs = InputLogprobRows(
-                targets=scored[1].to(device, non_blocking=True),
-                top_k=max(reqs[i].logprob_num for i, _ in scored[2]), spans=scored[2])
         return ForwardInput(batch=batch, load_indices=load.to(device, non_blocking=True),
                             write_indices=write.to(device, non_blocking=True),
                             logit_rows=logit_rows, sample_args=sample_args, host=host,
-                            input_logprobs=input_logprobs)
+                            input_logprobs=scored)
 
-    @staticmethod
-    def _scored_rows(reqs: list[Req], starts: list[int], counts: list[int]
-                     ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]] | None:
-        """Token rows of this prefill whose logits score a prompt token (input logprobs), the
-        token each one scores, and (request index, rows) in row order; None if there are none."""
+    def _scored_rows(self, reqs: list[Req], starts: list[int], counts: list[int]
+                     ) -> tuple[torch.Tensor, InputLogprobRows] | None:
+        """Token rows of this prefill whose logits score a prompt token (input logprobs), and
+        what the engine needs to score them; None if there are none."""
         rows: list[int] = []
         targets: list[int] = []
         spans: list[tuple[int, int]] = []
@@ -419,7 +414,10 @@ class Scheduler:
             offset += count
         if not spans:
             return None
-        return torch.tensor(rows), torch.tensor(targets, dtype=torch.int64), spans
+        targets_t = torch.tensor(targets, dtype=torch.int64).to(self.engine.device,
+                                                               non_blocking=True)
+        top_k = max(reqs[i].logprob_num for i, _ in spans)
+        return torch.tensor(rows), InputLogprobRows(targets_t, top_k, spans)
 
     # ---- results -----------------------------------------------------------------------------
 
