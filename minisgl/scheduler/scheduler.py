@@ -416,7 +416,7 @@ class Scheduler:
             return None
         targets_t = torch.tensor(targets, dtype=torch.int64).to(self.engine.device,
                                                                non_blocking=True)
-        top_k = max(reqs[i].logprob_num for i, _ in spans)
+        top_k = min(max(reqs[i].logprob_num for i, _ in spans), self.engine.arch.vocab_size)
         return torch.tensor(rows), InputLogprobRows(targets_t, top_k, spans)
 
     # ---- results -----------------------------------------------------------------------------
