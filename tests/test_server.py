@@ -138,13 +138,16 @@ def test_health_and_info_endpoints(minisgl_server):
 
 def test_metrics_prometheus_text(minisgl_server):
     before = requests_total(minisgl_server)
+    steps_before = state(minisgl_server)["engine_decode_steps"]
     generate(minisgl_server, {"text": PROMPT, "sampling_params": {**GREEDY, "max_new_tokens": 2}})
+    after = state(minisgl_server)
+    assert after["engine_decode_steps"] > steps_before and after["engine_decode_seconds"] > 0
     r = get(minisgl_server, "/metrics")
     assert r.status_code == 200 and r.headers["Content-Type"].startswith("text/plain")
     text = r.text
     for name in ("minisgl_num_running_reqs", "minisgl_kv_usage", "minisgl_generated_tokens_total",
                  "minisgl_time_to_first_token_seconds_bucket", "minisgl_e2e_request_latency_"
-                 "seconds_count"):
+                 "seconds_count", "minisgl_engine_decode_seconds_total"):
         assert f"\n{name}" in text, name
     assert "# TYPE minisgl_requests_total counter" in text
     assert requests_total(minisgl_server) == before + 1

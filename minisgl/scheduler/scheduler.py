@@ -570,5 +570,8 @@ class Scheduler:
             "retractions": self.stats.retractions,
             "new_token_ratio": self.prefill.ratio.value,
             "engine_busy_seconds": self.engine.busy_seconds,
+            **{f"engine_{phase}_seconds": seconds
+               for phase, seconds in self.engine.phase_seconds.items()},
+            **{f"engine_{phase}_steps": steps for phase, steps in self.engine.phase_steps.items()},
             "integrity_error": self.stats.integrity_error,
         }
