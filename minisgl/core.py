@@ -142,6 +142,13 @@ def _check_logit_bias(bias: Any) -> dict[int, float]:
     return checked
 
 
+def check_logprob_start_len(start: int, prompt_len: int) -> None:
+    """Input logprobs must start inside the prompt (SGLang refuses the same)."""
+    if start >= prompt_len:
+        raise InvalidRequest(f"logprob_start_len ({start}) must be below the number of prompt "
+                             f"tokens ({prompt_len})")
+
+
 class ReqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -185,19 +192,23 @@ class Req:
         return self.prompt_ids + self.output_ids
 
     @property
-    def input_logprob_positions(self) -> range:
-        """Prompt positions whose logits give an input logprob still to deliver: position p
-        scores prompt_ids[p + 1]. (SGLang's layout: the token at logprob_start_len itself gets
-        None, and the last prompt position's logits are the first output's.)"""
-        if self.logprob_start_len < 0 or self.input_logprobs_sent:
+    def scored_positions(self) -> range:
+        """Prompt positions whose logits give an input logprob: position p scores
+        prompt_ids[p + 1]. (SGLang's layout: the token at logprob_start_len itself gets None,
+        and the last prompt position's logits are the first output's.)"""
+        if self.logprob_start_len < 0:
             return range(0)
         return range(self.logprob_start_len, len(self.prompt_ids) - 1)
 
     @property
+    def input_logprob_positions(self) -> range:
+        """The scored positions still to deliver."""
+        return range(0) if self.input_logprobs_sent else self.scored_positions
+
+    @property
     def scores_only(self) -> bool:
         """max_new_tokens 0 with prompt tokens to score: one prefill, then finished."""
-        return self.params.max_new_tokens == 0 and self.logprob_start_len >= 0 and (
-            self.logprob_start_len < len(self.prompt_ids) - 1)
+        return self.params.max_new_tokens == 0 and bool(self.scored_positions)
 
     @property
     def extend_len(self) -> int:

@@ -17,7 +17,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from minisgl.core import Batch, InvalidRequest, Req, ReqStatus, SamplingParams
+from minisgl.core import (Batch, InvalidRequest, Req, ReqStatus, SamplingParams,
+                          check_logprob_start_len)
 from minisgl.engine import (Engine, EngineFailed, ForwardInput, ForwardOutput, HostInputs,
                             InputLogprobRows)
 from minisgl.engine.stream import Completion
@@ -105,9 +106,7 @@ class Scheduler:
         prompt_len = len(prompt_ids)
         if prompt_len == 0:
             raise InvalidRequest("the prompt is empty")
-        if logprob_start_len >= prompt_len:
-            raise InvalidRequest(f"logprob_start_len ({logprob_start_len}) must be below the "
-                                 f"number of prompt tokens ({prompt_len})")
+        check_logprob_start_len(logprob_start_len, prompt_len)
         vocab = self.engine.arch.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise InvalidRequest(f"input_ids must be token ids in [0, {vocab})")

@@ -176,11 +176,12 @@ class OpenAIAPI:
         if logprobs is not None:
             check_int(logprobs, "logprobs", 0, MAX_TOP_LOGPROBS)
         echo = check_bool(body.get("echo", False), "echo")
+        echo_logprobs = echo and logprobs is not None  # the prompt's logprobs come first
         stream = check_bool(body.get("stream", False), "stream")
         include_usage = stream_usage_wanted(body)
         for p in prompts:
             p.params, p.logprob_num = params, (-1 if logprobs is None else logprobs)
-            p.logprob_start_len = 0 if echo and logprobs is not None else -1
+            p.logprob_start_len = 0 if echo_logprobs else -1
         rid = f"cmpl-{uuid.uuid4().hex}"
         groups = expand_n(prompts)
         flat = [p for g in groups for p in g]
@@ -194,7 +195,6 @@ class OpenAIAPI:
                       (tokenizer.decode(p.input_ids) if tokenizer else "") for p in flat]
         head = {"id": rid, "object": "text_completion", "created": int(time.time()),
                 "model": model}
-        echo_logprobs = echo and logprobs is not None
         if stream:
             return await self._stream(request, head, groups, handles, include_usage,
                                       self._completion_choice, echoes, echo_logprobs)

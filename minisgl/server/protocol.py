@@ -14,7 +14,7 @@ from typing import Any, Callable
 import orjson
 from aiohttp import web
 
-from minisgl.core import InvalidRequest, SamplingParams
+from minisgl.core import InvalidRequest, SamplingParams, check_logprob_start_len
 from minisgl.scheduler import QueueFull
 from minisgl.server.manager import ReqHandle, RequestManager
 
@@ -167,9 +167,7 @@ def check_fits(manager: RequestManager, prompts: list[Prompt]) -> None:
                                  f"holds only {pool} (--max-total-tokens)")
         if p.rid is not None and p.rid in manager.handles:
             raise InvalidRequest(f"a request with rid {p.rid!r} is already running")
-        if p.logprob_start_len >= len(ids):
-            raise InvalidRequest(f"logprob_start_len ({p.logprob_start_len}) must be below the "
-                                 f"number of prompt tokens ({len(ids)})")
+        check_logprob_start_len(p.logprob_start_len, len(ids))
     limit = manager.args.max_queued_requests
     if limit is not None and scheduler.state()["num_waiting_reqs"] + len(prompts) > limit:
         raise QueueFull(f"the waiting queue is full ({limit} requests); retry later")
