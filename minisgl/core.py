@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -11,6 +12,11 @@ import torch
 
 class InvalidRequest(ValueError):
     """User input that cannot be served; the message is shown to the client as is."""
+
+
+# Temperatures and top_p below this sample greedily (SGLang's epsilon): dividing logits by a
+# denormal temperature overflows, and a top_p that small keeps only the top token anyway.
+SAMPLING_EPS = 1e-6
 
 
 @dataclass
@@ -63,6 +69,8 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
                      "repetition_penalty"):
             check_type(name, (int, float))
+            if not math.isfinite(getattr(self, name)):
+                raise InvalidRequest(f"{name} must be a finite number, got {getattr(self, name)}")
         for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
                      "no_stop_trim"):
             check_type(name, (bool,))
@@ -111,7 +119,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < SAMPLING_EPS or self.top_p < SAMPLING_EPS or self.top_k == 1
 
     @property
     def needs_penalties(self) -> bool:
@@ -169,6 +177,7 @@ class Req:
     prompt_ids: list[int]
     params: SamplingParams
     max_device_len: int
+    stop_ids: frozenset[int] = frozenset()  # sampled ids that finish it (EOS unless ignored)
     output_ids: list[int] = field(default_factory=list)
     table_idx: int = -1
     cached_len: int = 0

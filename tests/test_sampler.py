@@ -246,3 +246,65 @@ def test_logit_bias_adds_to_the_chosen_logits() -> None:
 def test_logit_bias_validation(bias: object) -> None:
     with pytest.raises(InvalidRequest, match="logit_bias"):
         SamplingParams.from_dict({"logit_bias": bias})
+
+
+# Each row: its parameters and what a valid token is, given the row's raw logits. Row logits put
+# EOS (5) on top and token 2 (in every prompt) next, so masks and boosts show.
+def _argmax(row: torch.Tensor) -> set[int]:
+    return {int(row.argmax())}
+
+
+def _any(row: torch.Tensor) -> set[int]:
+    return set(range(len(row)))
+
+
+EXTREMES: list[tuple[dict, object]] = [
+    (dict(temperature=1e-320), _argmax),  # below SAMPLING_EPS: greedy
+    (dict(temperature=1e-39), _argmax),
+    (dict(temperature=5e-7), _argmax),
+    (dict(top_p=5e-324), _argmax),  # below SAMPLING_EPS: the top token only
+    (dict(top_p=1e-7, temperature=2.0), _argmax),
+    (dict(min_p=1.0), _argmax),
+    (dict(top_k=1, temperature=1e300), _argmax),
+    (dict(temperature=1e-6), _any),  # at the epsilon: sampled, no overflow
+    (dict(temperature=1e300), _any),  # near-uniform, no inf / -inf = NaN
+    (dict(temperature=1e300, min_new_tokens=3, max_new_tokens=8), lambda r: _any(r) - {EOS}),
+    (dict(top_k=10**12, min_p=1e-320), _any),
+    (dict(repetition_penalty=1e-300), lambda r: {2}),  # the seen token's logit is boosted
+    (dict(repetition_penalty=2.0, frequency_penalty=2.0, presence_penalty=-2.0), _any),
+    (dict(logit_bias={"3": 100, "5": -100}, temperature=1e-5), lambda r: {3}),
+    (dict(logit_bias={"3": -100}, temperature=1e-320), _argmax),
+    (dict(min_new_tokens=2, max_new_tokens=2, temperature=1e-320), lambda r: {2}),
+]
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_extreme_parameters_give_greedy_or_a_valid_sample(seeded: bool) -> None:
+    """The extremes run in one batch through the real sampler, unseeded (the shared
+    generator) and seeded: each row's token is the greedy one or a valid sample, and the
+    logprobs are finite."""
+    vocab, steps = 12, 25
+    gen = torch.Generator().manual_seed(21)
+    sampler = seeded_sampler(vocab)
+    for step in range(steps):
+        reqs = [make_req(i, [2, 7], seed=(1000 + i + step) if seeded else None, **params)
+                for i, (params, _) in enumerate(EXTREMES)]
+        logits = torch.randn(len(reqs), vocab, generator=gen) * 3
+        logits[:, EOS] = logits.amax(-1) + 2.0
+        logits[:, 2] = logits[:, EOS] - 1.0
+        logits[:, 7] = -1.0  # in the prompt too, but negative: a penalty lowers it
+        out = sample(sampler, logits.to(torch.bfloat16), reqs,
+                     logprob_nums=[2] * len(reqs))
+        assert out.logprobs is not None and torch.isfinite(out.logprobs).all()
+        for i, ((params, valid), token) in enumerate(zip(EXTREMES, out.next_tokens.tolist())):
+            row = logits[i].to(torch.bfloat16).float()
+            assert token in valid(row), (params, token, row)
+    assert prepare(sampler, [make_req(0, temperature=1e-320)]).greedy_only
+
+
+@pytest.mark.parametrize("name", ["temperature", "top_p", "min_p", "frequency_penalty",
+                                  "presence_penalty", "repetition_penalty"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_numbers_are_refused(name: str, value: float) -> None:
+    with pytest.raises(InvalidRequest, match=name):
+        SamplingParams.from_dict({name: value})

@@ -15,7 +15,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minisgl.core import Req
+from minisgl.core import SAMPLING_EPS, Req
+
+# NOTE: with these bounds no logit can overflow: |logit| <= ~1e2 (bias included), divided by
+# at most SAMPLING_EPS twice (repetition penalty, temperature); a float32 temperature of inf
+# would turn the -inf of a banned token into NaN.
+MAX_TEMPERATURE = 1e30
 
 
 @dataclass
@@ -82,8 +87,8 @@ class Sampler:
         if not args.greedy_only:
             args.greedy = self._tensor(greedy, torch.bool)
             args.temperatures = self._tensor(
-                [[1.0 if g else float(p.temperature)] for p, g in zip(params, greedy)],
-                torch.float32)
+                [[1.0 if g else min(float(p.temperature), MAX_TEMPERATURE)]
+                 for p, g in zip(params, greedy)], torch.float32)
             top_ks = [vocab if g or p.top_k < 0 else min(p.top_k, vocab)
                       for p, g in zip(params, greedy)]
             top_ps = [1.0 if g else float(p.top_p) for p, g in zip(params, greedy)]
@@ -106,7 +111,8 @@ class Sampler:
                 seq_lens=self._tensor([[seq_lens[i]] for i in penalised], torch.int64),
                 max_len=max(seq_lens[i] for i in penalised),
                 repetition=self._tensor(
-                    [[float(params[i].repetition_penalty)] for i in penalised], torch.float32),
+                    [[max(float(params[i].repetition_penalty), SAMPLING_EPS)] for i in penalised],
+                    torch.float32),
                 frequency=self._tensor(
                     [[float(params[i].frequency_penalty)] for i in penalised], torch.float32),
                 presence=self._tensor(
@@ -172,6 +178,7 @@ class Sampler:
                 drop |= torch.arange(probs.shape[1], device=probs.device)[None] >= args.top_ks
             if args.top_ps is not None:  # keep while the mass before the token is < top_p
                 drop |= (sorted_probs.cumsum(-1) - sorted_probs) >= args.top_ps
+            drop[:, 0] = False
             probs = probs.masked_fill(torch.empty_like(drop).scatter_(1, order, drop), 0.0)
         if args.min_ps is not None:
             threshold = args.min_ps * probs.amax(dim=-1, keepdim=True)
