@@ -9,8 +9,14 @@ import sys
 from minisgl.server_args import ServerArgs
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        """A bad flag: one line and exit code 2 (argparse would print the usage too)."""
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m minisgl", description=__doc__)
+    parser = _Parser(prog="python -m minisgl", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="Run the HTTP server (SGLang and OpenAI APIs).")
     ServerArgs.add_cli_args(serve)

@@ -3,22 +3,30 @@
 from __future__ import annotations
 
 import asyncio
+import weakref
 from typing import Any
 
 from minisgl.core import InvalidRequest, SamplingParams
 from minisgl.engine import no_openmp_on_this_thread
+from minisgl.scheduler import RequestSpec, expand_samples
 from minisgl.server.manager import RequestManager
 from minisgl.server_args import ServerArgs
 
 
 class LLM:
-    """`LLM(model=None, dtype="auto", **server_args)`; `model=None` is the bundled SmolLM2."""
+    """`LLM(model=None, dtype="auto", **server_args)`; `model=None` is the bundled SmolLM2.
+
+    `shutdown()` stops it (also `with LLM(...) as llm:`); one still running when the
+    interpreter exits is shut down then, quietly."""
 
     def __init__(self, model: str | None = None, dtype: str = "auto", **server_args: Any) -> None:
         self.args = ServerArgs(model_path=model, dtype=dtype, **server_args)
-        self._loop = asyncio.new_event_loop()
         self.manager = RequestManager(self.args)
-        self._run(self.manager.start())
+        self._loop = asyncio.new_event_loop()
+        # NOTE: the finalizer holds the loop and the manager, never self, so an LLM that is
+        # dropped is shut down by the garbage collector, and one still alive at exit by atexit.
+        self._finalizer = weakref.finalize(self, _shutdown, self._loop, self.manager)
+        _run(self._loop, self.manager.start())
 
     @property
     def tokenizer(self) -> Any:
@@ -29,17 +37,15 @@ class LLM:
                  input_ids: list[int] | list[list[int]] | None = None,
                  return_logprob: bool = False, top_logprobs_num: int = 0,
                  logprob_start_len: int = -1) -> dict[str, Any] | list[dict[str, Any]]:
-        """One prompt (or ids) gives one SGLang-style dict; a list gives a list. With
-        return_logprob, meta_info holds SGLang's output and input token logprobs (the input
-        ones from prompt position logprob_start_len; -1: the last prompt token only)."""
-        return self._run(self._generate(prompt, sampling_params, input_ids, return_logprob,
-                                        top_logprobs_num, logprob_start_len))
-
-    def _run(self, coroutine: Any) -> Any:
-        """Run the event loop (scheduler included) on the caller's thread until `coroutine`
-        is done; the caller's own torch work between calls keeps its threads."""
-        with no_openmp_on_this_thread():
-            return self._loop.run_until_complete(coroutine)
+        """One prompt (or ids) gives one SGLang-style dict; a list, or n > 1, gives a list
+        (prompt i's n samples in a row). With return_logprob, meta_info holds SGLang's output
+        and input token logprobs (the input ones from prompt position logprob_start_len; -1:
+        the last prompt token only). The batch is validated whole before anything runs."""
+        if not self._finalizer.alive:
+            raise RuntimeError("this LLM was shut down")
+        return _run(self._loop, self._generate(prompt, sampling_params, input_ids,
+                                               return_logprob, top_logprobs_num,
+                                               logprob_start_len))
 
     async def _generate(self, prompt: Any, sampling_params: Any, input_ids: Any,
                         return_logprob: bool, top_logprobs_num: int,
@@ -48,9 +54,7 @@ class LLM:
             raise InvalidRequest("give exactly one of prompt or input_ids")
         if prompt is not None:
             single = isinstance(prompt, str)
-            if self.manager.tokenizer is None:
-                raise InvalidRequest("this model has no tokenizer: pass input_ids")
-            ids = await self.manager.tokenizer.encode([prompt] if single else list(prompt))
+            ids = await self.manager.encode([prompt] if single else list(prompt))
         else:
             single = bool(input_ids) and isinstance(input_ids[0], int)
             ids = [list(input_ids)] if single else [list(x) for x in input_ids]
@@ -60,31 +64,41 @@ class LLM:
         params = [p if isinstance(p, SamplingParams) else SamplingParams.from_dict(p)
                   for p in params]
         logprob_num = top_logprobs_num if return_logprob else -1
-        handles = []
-        try:
-            for one_ids, one_params in zip(ids, params):
-                handles.append(self.manager.submit(
-                    one_ids, one_params, logprob_num=logprob_num,
-                    logprob_start_len=logprob_start_len if return_logprob else -1))
-        except Exception:
-            for handle in handles:  # all or nothing: a bad prompt leaves nothing running
-                self.manager.abort(handle.rid, "another prompt of the batch was invalid")
-            raise
+        specs = [RequestSpec(one_ids, one_params, logprob_num=logprob_num,
+                             logprob_start_len=logprob_start_len if return_logprob else -1)
+                 for one_ids, one_params in zip(ids, params)]
+        groups = expand_samples(specs, self.args.max_sequences_per_request)
+        handles = self.manager.submit([s for group in groups for s in group])
         done = await asyncio.gather(*(self.manager.wait(h) for h in handles))
         results = [h.result() for h in done]
-        return results[0] if single else results
+        return results[0] if single and len(results) == 1 else results
 
     def check_integrity(self) -> None:
         self.manager.scheduler.check_integrity()
 
     def shutdown(self) -> None:
-        if self._loop.is_closed():
-            return
-        self._run(self.manager.stop())
-        self._loop.close()
+        """Abort what runs, stop the scheduler and the engine; idempotent."""
+        self._finalizer()
 
     def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
+
+
+def _run(loop: asyncio.AbstractEventLoop, coroutine: Any) -> Any:
+    """Run the event loop (scheduler included) on the caller's thread until `coroutine` is
+    done; the caller's own torch work between calls keeps its threads."""
+    with no_openmp_on_this_thread():
+        return loop.run_until_complete(coroutine)
+
+
+def _shutdown(loop: asyncio.AbstractEventLoop, manager: RequestManager) -> None:
+    if loop.is_closed():
+        return
+    try:
+        _run(loop, manager.stop())
+        _run(loop, loop.shutdown_asyncgens())
+    finally:
+        loop.close()

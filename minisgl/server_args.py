@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
+
+
 def _flag(default: Any, help: str, *aliases: str, choices: list[str] | None = None) -> Any:
     return field(default=default, metadata={"help": help, "aliases": aliases, "choices": choices})
 
@@ -23,12 +26,26 @@ class ServerArgs:
     load_format: str = _flag("auto", "auto: read the weights; dummy: random weights from the "
                              "config alone (benchmarks).", choices=["auto", "dummy"])
     dtype: str = _flag("auto", "auto (bfloat16), bfloat16, float16 or float32.",
-                       choices=["auto", "bfloat16", "float16", "float32"])
+                       choices=list(DTYPE_CHOICES))
     device: str = _flag("auto", "auto (cuda when available, else cpu), cuda or cpu.",
                         choices=["auto", "cuda", "cpu"])
+    served_model_name: str | None = _flag(
+        None, "The model name the OpenAI endpoints answer to (default: --model-path, or the "
+        "bundled model's name).")
     host: str = _flag("127.0.0.1", "Address to listen on.")
-    port: int = _flag(30000, "Port to listen on.")
+    port: int = _flag(30000, "Port to listen on (0: any free port).")
     api_key: str | None = _flag(None, "Require `Authorization: Bearer KEY` on every request.")
+    allowed_hosts: str | None = _flag(
+        None, "Comma-separated host names the Host header may name besides the bound address "
+        "and localhost; '*' for any (default: any when bound to a non-loopback address).")
+    cors_origins: str | None = _flag(
+        None, "Comma-separated origins (e.g. http://localhost:3000) whose web pages may call "
+        "this server; '*' for any. Default: none (browsers' cross-origin requests get 403).")
+    max_request_bytes: int = _flag(32 * 2**20, "Largest request body; larger ones get 413.")
+    max_sequences_per_request: int = _flag(
+        1024, "Sequences one request may ask for (prompts x n).")
+    max_stop_strings: int = _flag(64, "Stop strings one request may give.")
+    max_stop_string_length: int = _flag(1024, "Characters in one stop string at most.")
     tp_size: int = _flag(1, "Tensor-parallel ranks.", "--tp")
     context_length: int | None = _flag(
         None, "Longest sequence (prompt + output); default: the model's.")
@@ -61,14 +78,40 @@ class ServerArgs:
     log_level: str = _flag("info", "Logging level.", choices=["debug", "info", "warning", "error"])
 
     def __post_init__(self) -> None:
-        for name in ("tp_size", "chunked_prefill_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-        for name in ("max_running_requests", "max_total_tokens", "context_length",
+        """Refuse impossible values with one line (the CLI exits with code 2)."""
+        def flag(name: str) -> str:
+            return "--" + name.replace("_", "-")
+
+        for name in ("tp_size", "chunked_prefill_size", "cuda_graph_max_bs", "max_request_bytes",
+                     "max_sequences_per_request", "max_stop_strings", "max_stop_string_length",
+                     "max_running_requests", "max_total_tokens", "context_length",
                      "max_queued_requests", "page_size"):
             value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{flag(name)} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port!r}")
+        fraction = self.mem_fraction_static
+        if fraction is not None and not 0 < fraction <= 1:
+            raise ValueError(f"--mem-fraction-static must be in (0, 1], got {fraction}")
+        for name, choices in (("dtype", DTYPE_CHOICES), ("device", ("auto", "cuda", "cpu")),
+                              ("load_format", ("auto", "dummy")),
+                              ("schedule_policy", ("fcfs", "lpm")),
+                              ("attention_backend", (None, "torch", "flashinfer")),
+                              ("log_level", ("debug", "info", "warning", "error"))):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{flag(name)} must be one of "
+                                 f"{', '.join(c for c in choices if c)}, got "
+                                 f"{getattr(self, name)!r}")
+        if not self.host:
+            raise ValueError("--host must not be empty")
+
+    @staticmethod
+    def split_list(value: str | None) -> list[str] | None:
+        """A comma-separated flag as a list (None stays None)."""
+        if value is None:
+            return None
+        return [item.strip() for item in value.split(",") if item.strip()]
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

@@ -204,7 +204,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base-url", default="http://127.0.0.1:30000")
     parser.add_argument("--backend", choices=["sglang", "openai", "openai-chat"], default="sglang")
-    parser.add_argument("--model", default="default")
+    parser.add_argument("--model", default="",
+                        help="model name for the OpenAI backends (default: the served one)")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--max-concurrency", type=int, default=32)
     parser.add_argument("--request-rate", type=float, default=float("inf"),

@@ -12,10 +12,16 @@ PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
+MODEL = ""  # the `model` every request names: the served one (set by the `client` fixture)
+
+
 @pytest.fixture(scope="module")
 def client(minisgl_server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=minisgl_server.url + "/v1", api_key="unused", max_retries=0,
-                         timeout=120)
+    global MODEL
+    client = openai.OpenAI(base_url=minisgl_server.url + "/v1", api_key="unused",
+                           max_retries=0, timeout=120)
+    MODEL = client.models.list().data[0].id
+    return client
 
 
 def native(server: Any, body: dict[str, Any]) -> Any:
@@ -30,9 +36,9 @@ def test_models(client, minisgl_server):
 
 
 def test_completions_non_stream_matches_generate(client, minisgl_server):
-    out = client.completions.create(model="any", prompt=PROMPT, max_tokens=8, temperature=0)
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
     assert out.object == "text_completion" and out.id.startswith("cmpl-")
-    assert out.model == "any" and len(out.choices) == 1
+    assert out.model == MODEL and len(out.choices) == 1
     choice = out.choices[0]
     assert choice.index == 0 and choice.finish_reason == "length" and choice.logprobs is None
     ref = native(minisgl_server, {"text": PROMPT,
@@ -44,8 +50,8 @@ def test_completions_non_stream_matches_generate(client, minisgl_server):
 
 
 def test_completions_stream_with_usage(client):
-    whole = client.completions.create(model="m", prompt=PROMPT, max_tokens=8, temperature=0)
-    chunks = list(client.completions.create(model="m", prompt=PROMPT, max_tokens=8,
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8,
                                             temperature=0, stream=True,
                                             stream_options={"include_usage": True}))
     assert all(c.object == "text_completion" for c in chunks)
@@ -59,10 +65,10 @@ def test_completions_stream_with_usage(client):
 
 
 def test_completions_batch_n_logprobs_seed(client):
-    out = client.completions.create(model="m", prompt=[PROMPT, "One, two,"], max_tokens=5,
+    out = client.completions.create(model=MODEL, prompt=[PROMPT, "One, two,"], max_tokens=5,
                                     temperature=1.0, n=2, seed=3, logprobs=2)
     assert [c.index for c in out.choices] == [0, 1, 2, 3]
-    again = client.completions.create(model="m", prompt=[PROMPT, "One, two,"], max_tokens=5,
+    again = client.completions.create(model=MODEL, prompt=[PROMPT, "One, two,"], max_tokens=5,
                                       temperature=1.0, n=2, seed=3, logprobs=2)
     assert [c.text for c in out.choices] == [c.text for c in again.choices]  # seeded
     for choice in out.choices:
@@ -78,7 +84,7 @@ def test_completions_batch_n_logprobs_seed(client):
 def test_completions_echo_with_logprobs_scores_the_prompt(client, minisgl_server):
     """The loglikelihood request of evaluation harnesses: echo + logprobs (max_tokens 0
     scores the prompt only). Prompt entries equal /generate's input_token_logprobs."""
-    scored = client.completions.create(model="m", prompt=PROMPT, max_tokens=0, echo=True,
+    scored = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, echo=True,
                                        logprobs=2, temperature=0)
     choice = scored.choices[0]
     lp = choice.logprobs
@@ -95,7 +101,7 @@ def test_completions_echo_with_logprobs_scores_the_prompt(client, minisgl_server
         lp.token_logprobs, abs=1e-5)  # (None == None under approx)
 
     for stream in (False, True):
-        out = client.completions.create(model="m", prompt=PROMPT, max_tokens=3, echo=True,
+        out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, echo=True,
                                         logprobs=1, temperature=0, stream=stream)
         chunks = list(out) if stream else [out]
         tokens = [t for c in chunks if c.choices and c.choices[0].logprobs
@@ -109,21 +115,21 @@ def test_logit_bias_forces_and_bans_tokens(client):
     from tests import reference as ref
     ids = ref.prompt_ids(PROMPT)
     top2 = ref.hf_logits(ids)[-1].topk(2).indices.tolist()
-    free = client.completions.create(model="m", prompt=ids, max_tokens=1, temperature=0)
+    free = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0)
     assert free.choices[0].text == ref.tokenizer().decode([top2[0]])
-    banned = client.completions.create(model="m", prompt=ids, max_tokens=1, temperature=0,
+    banned = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0,
                                        logit_bias={str(top2[0]): -100})
     assert banned.choices[0].text == ref.tokenizer().decode([top2[1]])  # the runner-up
-    forced = client.completions.create(model="m", prompt=ids, max_tokens=3, temperature=0.7,
+    forced = client.completions.create(model=MODEL, prompt=ids, max_tokens=3, temperature=0.7,
                                        logit_bias={"330": 100})
     assert forced.choices[0].text == ref.tokenizer().decode([330] * 3)
 
 
 def test_completions_stop_string(client):
-    free = client.completions.create(model="m", prompt=PROMPT, max_tokens=12, temperature=0)
+    free = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
     text = free.choices[0].text  # " Paris.\n\nThe answer is: ..."
     stop = text.strip().split()[1]
-    out = client.completions.create(model="m", prompt=PROMPT, max_tokens=12, temperature=0,
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
                                     stop=[stop])
     assert out.choices[0].finish_reason == "stop"
     assert out.choices[0].text == text[:text.index(stop)]
@@ -132,7 +138,7 @@ def test_completions_stop_string(client):
 def test_chat_non_stream_uses_the_template(client, minisgl_server):
     from transformers import AutoTokenizer
 
-    out = client.chat.completions.create(model="m", messages=CHAT, max_tokens=10, temperature=0)
+    out = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10, temperature=0)
     assert out.object == "chat.completion" and out.id.startswith("chatcmpl-")
     message = out.choices[0].message
     assert message.role == "assistant" and message.content
@@ -147,15 +153,15 @@ def test_chat_non_stream_uses_the_template(client, minisgl_server):
     assert out.usage.completion_tokens == ref["meta_info"]["completion_tokens"]
 
     # max_completion_tokens wins over max_tokens
-    short = client.chat.completions.create(model="m", messages=CHAT, max_tokens=10,
+    short = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10,
                                            max_completion_tokens=3, temperature=0)
     assert short.usage.completion_tokens == 3 and short.choices[0].finish_reason == "length"
 
 
 def test_chat_stream(client):
-    whole = client.chat.completions.create(model="m", messages=CHAT, max_tokens=10,
+    whole = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10,
                                            temperature=0)
-    chunks = list(client.chat.completions.create(model="m", messages=CHAT, max_tokens=10,
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10,
                                                  temperature=0, stream=True,
                                                  stream_options={"include_usage": True}))
     assert all(c.object == "chat.completion.chunk" for c in chunks)
@@ -169,7 +175,7 @@ def test_chat_stream(client):
 
 
 def test_chat_n_and_logprobs(client):
-    out = client.chat.completions.create(model="m", messages=CHAT, max_tokens=6, n=2,
+    out = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, n=2,
                                          temperature=0, logprobs=True, top_logprobs=2)
     assert [c.index for c in out.choices] == [0, 1]
     assert out.choices[0].message.content == out.choices[1].message.content  # greedy
@@ -181,7 +187,7 @@ def test_chat_n_and_logprobs(client):
             assert len(entry.top_logprobs) == 2
             assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-4)
 
-    chunks = list(client.chat.completions.create(model="m", messages=CHAT, max_tokens=6, n=2,
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, n=2,
                                                  temperature=0, stream=True, logprobs=True))
     for k in (0, 1):
         mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == k]
@@ -210,7 +216,7 @@ BAD_OPENAI = [
 
 @pytest.mark.parametrize("path,body,contains", BAD_OPENAI)
 def test_bad_requests(minisgl_server, path, body, contains):
-    r = requests.post(minisgl_server.url + path, json={"model": "m", **body}, timeout=30)
+    r = requests.post(minisgl_server.url + path, json={"model": MODEL, **body}, timeout=30)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["code"] == 400 and error["type"] == "invalid_request_error"
@@ -219,7 +225,7 @@ def test_bad_requests(minisgl_server, path, body, contains):
 
 def test_openai_client_sees_errors(client):
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="m", messages=CHAT, max_tokens=9000)
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=9000)
     assert "8192" in str(info.value)
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model="m", prompt=PROMPT, temperature=-1)
+        client.completions.create(model=MODEL, prompt=PROMPT, temperature=-1)

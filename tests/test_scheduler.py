@@ -10,6 +10,7 @@ import pytest
 
 from minisgl import LLM
 from minisgl.core import InvalidRequest, SamplingParams
+from minisgl.scheduler import RequestSpec
 from minisgl.server.manager import RequestManager
 from minisgl.server_args import ServerArgs
 from tests import reference as ref
@@ -234,7 +235,7 @@ def test_abort_fuzz_keeps_every_page_accounted_for() -> None:
                 rng.randrange(100, 20000) for _ in range(rng.randint(1, 300))]
             params = SamplingParams(max_new_tokens=rng.randint(1, 40), ignore_eos=True,
                                     temperature=rng.choice([0, 1.0]))
-            handles.append(manager.submit(prompt, params))
+            handles += manager.submit([RequestSpec(prompt, params)])
             for _ in range(rng.randint(0, 2)):
                 await asyncio.sleep(rng.random() * 0.02)
             if rng.random() < 0.4:

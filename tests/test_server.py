@@ -476,6 +476,7 @@ def test_dead_scheduler_turns_health_503_and_ends_requests():
     import aiohttp
 
     from minisgl.server.app import Server, listen
+    from minisgl.server.listen import bind
     from minisgl.server.manager import RequestManager
     from minisgl.server_args import ServerArgs
 
@@ -484,7 +485,7 @@ def test_dead_scheduler_turns_health_503_and_ends_requests():
         manager = RequestManager(args)
         await manager.start()
         server = Server(args, manager)
-        runner, port = await listen(server, "127.0.0.1", 0)
+        runner, port = await listen(server, bind("127.0.0.1", 0))
         url = f"http://127.0.0.1:{port}"
         try:
             async with aiohttp.ClientSession() as session:

@@ -21,6 +21,7 @@ import torch
 
 from minisgl.core import SamplingParams
 from minisgl.engine import Engine, EngineFailed
+from minisgl.scheduler import RequestSpec
 from minisgl.server_args import ServerArgs
 from tests import reference as ref
 
@@ -228,7 +229,8 @@ def test_worker_sigkill_mid_generation_fails_requests(tp3) -> None:
 
     async def scenario() -> tuple[list, float]:
         params = SamplingParams(temperature=0, max_new_tokens=2000, ignore_eos=True)
-        handles = [manager.submit(ref.prompt_ids(p), params) for p in ref.PLAIN_PROMPTS[:2]]
+        handles = manager.submit([RequestSpec(ref.prompt_ids(p), params)
+                                  for p in ref.PLAIN_PROMPTS[:2]])
         await handles[0].changed.wait()  # a first token: generation is under way
         os.kill(pids[-1], signal.SIGKILL)
         killed = time.perf_counter()

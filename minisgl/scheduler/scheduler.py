@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import uuid
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -17,23 +18,19 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from minisgl.core import (Batch, InvalidRequest, Req, ReqStatus, SamplingParams,
-                          check_logprob_start_len)
+from minisgl.core import Batch, Req, ReqStatus
 from minisgl.engine import (Engine, EngineFailed, ForwardInput, ForwardOutput, HostInputs,
                             InputLogprobRows)
 from minisgl.engine.stream import Completion
 from minisgl.kvcache import NaiveCache, RadixCache
 from minisgl.scheduler.cache import CacheManager, locations_for, pages_spanned
 from minisgl.scheduler.decode import DecodeManager
+from minisgl.scheduler.intake import RequestLimits, RequestSpec, check_batch
 from minisgl.scheduler.prefill import PrefillChunk, PrefillManager
 from minisgl.scheduler.table import TableManager
 from minisgl.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
-
-
-class QueueFull(RuntimeError):
-    """The waiting queue is at --max-queued-requests."""
 
 
 @dataclass
@@ -86,6 +83,12 @@ class Scheduler:
         self.prefill = PrefillManager(self.cache, self.table, self.decode, args.schedule_policy)
         self.context_len = engine.context_len
         self.eos_ids = frozenset(engine.eos_token_ids)
+        self.limits = RequestLimits(
+            vocab_size=engine.arch.vocab_size, context_len=self.context_len,
+            pool_pages=self.cache.num_pages, page_size=ps,
+            max_sequences=args.max_sequences_per_request, max_stop_strings=args.max_stop_strings,
+            max_stop_string_length=args.max_stop_string_length,
+            max_queued=args.max_queued_requests)
         self.reqs: dict[str, Req] = {}  # live requests by rid
         self.to_release: list[Req] = []  # finished, still holding a slot and pages
         self.stats = SchedulerStats()
@@ -98,44 +101,32 @@ class Scheduler:
 
     # ---- requests in -------------------------------------------------------------------------
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None,
-                    logprob_num: int = -1, logprob_start_len: int = -1) -> Req:
-        """Validate and queue a request; raises InvalidRequest or QueueFull. Loop thread only.
-        With logprob_num >= 0, input logprobs start at prompt position logprob_start_len
-        (-1: the last prompt token, which scores nothing)."""
-        prompt_len = len(prompt_ids)
-        if prompt_len == 0:
-            raise InvalidRequest("the prompt is empty")
-        check_logprob_start_len(logprob_start_len, prompt_len)
-        vocab = self.engine.arch.vocab_size
-        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-            raise InvalidRequest(f"input_ids must be token ids in [0, {vocab})")
-        if params.logit_bias and max(params.logit_bias) >= vocab:
-            raise InvalidRequest(f"logit_bias keys must be token ids in [0, {vocab})")
-        total = prompt_len + params.max_new_tokens
-        if total > self.context_len:
-            raise InvalidRequest(
-                f"This model's maximum context length is {self.context_len} tokens. However, you "
-                f"requested {total} tokens ({prompt_len} in the prompt, {params.max_new_tokens} "
-                "for the completion). Please reduce the prompt or max_new_tokens.")
-        pool_tokens = self.cache.num_pages * self.cache.page_size
-        if pages_spanned(0, total, self.cache.page_size) > self.cache.num_pages:
-            raise InvalidRequest(
-                f"the request needs {total} tokens of KV cache but the pool holds only "
-                f"{pool_tokens} (--max-total-tokens)")
-        limit = self.args.max_queued_requests
-        if limit is not None and len(self.prefill.waiting) + self._pending_new() >= limit:
-            raise QueueFull(f"the waiting queue is full ({limit} requests); retry later")
+    def add_requests(self, specs: list[RequestSpec],
+                     rid_taken: Callable[[str], bool] | None = None) -> list[Req]:
+        """Validate the whole batch (`intake.check_batch`), then queue every request; raises
+        InvalidRequest or QueueFull with nothing queued. Loop thread only. `rid_taken` adds
+        rids the caller still considers live."""
+        def taken(rid: str) -> bool:
+            return rid in self.reqs or (rid_taken is not None and rid_taken(rid))
+
+        check_batch(specs, self.limits, taken, len(self.prefill.waiting) + self._pending_new())
+        return [self._queue(spec) for spec in specs]
+
+    def _queue(self, spec: RequestSpec) -> Req:
+        params, prompt_len = spec.params, len(spec.input_ids)
         uid = next(self._uids)
-        rid = rid if rid is not None else f"req-{uid}"
-        if rid in self.reqs:
-            raise InvalidRequest(f"a request with rid {rid!r} is already running")
-        req = Req(uid=uid, rid=rid, prompt_ids=list(prompt_ids), params=params,
-                  max_device_len=total, logprob_num=logprob_num,
-                  logprob_start_len=-1 if logprob_num < 0 else
-                  (prompt_len - 1 if logprob_start_len < 0 else logprob_start_len))
+        rid = spec.rid if spec.rid is not None else uuid.uuid4().hex
+        start = spec.logprob_start_len
+        req = Req(uid=uid, rid=rid, prompt_ids=list(spec.input_ids), params=params,
+                  max_device_len=prompt_len + params.max_new_tokens,
+                  stop_ids=frozenset(params.stop_token_ids or ()) | (
+                      frozenset() if params.ignore_eos else self.eos_ids),
+                  logprob_num=spec.logprob_num,
+                  logprob_start_len=-1 if spec.logprob_num < 0 else
+                  (prompt_len - 1 if start < 0 else start))
         if params.sampling_seed is not None:
-            req.generator = torch.Generator(self.engine.device).manual_seed(params.sampling_seed)
+            req.generator = torch.Generator(self.engine.device).manual_seed(
+                params.sampling_seed % 2**64)
         self.reqs[rid] = req
         self._post("new", req)
         return req
@@ -481,13 +472,11 @@ class Scheduler:
                 req.input_top_logprobs += [[] for _ in range(count)]
             offset += count
 
-    def _finish_reason(self, req: Req, token: int) -> dict[str, Any] | None:
-        params = req.params
-        if len(req.output_ids) >= params.max_new_tokens:
+    @staticmethod
+    def _finish_reason(req: Req, token: int) -> dict[str, Any] | None:
+        if len(req.output_ids) >= req.params.max_new_tokens:
             return {"type": "length", "length": len(req.output_ids)}
-        if not params.ignore_eos and token in self.eos_ids:
-            return {"type": "stop", "matched": token}
-        if params.stop_token_ids and token in params.stop_token_ids:
+        if token in req.stop_ids:
             return {"type": "stop", "matched": token}
         return None
 

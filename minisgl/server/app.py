@@ -8,32 +8,37 @@ clients get a final chunk with finish_reason abort), closes connections and stop
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import signal
+import socket
 import time
 import uuid
 from contextlib import aclosing
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable
 
 from aiohttp import web
 
 from minisgl import __version__
 from minisgl.core import InvalidRequest, SamplingParams
 from minisgl.engine import no_openmp_on_this_thread
-from minisgl.scheduler import QueueFull
+from minisgl.scheduler import QueueFull, RequestSpec
+from minisgl.server.guard import Guard, Handler
+from minisgl.server.listen import bind, quiet_client_faults, start_sites
 from minisgl.server.manager import ReqHandle, RequestManager
 from minisgl.server.openai_api import OpenAIAPI
 from minisgl.server.protocol import (
-    MAX_BODY_BYTES,
+    MAX_BODY,
     HTTPError,
+    check_bool,
     TokenTexts,
     error_response,
     generate_result,
     json_response,
+    none_as,
     parse_generate,
     read_json,
     submit_all,
+    too_large,
 )
 from minisgl.server.sse import DONE, encode_event, follow, open_stream, wait_all
 from minisgl.server_args import ServerArgs
@@ -43,22 +48,26 @@ logger = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 5.0  # for aborted requests to deliver their last chunk
 FAILURE_GRACE_S = 2.0  # after an engine failure, answer 503 this long before exiting
 HEALTH_GENERATE_TIMEOUT_S = 60.0
-OPEN_PATHS = frozenset({"/health"})  # reachable without the API key
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class Server:
     def __init__(self, args: ServerArgs, manager: RequestManager) -> None:
         self.args, self.manager = args, manager
         self.shutting_down = False
-        self.model_name = args.model_path or manager.engine.model_path.name
+        model_path = manager.engine.model_path
+        self.model_name = args.served_model_name or args.model_path or model_path.name
+        aliases = {str(model_path), *(name for name in (args.model_path,) if name)}
         self.tokens = TokenTexts(manager.tokenizer)
-        self.openai = OpenAIAPI(manager, self.model_name, self.tokens, self.ensure_ready)
+        self.openai = OpenAIAPI(manager, self.model_name, aliases, self.tokens,
+                                self.ensure_ready)
+        self.guard = Guard(args.host, args.api_key, args.split_list(args.allowed_hosts),
+                           args.split_list(args.cors_origins))
 
     def build_app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES,
-                              middlewares=[self.errors_middleware, self.auth_middleware])
+        app = web.Application(client_max_size=self.args.max_request_bytes,
+                              middlewares=[self.errors_middleware, self.guard.middleware])
+        app[MAX_BODY] = self.args.max_request_bytes
+        app.on_response_prepare.append(self.guard.add_cors_headers)
         app.add_routes([
             web.get("/health", self.health), web.post("/health", self.health),
             web.get("/health_generate", self.health_generate),
@@ -81,13 +90,14 @@ class Server:
         try:
             return await handler(request)
         except HTTPError as exc:
-            return error_response(exc.status, exc.message, exc.type)
+            return error_response(exc.status, exc.message, exc.type, exc.code)
         except InvalidRequest as exc:
             return error_response(400, str(exc))
         except QueueFull as exc:
             return error_response(503, str(exc))
         except web.HTTPRequestEntityTooLarge:
-            return error_response(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+            error = too_large(request)
+            return error_response(error.status, error.message)
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
@@ -97,16 +107,6 @@ class Server:
         except Exception:
             logger.exception("%s %s failed", request.method, request.path)
             return error_response(500, "internal server error (see the server log)")
-
-    @web.middleware
-    async def auth_middleware(self, request: web.Request, handler: Handler
-                              ) -> web.StreamResponse:
-        key = self.args.api_key
-        if key and request.path not in OPEN_PATHS:
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-                raise HTTPError(401, "a valid API key is needed: Authorization: Bearer KEY")
-        return await handler(request)
 
     def ensure_ready(self) -> None:
         if self.shutting_down:
@@ -118,7 +118,7 @@ class Server:
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         self.ensure_ready()
-        req = parse_generate(await read_json(request))
+        req = parse_generate(await read_json(request), self.args.max_sequences_per_request)
         tokens = self.tokens if req.text_in_logprobs else None
         handles = await submit_all(self.manager, req.prompts)
         if not req.stream:
@@ -162,7 +162,7 @@ class Server:
     async def health_generate(self, request: web.Request) -> web.Response:
         self.ensure_ready()
         params = SamplingParams(max_new_tokens=1, temperature=0)
-        handle = self.manager.submit([0], params, f"health-{uuid.uuid4().hex}")
+        [handle] = self.manager.submit([RequestSpec([0], params, f"health-{uuid.uuid4().hex}")])
         started = time.perf_counter()
         try:
             await asyncio.wait_for(self.manager.wait(handle), HEALTH_GENERATE_TIMEOUT_S)
@@ -197,7 +197,7 @@ class Server:
 
     async def abort_request(self, request: web.Request) -> web.Response:
         body = await read_json(request)
-        if body.get("abort_all"):
+        if check_bool(none_as(body.get("abort_all"), False), "abort_all"):
             rids = list(self.manager.handles)
             self.manager.abort_all("aborted by /abort_request")
             return json_response({"success": True, "aborted": rids})
@@ -228,8 +228,8 @@ def _url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-async def listen(server: Server, host: str, port: int) -> tuple[web.AppRunner, int]:
-    """Serve `server` on host:port (0: a free port); returns the runner and the bound port."""
+async def listen(server: Server, sockets: list[socket.socket]) -> tuple[web.AppRunner, int]:
+    """Serve `server` on the bound sockets; returns the runner and the port."""
     debug = server.args.log_level == "debug"
     # NOTE: handler_cancellation makes a client that goes away cancel its handler, which
     # aborts its requests (RequestManager.updates); aiohttp leaves it off by default.
@@ -237,26 +237,32 @@ async def listen(server: Server, host: str, port: int) -> tuple[web.AppRunner, i
                            shutdown_timeout=SHUTDOWN_GRACE_S,
                            **({} if debug else {"access_log": None}))
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
     try:
-        await site.start()
+        port = await start_sites(runner, sockets)
     except OSError as exc:
         await runner.cleanup()
-        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
-    return runner, site.port
+        raise ValueError(f"cannot listen on {server.args.host}: {exc.strerror}") from None
+    return runner, port
 
 
 async def run_server(args: ServerArgs) -> None:
     started = time.perf_counter()
+    sockets = bind(args.host, args.port)  # a busy port is refused before the model loads
+    quiet_client_faults()
     logger.info("loading model %s (dtype %s, device %s)", args.model_path or "(bundled SmolLM2)",
                 args.dtype, args.device)
-    manager = RequestManager(args)
+    try:
+        manager = RequestManager(args)
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
     logger.info("model %s loaded in %.1f s", manager.engine.model_path,
                 time.perf_counter() - started)
     await manager.start()
     server = Server(args, manager)
     try:
-        runner, port = await listen(server, args.host, args.port)
+        runner, port = await listen(server, sockets)
     except ValueError:
         await manager.stop()
         raise

@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator
 
 from minisgl.core import InvalidRequest, SamplingParams
 from minisgl.engine import Engine, EngineFailed
-from minisgl.scheduler import ReqOutput, Scheduler
+from minisgl.scheduler import ReqOutput, RequestSpec, Scheduler
 from minisgl.server.detokenizer import DecodeState, IncrementalDetokenizer
 from minisgl.server.metrics import Metrics
 from minisgl.server.tokenizer import Tokenizer
@@ -135,6 +135,7 @@ class RequestManager:
         while self._outbox is not None and not self._outbox.empty() and not detok_task.done():
             await asyncio.sleep(0)
         detok_task.cancel()
+        await asyncio.gather(detok_task, return_exceptions=True)
         self._tasks = []
         self.engine.shutdown()
 
@@ -157,20 +158,35 @@ class RequestManager:
 
     # ---- requests ----------------------------------------------------------------------------
 
-    def submit(self, input_ids: list[int], params: SamplingParams, rid: str | None = None,
-               logprob_num: int = -1, logprob_start_len: int = -1) -> ReqHandle:
+    def submit(self, specs: list[RequestSpec]) -> list[ReqHandle]:
+        """Queue a batch, all or nothing: every request is validated before any is queued
+        (raises InvalidRequest, QueueFull or EngineFailed)."""
         if self.engine.failed is not None:
             raise EngineFailed(self.engine.failed)
-        if params.stop_strings and self.detokenizer is None:
+        if self.detokenizer is None and any(s.params.stop_strings for s in specs):
             raise InvalidRequest("stop strings need a tokenizer, and this model has none")
-        if rid is not None and rid in self.handles:
-            raise InvalidRequest(f"a request with rid {rid!r} is already running")
-        req = self.scheduler.add_request(input_ids, params, rid, logprob_num, logprob_start_len)
-        handle = ReqHandle(req.rid, list(input_ids), DecodeState.start(input_ids, params),
-                           logprob_num, logprob_start_len=req.logprob_start_len)
-        self.handles[req.rid] = handle
-        self.metrics.on_submit()
-        return handle
+        reqs = self.scheduler.add_requests(specs, rid_taken=self.handles.__contains__)
+        handles = []
+        for spec, req in zip(specs, reqs):
+            handle = ReqHandle(req.rid, req.prompt_ids, DecodeState.start(req.prompt_ids,
+                                                                         spec.params),
+                               spec.logprob_num, logprob_start_len=req.logprob_start_len)
+            self.handles[req.rid] = handle
+            self.metrics.on_submit()
+            handles.append(handle)
+        return handles
+
+    async def encode(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of prompt texts; a text longer than the context could hold at the
+        tokenizer's most characters per token is refused before it is tokenized."""
+        if self.tokenizer is None:
+            raise InvalidRequest("this model has no tokenizer: send input_ids instead of text")
+        return await self.tokenizer.encode(texts, self.scheduler.context_len)
+
+    async def encode_chat(self, messages: Any) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidRequest("this model has no tokenizer, so no chat template")
+        return await self.tokenizer.encode_chat(messages, self.scheduler.context_len)
 
     async def updates(self, handle: ReqHandle) -> AsyncIterator[ReqHandle]:
         """Yields the handle each time its state changed, last when it finished. Abandoning the

@@ -18,20 +18,23 @@ from aiohttp import web
 
 from minisgl.core import InvalidRequest, SamplingParams
 from minisgl.server.manager import ReqHandle, RequestManager
+from minisgl.scheduler import expand_samples
 from minisgl.server.protocol import (
+    HTTPError,
     Prompt,
+    TokenTexts,
     check_bool,
     check_int,
-    expand_n,
     is_ids,
     json_response,
+    none_as,
     read_json,
-    TokenTexts,
     submit_all,
 )
 from minisgl.server.sse import DONE, encode_event, follow, open_stream, wait_all
 
 MAX_TOP_LOGPROBS = 20
+CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 
 SAMPLING_FIELDS = {  # OpenAI (or SGLang extension) name -> SamplingParams name
     "temperature": "temperature", "top_p": "top_p", "n": "n", "stop": "stop",
@@ -91,7 +94,12 @@ def stream_usage_wanted(body: dict[str, Any]) -> bool:
         return False
     if not isinstance(options, dict):
         raise InvalidRequest("stream_options must be an object")
-    return check_bool(options.get("include_usage", False), "stream_options.include_usage")
+    return check_bool(none_as(options.get("include_usage"), False), "stream_options.include_usage")
+
+
+def flag(body: dict[str, Any], name: str) -> bool:
+    """A boolean field: true, false, or absent / null (false)."""
+    return check_bool(none_as(body.get(name), False), name)
 
 
 def usage(groups: list[list[Prompt]], handles: list[ReqHandle]) -> dict[str, int]:
@@ -110,6 +118,9 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
     for m in messages:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise InvalidRequest("each message must be an object with a string role")
+        if m["role"] not in CHAT_ROLES:
+            raise InvalidRequest(f"messages: unknown role {m['role']!r} (one of "
+                                 f"{', '.join(sorted(CHAT_ROLES))})")
         content = m.get("content")
         if isinstance(content, list):
             parts = []
@@ -128,9 +139,10 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
 
 
 class OpenAIAPI:
-    def __init__(self, manager: RequestManager, model_name: str, tokens: TokenTexts,
-                 ensure_ready: Callable[[], None]) -> None:
+    def __init__(self, manager: RequestManager, model_name: str, model_aliases: set[str],
+                 tokens: TokenTexts, ensure_ready: Callable[[], None]) -> None:
         self.manager, self.model_name, self.ensure_ready = manager, model_name, ensure_ready
+        self.model_names = {model_name, *model_aliases}  # what `model` may name
         self.tokens = tokens
         self.created = int(time.time())
 
@@ -146,9 +158,14 @@ class OpenAIAPI:
             "max_model_len": self.manager.scheduler.context_len}]})
 
     def _model(self, body: dict[str, Any]) -> str:
+        """The served model's name; 404 for a model this server does not serve (an empty or
+        absent `model` means the served one)."""
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise InvalidRequest("model must be a string")
+        if model and model not in self.model_names:
+            raise HTTPError(404, f"The model `{model}` does not exist (this server serves "
+                            f"`{self.model_name}`).", "invalid_request_error", "model_not_found")
         return model or self.model_name
 
     # ---- /v1/completions ---------------------------------------------------------------------
@@ -160,13 +177,13 @@ class OpenAIAPI:
         model = self._model(body)
         raw = body.get("prompt")
         if isinstance(raw, str):
-            prompts = [Prompt(SamplingParams(), text=raw)]
+            prompts = [Prompt([], SamplingParams(), text=raw)]
         elif isinstance(raw, list) and raw and all(isinstance(p, str) for p in raw):
-            prompts = [Prompt(SamplingParams(), text=p) for p in raw]
+            prompts = [Prompt([], SamplingParams(), text=p) for p in raw]
         elif is_ids(raw) and raw:
-            prompts = [Prompt(SamplingParams(), input_ids=list(raw))]
+            prompts = [Prompt(list(raw), SamplingParams())]
         elif isinstance(raw, list) and raw and all(is_ids(p) for p in raw):
-            prompts = [Prompt(SamplingParams(), input_ids=list(p)) for p in raw]
+            prompts = [Prompt(list(p), SamplingParams()) for p in raw]
         else:
             raise InvalidRequest("prompt must be a string, a list of strings, a list of token "
                                  "ids or a list of such lists (non-empty)")
@@ -175,15 +192,15 @@ class OpenAIAPI:
         logprobs = body.get("logprobs")
         if logprobs is not None:
             check_int(logprobs, "logprobs", 0, MAX_TOP_LOGPROBS)
-        echo = check_bool(body.get("echo", False), "echo")
+        echo = flag(body, "echo")
         echo_logprobs = echo and logprobs is not None  # the prompt's logprobs come first
-        stream = check_bool(body.get("stream", False), "stream")
+        stream = flag(body, "stream")
         include_usage = stream_usage_wanted(body)
         for p in prompts:
             p.params, p.logprob_num = params, (-1 if logprobs is None else logprobs)
             p.logprob_start_len = 0 if echo_logprobs else -1
         rid = f"cmpl-{uuid.uuid4().hex}"
-        groups = expand_n(prompts)
+        groups = expand_samples(prompts, self.manager.args.max_sequences_per_request)
         flat = [p for g in groups for p in g]
         for k, p in enumerate(flat):
             p.rid = f"{rid}-{k}"
@@ -261,30 +278,28 @@ class OpenAIAPI:
         body = await read_json(request)
         refuse_unsupported(body)
         model = self._model(body)
-        if self.manager.tokenizer is None:
-            raise InvalidRequest("this model has no tokenizer, so no chat template")
         messages = normalize_messages(body.get("messages"))
-        logprobs = check_bool(body.get("logprobs") or False, "logprobs")
+        logprobs = flag(body, "logprobs")
         top = body.get("top_logprobs")
         if top is not None:
             check_int(top, "top_logprobs", 0, MAX_TOP_LOGPROBS)
             if not logprobs:
                 raise InvalidRequest("top_logprobs needs logprobs set to true")
-        stream = check_bool(body.get("stream", False), "stream")
+        stream = flag(body, "stream")
         include_usage = stream_usage_wanted(body)
         max_tokens = body.get("max_completion_tokens")
         if max_tokens is None:
             max_tokens = body.get("max_tokens")
         sampling_params(body, 1)  # validate before the (maybe slow) template and encode
-        ids = await self.manager.tokenizer.encode_chat(messages)
+        ids = await self.manager.encode_chat(messages)
         if max_tokens is None:  # OpenAI's default: whatever room the context leaves
             scheduler = self.manager.scheduler
             room = min(scheduler.context_len, scheduler.cache.num_pages * scheduler.cache.page_size)
             max_tokens = max(room - len(ids), 1)
         params = sampling_params(body, max_tokens)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        groups = expand_n([Prompt(params, input_ids=ids,
-                                  logprob_num=(top or 0) if logprobs else -1)])
+        groups = expand_samples([Prompt(ids, params, logprob_num=(top or 0) if logprobs else -1)],
+                                self.manager.args.max_sequences_per_request)
         flat = groups[0]
         for k, p in enumerate(flat):
             p.rid = f"{rid}-{k}"

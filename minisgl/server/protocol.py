@@ -7,49 +7,61 @@ rendered by the app as `{"error": {"message", "type", "code"}}`.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import orjson
 from aiohttp import web
 
-from minisgl.core import InvalidRequest, SamplingParams, check_logprob_start_len
-from minisgl.scheduler import QueueFull
+from minisgl.core import InvalidRequest, SamplingParams
+from minisgl.scheduler import RequestSpec, expand_samples
 from minisgl.server.manager import ReqHandle, RequestManager
 
-MAX_BODY_BYTES = 32 * 2**20  # larger request bodies get a 413
 MAX_TOP_LOGPROBS = 100  # native API; the OpenAI endpoints allow 20, as OpenAI does
-MAX_N = 256  # parallel samples of one prompt
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               405: "invalid_request_error", 413: "request_too_large", 500: "internal_server_error",
-               503: "service_unavailable"}
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+               403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
+               413: "request_too_large", 415: "invalid_request_error",
+               500: "internal_server_error", 503: "service_unavailable"}
 
 
 class HTTPError(Exception):
-    def __init__(self, status: int, message: str, type: str | None = None) -> None:
+    def __init__(self, status: int, message: str, type: str | None = None,
+                 code: int | str | None = None) -> None:
         super().__init__(message)
         self.status, self.message = status, message
         self.type = type or ERROR_TYPES.get(status, "error")
+        self.code = status if code is None else code
 
 
 def json_response(obj: Any, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
 
 
-def error_response(status: int, message: str, type: str | None = None) -> web.Response:
+def error_response(status: int, message: str, type: str | None = None,
+                   code: int | str | None = None) -> web.Response:
     body = {"error": {"message": message, "type": type or ERROR_TYPES.get(status, "error"),
-                      "code": status}}
+                      "code": status if code is None else code}}
     return json_response(body, status)
 
 
+MAX_BODY = web.AppKey("max_body", int)  # --max-request-bytes
+
+
+def too_large(request: web.Request) -> HTTPError:
+    return HTTPError(413, f"the request body is larger than {request.app[MAX_BODY]} bytes")
+
+
 async def read_json(request: web.Request) -> dict[str, Any]:
-    """The body as a JSON object; 400 when it is not one, 413 when it is too large."""
+    """The body as a JSON object: 415 unless sent as application/json (a browser sends other
+    types cross-site without asking first), 413 when too large, 400 when not an object."""
+    if request.content_type != "application/json":
+        raise HTTPError(415, "the request body must be JSON, sent with Content-Type: "
+                        f"application/json (got {request.content_type!r})")
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
-        raise HTTPError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes") from None
+        raise too_large(request) from None
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -67,6 +79,11 @@ def is_int(value: Any) -> bool:
 
 def is_ids(value: Any) -> bool:
     return isinstance(value, list) and all(is_int(t) for t in value)
+
+
+def none_as(value: Any, default: Any) -> Any:
+    """JSON null means the field's default."""
+    return default if value is None else value
 
 
 def check_bool(value: Any, name: str) -> bool:
@@ -95,100 +112,24 @@ def per_item(value: Any, count: int, name: str, check: Callable[[Any], Any],
 # ---- submission ------------------------------------------------------------------------------
 
 @dataclass
-class Prompt:
-    """One request to submit: ids (or text, tokenized on submission) and its parameters."""
+class Prompt(RequestSpec):
+    """A request to submit; a text prompt gets its input_ids on submission."""
 
-    params: SamplingParams
     text: str | None = None
-    input_ids: list[int] | None = None
-    rid: str | None = None
-    logprob_num: int = -1
-    logprob_start_len: int = -1
-
-
-def expand_n(prompts: list[Prompt]) -> list[list[Prompt]]:
-    """Each prompt becomes `params.n` requests (group i holds prompt i's samples). With n > 1,
-    sample j gets rid `{rid}-{j}` and, when seeded, sampling_seed + j (so the samples differ)."""
-    groups = []
-    for p in prompts:
-        n = p.params.n
-        if n > MAX_N:
-            raise InvalidRequest(f"n must be <= {MAX_N}, got {n}")
-        group = []
-        for j in range(n):
-            params = dataclasses.replace(p.params, n=1)
-            if n > 1 and params.sampling_seed is not None:
-                params.sampling_seed += j
-            rid = p.rid if n == 1 or p.rid is None else f"{p.rid}-{j}"
-            group.append(dataclasses.replace(p, params=params, rid=rid))
-        groups.append(group)
-    return groups
-
-
-async def tokenize(manager: RequestManager, prompts: list[Prompt]) -> None:
-    """Fill `input_ids` of the text prompts (one batched call)."""
-    texts = [p for p in prompts if p.input_ids is None]
-    if not texts:
-        return
-    if manager.tokenizer is None:
-        raise InvalidRequest("this model has no tokenizer: send input_ids instead of text")
-    for p in texts:
-        if not p.text:
-            raise InvalidRequest("the prompt is empty")
-    unique = list(dict.fromkeys(p.text for p in texts))  # n > 1 repeats a text n times
-    ids = dict(zip(unique, await manager.tokenizer.encode(unique)))
-    for p in texts:
-        p.input_ids = ids[p.text]
-
-
-def check_fits(manager: RequestManager, prompts: list[Prompt]) -> None:
-    """What the scheduler would reject, checked for the whole batch before any is queued."""
-    scheduler = manager.scheduler
-    vocab = scheduler.engine.arch.vocab_size
-    pool = scheduler.cache.num_pages * scheduler.cache.page_size
-    rids = [p.rid for p in prompts if p.rid is not None]
-    if len(set(rids)) != len(rids):
-        raise InvalidRequest("rid values must be unique within a request")
-    for p in prompts:
-        ids = p.input_ids or []
-        if not ids:
-            raise InvalidRequest("the prompt is empty")
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise InvalidRequest(f"input_ids must be token ids in [0, {vocab})")
-        total = len(ids) + p.params.max_new_tokens
-        if total > scheduler.context_len:
-            raise InvalidRequest(
-                f"This model's maximum context length is {scheduler.context_len} tokens. "
-                f"However, you requested {total} tokens ({len(ids)} in the prompt, "
-                f"{p.params.max_new_tokens} for the completion). Please reduce the prompt or "
-                "max_new_tokens.")
-        if total > pool:
-            raise InvalidRequest(f"the request needs {total} tokens of KV cache but the pool "
-                                 f"holds only {pool} (--max-total-tokens)")
-        if p.rid is not None and p.rid in manager.handles:
-            raise InvalidRequest(f"a request with rid {p.rid!r} is already running")
-        check_logprob_start_len(p.logprob_start_len, len(ids))
-    limit = manager.args.max_queued_requests
-    if limit is not None and scheduler.state()["num_waiting_reqs"] + len(prompts) > limit:
-        raise QueueFull(f"the waiting queue is full ({limit} requests); retry later")
 
 
 async def submit_all(manager: RequestManager, prompts: list[Prompt]) -> list[ReqHandle]:
-    """Tokenize, validate the whole batch, then queue it; all or nothing."""
-    await tokenize(manager, prompts)
-    check_fits(manager, prompts)
-    handles: list[ReqHandle] = []
-    try:
-        for p in prompts:
-            assert p.input_ids is not None
-            handles.append(manager.submit(p.input_ids, p.params, p.rid, p.logprob_num,
-                                          p.logprob_start_len))
-    except BaseException:
-        # NOTE: submit and abort run in one loop turn, so the scheduler never starts these.
-        for handle in handles:
-            manager.abort(handle.rid, "another request of the batch was rejected")
-        raise
-    return handles
+    """Tokenize the text prompts (one batched call), then queue the batch, all or nothing."""
+    texts = [p for p in prompts if p.text is not None]
+    for p in texts:
+        if not p.text:
+            raise InvalidRequest("the prompt is empty")
+    if texts:
+        unique = list(dict.fromkeys(p.text for p in texts))  # n > 1 repeats a text n times
+        ids = dict(zip(unique, await manager.encode(unique)))
+        for p in texts:
+            p.input_ids = ids[p.text]
+    return manager.submit(list(prompts))
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -270,7 +211,7 @@ class GenerateRequest:
         return [p for group in self.groups for p in group]
 
 
-def parse_generate(body: dict[str, Any]) -> GenerateRequest:
+def parse_generate(body: dict[str, Any], max_sequences: int) -> GenerateRequest:
     unknown = sorted(set(body) - GENERATE_FIELDS - UNSUPPORTED_UNLESS_EMPTY)
     if unknown:
         raise InvalidRequest(f"unknown field(s): {', '.join(unknown)}")
@@ -287,7 +228,7 @@ def parse_generate(body: dict[str, Any]) -> GenerateRequest:
             single, texts = False, text
         else:
             raise InvalidRequest("text must be a string or a non-empty list of strings")
-        prompts = [Prompt(SamplingParams(), text=t) for t in texts]
+        prompts = [Prompt([], SamplingParams(), text=t) for t in texts]
     else:
         if is_ids(input_ids) and input_ids:
             single, batches = True, [input_ids]
@@ -296,7 +237,7 @@ def parse_generate(body: dict[str, Any]) -> GenerateRequest:
         else:
             raise InvalidRequest("input_ids must be a non-empty list of token ids or a "
                                  "non-empty list of such lists")
-        prompts = [Prompt(SamplingParams(), input_ids=list(ids)) for ids in batches]
+        prompts = [Prompt(list(ids), SamplingParams()) for ids in batches]
     count = len(prompts)
 
     params = per_item(body.get("sampling_params"), count, "sampling_params",
@@ -311,20 +252,20 @@ def parse_generate(body: dict[str, Any]) -> GenerateRequest:
     if not single and isinstance(rid, str):
         raise InvalidRequest("a batch needs rid as a list with one string per prompt")
     rids = per_item(rid, count, "rid", check_rid, single)
-    want = per_item(body.get("return_logprob", False), count, "return_logprob",
-                    lambda v: check_bool(v, "return_logprob"), single)
-    tops = per_item(body.get("top_logprobs_num", 0) or 0, count, "top_logprobs_num",
+    want = per_item(body.get("return_logprob"), count, "return_logprob",
+                    lambda v: check_bool(none_as(v, False), "return_logprob"), single)
+    tops = per_item(none_as(body.get("top_logprobs_num"), 0), count, "top_logprobs_num",
                     lambda v: check_int(v, "top_logprobs_num", 0, MAX_TOP_LOGPROBS), single)
-    starts = per_item(body.get("logprob_start_len", -1), count, "logprob_start_len",
-                      lambda v: check_int(v if v is not None else -1, "logprob_start_len", -1),
-                      single)
+    starts = per_item(body.get("logprob_start_len"), count, "logprob_start_len",
+                      lambda v: check_int(none_as(v, -1), "logprob_start_len", -1), single)
     for p, sp, r, w, k, start in zip(prompts, params, rids, want, tops, starts):
         p.params, p.rid, p.logprob_num = sp, r, (k if w else -1)
         p.logprob_start_len = start if w else -1
-    stream = check_bool(body.get("stream", False), "stream")
-    text_in_logprobs = check_bool(body.get("return_text_in_logprobs", False),
+    stream = check_bool(none_as(body.get("stream"), False), "stream")
+    text_in_logprobs = check_bool(none_as(body.get("return_text_in_logprobs"), False),
                                   "return_text_in_logprobs")
-    groups = expand_n(prompts)
+    check_bool(none_as(body.get("log_metrics"), True), "log_metrics")
+    groups = expand_samples(prompts, max_sequences)
     return GenerateRequest(groups, single and len(groups[0]) == 1, stream, text_in_logprobs)
 
 

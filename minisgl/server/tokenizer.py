@@ -15,9 +15,14 @@ OFF_LOOP_CHARS = 4096  # inputs longer than this are encoded in a worker thread
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+# NOTE: a normalizer (NFC, NFKC) may merge a few characters into one before tokenization.
+NORMALIZER_SLACK = 4
+
+
 class Tokenizer:
     def __init__(self, hf: Any) -> None:
         self.hf = hf
+        self.max_chars_per_token = _max_chars_per_token(hf)
 
     @classmethod
     def load(cls, path: str | Path) -> Tokenizer | None:
@@ -32,7 +37,17 @@ class Tokenizer:
     def _encode(self, texts: list[str]) -> list[list[int]]:
         return self.hf(texts, add_special_tokens=True)["input_ids"]
 
-    async def encode(self, texts: list[str]) -> list[list[int]]:
+    def check_length(self, chars: int, context_len: int) -> None:
+        """Refuse, before tokenizing it, a text that cannot fit in `context_len` tokens."""
+        most = context_len * self.max_chars_per_token
+        if chars > most:
+            raise InvalidRequest(
+                f"the prompt has {chars} characters, more than {context_len} tokens of context "
+                f"can hold (at most {self.max_chars_per_token} characters per token)")
+
+    async def encode(self, texts: list[str], context_len: int) -> list[list[int]]:
+        for text in texts:
+            self.check_length(len(text), context_len)
         if sum(len(t) for t in texts) > OFF_LOOP_CHARS:
             return await asyncio.to_thread(self._encode, texts)
         return self._encode(texts)
@@ -50,8 +65,12 @@ class Tokenizer:
         except Exception as exc:  # the template rejects a message shape
             raise InvalidRequest(f"cannot apply the chat template: {exc}") from exc
 
-    async def encode_chat(self, messages: Any) -> list[int]:
+    async def encode_chat(self, messages: Any, context_len: int) -> list[int]:
+        self.check_length(sum(len(m.get("content") or "") for m in messages
+                              if isinstance(m, dict) and isinstance(m.get("content"), str)),
+                          context_len)
         text = self.chat_prompt(messages)
+        self.check_length(len(text), context_len)
         # NOTE: the template already holds any BOS text; do not add special tokens again.
         if len(text) > OFF_LOOP_CHARS:
             return await asyncio.to_thread(lambda: self.hf(text, add_special_tokens=False)["input_ids"])
@@ -59,3 +78,12 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def _max_chars_per_token(hf: Any) -> int:
+    """An upper bound on the characters of text one token stands for: the longest vocabulary
+    piece (byte-level pieces hold one character per byte, and a character is at least one
+    byte), times NORMALIZER_SLACK when the tokenizer normalizes its input."""
+    longest = max(map(len, hf.get_vocab()), default=1)
+    normalizer = getattr(getattr(hf, "backend_tokenizer", None), "normalizer", None)
+    return longest * (NORMALIZER_SLACK if normalizer is not None else 1)

@@ -1,0 +1,123 @@
+"""Admission checks: everything a request must pass before anything of its batch is queued.
+
+`check_batch` is the one validation that every entry point goes through (the HTTP endpoints,
+the offline API and the scheduler itself): a batch with one bad element is refused as a whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable, TypeVar
+
+from minisgl.core import InvalidRequest, SamplingParams, check_logprob_start_len
+from minisgl.scheduler.cache import pages_spanned
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at --max-queued-requests."""
+
+
+@dataclass
+class RequestSpec:
+    """One sequence to queue: its prompt ids and what to do with them."""
+
+    input_ids: list[int]
+    params: SamplingParams
+    rid: str | None = None
+    logprob_num: int = -1  # -1: no logprobs; 0: the sampled token's; k: also the top k
+    logprob_start_len: int = -1  # first prompt position of the input logprobs (-1: none)
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    vocab_size: int
+    context_len: int
+    pool_pages: int
+    page_size: int
+    max_sequences: int  # prompts x n in one request
+    max_stop_strings: int
+    max_stop_string_length: int
+    max_queued: int | None
+
+
+Spec = TypeVar("Spec", bound=RequestSpec)
+
+
+def expand_samples(specs: list[Spec], max_sequences: int) -> list[list[Spec]]:
+    """Each spec becomes `params.n` sequences (group i holds spec i's samples). With n > 1,
+    sample j gets rid `{rid}-{j}` and, when seeded, sampling_seed + j (so the samples differ).
+    The total is checked before anything is built."""
+    total = sum(s.params.n for s in specs)
+    if total > max_sequences:
+        raise InvalidRequest(
+            f"the request asks for {total} sequences (prompts x n); at most {max_sequences} "
+            "are allowed in one request (--max-sequences-per-request)")
+    groups = []
+    for spec in specs:
+        n = spec.params.n
+        group = []
+        for j in range(n):
+            params = replace(spec.params, n=1)
+            if n > 1 and params.sampling_seed is not None:
+                params.sampling_seed += j
+            rid = spec.rid if n == 1 or spec.rid is None else f"{spec.rid}-{j}"
+            group.append(replace(spec, params=params, rid=rid))
+        groups.append(group)
+    return groups
+
+
+def check_batch(specs: list[RequestSpec], limits: RequestLimits, rid_taken: Callable[[str], bool],
+                waiting: int) -> None:
+    """Raises InvalidRequest (naming the batch item) or QueueFull; queues nothing."""
+    if not specs:
+        raise InvalidRequest("the request holds no prompt")
+    if len(specs) > limits.max_sequences:
+        raise InvalidRequest(
+            f"the request asks for {len(specs)} sequences; at most {limits.max_sequences} are "
+            "allowed in one request (--max-sequences-per-request)")
+    rids = [s.rid for s in specs if s.rid is not None]
+    if len(set(rids)) != len(rids):
+        raise InvalidRequest("rid values must be unique within a request")
+    for i, spec in enumerate(specs):
+        try:
+            check_one(spec, limits, rid_taken)
+        except InvalidRequest as exc:
+            if len(specs) == 1:
+                raise
+            raise InvalidRequest(f"batch item {i}: {exc}") from None
+    if limits.max_queued is not None and waiting + len(specs) > limits.max_queued:
+        raise QueueFull(f"the waiting queue is full ({limits.max_queued} requests); retry later")
+
+
+def check_one(spec: RequestSpec, limits: RequestLimits, rid_taken: Callable[[str], bool]) -> None:
+    ids, params = spec.input_ids, spec.params
+    if not ids:
+        raise InvalidRequest("the prompt is empty")
+    vocab = limits.vocab_size
+    if min(ids) < 0 or max(ids) >= vocab:
+        raise InvalidRequest(f"input_ids must be token ids in [0, {vocab})")
+    if params.logit_bias and max(params.logit_bias) >= vocab:
+        raise InvalidRequest(f"logit_bias keys must be token ids in [0, {vocab})")
+    stops = params.stop_strings
+    if len(stops) > limits.max_stop_strings:
+        raise InvalidRequest(f"stop has {len(stops)} strings; at most {limits.max_stop_strings} "
+                             "are allowed (--max-stop-strings)")
+    longest = max(map(len, stops), default=0)
+    if longest > limits.max_stop_string_length:
+        raise InvalidRequest(f"a stop string has {longest} characters; at most "
+                             f"{limits.max_stop_string_length} are allowed "
+                             "(--max-stop-string-length)")
+    total = len(ids) + params.max_new_tokens
+    if total > limits.context_len:
+        raise InvalidRequest(
+            f"This model's maximum context length is {limits.context_len} tokens. However, you "
+            f"requested {total} tokens ({len(ids)} in the prompt, {params.max_new_tokens} for "
+            "the completion). Please reduce the prompt or max_new_tokens.")
+    if pages_spanned(0, total, limits.page_size) > limits.pool_pages:
+        raise InvalidRequest(
+            f"the request needs {total} tokens of KV cache but the pool holds only "
+            f"{limits.pool_pages * limits.page_size} (--max-total-tokens)")
+    if spec.rid is not None and rid_taken(spec.rid):
+        raise InvalidRequest(f"a request with rid {spec.rid!r} is already running")
+    if spec.logprob_num >= 0:
+        check_logprob_start_len(spec.logprob_start_len, len(ids))
