@@ -1,34 +1,40 @@
-"""CPU kernels (paged decode attention, add + RMSNorm) compiled on first use (torch's C++ extension loader; needs a C++
-compiler and ninja). When they cannot be built, callers fall back to plain torch ops."""
+"""CPU kernels (paged decode attention, add + RMSNorm, silu * up, rotary) compiled on first use
+by torch's C++ extension loader (needs a C++ compiler and ninja). When they cannot be built,
+callers fall back to plain torch ops."""
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any
 
+from minisgl.env import cache_root, cpu_kernels_disabled
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
-STALE_LOCK_S = 600.0  # a build takes ~30 s; an older lock was left by a killed process
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+STALE_LOCK_S = 300.0  # a build lock this old was left by a killed build
 
 
 @functools.lru_cache(maxsize=1)
 def cpu_kernels() -> Any | None:
-    if os.environ.get("MINISGL_DISABLE_CPU_KERNELS"):
+    if cpu_kernels_disabled():
         return None
     try:
         from torch.utils.cpp_extension import load
 
-        from minisgl.models.weights import cache_root
-        build = cache_root() / "kernels"
+        # NOTE: one build folder per source and flags: checkouts of the same source share a
+        # build, and two different ones never rebuild over each other.
+        digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()
+        build = cache_root() / "kernels" / digest[:16]
         build.mkdir(parents=True, exist_ok=True)
-        _remove_stale_lock(build / "lock")
+        _wait_for_other_build(build / "lock")
         return load(name="minisgl_cpu_kernels", sources=[str(SOURCE)],
-                    build_directory=str(build), extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+                    build_directory=str(build), extra_cflags=CFLAGS,
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, no ninja, an unsupported platform
         logger.warning("CPU kernels unavailable (%s); using torch ops",
@@ -36,11 +42,16 @@ def cpu_kernels() -> Any | None:
         return None
 
 
-def _remove_stale_lock(lock: Path) -> None:
-    """torch's extension loader waits forever on the lock file of a build that was killed."""
-    try:
-        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-            lock.unlink()
+def _wait_for_other_build(lock: Path) -> None:
+    """torch's loader waits forever on the lock of a build that was killed: wait while another
+    build may still be running, then remove the lock it left."""
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > STALE_LOCK_S:
+            lock.unlink(missing_ok=True)
             logger.warning("removed a stale kernel build lock (%s)", lock)
-    except FileNotFoundError:
-        pass
+            return
+        time.sleep(1.0)
