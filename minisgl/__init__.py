@@ -1,8 +1,7 @@
 """minisgl: an LLM inference server in one asyncio process, with SGLang-grade scheduling."""
 
 from minisgl.core import SamplingParams
-
-__version__ = "0.1.0"
+from minisgl.version import __version__
 __all__ = ["LLM", "SamplingParams", "__version__"]
 
 

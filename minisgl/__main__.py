@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from minisgl.server_args import ServerArgs
+from minisgl.args import ServerArgs
 
 
 class _Parser(argparse.ArgumentParser):
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = ServerArgs.from_cli(ns)
         if ns.command == "serve":
-            from minisgl.server.app import serve
+            from minisgl.server.serve import serve
             serve(args)
             return 0
         return _generate(ns, args)
@@ -59,7 +59,7 @@ def _generate(ns: argparse.Namespace, args: ServerArgs) -> int:
     try:
         prompt = ns.prompt
         if ns.chat:
-            prompt = llm.manager.tokenizer.chat_prompt([{"role": "user", "content": prompt}])
+            prompt = llm.runtime.tokenizer.chat_prompt([{"role": "user", "content": prompt}])
         params = {"max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature,
                   "top_p": ns.top_p, "top_k": ns.top_k, "sampling_seed": ns.sampling_seed}
         out = llm.generate(prompt=prompt, sampling_params=params)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
@@ -130,6 +132,11 @@ class ServerArgs:
     def from_cli(cls, namespace: argparse.Namespace) -> ServerArgs:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in vars(namespace).items() if k in names})
+
+    def pick(self, config_type: type[T]) -> T:
+        """The fields of a layer's config dataclass (EngineConfig, SchedulerConfig)."""
+        return config_type(**{f.name: getattr(self, f.name)
+                              for f in dataclasses.fields(config_type)})
 
     def to_dict(self) -> dict[str, Any]:
         values = dataclasses.asdict(self)

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import enum
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 
-
-class InvalidRequest(ValueError):
-    """User input that cannot be served; the message is shown to the client as is."""
+from minisgl.errors import InvalidRequest
 
 
 # Temperatures and top_p below this sample greedily (SGLang's epsilon): dividing logits by a
@@ -157,19 +154,15 @@ def check_logprob_start_len(start: int, prompt_len: int) -> None:
                              f"tokens ({prompt_len})")
 
 
-class ReqStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-
-
 @dataclass
 class Req:
     """One sequence being served.
 
-    Positions [0, cached_len) have K/V computed (or being computed by a launched batch);
-    tokens [0, device_len) are known on the device (`token_pool`). `host_ids` holds the tokens
-    the host has seen: the prompt plus every processed output token.
+    Positions [0, kv_len) have K/V computed (or being computed by a launched batch), of which
+    [0, shared_len) are pages the prefix cache lent it at its last admission; tokens
+    [0, device_len) are known on the device (`token_pool`). `host_ids` holds the tokens the
+    host has seen: the prompt plus every processed output token. `cached_tokens` is what the
+    client is told: prompt tokens the prefix cache served at the first admission.
     """
 
     uid: int
@@ -180,12 +173,11 @@ class Req:
     stop_ids: frozenset[int] = frozenset()  # sampled ids that finish it (EOS unless ignored)
     output_ids: list[int] = field(default_factory=list)
     table_idx: int = -1
-    cached_len: int = 0
+    kv_len: int = 0
     device_len: int = 0
-    prefix_len: int = 0  # tokens taken from the prefix cache at the last admission
-    tail_loc: int = -1  # KV location of position cached_len - 1 (for partly filled pages)
-    cache_handle: Any = None
-    status: ReqStatus = ReqStatus.WAITING
+    shared_len: int = 0
+    tail_loc: int = -1  # KV location of position kv_len - 1 (for partly filled pages)
+    cache_handle: Any = None  # locks the shared prefix in the prefix cache
     finish_reason: dict[str, Any] | None = None
     generator: torch.Generator | None = None
     admitted_at: int = 0  # admission order; retraction takes the newest first
@@ -194,7 +186,7 @@ class Req:
     input_logprobs: list[float] = field(default_factory=list)  # of prompt_ids[start + 1 + i]
     input_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     input_logprobs_sent: bool = False  # delivered with the first output token
-    cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
+    cached_tokens: int = 0
 
     @property
     def host_ids(self) -> list[int]:
@@ -220,16 +212,12 @@ class Req:
         return self.params.max_new_tokens == 0 and bool(self.scored_positions)
 
     @property
-    def extend_len(self) -> int:
-        return self.device_len - self.cached_len
-
-    @property
     def remain_len(self) -> int:
         return self.max_device_len - self.device_len
 
     @property
     def is_finished(self) -> bool:
-        return self.status is ReqStatus.FINISHED
+        return self.finish_reason is not None
 
     def __hash__(self) -> int:
         return self.uid
@@ -243,40 +231,23 @@ Phase = Literal["prefill", "decode"]
 
 @dataclass
 class Batch:
-    """What one forward runs. `reqs` are real; `padded_reqs` may end in dummy requests.
+    """The device's view of one forward: per row its page-table row and lengths, per token its
+    position and KV location. Rows past `size` are padding (CUDA graphs: the dummy row)."""
 
-    `last_chunk[i]` is False for a request whose prompt is only partly prefilled: its sampled
-    token is discarded.
-    """
-
-    reqs: list[Req]
     phase: Phase
-    padded_reqs: list[Req] = field(default_factory=list)
-    last_chunk: list[bool] = field(default_factory=list)
+    size: int  # real rows
+    table_rows: list[int]  # per row, padding included
+    cached_lens: list[int]  # per row, before this batch
+    seq_lens: list[int]  # per row, after this batch
+    extend_lens: list[int]  # per row: new tokens
     input_positions: torch.Tensor | None = None  # [num_tokens]
     out_loc: torch.Tensor | None = None  # [num_tokens] KV slot each new token writes to
-    seq_lens: list[int] = field(default_factory=list)  # per padded req, after this batch
-    extend_lens: list[int] = field(default_factory=list)  # per padded req
-    cached_lens: list[int] = field(default_factory=list)  # per padded req, before this batch
-    table_rows: list[int] = field(default_factory=list)  # per padded req
     attn_metadata: Any = None
-
-    @property
-    def is_prefill(self) -> bool:
-        return self.phase == "prefill"
 
     @property
     def is_decode(self) -> bool:
         return self.phase == "decode"
 
     @property
-    def size(self) -> int:
-        return len(self.reqs)
-
-    @property
     def padded_size(self) -> int:
-        return len(self.padded_reqs)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.extend_lens)
+        return len(self.table_rows)

@@ -6,11 +6,12 @@ import asyncio
 import weakref
 from typing import Any
 
-from minisgl.core import InvalidRequest, SamplingParams
-from minisgl.engine import no_openmp_on_this_thread
+from minisgl.args import ServerArgs
+from minisgl.core import SamplingParams
+from minisgl.env import no_openmp_on_this_thread
+from minisgl.errors import InvalidRequest
+from minisgl.runtime import Runtime
 from minisgl.scheduler import RequestSpec, expand_samples
-from minisgl.server.manager import RequestManager
-from minisgl.server_args import ServerArgs
 
 
 class LLM:
@@ -21,16 +22,16 @@ class LLM:
 
     def __init__(self, model: str | None = None, dtype: str = "auto", **server_args: Any) -> None:
         self.args = ServerArgs(model_path=model, dtype=dtype, **server_args)
-        self.manager = RequestManager(self.args)
+        self.runtime = Runtime(self.args)
         self._loop = asyncio.new_event_loop()
-        # NOTE: the finalizer holds the loop and the manager, never self, so an LLM that is
+        # NOTE: the finalizer holds the loop and the runtime, never self, so an LLM that is
         # dropped is shut down by the garbage collector, and one still alive at exit by atexit.
-        self._finalizer = weakref.finalize(self, _shutdown, self._loop, self.manager)
-        _run(self._loop, self.manager.start())
+        self._finalizer = weakref.finalize(self, _shutdown, self._loop, self.runtime)
+        _run(self._loop, self.runtime.start())
 
     @property
     def tokenizer(self) -> Any:
-        return self.manager.tokenizer.hf if self.manager.tokenizer else None
+        return self.runtime.tokenizer.hf if self.runtime.tokenizer else None
 
     def generate(self, prompt: str | list[str] | None = None,
                  sampling_params: dict | SamplingParams | list | None = None,
@@ -54,7 +55,7 @@ class LLM:
             raise InvalidRequest("give exactly one of prompt or input_ids")
         if prompt is not None:
             single = isinstance(prompt, str)
-            ids = await self.manager.encode([prompt] if single else list(prompt))
+            ids = await self.runtime.requests.encode([prompt] if single else list(prompt))
         else:
             single = bool(input_ids) and isinstance(input_ids[0], int)
             ids = [list(input_ids)] if single else [list(x) for x in input_ids]
@@ -67,14 +68,15 @@ class LLM:
         specs = [RequestSpec(one_ids, one_params, logprob_num=logprob_num,
                              logprob_start_len=logprob_start_len if return_logprob else -1)
                  for one_ids, one_params in zip(ids, params)]
-        groups = expand_samples(specs, self.args.max_sequences_per_request)
-        handles = self.manager.submit([s for group in groups for s in group])
-        done = await asyncio.gather(*(self.manager.wait(h) for h in handles))
+        requests = self.runtime.requests
+        groups = expand_samples(specs, requests.max_sequences)
+        handles = requests.submit([s for group in groups for s in group])
+        done = await asyncio.gather(*(requests.wait(h) for h in handles))
         results = [h.result() for h in done]
         return results[0] if single and len(results) == 1 else results
 
     def check_integrity(self) -> None:
-        self.manager.scheduler.check_integrity()
+        self.runtime.check_integrity()
 
     def shutdown(self) -> None:
         """Abort what runs, stop the scheduler and the engine; idempotent."""
@@ -94,11 +96,11 @@ def _run(loop: asyncio.AbstractEventLoop, coroutine: Any) -> Any:
         return loop.run_until_complete(coroutine)
 
 
-def _shutdown(loop: asyncio.AbstractEventLoop, manager: RequestManager) -> None:
+def _shutdown(loop: asyncio.AbstractEventLoop, runtime: Runtime) -> None:
     if loop.is_closed():
         return
     try:
-        _run(loop, manager.stop())
+        _run(loop, runtime.stop())
         _run(loop, loop.shutdown_asyncgens())
     finally:
         loop.close()

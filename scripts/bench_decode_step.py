@@ -12,9 +12,8 @@ import time
 
 import torch
 
-from minisgl.core import Batch, Req, SamplingParams
-from minisgl.engine import Engine
-from minisgl.server_args import ServerArgs
+from minisgl.core import Batch
+from minisgl.engine import Engine, EngineConfig
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -34,14 +33,11 @@ def decode_batch(engine: Engine, batch_size: int, context: int) -> tuple[Batch, 
     for row in range(batch_size):
         engine.page_table[row, : context + 1] = torch.arange(
             row * stride, row * stride + context + 1, dtype=torch.int32)
-    reqs = [Req(uid=i, rid=str(i), prompt_ids=[1], params=SamplingParams(),
-                max_device_len=context + 1) for i in range(batch_size)]
     positions = torch.full((batch_size,), context)
-    batch = Batch(reqs=reqs, phase="decode", padded_reqs=reqs, last_chunk=[True] * batch_size,
-                  input_positions=positions,
-                  out_loc=torch.arange(batch_size) * stride + context,
-                  seq_lens=[context + 1] * batch_size, extend_lens=[1] * batch_size,
-                  cached_lens=[context] * batch_size, table_rows=list(range(batch_size)))
+    batch = Batch("decode", batch_size, table_rows=list(range(batch_size)),
+                  cached_lens=[context] * batch_size, seq_lens=[context + 1] * batch_size,
+                  extend_lens=[1] * batch_size, input_positions=positions,
+                  out_loc=torch.arange(batch_size) * stride + context)
     engine.attn_backend.prepare_metadata(batch)
     return batch, torch.randint(100, 20000, (batch_size,))
 
@@ -55,7 +51,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
     most = max(args.batch)
-    engine = Engine(ServerArgs(dtype=args.dtype, max_running_requests=most,
+    engine = Engine(EngineConfig(dtype=args.dtype, max_running_requests=most,
                                max_total_tokens=most * (args.context + 8) + 16))
     read = weight_bytes(engine.model)
     print(f"{args.dtype}, context {args.context}, weights read per step {read / 1e6:.0f} MB, "

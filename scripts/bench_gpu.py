@@ -126,7 +126,7 @@ def bench_decode(args: argparse.Namespace) -> dict[str, Any]:
     ctx = args.input_len + args.output_len + 8
     with LLM(model=args.model, dtype=args.dtype, max_running_requests=4, context_length=ctx,
              **common_llm_args(args)) as llm:
-        engine = llm.manager.engine
+        engine = llm.runtime.engine
         timer = StepTimer(engine)
 
         def timed(new_tokens: int) -> float:
@@ -198,7 +198,7 @@ def bench_idle(args: argparse.Namespace) -> list[dict[str, Any]]:
         with LLM(model=args.offline_model, dtype=args.dtype,
                  max_running_requests=args.idle_requests, disable_overlap_schedule=not overlap,
                  **common_llm_args(args)) as llm:
-            timer = StepTimer(llm.manager.engine)
+            timer = StepTimer(llm.runtime.engine)
             llm.generate(input_ids=prompts[:2], sampling_params=params)  # warm-up
             timer.reset()
             started = time.perf_counter()
@@ -220,7 +220,7 @@ def bench_idle(args: argparse.Namespace) -> list[dict[str, Any]]:
 # ---- events ----------------------------------------------------------------------------------
 
 def bench_events(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from minisgl.engine.cuda_events import benchmark_waiters
+    from event_waits import benchmark_waiters  # this folder
     rows = []
     for busy in (0.0, 50.0):
         for row in benchmark_waiters(args.device, tuple(args.event_ms), args.event_iters, busy):

@@ -44,7 +44,7 @@ def run_minisgl(prompts: list[list[int]], lens: list[int], concurrency: int, ove
                 args: argparse.Namespace) -> dict:
     with LLM(dtype=args.dtype, max_running_requests=concurrency, tp_size=args.tp_size,
              disable_overlap_schedule=not overlap, max_total_tokens=args.max_total_tokens) as llm:
-        engine = llm.manager.engine
+        engine = llm.runtime.engine
         params = [{"max_new_tokens": n, "ignore_eos": True, "temperature": 0} for n in lens]
         llm.generate(input_ids=prompts[:2], sampling_params=params[:2])  # warm-up
         busy0, steps0 = engine.busy_seconds, dict(engine.phase_steps)

@@ -49,15 +49,14 @@ def fill_page_table(page_table: torch.Tensor, locations: dict[int, torch.Tensor]
 
 def make_batch(phase: str, spans: list[tuple[int, int, int]], locations: dict[int, torch.Tensor],
                device: torch.device) -> tuple[Batch, torch.Tensor]:
-    """(batch, input ids) for spans (row, start, count); `reqs` are placeholders."""
+    """(batch, input ids) for spans (row, start, count)."""
     positions = torch.cat([torch.arange(s, s + c) for _, s, c in spans])
     out_loc = torch.cat([locations[r][s:s + c] for r, s, c in spans])
-    n = len(spans)
-    batch = Batch(reqs=[None] * n, phase=phase, padded_reqs=[None] * n, last_chunk=[True] * n,
+    batch = Batch(phase, len(spans), table_rows=[r for r, _, _ in spans],
+                  cached_lens=[s for _, s, _ in spans], seq_lens=[s + c for _, s, c in spans],
+                  extend_lens=[c for _, _, c in spans],
                   input_positions=positions.to(device, non_blocking=True),
-                  out_loc=out_loc.to(device, non_blocking=True),
-                  seq_lens=[s + c for _, s, c in spans], extend_lens=[c for _, _, c in spans],
-                  cached_lens=[s for _, s, _ in spans], table_rows=[r for r, _, _ in spans])
+                  out_loc=out_loc.to(device, non_blocking=True))
     return batch, positions
 
 

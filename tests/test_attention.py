@@ -7,7 +7,7 @@ import torch
 
 from minisgl.kernels import cpu_kernels
 from minisgl.attention.torch_backend import TorchBackend
-from minisgl.core import Batch, Req, SamplingParams
+from minisgl.core import Batch
 from minisgl.kvcache import KVPool
 
 
@@ -24,11 +24,9 @@ def test_kernel_matches_torch_decode(dtype: torch.dtype, tolerance: float) -> No
     seq_lens = [1, 5, 17, 80, 33, 64]
     for row, length in enumerate(seq_lens):  # scattered, shuffled locations
         page_table[row, :length] = torch.randperm(600, generator=gen)[:length].int()
-    reqs = [Req(uid=i, rid=str(i), prompt_ids=[1], params=SamplingParams(), max_device_len=99)
-            for i in range(batch)]
-    batch_ = Batch(reqs=reqs, phase="decode", padded_reqs=reqs, last_chunk=[True] * batch,
-                   seq_lens=seq_lens, extend_lens=[1] * batch,
-                   cached_lens=[n - 1 for n in seq_lens], table_rows=list(range(batch)))
+    batch_ = Batch("decode", batch, table_rows=list(range(batch)),
+                   cached_lens=[n - 1 for n in seq_lens], seq_lens=seq_lens,
+                   extend_lens=[1] * batch)
     with_kernel = TorchBackend(pool, page_table, dim ** -0.5)
     without = TorchBackend(pool, page_table, dim ** -0.5)
     without.kernels = None

@@ -5,7 +5,6 @@ Every test needs a CUDA device; those that use FlashInfer also need the package.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import random
 
 import pytest
@@ -13,7 +12,6 @@ import torch
 import torch.nn.functional as F
 
 from minisgl.core import Req, SamplingParams
-from minisgl.server_args import ServerArgs
 from tests import paged_scenario as scenario
 
 pytestmark = [
@@ -41,12 +39,12 @@ def flashinfer():
 
 
 def make_engine(model: str, page_size: int, backend: str = "torch", **extra):
-    from minisgl.engine import Engine
+    from minisgl.engine import Engine, EngineConfig
     args = dict(device="cuda", dtype="bfloat16", attention_backend=backend,
                 disable_cuda_graph=True, page_size=page_size, max_total_tokens=4096,
                 max_running_requests=8, context_length=1024, **MODELS[model])
     args.update(extra)
-    return Engine(ServerArgs(**args))
+    return Engine(EngineConfig(**args))
 
 
 def flashinfer_backend(engine):
@@ -148,11 +146,7 @@ def _decode_forward_input(engine, reqs, spans, locations):
     from minisgl.engine import ForwardInput
     ctx = engine.context_len
     batch, positions = scenario.make_batch("decode", spans, locations, engine.device)
-    batch.reqs = batch.padded_reqs = list(reqs)
-    runner = getattr(engine, "graph_runner", None)
-    if runner is not None:
-        runner.pad_batch(batch)
-    engine.attn_backend.prepare_metadata(batch)
+    engine.prepare(batch)
     load = torch.tensor([r * ctx + s for r, s, _ in spans])
     write = torch.tensor([r * ctx + s + 1 for r, s, _ in spans])
     sample_args = engine.sampler.prepare(
@@ -169,33 +163,24 @@ def test_decode_step_never_synchronises_the_host(flashinfer, graphs: bool) -> No
     engine = make_engine("qwen3", 16, backend="flashinfer")
     try:
         backend = engine.attn_backend
-        runner = getattr(engine, "graph_runner", None)
-        if graphs and runner is None:  # before the engine integration: attach one by hand
+        if graphs:  # the engine was built without graphs: attach a runner by hand
             runner = GraphRunner(engine.model, backend, max_bs=8, dummy_row=engine.dummy_row,
                                  dummy_loc=engine.kv_pool.dummy_loc, device=engine.device)
             runner.capture()
-            engine.graph_runner = runner
-        elif not graphs:
-            engine.graph_runner = None
+            engine.runner.graph_runner = runner
         rows = [0, 1, 2]
         locations = _locations(engine, rows, 200, 16)
         _prefill_rows(engine, backend, rows, [40, 50, 60], locations)
         reqs = [Req(uid=i, rid=str(i), prompt_ids=[1], params=SamplingParams(temperature=0),
                     max_device_len=100) for i in rows]
 
-        integrated = "graph_runner" in inspect.getsource(type(engine).forward)
-
         def step(offset: int):
             spans = [(r, n + offset, 1) for r, n in zip(rows, [40, 50, 60])]
             fwd = _decode_forward_input(engine, reqs, spans, locations)
+            if graphs:
+                assert engine.runner.graph_runner.can_run(fwd.batch)
             with torch.inference_mode():
-                if graphs and not integrated:  # what the Engine.forward patch does
-                    input_ids = engine.token_pool.view(-1)[fwd.load_indices]
-                    assert runner.can_run(fwd.batch)
-                    logits = runner.replay(fwd.batch, input_ids, fwd.batch.input_positions)
-                    return engine.sampler.sample(logits[: fwd.batch.size], fwd.sample_args,
-                                                 engine.token_pool).next_tokens
-                return engine.forward(fwd).next_tokens
+                return engine.forward(fwd).token_ids
 
         step(0)  # warm-up: kernels, allocator, pinned host blocks
         torch.cuda.synchronize()
@@ -345,8 +330,7 @@ def test_fused_cuda_layers_match_float32_math(flashinfer) -> None:
 
 
 def test_polling_stream_completes_like_the_waiter_thread() -> None:
-    from minisgl.engine.cuda_events import PollingCudaStream
-    from minisgl.engine.stream import CudaStream
+    from minisgl.engine.cuda_stream import CudaStream
 
     async def run(stream) -> list:
         outs = []
@@ -355,7 +339,7 @@ def test_polling_stream_completes_like_the_waiter_thread() -> None:
         return outs
 
     device = torch.device("cuda")
-    poll, thread = PollingCudaStream(device), CudaStream(device)
+    poll, thread = CudaStream(device, poll=True), CudaStream(device)
     try:
         assert asyncio.run(run(poll)) == asyncio.run(run(thread)) == list(range(5))
         done = poll.launch(lambda: torch.cuda._sleep(1000))

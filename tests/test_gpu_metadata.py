@@ -20,9 +20,9 @@ from minisgl.attention.flashinfer_backend import (
 )
 from minisgl.attention.torch_backend import TorchBackend
 from minisgl.core import Batch
-from minisgl.engine.cuda_events import wait_event
+from minisgl.engine.cuda_stream import wait_event
 from minisgl.engine.graph import GraphRunner, graph_batch_sizes
-from minisgl.engine.stream import EngineFailed
+from minisgl.errors import EngineFailed
 from tests import paged_scenario as scenario
 from tests.conftest import REPO_ROOT
 
@@ -99,9 +99,8 @@ class EmulatedFlashInfer(AttentionBackend):
 def test_flashinfer_metadata_drives_the_same_attention_as_torch(page_size: int) -> None:
     """End to end through the model on the CPU: the metadata, page ids and strided view the
     FlashInfer backend hands to its kernels give the torch backend's logits."""
-    from minisgl.engine import Engine
-    from minisgl.server_args import ServerArgs
-    engine = Engine(ServerArgs(
+    from minisgl.engine import Engine, EngineConfig
+    engine = Engine(EngineConfig(
         model_path="qwen3-0.6b", load_format="dummy", device="cpu", dtype="float32",
         json_model_override_args='{"num_hidden_layers": 2, "vocab_size": 4096}',
         max_total_tokens=1024, max_running_requests=4, page_size=page_size, context_length=128))
@@ -136,20 +135,17 @@ def test_graph_batch_sizes() -> None:
 
 
 def _decode_batch(n: int, dummy_loc: int) -> Batch:
-    reqs = [object() for _ in range(n)]
-    return Batch(reqs=reqs, phase="decode", padded_reqs=list(reqs), last_chunk=[True] * n,
-                 input_positions=torch.arange(10, 10 + n), out_loc=torch.arange(n) * 7,
+    return Batch("decode", n, table_rows=list(range(n)), cached_lens=[10 + i for i in range(n)],
                  seq_lens=[11 + i for i in range(n)], extend_lens=[1] * n,
-                 cached_lens=[10 + i for i in range(n)], table_rows=list(range(n)))
+                 input_positions=torch.arange(10, 10 + n), out_loc=torch.arange(n) * 7)
 
 
-def test_pad_batch_pads_decode_batches_with_the_dummy_request() -> None:
+def test_pad_batch_pads_decode_batches_with_the_dummy_row() -> None:
     runner = GraphRunner(lambda *a: None, StubGraphBackend(), max_bs=32, dummy_row=40,
                          dummy_loc=999, device="cpu")
     runner.graphs = dict.fromkeys(runner.batch_sizes)  # as if captured
     batch = _decode_batch(5, 999)
     assert runner.pad_batch(batch) == 3 and batch.size == 5 and batch.padded_size == 8
-    assert batch.padded_reqs[5:] == [runner.dummy_req] * 3
     assert batch.table_rows[5:] == [40] * 3 and batch.seq_lens[5:] == [1] * 3
     assert batch.cached_lens[5:] == [0] * 3 and batch.extend_lens[5:] == [1] * 3
     assert batch.input_positions.tolist()[5:] == [0] * 3
@@ -198,7 +194,7 @@ def test_wait_event_polls_until_ready_then_backs_off() -> None:
 
 def test_gpu_modules_import_without_flashinfer_or_cuda() -> None:
     code = ("import sys, minisgl.engine.graph, minisgl.attention.flashinfer_backend, "
-            "minisgl.engine.cuda_events; assert 'flashinfer' not in sys.modules")
+            "minisgl.engine.cuda_stream; assert 'flashinfer' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT)
     subprocess.run([sys.executable, "scripts/bench_gpu.py", "--help"], check=True,
                    cwd=REPO_ROOT, capture_output=True)

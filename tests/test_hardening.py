@@ -445,11 +445,11 @@ def test_offline_llm_ends_quietly(script):
 
 def test_offline_batch_is_validated_whole():
     from minisgl import LLM
-    from minisgl.core import InvalidRequest
+    from minisgl.errors import InvalidRequest
 
     with LLM(dtype="float32", load_format="dummy", max_total_tokens=512, max_running_requests=4,
              json_model_override_args='{"num_hidden_layers": 2}') as llm:
-        metrics = llm.manager.metrics
+        metrics = llm.runtime.requests.metrics
         bad_items = {"input_ids": ([1, 10**6], None), "pool": ([1, 2], {"max_new_tokens": 600}),
                      "logit_bias": ([1, 2], {"logit_bias": {"49152": 1}}),
                      "temperature": ([1, 2], {"temperature": float("nan")})}
@@ -463,7 +463,7 @@ def test_offline_batch_is_validated_whole():
                     sampling[bad_at] = {"max_new_tokens": 2, **params}
                 with pytest.raises(InvalidRequest, match=name):
                     llm.generate(input_ids=batch, sampling_params=sampling)
-                assert metrics.requests == 0 and not llm.manager.handles, name
+                assert metrics.requests == 0 and not llm.runtime.requests.handles, name
         out = llm.generate(input_ids=[[5, 6], [7, 8]], sampling_params={"max_new_tokens": 2})
         assert [len(o["output_ids"]) for o in out] == [2, 2]
         llm.check_integrity()

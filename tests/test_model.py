@@ -8,9 +8,8 @@ import sys
 import pytest
 import torch
 
-from minisgl.core import Batch, Req, SamplingParams
-from minisgl.engine import Engine
-from minisgl.server_args import ServerArgs
+from minisgl.core import Batch
+from minisgl.engine import Engine, EngineConfig
 from tests import reference as ref
 
 LOGIT_TOLERANCE = 1e-3  # max |ours - reference| over all vocab logits, float32
@@ -18,7 +17,7 @@ LOGIT_TOLERANCE = 1e-3  # max |ours - reference| over all vocab logits, float32
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    return Engine(ServerArgs(dtype="float32", max_total_tokens=4096, max_running_requests=4))
+    return Engine(EngineConfig(dtype="float32", max_total_tokens=4096, max_running_requests=4))
 
 
 def forward_positions(engine: Engine, ids: list[int], prefill_len: int) -> torch.Tensor:
@@ -27,15 +26,13 @@ def forward_positions(engine: Engine, ids: list[int], prefill_len: int) -> torch
     ctx = engine.page_table.shape[1]
     row = 0
     engine.page_table[row, : len(ids)] = torch.arange(len(ids), dtype=torch.int32)
-    req = Req(uid=0, rid="t", prompt_ids=ids, params=SamplingParams(), max_device_len=len(ids))
     logits = []
     spans = [(0, prefill_len)] + [(p, p + 1) for p in range(prefill_len, len(ids))]
     for start, end in spans:
         positions = torch.arange(start, end)
-        batch = Batch(reqs=[req], phase="prefill" if start == 0 else "decode", padded_reqs=[req],
-                      last_chunk=[True], input_positions=positions, out_loc=positions.clone(),
-                      seq_lens=[end], extend_lens=[end - start], cached_lens=[start],
-                      table_rows=[row])
+        batch = Batch("prefill" if start == 0 else "decode", 1, table_rows=[row],
+                      cached_lens=[start], seq_lens=[end], extend_lens=[end - start],
+                      input_positions=positions, out_loc=positions.clone())
         engine.attn_backend.prepare_metadata(batch)
         with torch.inference_mode():
             logits.append(engine.model(torch.tensor(ids[start:end]), positions, batch,
@@ -62,10 +59,9 @@ def test_chunked_prefix_logits_match(engine: Engine) -> None:
     half = len(ids) // 2
     forward_positions(engine, ids[:half], prefill_len=half)
     positions = torch.arange(half, len(ids))
-    req = Req(uid=1, rid="c", prompt_ids=ids, params=SamplingParams(), max_device_len=len(ids))
-    batch = Batch(reqs=[req], phase="prefill", padded_reqs=[req], last_chunk=[True],
-                  input_positions=positions, out_loc=positions.clone(), seq_lens=[len(ids)],
-                  extend_lens=[len(ids) - half], cached_lens=[half], table_rows=[0])
+    batch = Batch("prefill", 1, table_rows=[0], cached_lens=[half], seq_lens=[len(ids)],
+                  extend_lens=[len(ids) - half], input_positions=positions,
+                  out_loc=positions.clone())
     engine.page_table[0, : len(ids)] = torch.arange(len(ids), dtype=torch.int32)
     engine.attn_backend.prepare_metadata(batch)
     with torch.inference_mode():
@@ -130,10 +126,9 @@ def test_sampled_generation_is_seeded(llm) -> None:
 def test_dummy_weights_build_and_run(config: str) -> None:
     # NOTE: 2 layers and a 32k vocabulary: the 8B shape's full embedding and head alone are
     # 1B parameters to fill with random values
-    args = ServerArgs(model_path=config, load_format="dummy", max_total_tokens=256,
-                      max_running_requests=2,
-                      json_model_override_args='{"num_hidden_layers": 2, "vocab_size": 32000}')
-    engine = Engine(args)
+    engine = Engine(EngineConfig(
+        model_path=config, load_format="dummy", max_total_tokens=256, max_running_requests=2,
+        json_model_override_args='{"num_hidden_layers": 2, "vocab_size": 32000}'))
     ids = list(range(100, 120))
     logits = forward_positions(engine, ids, prefill_len=16)
     assert logits.shape == (len(ids), engine.arch.vocab_size)
@@ -187,8 +182,8 @@ def test_architectures_match_transformers(kind: str, tmp_path) -> None:
             if name.endswith("bias") or "norm" in name:
                 param.add_(torch.randn_like(param) * 0.1)
     model.save_pretrained(tmp_path)
-    engine = Engine(ServerArgs(model_path=str(tmp_path), dtype="float32", max_total_tokens=256,
-                               max_running_requests=2))
+    engine = Engine(EngineConfig(model_path=str(tmp_path), dtype="float32",
+                                 max_total_tokens=256, max_running_requests=2))
     ids = torch.randint(0, TINY["vocab_size"], (100,), generator=torch.Generator().manual_seed(1))
     ours = forward_positions(engine, ids.tolist(), prefill_len=90)
     with torch.inference_mode():

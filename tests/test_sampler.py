@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from minisgl.core import InvalidRequest, Req, SamplingParams
+from minisgl.core import Req, SamplingParams
+from minisgl.errors import InvalidRequest
 from minisgl.engine.sampler import SampleOutput, Sampler, SamplingArgs
 
 CPU = torch.device("cpu")

@@ -9,10 +9,11 @@ import random
 import pytest
 
 from minisgl import LLM
-from minisgl.core import InvalidRequest, SamplingParams
+from minisgl.core import SamplingParams
+from minisgl.errors import InvalidRequest
 from minisgl.scheduler import RequestSpec
-from minisgl.server.manager import RequestManager
-from minisgl.server_args import ServerArgs
+from minisgl.runtime import Runtime
+from minisgl.args import ServerArgs
 from tests import reference as ref
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8}
@@ -113,7 +114,7 @@ def test_retraction_under_a_tiny_pool_completes_everything() -> None:
     with LLM(dtype="float32", max_total_tokens=400, max_running_requests=12) as llm:
         outs = llm.generate(input_ids=prompts, sampling_params=params, return_logprob=True,
                             logprob_start_len=0)
-        retractions = llm.manager.scheduler.stats.retractions
+        retractions = llm.runtime.state()["retractions"]
         llm.check_integrity()
     assert retractions > 0, "the pool was meant to be too small to run everything at once"
     for ids, out, expected in zip(prompts, outs, roomy):
@@ -226,8 +227,9 @@ def test_abort_fuzz_keeps_every_page_accounted_for() -> None:
     rng = random.Random(11)
 
     async def scenario() -> tuple[int, int]:
-        manager = RequestManager(args)
-        await manager.start()
+        runtime = Runtime(args)
+        await runtime.start()
+        manager = runtime.requests
         handles, aborted = [], 0
         shared = [rng.randrange(100, 20000) for _ in range(40)]
         for i in range(300):
@@ -242,7 +244,7 @@ def test_abort_fuzz_keeps_every_page_accounted_for() -> None:
                 victim = rng.choice(handles)
                 aborted += manager.abort(victim.rid, "fuzz")
         results = await asyncio.gather(*(manager.wait(h) for h in handles))
-        scheduler = manager.scheduler
+        scheduler = runtime.scheduler
         while scheduler.has_work() or scheduler.to_release:
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.05)
@@ -255,7 +257,7 @@ def test_abort_fuzz_keeps_every_page_accounted_for() -> None:
                 assert len(h.output_ids) == reason["length"]
         scheduler.cache.reset_cache()
         free = scheduler.cache.num_free
-        await manager.stop()
+        await runtime.stop()
         return aborted, free
 
     aborted, free = asyncio.run(scenario())

@@ -468,23 +468,25 @@ def test_second_server_concurrently(minisgl_server, minisgl_server_factory):
 # ---- a dead scheduler ----------------------------------------------------------------------------
 
 def test_dead_scheduler_turns_health_503_and_ends_requests():
-    """In-process (the same Server and RequestManager that `serve` runs): when the scheduler
+    """In-process (the same Server and Runtime that `serve` runs): when the scheduler
     task dies, /health answers 503, the request in flight ends with an abort instead of
     hanging, and new requests get 503."""
     import asyncio
 
     import aiohttp
 
-    from minisgl.server.app import Server, listen
+    from minisgl.runtime import Runtime
+    from minisgl.server.app import Server
     from minisgl.server.listen import bind
-    from minisgl.server.manager import RequestManager
-    from minisgl.server_args import ServerArgs
+    from minisgl.server.serve import listen
+    from minisgl.args import ServerArgs
 
     async def scenario() -> None:
         args = ServerArgs(dtype="float32", max_total_tokens=4096, max_running_requests=4)
-        manager = RequestManager(args)
-        await manager.start()
-        server = Server(args, manager)
+        runtime = Runtime(args)
+        await runtime.start()
+        manager = runtime.requests
+        server = Server(runtime)
         runner, port = await listen(server, bind("127.0.0.1", 0))
         url = f"http://127.0.0.1:{port}"
         try:
@@ -508,6 +510,6 @@ def test_dead_scheduler_turns_health_503_and_ends_requests():
                     assert r.status == 503
         finally:
             await runner.cleanup()
-            await manager.stop()
+            await runtime.stop()
 
     asyncio.run(scenario())

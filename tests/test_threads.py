@@ -18,7 +18,7 @@ from tests.conftest import REPO_ROOT
 
 PROBE = """
 import os, torch
-from minisgl.engine import no_openmp_on_this_thread
+from minisgl.env import no_openmp_on_this_thread
 
 def threads():
     return len(os.listdir("/proc/self/task"))

@@ -20,10 +20,11 @@ import pytest
 import torch
 
 from minisgl.core import SamplingParams
-from minisgl.engine import Engine, EngineFailed
+from minisgl.engine import Engine, EngineConfig
+from minisgl.errors import EngineFailed
 from minisgl.scheduler import RequestSpec
-from minisgl.server_args import ServerArgs
 from tests import reference as ref
+from tests.engine_probe import prefill_logits
 
 # float32 on both sides; the ranks only change the order of the all-reduce sums, measured at
 # ~3e-6 on logits of magnitude ~3 (Qwen3 dummy) and ~1e-5 on SmolLM2's logprobs.
@@ -112,7 +113,8 @@ def tp3():
     from minisgl import LLM
     llm = LLM(tp_size=3, **LLM_ARGS)
     yield llm
-    pids, segments = _tp_resources(llm.manager.engine) if llm.manager.engine.workers else ([], [])
+    engine = llm.runtime.engine
+    pids, segments = _tp_resources(engine) if engine.workers else ([], [])
     llm.shutdown()
     _assert_cleaned_up(pids, segments)
 
@@ -167,10 +169,10 @@ def test_qwen3_dummy_tp2_logits_match_tp1_with_two_instances_alive() -> None:
     """Dummy weights are the same model at any tp size; two tp-2 instances (own store port,
     own shared memory, own process group) run forwards at the same time in one process."""
     ids = list(range(100, 148))
-    base = Engine(ServerArgs(**QWEN3_DUMMY))
-    expected = base.prefill_logits(ids)
+    base = Engine(EngineConfig(**QWEN3_DUMMY))
+    expected = prefill_logits(base, ids)
     base.shutdown()
-    engines = [Engine(ServerArgs(tp_size=2, **QWEN3_DUMMY)) for _ in range(2)]
+    engines = [Engine(EngineConfig(tp_size=2, **QWEN3_DUMMY)) for _ in range(2)]
     resources = [_tp_resources(e) for e in engines]
     try:
         assert engines[0].workers.store.port != engines[1].workers.store.port
@@ -179,7 +181,7 @@ def test_qwen3_dummy_tp2_logits_match_tp1_with_two_instances_alive() -> None:
 
         def run(i: int) -> None:
             for _ in range(3):  # interleave several forwards of both instances
-                results[i] = engines[i].prefill_logits(ids)
+                results[i] = prefill_logits(engines[i], ids)
 
         threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
         for t in threads:
@@ -202,7 +204,7 @@ def test_idle_worker_death_is_noticed() -> None:
     from minisgl import LLM
     args = {k: v for k, v in QWEN3_DUMMY.items() if k != "model_path"}
     llm = LLM(QWEN3_DUMMY["model_path"], tp_size=2, **args)
-    engine = llm.manager.engine
+    engine = llm.runtime.engine
     pids, segments = _tp_resources(engine)
     try:
         assert llm.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 2,
@@ -213,7 +215,7 @@ def test_idle_worker_death_is_noticed() -> None:
             time.sleep(0.02)
         assert engine.failed is not None and "rank 1" in engine.failed
         assert "SIGKILL" in engine.failed
-        assert not llm.manager.running
+        assert not llm.runtime.running
         with pytest.raises(EngineFailed, match="rank 1"):
             llm.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 2})
     finally:
@@ -223,8 +225,8 @@ def test_idle_worker_death_is_noticed() -> None:
 
 def test_worker_sigkill_mid_generation_fails_requests(tp3) -> None:
     """Last in this module: it kills the shared tp-3 instance."""
-    manager = tp3.manager
-    engine = manager.engine
+    manager = tp3.runtime.requests
+    engine = tp3.runtime.engine
     pids, segments = _tp_resources(engine)
 
     async def scenario() -> tuple[list, float]:

@@ -1,19 +1,13 @@
+"""The attention backend interface."""
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-import importlib.util
-import logging
-from typing import TYPE_CHECKING, Any
 
 import torch
 
 from minisgl.core import Batch
-from minisgl.kernels.cuda import HALF_DTYPES
-
-if TYPE_CHECKING:
-    from minisgl.kvcache import KVPool
-
-logger = logging.getLogger(__name__)
+from minisgl.kvcache import KVPool
 
 
 class AttentionBackend(ABC):
@@ -34,28 +28,3 @@ class AttentionBackend(ABC):
                 batch: Batch) -> torch.Tensor:
         """q: [tokens, heads, head_dim], k/v: [tokens, kv_heads, head_dim] of the new tokens.
         Stores k/v at batch.out_loc and returns [tokens, heads * head_dim]."""
-
-
-def default_attention_backend(device: torch.device, dtype: torch.dtype) -> str:
-    """FlashInfer on CUDA for half-precision models when it is installed; torch otherwise."""
-    if device.type != "cuda":
-        return "torch"
-    if dtype not in HALF_DTYPES:
-        logger.info("attention: torch backend (FlashInfer runs in float16/bfloat16 only)")
-        return "torch"
-    if importlib.util.find_spec("flashinfer") is None:
-        logger.warning("attention: FlashInfer is not installed (pip install minisgl[gpu]); "
-                       "using the slower torch backend without CUDA graphs")
-        return "torch"
-    return "flashinfer"
-
-
-def create_attention_backend(name: str, kv_pool: KVPool, page_table: torch.Tensor,
-                             scale: float, **options: Any) -> AttentionBackend:
-    if name == "torch":
-        from minisgl.attention.torch_backend import TorchBackend
-        return TorchBackend(kv_pool, page_table, scale)
-    if name == "flashinfer":
-        from minisgl.attention.flashinfer_backend import FlashInferBackend
-        return FlashInferBackend(kv_pool, page_table, scale, **options)
-    raise ValueError(f"unknown attention backend {name!r} (choose torch or flashinfer)")

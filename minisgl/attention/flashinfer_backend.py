@@ -24,16 +24,14 @@ is stream-ordered after batch N. Page ids are gathered from the device page tabl
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from minisgl.attention.base import AttentionBackend
 from minisgl.core import Batch
 from minisgl.kernels.cuda import HALF_DTYPES
-
-if TYPE_CHECKING:
-    from minisgl.kvcache import KVPool
+from minisgl.kvcache import KVPool
 
 FLOAT_WORKSPACE_BYTES = 128 * 1024 * 1024  # split-kv partial results (FlashInfer's advice)
 INT_WORKSPACE_BYTES = 8 * 1024 * 1024  # plan info; shared by every wrapper (plans are ordered)
@@ -219,9 +217,7 @@ class FlashInferBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: Batch) -> torch.Tensor:
-        k_cache, v_cache = self.kv_pool.layer(layer_id)
-        k_cache.index_copy_(1, batch.out_loc, k.transpose(0, 1))
-        v_cache.index_copy_(1, batch.out_loc, v.transpose(0, 1))
+        self.kv_pool.store(layer_id, batch.out_loc, k, v)
         meta: PagedMetadata = batch.attn_metadata
         if meta.wrapper is None:  # eager: plan once per batch, at its first attention layer
             if self.num_qo_heads is None:

@@ -1,24 +1,21 @@
 """Torch paged attention: SDPA per request for prefill; for decode a compiled CPU kernel that
 reads K/V in place, or (without a compiler, or on CUDA) grouped matmuls over gathered K/V.
 
-On CPU, SDPA with a single query token is ~3x slower than two batched matmuls; the gather in
-front of those matmuls moves as many bytes as the weights at batch 64, which the kernel avoids.
+On CPU, SDPA with a single query token is slower than two batched matmuls, and the gather in
+front of those matmuls moves about as many bytes as the weights at large batches, which the
+kernel avoids (BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 
 from minisgl.attention.base import AttentionBackend
-from minisgl.kernels import cpu_kernels
 from minisgl.core import Batch
-
-if TYPE_CHECKING:
-    from minisgl.kvcache import KVPool
+from minisgl.kernels import cpu_kernels
+from minisgl.kvcache import KVPool
 
 
 @dataclass
@@ -89,9 +86,7 @@ class TorchBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: Batch) -> torch.Tensor:
-        k_cache, v_cache = self.kv_pool.layer(layer_id)
-        k_cache.index_copy_(1, batch.out_loc, k.transpose(0, 1))
-        v_cache.index_copy_(1, batch.out_loc, v.transpose(0, 1))
+        k_cache, v_cache = self.kv_pool.store(layer_id, batch.out_loc, k, v)
         if batch.is_decode:
             return self._decode(q, k_cache, v_cache, batch.attn_metadata)
         return self._prefill(q, k, v, k_cache, v_cache, batch.attn_metadata)
@@ -148,8 +143,8 @@ class TorchBackend(AttentionBackend):
         if self._flash is None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                                   scale=self.scale, enable_gqa=True)
-        # NOTE: SDPA's dispatcher sends GQA / bf16 on CPU to its unfused math path (3.5x slower
-        # at 512 tokens); its fused CPU kernel wants equal head counts and an additive mask.
+        # NOTE: SDPA's dispatcher sends GQA / bf16 on CPU to its unfused math path; its fused
+        # CPU kernel wants equal head counts and an additive mask.
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         if mask is not None:

@@ -71,10 +71,6 @@ def get_tp_info() -> TPInfo:
     return _state()[0]
 
 
-def get_tp_group() -> Any:
-    return _state()[1]
-
-
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     info, group = _state()
     if info.size > 1:

@@ -3,9 +3,10 @@
 Rank 0 (the server or `LLM` process) owns a `TPWorkers`: it spawns one process per other rank
 (torch.multiprocessing, spawn context), gives each a `ShmQueue` and a status pipe, and hosts
 the rendezvous (a TCPStore on a port the OS picks, so two instances on one host never clash).
-Each worker sets its TP info, joins the process group, builds its own `Engine` (loading only
-its weight shard), then runs every step message from its queue in order: the same forward as
-rank 0 on its shard, the collectives lining up.
+Each worker sets its TP info, joins the process group, calls the `target` it was given (which
+builds its own engine, loading only its weight shard, and returns a step function), then runs
+every step message from its queue in order: the same forward as rank 0 on its shard, the
+collectives lining up.
 
 Sampling: only rank 0 samples. It broadcasts the sampled ids ([B] int32) at the end of every
 forward, and every rank writes them into its own token pool, so the next step's input ids are
@@ -90,7 +91,10 @@ def _describe_exit(code: int | None) -> str:
 class TPWorkers:
     """Rank 0's view of ranks 1..N-1."""
 
-    def __init__(self, args: Any, size: int, device: torch.device) -> None:
+    def __init__(self, size: int, device: torch.device, log_level: str,
+                 target: Callable[[TPInfo, Any], Callable[[list], None]]) -> None:
+        """`target(tp_info, group)` runs in each worker process (picklable: a module-level
+        function or a partial of one) and returns the function that runs one step message."""
         self.size, self.device = size, device
         self.failed: str | None = None
         self._listeners: list[Callable[[str], None]] = []
@@ -112,8 +116,8 @@ class TPWorkers:
                 self.queues.append(queue)
                 status_r, status_w = ctx.Pipe(duplex=False)
                 proc = ctx.Process(target=run_worker, name=f"minisgl-tp{rank}", daemon=True,
-                                   args=(args, rank, size, self.store.port,
-                                         queue.reader_handle(), status_w))
+                                   args=(target, rank, size, device, log_level,
+                                         self.store.port, queue.reader_handle(), status_w))
                 with _main_module_hidden():
                     proc.start()
                 status_w.close()
@@ -299,17 +303,15 @@ class TPWorkers:
 # ---- the worker process ----------------------------------------------------------------------
 
 
-def run_worker(args: Any, rank: int, size: int, store_port: int, handle: ReaderHandle,
+def run_worker(target: Callable[[TPInfo, Any], Callable[[list], None]], rank: int, size: int,
+               device: torch.device, log_level: str, store_port: int, handle: ReaderHandle,
                status: Connection) -> None:
     """Entry point of rank `rank`: join, build, then run steps until STOP or rank 0 is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rank 0, which stops us
-    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+    logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
                         format=f"%(asctime)s %(levelname)s tp{rank} %(name)s: %(message)s")
     queue: ShmQueue | None = None
     try:
-        from minisgl.engine.engine import Engine, resolve_device
-
-        device = resolve_device(args.device)
         if device.type == "cpu":
             torch.set_num_threads(cpu_threads(size))
         else:
@@ -321,7 +323,7 @@ def run_worker(args: Any, rank: int, size: int, store_port: int, handle: ReaderH
         status.send(("joining", ""))
         group = create_group(store, rank, size, device, GLOO_TIMEOUT_S)
         set_tp_info(info, group)
-        engine = Engine(args, tp=info, group=group)
+        run_step = target(info, group)
         queue = ShmQueue.attach(handle)
         status.send(("ready", ""))
         with torch.inference_mode():
@@ -331,7 +333,7 @@ def run_worker(args: Any, rank: int, size: int, store_port: int, handle: ReaderH
                     continue
                 if int(arrays[0][0]) == MSG_STOP:
                     break
-                engine.run_step_message(arrays)
+                run_step(arrays)
     except QueueClosed:
         logger.info("rank 0 is gone; exiting")
         os._exit(1)

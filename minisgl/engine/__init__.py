@@ -1,8 +1,9 @@
 """The engine: model + device memory + one forward, run on an engine stream."""
 
-from minisgl.engine.engine import (Engine, EngineFailed, ForwardInput, ForwardOutput, HostInputs,
-                                   InputLogprobRows)
-from minisgl.engine.stream import no_openmp_on_this_thread
+from minisgl.engine.config import EngineConfig
+from minisgl.engine.engine import Engine
+from minisgl.engine.forward import ForwardInput, ForwardOutput, InputLogprobRows
+from minisgl.engine.tp_message import StepMessage
 
-__all__ = ["Engine", "EngineFailed", "ForwardInput", "ForwardOutput", "HostInputs",
-           "InputLogprobRows", "no_openmp_on_this_thread"]
+__all__ = ["Engine", "EngineConfig", "ForwardInput", "ForwardOutput", "InputLogprobRows",
+           "StepMessage"]

@@ -3,7 +3,7 @@
 A decode step of a small model is a few hundred tiny kernels; launching them one by one costs
 more host time than the GPU spends on them. Each size in `graph_batch_sizes` is captured once,
 largest first, into one shared memory pool; a decode batch of size n runs the graph of the
-smallest captured size >= n, the extra rows being dummy requests:
+smallest captured size >= n, the extra rows being padding rows:
 
 - a dummy row reads page_table[dummy_row] (every entry is the dummy location) with seq_len 1,
   and writes its K/V to the dummy location, so it never touches a real request's KV;
@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from minisgl.core import Batch, Req, SamplingParams
+from minisgl.core import Batch
 
 logger = logging.getLogger(__name__)
 
@@ -61,11 +61,8 @@ class GraphRunner:
         self.model, self.backend, self.device = model, backend, torch.device(device)
         self.batch_sizes = graph_batch_sizes(max_bs)
         self.max_bs = self.batch_sizes[-1] if self.batch_sizes else 0
+        # NOTE: padding rows use the dummy row and the dummy page, never a request's.
         self.dummy_row, self.dummy_loc = dummy_row, dummy_loc
-        # NOTE: padding rows share this one request; it is never scheduled, sampled or freed.
-        self.dummy_req = Req(uid=-1, rid="minisgl-graph-padding", prompt_ids=[0],
-                             params=SamplingParams(), max_device_len=1, table_idx=dummy_row,
-                             cached_len=0, device_len=1)
         n = max(self.max_bs, 1)
         self.input_ids = torch.zeros(n, dtype=torch.int32, device=self.device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=self.device)
@@ -80,10 +77,9 @@ class GraphRunner:
     def _dummy_batch(self, bs: int) -> Batch:
         self.out_loc[:bs].fill_(self.dummy_loc)
         self.positions[:bs].zero_()
-        return Batch(reqs=[], phase="decode", padded_reqs=[self.dummy_req] * bs, last_chunk=[],
-                     input_positions=self.positions[:bs], out_loc=self.out_loc[:bs],
-                     seq_lens=[1] * bs, extend_lens=[1] * bs, cached_lens=[0] * bs,
-                     table_rows=[self.dummy_row] * bs)
+        return Batch("decode", 0, table_rows=[self.dummy_row] * bs, cached_lens=[0] * bs,
+                     seq_lens=[1] * bs, extend_lens=[1] * bs,
+                     input_positions=self.positions[:bs], out_loc=self.out_loc[:bs])
 
     def _run(self, batch: Batch, bs: int) -> torch.Tensor:
         return self.model(self.input_ids[:bs], self.positions[:bs], batch, self.backend, None)
@@ -130,16 +126,14 @@ class GraphRunner:
         return next(b for b in self.batch_sizes if b >= batch.size)
 
     def pad_batch(self, batch: Batch) -> int:
-        """Pad a decode batch to its graph size with the dummy request: padded_reqs, table_rows
-        (dummy_row), seq_lens (1), cached_lens (0), extend_lens (1), input_positions (0) and
-        out_loc (the dummy location). Returns the padding rows. Pads *to* the size, so it is a
-        no-op on fields already padded (a tensor-parallel worker rebuilds its batch from rank
-        0's padded lists but unpadded positions). Call before `prepare_metadata`."""
+        """Pad a decode batch to its graph size with padding rows: table_rows (dummy_row),
+        seq_lens (1), cached_lens (0), extend_lens (1), input_positions (0) and out_loc (the
+        dummy location). Returns the padding rows. Pads *to* the size, so it is a no-op on
+        fields already padded (a tensor-parallel worker rebuilds its batch from rank 0's padded
+        lists but unpadded positions). Call before `prepare_metadata`."""
         bs = self.graph_size(batch)
         if bs is None:
             return 0
-        batch.padded_reqs = list(batch.padded_reqs) + [self.dummy_req] * (
-            bs - len(batch.padded_reqs))
         for name, value in (("table_rows", self.dummy_row), ("seq_lens", 1),
                             ("cached_lens", 0), ("extend_lens", 1)):
             values = getattr(batch, name)
@@ -151,8 +145,7 @@ class GraphRunner:
     def can_run(self, batch: Batch) -> bool:
         bs = batch.padded_size
         return (batch.is_decode and bs in self.graphs and self.graph_size(batch) == bs
-                and len(batch.table_rows) == bs and batch.out_loc.numel() == bs
-                and batch.input_positions.numel() == bs)
+                and batch.out_loc.numel() == bs and batch.input_positions.numel() == bs)
 
     def replay(self, batch: Batch, input_ids: torch.Tensor, positions: torch.Tensor
                ) -> torch.Tensor:
@@ -168,3 +161,10 @@ class GraphRunner:
         # NOTE: a view of the shared buffer: the next replay overwrites it, so it must be used
         # (sampled) on this stream before then, which Engine.forward does.
         return self.logits[: batch.size]
+
+    def release(self) -> None:
+        """Free the graphs' memory (engine shutdown)."""
+        torch.cuda.synchronize(self.device)
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()

@@ -30,6 +30,15 @@ class KVPool:
         """K and V of one layer, each [kv_heads, locations, head_dim]."""
         return self.buffer[0, layer_id], self.buffer[1, layer_id]
 
+    def store(self, layer_id: int, locations: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write new tokens' k / v ([tokens, kv_heads, head_dim]) at `locations`; returns the
+        layer's K and V."""
+        k_cache, v_cache = self.layer(layer_id)
+        k_cache.index_copy_(1, locations, k.transpose(0, 1))
+        v_cache.index_copy_(1, locations, v.transpose(0, 1))
+        return k_cache, v_cache
+
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
                         dtype: torch.dtype) -> int:

@@ -9,13 +9,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from minisgl.env import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -25,11 +26,6 @@ CONFIGS_DIR = Path(__file__).parent / "configs"
 
 class ModelNotFound(ValueError):
     pass
-
-
-def cache_root() -> Path:
-    root = os.environ.get("MINISGL_CACHE_DIR") or Path.home() / ".cache" / "minisgl"
-    return Path(root)
 
 
 def bundled_gguf() -> Path:

@@ -1,8 +1,8 @@
-"""The request manager: tokenizer, scheduler task and detokenizer coroutine on one event loop.
+"""The request manager: the scheduler task and the detokenizer coroutine on one event loop.
 
-HTTP handlers and the offline `LLM` both talk to it: `submit` queues a request and returns a
-handle whose state grows as the scheduler produces tokens; `updates` yields its cumulative
-state whenever it changed (several steps coalesce when a client reads slowly).
+HTTP handlers and the offline `LLM` both talk to it: `submit` queues requests and returns
+handles whose state grows as the scheduler produces tokens; `updates` yields a handle's
+cumulative state whenever it changed (several steps coalesce when a client reads slowly).
 """
 
 from __future__ import annotations
@@ -13,13 +13,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from minisgl.core import InvalidRequest, SamplingParams
-from minisgl.engine import Engine, EngineFailed
+from minisgl.errors import EngineFailed, InvalidRequest
+from minisgl.runtime.detokenizer import DecodeState, IncrementalDetokenizer
+from minisgl.runtime.metrics import Metrics
+from minisgl.runtime.tokenizer import Tokenizer
 from minisgl.scheduler import ReqOutput, RequestSpec, Scheduler
-from minisgl.server.detokenizer import DecodeState, IncrementalDetokenizer
-from minisgl.server.metrics import Metrics
-from minisgl.server.tokenizer import Tokenizer
-from minisgl.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +26,7 @@ logger = logging.getLogger(__name__)
 class ReqHandle:
     rid: str
     prompt_ids: list[int]
-    decode: DecodeState
+    detok: DecodeState  # the detokenizer's state: text so far, stop strings
     logprob_num: int
     created: float = field(default_factory=time.perf_counter)
     cached_tokens: int = 0
@@ -46,11 +44,11 @@ class ReqHandle:
 
     @property
     def text(self) -> str:
-        return self.decode.visible_text
+        return self.detok.visible_text
 
     @property
     def output_ids(self) -> list[int]:
-        return self.decode.output_ids
+        return self.detok.output_ids
 
     def meta_info(self) -> dict[str, Any]:
         end = self.finished_at or time.perf_counter()
@@ -81,12 +79,9 @@ class ReqHandle:
 
 
 class RequestManager:
-    def __init__(self, args: ServerArgs, engine: Engine | None = None) -> None:
-        self.args = args
-        self.engine = engine or Engine(args)
-        self.tokenizer = Tokenizer.load(args.tokenizer_path or self.engine.model_path)
-        self.scheduler = Scheduler(self.engine, args, self._on_outputs)
-        self.detokenizer = IncrementalDetokenizer(self.tokenizer.hf) if self.tokenizer else None
+    def __init__(self, scheduler: Scheduler, tokenizer: Tokenizer | None) -> None:
+        self.scheduler, self.tokenizer = scheduler, tokenizer
+        self.detokenizer = IncrementalDetokenizer(tokenizer.hf) if tokenizer else None
         self.metrics = Metrics()
         self.handles: dict[str, ReqHandle] = {}
         self._outbox: asyncio.Queue[list[ReqOutput]] | None = None
@@ -96,28 +91,12 @@ class RequestManager:
     @property
     def running(self) -> bool:
         return (bool(self._tasks) and not any(t.done() for t in self._tasks)
-                and self.engine.failed is None)
+                and self.scheduler.engine_failed is None)
 
     @property
-    def failed(self) -> str | None:
-        """Why the engine cannot serve any more (a tensor-parallel rank died), else None."""
-        return self.engine.failed
-
-    async def wait_failed(self) -> str:
-        """Returns the reason once the engine has failed (never returns on tp 1). The HTTP
-        server races this against its stop signal, answers /health with 503, then exits."""
-        loop = asyncio.get_running_loop()
-        failed: asyncio.Future[str] = loop.create_future()
-
-        def on_failure(message: str) -> None:  # monitor thread
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(lambda: failed.done() or failed.set_result(message))
-
-        self.engine.add_failure_listener(on_failure)
-        try:
-            return await failed
-        finally:
-            self.engine.remove_failure_listener(on_failure)
+    def max_sequences(self) -> int:
+        """Sequences one request may ask for (prompts x n)."""
+        return self.scheduler.limits.max_sequences
 
     async def start(self) -> None:
         self._outbox = asyncio.Queue()
@@ -137,7 +116,6 @@ class RequestManager:
         detok_task.cancel()
         await asyncio.gather(detok_task, return_exceptions=True)
         self._tasks = []
-        self.engine.shutdown()
 
     def _on_task_done(self, task: asyncio.Task) -> None:
         """A scheduler or detokenizer that ends outside `stop` is a crash: log it and end
@@ -161,8 +139,8 @@ class RequestManager:
     def submit(self, specs: list[RequestSpec]) -> list[ReqHandle]:
         """Queue a batch, all or nothing: every request is validated before any is queued
         (raises InvalidRequest, QueueFull or EngineFailed)."""
-        if self.engine.failed is not None:
-            raise EngineFailed(self.engine.failed)
+        if self.scheduler.engine_failed is not None:
+            raise EngineFailed(self.scheduler.engine_failed)
         if self.detokenizer is None and any(s.params.stop_strings for s in specs):
             raise InvalidRequest("stop strings need a tokenizer, and this model has none")
         reqs = self.scheduler.add_requests(specs, rid_taken=self.handles.__contains__)
@@ -219,7 +197,8 @@ class RequestManager:
 
     # ---- outputs -----------------------------------------------------------------------------
 
-    def _on_outputs(self, outputs: list[ReqOutput]) -> None:
+    def deliver(self, outputs: list[ReqOutput]) -> None:
+        """The scheduler's sink: one step's outputs, detokenized on the next loop turn."""
         assert self._outbox is not None
         self._outbox.put_nowait(outputs)
 
@@ -253,16 +232,16 @@ class RequestManager:
             updates.append((handle, out))
         if self.detokenizer is not None:
             stopped = self.detokenizer.step(
-                [(h.decode, o.token, o.finished) for h, o in updates])
+                [(h.detok, o.token, o.finished) for h, o in updates])
             for state in stopped:
-                handle = next(h for h, _ in updates if h.decode is state)
+                handle = next(h for h, _ in updates if h.detok is state)
                 reason = {"type": "stop", "matched": state.stop_hit}
                 self.scheduler.finish(handle.rid, reason)
                 self._close(handle, reason, now)
         else:
             for handle, out in updates:
                 if out.token is not None:
-                    handle.decode.output_ids.append(out.token)
+                    handle.detok.output_ids.append(out.token)
         for handle, out in updates:
             if out.finished and not handle.finished:
                 self._close(handle, out.req.finish_reason, now)

@@ -3,17 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import os
 from pathlib import Path
 from typing import Any
 
-from minisgl.core import InvalidRequest
+from minisgl.errors import InvalidRequest
 
 OFF_LOOP_CHARS = 4096  # inputs longer than this are encoded in a worker thread
-# NOTE: the tokenizer's own thread pool would spin next to the engine's threads on every
-# batched detokenization step; long inputs already leave the loop thread instead.
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
 
 # NOTE: a normalizer (NFC, NFKC) may merge a few characters into one before tokenization.
 NORMALIZER_SLACK = 4

@@ -1,6 +1,8 @@
 """Continuous batching: the overlap loop and one small manager per concern."""
 
-from minisgl.scheduler.intake import QueueFull, RequestSpec, expand_samples
-from minisgl.scheduler.scheduler import ReqOutput, Scheduler
+from minisgl.scheduler.config import SchedulerConfig
+from minisgl.scheduler.intake import RequestSpec, expand_samples
+from minisgl.scheduler.results import ReqOutput
+from minisgl.scheduler.scheduler import Scheduler
 
-__all__ = ["QueueFull", "ReqOutput", "RequestSpec", "Scheduler", "expand_samples"]
+__all__ = ["ReqOutput", "RequestSpec", "Scheduler", "SchedulerConfig", "expand_samples"]

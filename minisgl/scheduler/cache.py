@@ -31,6 +31,26 @@ class CacheManager:
     def used_pages(self) -> int:
         return self.num_pages - self.num_free
 
+    @property
+    def cached_size(self) -> int:
+        """Tokens the prefix cache holds."""
+        return self.prefix_cache.size
+
+    @property
+    def locked_size(self) -> int:
+        """Cached tokens that live requests use as their prefix."""
+        return self.prefix_cache.protected_size
+
+    def cached_locations(self) -> torch.Tensor:
+        return self.prefix_cache.all_locations()
+
+    def lock(self, handle: CacheHandle) -> None:
+        """Keep a matched prefix from eviction while a request uses it."""
+        self.prefix_cache.lock(handle)
+
+    def unlock(self, handle: CacheHandle) -> None:
+        self.prefix_cache.unlock(handle)
+
     def match(self, token_ids: list[int]) -> tuple[CacheHandle, torch.Tensor]:
         # NOTE: the last token is never matched: its forward must run to give the first logits.
         return self.prefix_cache.match_prefix(token_ids[:-1])

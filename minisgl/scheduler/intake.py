@@ -9,12 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable, TypeVar
 
-from minisgl.core import InvalidRequest, SamplingParams, check_logprob_start_len
+from minisgl.core import SamplingParams, check_logprob_start_len
+from minisgl.errors import InvalidRequest, QueueFull
 from minisgl.scheduler.cache import pages_spanned
-
-
-class QueueFull(RuntimeError):
-    """The waiting queue is at --max-queued-requests."""
 
 
 @dataclass
@@ -38,6 +35,10 @@ class RequestLimits:
     max_stop_strings: int
     max_stop_string_length: int
     max_queued: int | None
+
+    @property
+    def pool_tokens(self) -> int:
+        return self.pool_pages * self.page_size
 
 
 Spec = TypeVar("Spec", bound=RequestSpec)
@@ -116,7 +117,7 @@ def check_one(spec: RequestSpec, limits: RequestLimits, rid_taken: Callable[[str
     if pages_spanned(0, total, limits.page_size) > limits.pool_pages:
         raise InvalidRequest(
             f"the request needs {total} tokens of KV cache but the pool holds only "
-            f"{limits.pool_pages * limits.page_size} (--max-total-tokens)")
+            f"{limits.pool_tokens} (--max-total-tokens)")
     if spec.rid is not None and rid_taken(spec.rid):
         raise InvalidRequest(f"a request with rid {spec.rid!r} is already running")
     if spec.logprob_num >= 0:

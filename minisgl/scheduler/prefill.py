@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minisgl.core import Req, ReqStatus
+from minisgl.core import Req
 from minisgl.scheduler.cache import CacheManager, locations_for, pages_spanned
 from minisgl.scheduler.decode import DecodeManager
 from minisgl.scheduler.table import TableManager
@@ -23,7 +23,7 @@ RESERVE_CLIP = 4096  # decode tokens reserved per request at most
 @dataclass
 class PrefillChunk:
     req: Req
-    start: int  # first position computed (== req.cached_len before this chunk)
+    start: int  # first position computed (== req.kv_len before this chunk)
     count: int
     is_last: bool  # the chunk ends the prompt: its sampled token is the first output
     locations: torch.Tensor
@@ -52,12 +52,22 @@ class PrefillManager:
         self.ratio = NewTokenRatio()
         self._admissions = 0
 
-    def add(self, req: Req, front: bool = False) -> None:
-        req.status = ReqStatus.WAITING
-        if front:
-            self.waiting.appendleft(req)
-        else:
-            self.waiting.append(req)
+    def add(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    def requeue(self, req: Req) -> None:
+        """A retracted request (its KV released) goes first in line; it keeps its tokens and
+        prefills them again. Memory was short: assume more of each running request's tokens
+        are still to come."""
+        req.kv_len = req.device_len = req.shared_len = 0
+        if not req.input_logprobs_sent:  # its prefill starts over, and scores again
+            req.input_logprobs.clear()
+            req.input_top_logprobs.clear()
+        self.waiting.appendleft(req)
+        self.ratio.after_retraction()
+
+    def on_decode_step(self) -> None:
+        self.ratio.step()
 
     @property
     def runnable(self) -> bool:
@@ -111,9 +121,9 @@ class PrefillManager:
         if self.decode.running or self.chunked is not None:
             need += int(future) // ps + 1 + self._reserved_pages()
         # NOTE: lock before allocating, so eviction cannot take the matched prefix.
-        self.cache.prefix_cache.lock(handle)
+        self.cache.lock(handle)
         if self.cache.available_pages < need:
-            self.cache.prefix_cache.unlock(handle)
+            self.cache.unlock(handle)
             return False
         row = self.table.allocate()
         self.table.write_tokens(row, req.host_ids)
@@ -121,26 +131,26 @@ class PrefillManager:
             self.table.write_locations(row * self.table.context_len + torch.arange(handle.length),
                                        prefix)
         req.table_idx, req.cache_handle = row, handle
-        req.cached_len = req.prefix_len = handle.length
+        req.kv_len = req.shared_len = handle.length
         req.device_len = input_len
         req.tail_loc = int(prefix[-1]) if handle.length else -1
-        req.status = ReqStatus.RUNNING
         self._admissions += 1
         req.admitted_at = self._admissions
         return True
 
     def _next_chunk(self, req: Req, budget: int) -> PrefillChunk | None:
-        count = min(req.device_len - req.cached_len, budget)
-        pages = self.cache.allocate(pages_spanned(req.cached_len, count, self.cache.page_size))
+        count = min(req.device_len - req.kv_len, budget)
+        pages = self.cache.allocate(pages_spanned(req.kv_len, count, self.cache.page_size))
         if pages is None:
             return None
-        locations = locations_for([(req.cached_len, count, req.tail_loc)], pages,
+        locations = locations_for([(req.kv_len, count, req.tail_loc)], pages,
                                   self.cache.page_size)
-        is_last = req.cached_len + count == req.device_len
-        return PrefillChunk(req, req.cached_len, count, is_last, locations)
+        is_last = req.kv_len + count == req.device_len
+        return PrefillChunk(req, req.kv_len, count, is_last, locations)
 
-    def remove(self, req: Req) -> bool:
-        """Drop a request that has not started; False if it is not waiting here."""
+    def drop(self, req: Req) -> bool:
+        """Forget a request (finished or retracted): True if it was still waiting, so it holds
+        nothing; a partly prefilled one stops being the chunked request."""
         if self.chunked is req:
             self.chunked = None
             return False

@@ -10,19 +10,18 @@ from __future__ import annotations
 
 import time
 import uuid
-from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from aiohttp import web
 
-from minisgl.core import InvalidRequest, SamplingParams
-from minisgl.server.manager import ReqHandle, RequestManager
+from minisgl.core import SamplingParams
+from minisgl.errors import InvalidRequest
+from minisgl.runtime import ReqHandle, Runtime
 from minisgl.scheduler import expand_samples
 from minisgl.server.protocol import (
     HTTPError,
     Prompt,
-    TokenTexts,
     check_bool,
     check_int,
     is_ids,
@@ -31,7 +30,8 @@ from minisgl.server.protocol import (
     read_json,
     submit_all,
 )
-from minisgl.server.sse import DONE, encode_event, follow, open_stream, wait_all
+from minisgl.server.sse import stream_response, wait_all
+from minisgl.server.token_texts import TokenTexts
 
 MAX_TOP_LOGPROBS = 20
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
@@ -139,9 +139,10 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
 
 
 class OpenAIAPI:
-    def __init__(self, manager: RequestManager, model_name: str, model_aliases: set[str],
+    def __init__(self, runtime: Runtime, model_name: str, model_aliases: set[str],
                  tokens: TokenTexts, ensure_ready: Callable[[], None]) -> None:
-        self.manager, self.model_name, self.ensure_ready = manager, model_name, ensure_ready
+        self.runtime, self.manager = runtime, runtime.requests
+        self.model_name, self.ensure_ready = model_name, ensure_ready
         self.model_names = {model_name, *model_aliases}  # what `model` may name
         self.tokens = tokens
         self.created = int(time.time())
@@ -154,8 +155,8 @@ class OpenAIAPI:
     async def models(self, request: web.Request) -> web.Response:
         return json_response({"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": self.created,
-            "owned_by": "minisgl", "root": str(self.manager.engine.model_path),
-            "max_model_len": self.manager.scheduler.context_len}]})
+            "owned_by": "minisgl", "root": str(self.runtime.model_path),
+            "max_model_len": self.runtime.context_len}]})
 
     def _model(self, body: dict[str, Any]) -> str:
         """The served model's name; 404 for a model this server does not serve (an empty or
@@ -200,7 +201,7 @@ class OpenAIAPI:
             p.params, p.logprob_num = params, (-1 if logprobs is None else logprobs)
             p.logprob_start_len = 0 if echo_logprobs else -1
         rid = f"cmpl-{uuid.uuid4().hex}"
-        groups = expand_samples(prompts, self.manager.args.max_sequences_per_request)
+        groups = expand_samples(prompts, self.manager.max_sequences)
         flat = [p for g in groups for p in g]
         for k, p in enumerate(flat):
             p.rid = f"{rid}-{k}"
@@ -293,13 +294,11 @@ class OpenAIAPI:
         sampling_params(body, 1)  # validate before the (maybe slow) template and encode
         ids = await self.manager.encode_chat(messages)
         if max_tokens is None:  # OpenAI's default: whatever room the context leaves
-            scheduler = self.manager.scheduler
-            room = min(scheduler.context_len, scheduler.cache.num_pages * scheduler.cache.page_size)
-            max_tokens = max(room - len(ids), 1)
+            max_tokens = max(self.runtime.max_sequence_len - len(ids), 1)
         params = sampling_params(body, max_tokens)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         groups = expand_samples([Prompt(ids, params, logprob_num=(top or 0) if logprobs else -1)],
-                                self.manager.args.max_sequences_per_request)
+                                self.manager.max_sequences)
         flat = groups[0]
         for k, p in enumerate(flat):
             p.rid = f"{rid}-{k}"
@@ -354,34 +353,25 @@ class OpenAIAPI:
                       ) -> web.StreamResponse:
         """One chunk per change of one choice: the text it gained (a delta, as OpenAI streams),
         then a chunk with its finish_reason; a usage chunk if asked; then [DONE]."""
-        chat = head["object"] == "chat.completion.chunk"
         extra = {"usage": None} if include_usage else {}
-        try:
-            response = await open_stream(request)
-        except BaseException:
-            for h in handles:
-                self.manager.abort(h.rid, "the client disconnected")
-            raise
         cursors = [Cursor(prefix=p, prompt_logprobs=prompt_logprobs)
                    for p in (prefixes or [""] * len(handles))]
-        try:
-            if chat:
-                for k in range(len(handles)):
-                    first = {"index": k, "delta": {"role": "assistant", "content": ""},
-                             "logprobs": None, "finish_reason": None}
-                    await response.write(encode_event({**head, "choices": [first], **extra}))
-            async with aclosing(follow(self.manager, handles)) as updates:
-                async for k, h in updates:
-                    c = cursors[k]
-                    if (len(h.text) == c.chars and not c.prefix and not h.finished
-                            and (h.logprob_num < 0 or len(h.token_logprobs) == c.tokens)):
-                        continue  # nothing to send (e.g. half a UTF-8 character so far)
-                    choice = make_choice(k, h, c)
-                    await response.write(encode_event({**head, "choices": [choice], **extra}))
-            if include_usage:
-                await response.write(encode_event(
-                    {**head, "choices": [], "usage": usage(groups, handles)}))
-            await response.write(DONE)
-        except ConnectionResetError:
-            pass  # the client went away; leaving `follow` aborted its requests
-        return response
+        first = []
+        if head["object"] == "chat.completion.chunk":  # the role comes first, alone
+            first = [{**head, "choices": [{"index": k, "delta": {"role": "assistant",
+                                                                   "content": ""},
+                                           "logprobs": None, "finish_reason": None}], **extra}
+                     for k in range(len(handles))]
+
+        def chunk(k: int, h: ReqHandle) -> dict[str, Any] | None:
+            c = cursors[k]
+            if (len(h.text) == c.chars and not c.prefix and not h.finished
+                    and (h.logprob_num < 0 or len(h.token_logprobs) == c.tokens)):
+                return None  # nothing to send (e.g. half a UTF-8 character so far)
+            return {**head, "choices": [make_choice(k, h, c)], **extra}
+
+        def usage_chunk() -> list[dict[str, Any]]:
+            return [{**head, "choices": [], "usage": usage(groups, handles)}] if include_usage \
+                else []
+
+        return await stream_response(request, self.manager, handles, chunk, first, usage_chunk)

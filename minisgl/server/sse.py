@@ -1,16 +1,17 @@
-"""Server-sent events on an aiohttp StreamResponse, and following several requests at once."""
+"""Server-sent events: following several requests at once, and the one streaming response
+shape every endpoint uses (`data: <json>` events, then `data: [DONE]`)."""
 
 from __future__ import annotations
 
 import asyncio
 from contextlib import aclosing
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import orjson
 from aiohttp import web
 from sse_starlette import ServerSentEvent
 
-from minisgl.server.manager import ReqHandle, RequestManager
+from minisgl.runtime import ReqHandle, RequestManager
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -21,14 +22,6 @@ def encode_event(obj: Any) -> bytes:
 
 
 DONE = ServerSentEvent(data="[DONE]", sep="\n").encode()
-
-
-async def open_stream(request: web.Request) -> web.StreamResponse:
-    response = web.StreamResponse(headers=SSE_HEADERS)
-    response.content_type = "text/event-stream"
-    response.charset = "utf-8"
-    await response.prepare(request)
-    return response
 
 
 async def follow(manager: RequestManager, handles: list[ReqHandle]
@@ -67,3 +60,35 @@ async def follow(manager: RequestManager, handles: list[ReqHandle]
 async def wait_all(manager: RequestManager, handles: list[ReqHandle]) -> None:
     """Wait until every handle finished; cancellation aborts the unfinished ones."""
     await asyncio.gather(*(manager.wait(h) for h in handles))
+
+
+async def stream_response(request: web.Request, manager: RequestManager,
+                          handles: list[ReqHandle],
+                          chunk: Callable[[int, ReqHandle], Any | None],
+                          first: list[Any] = (), last: Callable[[], list[Any]] | None = None
+                          ) -> web.StreamResponse:
+    """Stream the handles' progress: the `first` events, then `chunk(i, handle)` each time
+    handle i changed (None: nothing new to send), then the `last()` events and [DONE]. A client
+    that goes away, before or during the stream, aborts the requests still running."""
+    response = web.StreamResponse(headers=SSE_HEADERS)
+    response.content_type = "text/event-stream"
+    response.charset = "utf-8"
+    try:
+        await response.prepare(request)
+        for event in first:
+            await response.write(encode_event(event))
+        async with aclosing(follow(manager, handles)) as updates:
+            async for i, handle in updates:
+                event = chunk(i, handle)
+                if event is not None:
+                    await response.write(encode_event(event))
+        for event in (last() if last is not None else []):
+            await response.write(encode_event(event))
+        await response.write(DONE)
+    except ConnectionResetError:
+        pass  # the client went away
+    finally:
+        for handle in handles:  # NOTE: all finished unless the client went away
+            if not handle.finished:
+                manager.abort(handle.rid, "the client disconnected")
+    return response

@@ -1,0 +1,72 @@
+"""What one forward takes and gives back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from minisgl.core import Batch
+from minisgl.engine.sampler import SamplingArgs
+
+if TYPE_CHECKING:
+    from minisgl.engine.tp_message import StepMessage
+
+
+@dataclass
+class InputLogprobRows:
+    """Prompt positions scored in a prefill (rank 0): their rows follow the batch's sampling
+    rows in `ForwardInput.logit_rows`, in request order."""
+
+    targets: torch.Tensor  # [R] int64 on the device: the prompt token each row predicts
+    top_k: int  # also the top k of each row (0: none)
+    spans: list[tuple[int, int]]  # (batch row, scored rows), in row order
+
+
+@dataclass
+class InputLogprobs:
+    """Host copies: raw log-softmax at each scored row's target, and its top k."""
+
+    values: torch.Tensor  # [R] float32
+    top: tuple[torch.Tensor, torch.Tensor] | None  # ([R, k] float32, [R, k] int64)
+
+
+@dataclass
+class ForwardInput:
+    batch: Batch
+    load_indices: torch.Tensor  # flat token_pool indices of the input ids
+    write_indices: torch.Tensor  # flat token_pool index for each real row's sampled id
+    # which token rows need logits: prefill, each request's last token, then any scored
+    # prompt positions (input logprobs)
+    logit_rows: torch.Tensor | None
+    sample_args: SamplingArgs | None  # rank 0
+    message: StepMessage | None = None  # tp > 1: what ranks 1..N-1 run
+    logits_only: bool = False  # return the logits instead of sampling
+    input_logprobs: InputLogprobRows | None = None  # rank 0
+
+    @property
+    def num_scored_rows(self) -> int:
+        """Rows after the sampling rows (every rank can count them)."""
+        if self.logit_rows is None or self.logits_only:
+            return 0
+        return len(self.logit_rows) - self.batch.size
+
+
+@dataclass
+class ForwardOutput:
+    """Host tensors. On ranks 1..N-1 every field is None (only rank 0 samples)."""
+
+    token_ids: torch.Tensor | None = None  # [batch.size] int32: the sampled ids
+    logprobs: torch.Tensor | None = None  # [batch.size] float32, when asked
+    top_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None  # ([B, K] f32, [B, K] i32)
+    input_logprobs: InputLogprobs | None = None
+    logits: torch.Tensor | None = None  # logits_only: [rows, vocab] float32, not sampled
+
+
+def to_host(x: torch.Tensor | None) -> torch.Tensor | None:
+    """An asynchronous copy into pinned memory (CUDA); CPU tensors as they are."""
+    if x is None or x.device.type == "cpu":
+        return x
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    return host.copy_(x, non_blocking=True)

@@ -1,0 +1,57 @@
+"""Device memory: how many tokens the KV pool gets, and freeing everything at shutdown."""
+
+from __future__ import annotations
+
+import logging
+
+import psutil
+import torch
+
+from minisgl.distributed.context import all_reduce_min
+from minisgl.engine.config import EngineConfig
+from minisgl.kvcache import KVPool
+from minisgl.models import ModelArch
+
+logger = logging.getLogger(__name__)
+
+GPU_MEM_FRACTION = 0.85  # of device memory for weights + KV pool
+CPU_MEM_FRACTION = 0.25  # of free RAM for the KV pool
+
+
+def allocate_kv_pool(config: EngineConfig, arch: ModelArch, kv_heads: int, page_size: int,
+                     dtype: torch.dtype, device: torch.device, tp_size: int) -> KVPool:
+    """`--max-total-tokens`, else what the memory fraction leaves (after the weights are
+    loaded); every rank takes the smallest count, so a page id means one slot everywhere."""
+    per_token = KVPool.bytes_per_token(arch.num_layers, kv_heads, arch.head_dim, dtype)
+    tokens = config.max_total_tokens
+    if tokens is None:
+        if device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            budget = free - total * (1 - (config.mem_fraction_static or GPU_MEM_FRACTION))
+        else:  # the ranks share the host's memory
+            budget = (psutil.virtual_memory().available
+                      * (config.mem_fraction_static or CPU_MEM_FRACTION) / tp_size)
+        tokens = int(budget // per_token)
+    tokens = all_reduce_min(tokens, device)
+    num_pages = tokens // page_size
+    if num_pages < 1:
+        raise ValueError(f"no memory left for the KV cache ({tokens} tokens of {per_token} "
+                         "bytes); lower --mem-fraction-static or the model size")
+    logger.info("KV pool: %d tokens in %d pages of %d (%.2f GiB)", num_pages * page_size,
+                num_pages, page_size, num_pages * page_size * per_token / 2**30)
+    return KVPool(arch.num_layers, num_pages, page_size, kv_heads, arch.head_dim, dtype, device)
+
+
+def release_cuda_memory(device: torch.device, tensors: list[torch.Tensor | None],
+                        model: torch.nn.Module | None) -> None:
+    """Free the weights, KV pool and tables now, even while callers still hold the engine (an
+    `LLM` kept in a variable): a second engine in the same process needs the memory."""
+    torch.cuda.synchronize(device)
+    if model is not None:
+        tensors = [*tensors, *model.parameters(), *model.buffers()]
+        tensors += [value for module in model.modules() for value in vars(module).values()
+                    if isinstance(value, torch.Tensor)]  # caches such as RoPE's cos_sin
+    for tensor in tensors:
+        if tensor is not None and tensor.device.type == "cuda":
+            tensor.untyped_storage().resize_(0)
+    torch.cuda.empty_cache()

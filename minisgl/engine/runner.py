@@ -1,0 +1,73 @@
+"""The step: gather the input ids from the token pool, run the model (a captured CUDA graph
+for a decode batch that fits one), sample on rank 0, and write the sampled ids back into the
+token pool, where the next batch gathers them."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from minisgl.core import Batch
+from minisgl.distributed.context import TPInfo, broadcast
+from minisgl.engine.forward import ForwardInput, ForwardOutput, to_host
+from minisgl.engine.graph import GraphRunner
+from minisgl.engine.sampler import Sampler
+from minisgl.engine.scoring import score_rows
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, attn_backend, sampler: Sampler,
+                 token_pool: torch.Tensor, graph_runner: GraphRunner | None, tp: TPInfo) -> None:
+        self.model, self.attn_backend, self.sampler = model, attn_backend, sampler
+        self.token_pool, self.graph_runner, self.tp = token_pool, graph_runner, tp
+        self.device = token_pool.device
+        self.phase_seconds = {"prefill": 0.0, "decode": 0.0}
+        self.phase_steps = {"prefill": 0, "decode": 0}
+
+    def prepare(self, batch: Batch) -> None:
+        """Host side, when the batch is scheduled: pad a decode batch to its graph size (dummy
+        rows, dummy page), then build the attention metadata."""
+        if self.graph_runner is not None:
+            self.graph_runner.pad_batch(batch)
+        self.attn_backend.prepare_metadata(batch)
+
+    def forward(self, fwd: ForwardInput) -> ForwardOutput:
+        """Runs on the engine stream (GPU) or the engine thread (CPU), in launch order."""
+        started = time.perf_counter()
+        batch = fwd.batch
+        input_ids = self.token_pool.view(-1)[fwd.load_indices]
+        scored = None
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            logits = self.graph_runner.replay(batch, input_ids, batch.input_positions)
+        elif fwd.num_scored_rows:
+            hidden = self.model.hidden_states(input_ids, batch.input_positions, batch,
+                                              self.attn_backend, fwd.logit_rows)
+            logits = self.model.lm_head(hidden[: batch.size])
+            scored = score_rows(self.model.lm_head, hidden[batch.size:], fwd.input_logprobs)
+        else:
+            logits = self.model(input_ids, batch.input_positions, batch, self.attn_backend,
+                                fwd.logit_rows)
+        if fwd.logits_only:
+            return ForwardOutput(logits=logits.float())
+        if not self.tp.is_primary:  # rank 0 samples; every rank stores its choice
+            next_tokens = torch.empty(batch.size, dtype=torch.int32, device=self.device)
+            self.token_pool.view(-1)[fwd.write_indices] = broadcast(next_tokens, 0)
+            return ForwardOutput()
+        sample = self.sampler.sample(logits[: batch.size], fwd.sample_args, self.token_pool)
+        self.token_pool.view(-1)[fwd.write_indices] = sample.next_tokens
+        if self.tp.size > 1:
+            broadcast(sample.next_tokens, 0)
+        tops = sample.top_logprobs
+        output = ForwardOutput(
+            token_ids=to_host(sample.next_tokens), logprobs=to_host(sample.logprobs),
+            top_logprobs=None if tops is None else (to_host(tops[0]), to_host(tops[1])),
+            input_logprobs=scored)
+        # NOTE: on CPU this is the real compute time; on CUDA only the launch time.
+        self.phase_seconds[batch.phase] += time.perf_counter() - started
+        self.phase_steps[batch.phase] += 1
+        return output
+
+    @property
+    def busy_seconds(self) -> float:
+        return sum(self.phase_seconds.values())

@@ -1,0 +1,90 @@
+"""The step message: what ranks 1..N-1 need to run the forward rank 0 launched, and its wire
+format (int arrays for the shared-memory ring)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from minisgl.core import Batch, Phase
+
+PHASES: tuple[Phase, Phase] = ("prefill", "decode")  # NOTE: the wire codes 0, 1; -1 is STOP
+
+
+@dataclass
+class StepMessage:
+    """Host tensors and lists. The row lists are padded (CUDA graphs); positions and out_loc
+    are not (each rank pads its own device copies). `token_writes` and `location_writes` are
+    rank 0's host writes to token_pool / page_table since the previous step, in order."""
+
+    phase: Phase
+    size: int
+    table_rows: list[int]
+    cached_lens: list[int]
+    seq_lens: list[int]
+    extend_lens: list[int]
+    positions: torch.Tensor
+    out_loc: torch.Tensor
+    load_indices: torch.Tensor
+    write_indices: torch.Tensor
+    logit_rows: torch.Tensor | None
+    logits_only: bool = False
+    token_writes: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (row, ids)
+    location_writes: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    def pack(self) -> list[np.ndarray]:
+        tokens, locations = self.token_writes, self.location_writes
+        meta = [PHASES.index(self.phase), self.size, int(self.logits_only),
+                int(self.logit_rows is not None)]
+        return [
+            _ints(meta), _ints(self.table_rows), _ints(self.cached_lens), _ints(self.seq_lens),
+            _ints(self.extend_lens), _ints(self.positions), _ints(self.out_loc),
+            _ints(self.load_indices), _ints(self.write_indices),
+            _ints(self.logit_rows if self.logit_rows is not None else []),
+            _ints([row for row, _ in tokens]), _ints([len(ids) for _, ids in tokens]),
+            (torch.cat([ids for _, ids in tokens]).to(torch.int32).numpy() if tokens
+             else np.zeros(0, np.int32)),
+            _ints([len(idx) for idx, _ in locations]),
+            _ints(torch.cat([idx for idx, _ in locations]) if locations else []),
+            _ints(torch.cat([loc for _, loc in locations]) if locations else []),
+        ]
+
+    @classmethod
+    def unpack(cls, arrays: list[np.ndarray]) -> StepMessage:
+        (meta, rows, cached, seq_lens, extend, positions, out_loc, load, write, logit_rows,
+         token_rows, token_lens, token_ids, location_lens, location_idx, location_vals) = arrays
+        phase, size, logits_only, has_logit_rows = meta.tolist()
+        tokens, at = [], 0
+        for row, n in zip(token_rows.tolist(), token_lens.tolist()):
+            tokens.append((row, torch.from_numpy(token_ids[at:at + n])))
+            at += n
+        locations, at = [], 0
+        for n in location_lens.tolist():
+            locations.append((torch.from_numpy(location_idx[at:at + n]),
+                              torch.from_numpy(location_vals[at:at + n])))
+            at += n
+        return cls(PHASES[phase], size, rows.tolist(), cached.tolist(), seq_lens.tolist(),
+                   extend.tolist(), torch.from_numpy(positions), torch.from_numpy(out_loc),
+                   torch.from_numpy(load), torch.from_numpy(write),
+                   torch.from_numpy(logit_rows) if has_logit_rows else None, bool(logits_only),
+                   tokens, locations)
+
+    def replay_writes(self, token_pool: torch.Tensor, page_table: torch.Tensor) -> None:
+        device = token_pool.device
+        for row, ids in self.token_writes:
+            token_pool[row, : len(ids)] = ids.to(device)
+        for flat, locations in self.location_writes:  # NOTE: in order: a later write may overwrite
+            page_table.view(-1)[flat.to(device)] = locations.to(device, torch.int32)
+
+    def batch(self, device: torch.device) -> Batch:
+        return Batch(self.phase, self.size, self.table_rows, self.cached_lens, self.seq_lens,
+                     self.extend_lens, input_positions=self.positions.to(device),
+                     out_loc=self.out_loc.to(device))
+
+
+def _ints(values: object) -> np.ndarray:
+    if isinstance(values, torch.Tensor):
+        return values.to(torch.int64).numpy()
+    return np.asarray(values, dtype=np.int64)

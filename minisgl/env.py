@@ -1,0 +1,76 @@
+"""The process environment: every MINISGL_* variable, the cache folder, and the thread
+controls that keep OpenMP on the engine's thread.
+
+- MINISGL_CACHE_DIR: converted models and compiled kernels (default ~/.cache/minisgl)
+- MINISGL_DISABLE_CPU_KERNELS: plain torch ops instead of the compiled CPU kernels
+- MINISGL_DISABLE_CUDA_KERNELS: plain torch ops instead of FlashInfer's fused kernels
+- MINISGL_CUDA_WAIT: how the scheduler awaits a CUDA forward: "thread" (default) or "poll"
+- TOKENIZERS_PARALLELISM: set to false unless the user set it (quiet_tokenizer_threads)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import os
+from pathlib import Path
+from typing import Callable, Iterator
+
+def cache_root() -> Path:
+    return Path(os.environ.get("MINISGL_CACHE_DIR") or Path.home() / ".cache" / "minisgl")
+
+
+def cpu_kernels_disabled() -> bool:
+    return bool(os.environ.get("MINISGL_DISABLE_CPU_KERNELS"))
+
+
+def cuda_kernels_disabled() -> bool:
+    return bool(os.environ.get("MINISGL_DISABLE_CUDA_KERNELS"))
+
+
+def quiet_tokenizer_threads() -> None:
+    """NOTE: the tokenizer's own thread pool would spin next to the engine's threads on every
+    batched detokenization step; long inputs leave the loop thread instead (runtime.tokenizer).
+    A user's TOKENIZERS_PARALLELISM wins."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def cuda_wait_mode() -> str:
+    mode = os.environ.get("MINISGL_CUDA_WAIT", "thread")
+    if mode not in ("thread", "poll"):
+        raise ValueError(f"MINISGL_CUDA_WAIT={mode!r}: use thread or poll")
+    return mode
+
+
+@functools.lru_cache(maxsize=1)
+def _omp_set_num_threads() -> Callable[[int], None] | None:
+    """`omp_set_num_threads` of the OpenMP runtime torch loaded (Linux), else None."""
+    try:
+        with open("/proc/self/maps") as maps:
+            path = next(line.split()[-1] for line in maps
+                        if any(name in line for name in ("libgomp", "libiomp", "libomp")))
+        return ctypes.CDLL(path).omp_set_num_threads
+    except (OSError, StopIteration, AttributeError):
+        return None
+
+
+@contextlib.contextmanager
+def no_openmp_on_this_thread() -> Iterator[None]:
+    """Run this thread's torch ops serially (an OpenMP team of one) inside the block: the event
+    loop's thread, while the engine thread serves. NOTE: one op there big enough to go parallel
+    gives this thread its own OpenMP team; with more OpenMP threads than cores libgomp stops
+    spinning between parallel regions, and every later CPU engine step runs slower for the
+    rest of the process (BENCHMARKS.md, "overlap mode at 2 streams")."""
+    import torch
+
+    setter = _omp_set_num_threads()
+    if setter is None:
+        yield
+        return
+    before = torch.get_num_threads()  # NOTE: also runs torch's per-thread lazy init first
+    setter(1)
+    try:
+        yield
+    finally:
+        setter(before)

@@ -1,0 +1,124 @@
+"""Turning scheduled requests into a forward: positions, KV locations, the token-pool indices
+the forward gathers its input ids from and writes its sampled ids to, sampling arguments, and
+(tensor parallelism) the step message for the other ranks.
+
+NOTE: building a batch commits it: each request's kv_len (and, on its last prompt chunk, its
+device_len) advance as if the forward had run, so the next batch can be built before this one
+finished. Host work here is a handful of vectorised tensor ops, no per-token Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from minisgl.core import Batch, Phase, Req
+from minisgl.engine import Engine, ForwardInput, InputLogprobRows, StepMessage
+from minisgl.engine.completion import Completion
+from minisgl.scheduler.prefill import PrefillChunk
+from minisgl.scheduler.table import TableManager
+
+
+@dataclass
+class ScheduledBatch:
+    """A forward as the scheduler sees it: which request each row is, and whether the row's
+    sampled token counts (False for a prompt chunk that is not the prompt's last)."""
+
+    reqs: list[Req]
+    last_chunk: list[bool]
+    fwd: ForwardInput
+    completion: Completion | None = None  # set when launched
+
+
+class BatchBuilder:
+    def __init__(self, engine: Engine, table: TableManager, page_size: int) -> None:
+        self.engine, self.table, self.page_size = engine, table, page_size
+        self.multi_rank = engine.tp.size > 1
+
+    def prefill(self, chunks: list[PrefillChunk]) -> ScheduledBatch:
+        return self._build("prefill", [c.req for c in chunks], [c.start for c in chunks],
+                           [c.count for c in chunks], [c.is_last for c in chunks],
+                           torch.cat([c.locations for c in chunks]))
+
+    def decode(self, reqs: list[Req], locations: torch.Tensor) -> ScheduledBatch:
+        return self._build("decode", reqs, [r.kv_len for r in reqs], [1] * len(reqs),
+                           [True] * len(reqs), locations)
+
+    def _build(self, phase: Phase, reqs: list[Req], starts: list[int], counts: list[int],
+               last_chunk: list[bool], locations: torch.Tensor) -> ScheduledBatch:
+        ctx = self.table.context_len
+        device = self.engine.device
+        rows = [r.table_idx for r in reqs]
+        ends = [s + c for s, c in zip(starts, counts)]
+        counts_t = torch.tensor(counts)
+        if phase == "decode":
+            positions = torch.tensor(starts)
+            load = torch.tensor(rows) * ctx + positions
+        else:
+            begin = torch.repeat_interleave(torch.tensor(starts) - (counts_t.cumsum(0) - counts_t),
+                                            counts_t)
+            positions = torch.arange(len(locations)) + begin
+            load = torch.repeat_interleave(torch.tensor(rows), counts_t) * ctx + positions
+        self.table.write_locations(load, locations)
+        dummy_write = self.table.dummy_row * ctx
+        write = torch.tensor([r * ctx + e if last and not req.scores_only else dummy_write
+                              for req, r, e, last in zip(reqs, rows, ends, last_chunk)])
+        batch = Batch(phase, len(reqs), table_rows=rows, cached_lens=starts, seq_lens=ends,
+                      extend_lens=counts, input_positions=positions.to(device, non_blocking=True),
+                      out_loc=locations.to(device, non_blocking=True))
+        self.engine.prepare(batch)
+        sample_args = self.engine.sampler.prepare(
+            reqs, prompt_lens=[len(r.prompt_ids) for r in reqs],
+            output_counts=[e - len(r.prompt_ids) for r, e in zip(reqs, ends)],
+            table_rows=rows, seq_lens=ends, logprob_nums=[r.logprob_num for r in reqs])
+        rows_host, scored = None, None  # prefill: each last token, then any scored rows
+        if phase == "prefill":
+            rows_host = counts_t.cumsum(0) - 1
+            scored_rows = self._scored_rows(reqs, starts, counts)
+            if scored_rows is not None:
+                extra, scored = scored_rows
+                rows_host = torch.cat([rows_host, extra])
+        tails = locations[counts_t.cumsum(0) - 1].tolist() if self.page_size > 1 else None
+        for i, req in enumerate(reqs):
+            req.kv_len = ends[i]
+            if tails is not None:
+                req.tail_loc = tails[i]
+            if last_chunk[i] and not req.scores_only:
+                req.device_len = ends[i] + 1
+        message = None
+        if self.multi_rank:  # the table writes since the last step travel with it
+            tokens, location_writes = self.table.take_log()
+            message = StepMessage(phase, batch.size, batch.table_rows, batch.cached_lens,
+                                  batch.seq_lens, batch.extend_lens, positions, locations, load,
+                                  write, rows_host, token_writes=tokens,
+                                  location_writes=location_writes)
+        fwd = ForwardInput(batch=batch, load_indices=load.to(device, non_blocking=True),
+                           write_indices=write.to(device, non_blocking=True),
+                           logit_rows=None if rows_host is None else rows_host.to(
+                               device, non_blocking=True),
+                           sample_args=sample_args, message=message, input_logprobs=scored)
+        return ScheduledBatch(reqs, last_chunk, fwd)
+
+    def _scored_rows(self, reqs: list[Req], starts: list[int], counts: list[int]
+                     ) -> tuple[torch.Tensor, InputLogprobRows] | None:
+        """Token rows of this prefill whose logits score a prompt token (input logprobs), and
+        what the engine needs to score them; None if there are none."""
+        rows: list[int] = []
+        targets: list[int] = []
+        spans: list[tuple[int, int]] = []
+        offset = 0
+        for i, (req, start, count) in enumerate(zip(reqs, starts, counts)):
+            wanted = req.input_logprob_positions
+            first, end = max(start, wanted.start), min(start + count, wanted.stop)
+            if first < end:
+                rows += range(offset + first - start, offset + end - start)
+                targets += req.prompt_ids[first + 1:end + 1]
+                spans.append((i, end - first))
+            offset += count
+        if not spans:
+            return None
+        targets_t = torch.tensor(targets, dtype=torch.int64).to(self.engine.device,
+                                                               non_blocking=True)
+        top_k = min(max(reqs[i].logprob_num for i, _ in spans), self.engine.arch.vocab_size)
+        return torch.tensor(rows), InputLogprobRows(targets_t, top_k, spans)
