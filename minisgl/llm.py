@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import weakref
 from typing import Any
 
@@ -11,7 +12,8 @@ from minisgl.core import SamplingParams
 from minisgl.env import no_openmp_on_this_thread
 from minisgl.errors import InvalidRequest
 from minisgl.runtime import Runtime
-from minisgl.scheduler import RequestSpec, expand_samples
+from minisgl.runtime.native import KNOWN_FIELDS, generate_result, parse_generate, submit_prompts
+from minisgl.runtime.token_texts import TokenTexts
 
 
 class LLM:
@@ -36,44 +38,37 @@ class LLM:
     def generate(self, prompt: str | list[str] | None = None,
                  sampling_params: dict | SamplingParams | list | None = None,
                  input_ids: list[int] | list[list[int]] | None = None,
-                 return_logprob: bool = False, top_logprobs_num: int = 0,
-                 logprob_start_len: int = -1) -> dict[str, Any] | list[dict[str, Any]]:
-        """One prompt (or ids) gives one SGLang-style dict; a list, or n > 1, gives a list
-        (prompt i's n samples in a row). With return_logprob, meta_info holds SGLang's output
-        and input token logprobs (the input ones from prompt position logprob_start_len; -1:
-        the last prompt token only). The batch is validated whole before anything runs."""
+                 return_logprob: bool | list[bool] = False,
+                 top_logprobs_num: int | list[int] = 0,
+                 logprob_start_len: int | list[int] = -1,
+                 **fields: Any) -> dict[str, Any] | list[dict[str, Any]]:
+        """SGLang's `/generate` offline, with the same names (`prompt` is `text`) and the same
+        answer: one dict for one prompt, else a list (prompt i's n samples in a row). Other
+        `/generate` fields (`rid`, `return_text_in_logprobs`, `return_prompt_token_ids`, ...)
+        are keyword arguments; `stream` is not offered here. The batch is validated whole
+        before anything runs."""
         if not self._finalizer.alive:
             raise RuntimeError("this LLM was shut down")
-        return _run(self._loop, self._generate(prompt, sampling_params, input_ids,
-                                               return_logprob, top_logprobs_num,
-                                               logprob_start_len))
+        unknown = sorted(set(fields) - KNOWN_FIELDS - {"text"})
+        if unknown:
+            raise TypeError(f"LLM.generate() got unexpected keyword argument(s) {unknown}")
+        if fields.get("stream"):
+            raise InvalidRequest("stream is not supported by LLM.generate")
+        if isinstance(sampling_params, list):
+            sampling_params = [_as_dict(p) for p in sampling_params]
+        body = {"text": prompt, **fields, "input_ids": input_ids,
+                "sampling_params": _as_dict(sampling_params), "return_logprob": return_logprob,
+                "top_logprobs_num": top_logprobs_num, "logprob_start_len": logprob_start_len}
+        return _run(self._loop, self._generate(body))
 
-    async def _generate(self, prompt: Any, sampling_params: Any, input_ids: Any,
-                        return_logprob: bool, top_logprobs_num: int,
-                        logprob_start_len: int) -> Any:
-        if (prompt is None) == (input_ids is None):
-            raise InvalidRequest("give exactly one of prompt or input_ids")
-        if prompt is not None:
-            single = isinstance(prompt, str)
-            ids = await self.runtime.requests.encode([prompt] if single else list(prompt))
-        else:
-            single = bool(input_ids) and isinstance(input_ids[0], int)
-            ids = [list(input_ids)] if single else [list(x) for x in input_ids]
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(ids)
-        if len(params) != len(ids):
-            raise InvalidRequest("sampling_params list and prompts differ in length")
-        params = [p if isinstance(p, SamplingParams) else SamplingParams.from_dict(p)
-                  for p in params]
-        logprob_num = top_logprobs_num if return_logprob else -1
-        specs = [RequestSpec(one_ids, one_params, logprob_num=logprob_num,
-                             logprob_start_len=logprob_start_len if return_logprob else -1)
-                 for one_ids, one_params in zip(ids, params)]
+    async def _generate(self, body: dict[str, Any]) -> Any:
         requests = self.runtime.requests
-        groups = expand_samples(specs, requests.max_sequences)
-        handles = requests.submit([s for group in groups for s in group])
+        req = parse_generate(body, requests.max_sequences)
+        handles = await submit_prompts(requests, req.prompts)
         done = await asyncio.gather(*(requests.wait(h) for h in handles))
-        results = [h.result() for h in done]
-        return results[0] if single and len(results) == 1 else results
+        tokens = TokenTexts(self.runtime.tokenizer) if req.text_in_logprobs else None
+        results = [generate_result(h, tokens, req.prompt_ids_wanted) for h in done]
+        return results[0] if req.single else results
 
     def check_integrity(self) -> None:
         self.runtime.check_integrity()
@@ -104,3 +99,7 @@ def _shutdown(loop: asyncio.AbstractEventLoop, runtime: Runtime) -> None:
         _run(loop, loop.shutdown_asyncgens())
     finally:
         loop.close()
+
+
+def _as_dict(params: dict | SamplingParams | None) -> dict | None:
+    return dataclasses.asdict(params) if isinstance(params, SamplingParams) else params

@@ -5,10 +5,13 @@ from minisgl.models.dummy_weights import load_dummy
 from minisgl.models.registry import UnsupportedModel, build_model
 from minisgl.models.weights import (
     ModelNotFound,
+    generation_defaults,
     load_config,
     load_safetensors,
+    model_name,
     resolve_model_path,
 )
 
-__all__ = ["ModelArch", "ModelNotFound", "UnsupportedModel", "build_model", "load_config",
-           "load_dummy", "load_safetensors", "resolve_model_path"]
+__all__ = ["ModelArch", "ModelNotFound", "UnsupportedModel", "build_model",
+           "generation_defaults", "load_config",
+           "load_dummy", "load_safetensors", "model_name", "resolve_model_path"]

@@ -9,6 +9,7 @@ from typing import Any
 @dataclass(frozen=True)
 class ModelArch:
     architecture: str
+    model_type: str
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -35,6 +36,7 @@ class ModelArch:
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
             architecture=archs[0],
+            model_type=model_type,
             vocab_size=config["vocab_size"],
             hidden_size=config["hidden_size"],
             intermediate_size=config["intermediate_size"],

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -59,6 +60,20 @@ def resolve_model_path(model: str | None) -> Path:
         "nothing is downloaded")
 
 
+# a quantization or precision tag at the end of a GGUF file name: .Q4_1, -Q4_K_M, .IQ3_XS, .f16
+QUANT_SUFFIX = re.compile(r"[.-](I?Q\d[A-Z0-9_]*|[Ff](16|32)|BF16|bf16)$")
+
+
+def model_name(model: str | None) -> str:
+    """A readable name for `model` (what `--model` was given): the folder's name, the GGUF
+    file's base name without its quantization tag, or the shipped config's name;
+    `SmolLM2-135M-Instruct` for the bundled model."""
+    path = bundled_gguf() if model is None else Path(model).expanduser()
+    if path.suffix == ".gguf":
+        return QUANT_SUFFIX.sub("", path.stem)
+    return path.resolve().name if path.exists() else path.name
+
+
 def convert_gguf(gguf: Path) -> Path:
     stat = gguf.stat()
     target = cache_root() / "models" / f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}"
@@ -88,6 +103,19 @@ def convert_gguf(gguf: Path) -> Path:
     except OSError:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_defaults(path: Path) -> dict[str, float | int]:
+    """The sampling defaults a model folder's generation_config.json recommends (SGLang's
+    --sampling-defaults model): the fields of GENERATION_DEFAULTS it sets."""
+    file = path / "generation_config.json"
+    if not file.is_file():
+        return {}
+    config = json.loads(file.read_text())
+    return {k: config[k] for k in GENERATION_DEFAULTS if config.get(k) is not None}
 
 
 def load_config(path: Path) -> dict:

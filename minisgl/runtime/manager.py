@@ -145,10 +145,10 @@ class RequestManager:
             raise InvalidRequest("stop strings need a tokenizer, and this model has none")
         reqs = self.scheduler.add_requests(specs, rid_taken=self.handles.__contains__)
         handles = []
-        for spec, req in zip(specs, reqs):
+        for req in reqs:
             handle = ReqHandle(req.rid, req.prompt_ids, DecodeState.start(req.prompt_ids,
-                                                                         spec.params),
-                               spec.logprob_num, logprob_start_len=req.logprob_start_len)
+                                                                         req.params),
+                               req.logprob_num, logprob_start_len=req.logprob_start_len)
             self.handles[req.rid] = handle
             self.metrics.on_submit()
             handles.append(handle)
@@ -161,10 +161,12 @@ class RequestManager:
             raise InvalidRequest("this model has no tokenizer: send input_ids instead of text")
         return await self.tokenizer.encode(texts, self.scheduler.context_len)
 
-    async def encode_chat(self, messages: Any) -> list[int]:
+    async def encode_chat(self, messages: Any, template_kwargs: dict[str, Any] | None = None,
+                          prefix: str = "") -> list[int]:
         if self.tokenizer is None:
             raise InvalidRequest("this model has no tokenizer, so no chat template")
-        return await self.tokenizer.encode_chat(messages, self.scheduler.context_len)
+        return await self.tokenizer.encode_chat(messages, self.scheduler.context_len,
+                                                template_kwargs, prefix)
 
     async def updates(self, handle: ReqHandle) -> AsyncIterator[ReqHandle]:
         """Yields the handle each time its state changed, last when it finished. Abandoning the

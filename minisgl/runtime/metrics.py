@@ -26,13 +26,14 @@ class Histogram:
         self.total += value
         self.count += 1
 
-    def render(self, name: str, help: str) -> list[str]:
+    def render(self, name: str, help: str, labels: str) -> list[str]:
         lines = [f"# HELP {name} {help}", f"# TYPE {name} histogram"]
         cumulative = 0
         for bound, n in zip((*map(str, self.buckets), "+Inf"), self.counts):
             cumulative += n
-            lines.append(f'{name}_bucket{{le="{bound}"}} {cumulative}')
-        lines += [f"{name}_sum {self.total}", f"{name}_count {self.count}"]
+            lines.append(f'{name}_bucket{{{labels},le="{bound}"}} {cumulative}')
+        lines += [f"{name}_sum{{{labels}}} {self.total}",
+                  f"{name}_count{{{labels}}} {self.count}"]
         return lines
 
 
@@ -54,7 +55,10 @@ class Metrics:
         self.finished += 1
         self.e2e.observe(latency)
 
-    def render(self, state: dict[str, Any]) -> str:
+    def render(self, state: dict[str, Any], model_name: str) -> str:
+        """The Prometheus text format; every series carries a model_name label."""
+        escaped = model_name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+        labels = f'model_name="{escaped}"'
         gauges = {
             "num_running_reqs": "Requests being decoded or prefilled",
             "num_waiting_reqs": "Requests waiting for admission",
@@ -75,13 +79,16 @@ class Metrics:
         lines = []
         for key, help in gauges.items():
             lines += [f"# HELP minisgl_{key} {help}", f"# TYPE minisgl_{key} gauge",
-                      f"minisgl_{key} {state[key]}"]
+                      f"minisgl_{key}{{{labels}}} {state[key]}"]
         for key, help in counters.items():
             lines += [f"# HELP minisgl_{key}_total {help}", f"# TYPE minisgl_{key}_total counter",
-                      f"minisgl_{key}_total {state[key]}"]
+                      f"minisgl_{key}_total{{{labels}}} {state[key]}"]
         lines += ["# HELP minisgl_requests_total Requests accepted",
-                  "# TYPE minisgl_requests_total counter", f"minisgl_requests_total {self.requests}"]
-        lines += self.ttft.render("minisgl_time_to_first_token_seconds", "Time to first token")
-        lines += self.itl.render("minisgl_inter_token_latency_seconds", "Inter-token latency")
-        lines += self.e2e.render("minisgl_e2e_request_latency_seconds", "End-to-end latency")
+                  "# TYPE minisgl_requests_total counter",
+                  f"minisgl_requests_total{{{labels}}} {self.requests}"]
+        for histogram, name, help in (
+                (self.ttft, "time_to_first_token_seconds", "Time to first token"),
+                (self.itl, "inter_token_latency_seconds", "Inter-token latency"),
+                (self.e2e, "e2e_request_latency_seconds", "End-to-end latency")):
+            lines += histogram.render(f"minisgl_{name}", help, labels)
         return "\n".join(lines) + "\n"

@@ -4,15 +4,20 @@ HTTP server and the offline `LLM` hold this object and reach nothing below it.""
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 from typing import Any
 
 from minisgl.args import ServerArgs
 from minisgl.engine import Engine, EngineConfig
 from minisgl.env import quiet_tokenizer_threads
+from minisgl.models import generation_defaults, model_name
 from minisgl.runtime.manager import RequestManager
+from minisgl.runtime.native import UnknownFields
 from minisgl.runtime.tokenizer import Tokenizer
 from minisgl.scheduler import Scheduler, SchedulerConfig
+
+logger = logging.getLogger(__name__)
 
 
 class Runtime:
@@ -22,12 +27,25 @@ class Runtime:
         self.engine = Engine(args.pick(EngineConfig))
         try:
             self.tokenizer = Tokenizer.load(args.tokenizer_path or self.engine.model_path)
+            template = args.chat_template_text()
+            if template is not None and self.tokenizer is not None:
+                self.tokenizer.set_chat_template(template)
             self.scheduler = Scheduler(self.engine, args.pick(SchedulerConfig),
                                        lambda outputs: self.requests.deliver(outputs))
             self.requests = RequestManager(self.scheduler, self.tokenizer)
         except BaseException:
             self.engine.shutdown()
             raise
+        self.unknown_fields = UnknownFields()
+        self.sampling_defaults = (generation_defaults(self.engine.model_path)
+                                  if args.sampling_defaults == "model" else {})
+        if self.sampling_defaults:
+            logger.info("chat requests default to the model's sampling parameters %s",
+                        self.sampling_defaults)
+        self.model_name = args.served_model_name or model_name(args.model_path)
+        # what a request's `model` may name: the served name, or the model as given or found
+        self.model_aliases = {self.model_name, str(self.engine.model_path),
+                              *([args.model_path] if args.model_path else [])}
 
     async def start(self) -> None:
         await self.requests.start()
@@ -54,11 +72,6 @@ class Runtime:
         return self.scheduler.context_len
 
     @property
-    def max_sequence_len(self) -> int:
-        """The most tokens (prompt + output) one sequence can have: context and KV pool."""
-        return min(self.scheduler.context_len, self.scheduler.limits.pool_tokens)
-
-    @property
     def running(self) -> bool:
         return self.requests.running
 
@@ -82,6 +95,33 @@ class Runtime:
 
     def state(self) -> dict[str, Any]:
         return self.scheduler.state()
+
+    def model_info(self) -> dict[str, Any]:
+        """SGLang's /model_info fields."""
+        arch = self.engine.arch
+        return {"model_path": str(self.model_path), "tokenizer_path": self.tokenizer_path,
+                "served_model_name": self.model_name, "is_generation": True,
+                "model_type": arch.model_type, "architectures": [arch.architecture],
+                "preferred_sampling_params": None, "weight_version": "default"}
+
+    def server_info(self) -> dict[str, Any]:
+        """SGLang's /server_info: the flags, with the values the engine resolved (a router
+        reads the model's name and the sizes from here), and the scheduler's state."""
+        limits = self.scheduler.limits
+        return {**self.args.to_dict(), "served_model_name": self.model_name,
+                "model_path": str(self.model_path), "tp_size": self.engine.tp.size,
+                "dp_size": 1, "max_running_requests": self.engine.max_running,
+                "max_total_tokens": limits.pool_tokens,
+                "max_total_num_tokens": limits.pool_tokens,
+                "context_length": self.context_len, "page_size": self.engine.page_size,
+                "internal_states": [self.state()]}
+
+    def load(self) -> list[dict[str, int]]:
+        """SGLang's /get_load: one entry per data-parallel rank (one here)."""
+        state = self.state()
+        return [{"dp_rank": 0, "num_reqs": state["num_running_reqs"] + state["num_waiting_reqs"],
+                 "num_waiting_reqs": state["num_waiting_reqs"],
+                 "num_tokens": state["kv_used_tokens"]}]
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

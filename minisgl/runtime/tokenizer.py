@@ -47,8 +47,13 @@ class Tokenizer:
             return await asyncio.to_thread(self._encode, texts)
         return self._encode(texts)
 
-    def chat_prompt(self, messages: Any) -> str:
-        """The chat template applied as text; its special tokens are parsed when encoded."""
+    def set_chat_template(self, template: str) -> None:
+        """--chat-template: a file's contents or an inline Jinja template."""
+        self.hf.chat_template = template
+
+    def chat_prompt(self, messages: Any, template_kwargs: dict[str, Any] | None = None) -> str:
+        """The chat template applied as text, ending in the assistant's turn; its special
+        tokens are parsed when encoded. `template_kwargs` become template variables."""
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
             raise InvalidRequest("messages must be a non-empty list of {role, content} objects")
@@ -56,20 +61,32 @@ class Tokenizer:
             raise InvalidRequest("this model's tokenizer has no chat template")
         try:
             return self.hf.apply_chat_template(messages, tokenize=False,
-                                               add_generation_prompt=True)
+                                               add_generation_prompt=True,
+                                               **(template_kwargs or {}))
         except Exception as exc:  # the template rejects a message shape
             raise InvalidRequest(f"cannot apply the chat template: {exc}") from exc
 
-    async def encode_chat(self, messages: Any, context_len: int) -> list[int]:
+    async def encode_chat(self, messages: Any, context_len: int,
+                          template_kwargs: dict[str, Any] | None = None,
+                          prefix: str = "") -> list[int]:
+        """The template's ids, then those of `prefix`: the start of the assistant's answer
+        that the model continues (assistant prefill)."""
         self.check_length(sum(len(m.get("content") or "") for m in messages
-                              if isinstance(m, dict) and isinstance(m.get("content"), str)),
-                          context_len)
-        text = self.chat_prompt(messages)
-        self.check_length(len(text), context_len)
-        # NOTE: the template already holds any BOS text; do not add special tokens again.
-        if len(text) > OFF_LOOP_CHARS:
-            return await asyncio.to_thread(lambda: self.hf(text, add_special_tokens=False)["input_ids"])
-        return self.hf(text, add_special_tokens=False)["input_ids"]
+                              if isinstance(m, dict) and isinstance(m.get("content"), str))
+                          + len(prefix), context_len)
+        text = self.chat_prompt(messages, template_kwargs)
+        self.check_length(len(text) + len(prefix), context_len)
+
+        def encode() -> list[int]:
+            # NOTE: the template already holds any BOS text; do not add special tokens again.
+            ids = self.hf(text, add_special_tokens=False)["input_ids"]
+            if prefix:
+                ids += self.hf(prefix, add_special_tokens=False)["input_ids"]
+            return ids
+
+        if len(text) + len(prefix) > OFF_LOOP_CHARS:
+            return await asyncio.to_thread(encode)
+        return encode()
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -67,6 +67,14 @@ def expand_samples(specs: list[Spec], max_sequences: int) -> list[list[Spec]]:
     return groups
 
 
+def fill_max_new_tokens(spec: Spec, limits: RequestLimits) -> Spec:
+    """`max_new_tokens: None` asks for as many tokens as the context and the pool leave."""
+    if spec.params.max_new_tokens is not None:
+        return spec
+    room = max(min(limits.context_len, limits.pool_tokens) - len(spec.input_ids), 0)
+    return replace(spec, params=replace(spec.params, max_new_tokens=room))
+
+
 def check_batch(specs: list[RequestSpec], limits: RequestLimits, rid_taken: Callable[[str], bool],
                 waiting: int) -> None:
     """Raises InvalidRequest (naming the batch item) or QueueFull; queues nothing."""

@@ -26,7 +26,8 @@ from minisgl.scheduler.cache import CacheManager, locations_for, pages_spanned
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.decode import DecodeManager
 from minisgl.scheduler.failure import FailureBridge
-from minisgl.scheduler.intake import RequestLimits, RequestSpec, check_batch
+from minisgl.scheduler.intake import (RequestLimits, RequestSpec, check_batch,
+                                     fill_max_new_tokens)
 from minisgl.scheduler.integrity import check_kv_integrity
 from minisgl.scheduler.prefill import PrefillManager
 from minisgl.scheduler.results import ReqOutput, collect_outputs
@@ -87,6 +88,7 @@ class Scheduler:
         def taken(rid: str) -> bool:
             return rid in self.reqs or (rid_taken is not None and rid_taken(rid))
 
+        specs = [fill_max_new_tokens(spec, self.limits) for spec in specs]
         check_batch(specs, self.limits, taken, len(self.prefill.waiting) + self._pending_new())
         return [self._queue(spec) for spec in specs]
 

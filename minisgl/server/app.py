@@ -17,21 +17,12 @@ from minisgl.runtime import ReqHandle, Runtime
 from minisgl.scheduler import RequestSpec
 from minisgl.server.guard import Guard, Handler
 from minisgl.server.openai_api import OpenAIAPI
-from minisgl.server.protocol import (
-    MAX_BODY,
-    HTTPError,
-    check_bool,
-    error_response,
-    generate_result,
-    json_response,
-    none_as,
-    parse_generate,
-    read_json,
-    submit_all,
-    too_large,
-)
+from minisgl.runtime.native import (check_bool, generate_result, none_as, parse_generate,
+                                    submit_prompts)
+from minisgl.runtime.token_texts import TokenTexts
+from minisgl.server.protocol import (MAX_BODY, HTTPError, error_response, json_response,
+                                     read_json, too_large)
 from minisgl.server.sse import stream_response, wait_all
-from minisgl.server.token_texts import TokenTexts
 from minisgl.version import __version__
 
 logger = logging.getLogger(__name__)
@@ -45,12 +36,9 @@ class Server:
         self.runtime, self.args, self.manager = runtime, runtime.args, runtime.requests
         args = self.args
         self.shutting_down = False
-        model_path = runtime.model_path
-        self.model_name = args.served_model_name or args.model_path or model_path.name
-        aliases = {str(model_path), *(name for name in (args.model_path,) if name)}
+        self.model_name = runtime.model_name
         self.tokens = TokenTexts(runtime.tokenizer)
-        self.openai = OpenAIAPI(runtime, self.model_name, aliases, self.tokens,
-                                self.ensure_ready)
+        self.openai = OpenAIAPI(runtime, self.tokens, self.ensure_ready)
         self.guard = Guard(args.host, args.api_key, args.split_list(args.allowed_hosts),
                            args.split_list(args.cors_origins))
 
@@ -62,8 +50,10 @@ class Server:
         app.add_routes([
             web.get("/health", self.health), web.post("/health", self.health),
             web.get("/health_generate", self.health_generate),
-            web.get("/get_model_info", self.model_info),
+            web.get("/get_model_info", self.model_info), web.get("/model_info", self.model_info),
             web.get("/get_server_info", self.server_info),
+            web.get("/server_info", self.server_info),
+            web.get("/get_load", self.load),
             web.get("/flush_cache", self.flush_cache), web.post("/flush_cache", self.flush_cache),
             web.post("/abort_request", self.abort_request),
             web.get("/metrics", self.metrics),
@@ -109,12 +99,13 @@ class Server:
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         self.ensure_ready()
-        req = parse_generate(await read_json(request), self.manager.max_sequences)
+        req = parse_generate(await read_json(request), self.manager.max_sequences,
+                             self.runtime.unknown_fields)
         tokens = self.tokens if req.text_in_logprobs else None
-        handles = await submit_all(self.manager, req.prompts)
+        handles = await submit_prompts(self.manager, req.prompts)
         if not req.stream:
             await wait_all(self.manager, handles)
-            results = [generate_result(h, tokens) for h in handles]
+            results = [generate_result(h, tokens, req.prompt_ids_wanted) for h in handles]
             return json_response(results[0] if req.single else results)
         sent: dict[int, tuple[int, int, bool]] = {}
 
@@ -123,7 +114,7 @@ class Server:
             if sent.get(i) == key:
                 return None
             sent[i] = key
-            result = generate_result(h, tokens)
+            result = generate_result(h, tokens, req.prompt_ids_wanted)
             if not req.single:
                 result["index"] = i
             return result
@@ -151,13 +142,13 @@ class Server:
         return json_response({"status": "ok", "latency": time.perf_counter() - started})
 
     async def model_info(self, request: web.Request) -> web.Response:
-        return json_response({"model_path": str(self.runtime.model_path),
-                              "tokenizer_path": self.runtime.tokenizer_path,
-                              "is_generation": True, "served_model_name": self.model_name})
+        return json_response(self.runtime.model_info())
 
     async def server_info(self, request: web.Request) -> web.Response:
-        return json_response({**self.args.to_dict(), "internal_states": [self.runtime.state()],
-                              "version": __version__})
+        return json_response({**self.runtime.server_info(), "version": __version__})
+
+    async def load(self, request: web.Request) -> web.Response:
+        return json_response(self.runtime.load())
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         if not self.runtime.flush_cache():
@@ -178,7 +169,7 @@ class Server:
         return json_response({"success": found, "aborted": [rid] if found else []})
 
     async def metrics(self, request: web.Request) -> web.Response:
-        text = self.manager.metrics.render(self.runtime.state())
+        text = self.manager.metrics.render(self.runtime.state(), self.model_name)
         return web.Response(body=text.encode(),
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 

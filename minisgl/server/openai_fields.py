@@ -1,0 +1,156 @@
+"""The OpenAI endpoints' request fields (OpenAI's, plus SGLang's extensions as of 0.5.23).
+
+The same policy as `/generate` (runtime.native): a field minisgl acts on is checked and used;
+an inert one is accepted with any value; one for a feature minisgl lacks is accepted at its
+default and refused with a 400 naming it otherwise; an unknown one is ignored and logged once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from minisgl.core import SamplingParams
+from minisgl.errors import InvalidRequest
+from minisgl.runtime.native import UnknownFields, check_bool, none_as, refuse_unsupported
+
+MAX_TOP_LOGPROBS = 20
+CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
+
+SAMPLING_FIELDS = {  # OpenAI (or SGLang extension) name -> SamplingParams name
+    "temperature": "temperature", "top_p": "top_p", "n": "n", "stop": "stop",
+    "seed": "sampling_seed", "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty", "top_k": "top_k", "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty", "min_tokens": "min_new_tokens",
+    "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos",
+    "skip_special_tokens": "skip_special_tokens", "no_stop_trim": "no_stop_trim",
+    "spaces_between_special_tokens": "spaces_between_special_tokens",
+    "logit_bias": "logit_bias",
+}
+# Read by the endpoints themselves.
+COMMON_FIELDS = frozenset({"model", "stream", "stream_options", "max_tokens", "rid",
+                           "response_format", "best_of"})
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens",
+                               "tool_choice", "continue_final_message", "chat_template_kwargs"}
+# Nothing a client sees depends on these.
+INERT_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls",
+                          "separate_reasoning", "stream_reasoning", "priority", "custom_labels",
+                          "custom_params"})
+# Features minisgl lacks: accepted only at their default.
+UNSUPPORTED_FIELDS = frozenset({
+    "suffix", "tools", "functions", "function_call", "json_schema", "regex", "ebnf",
+    "stop_regex", "reasoning_effort", "reasoning", "thinking", "task", "audio", "modalities",
+    "prediction", "web_search_options", "return_hidden_states", "return_routed_experts",
+    "routed_experts_start_len", "return_cached_tokens_details", "return_spec_tokens_details",
+    "return_token_ids", "return_prompt_token_ids", "return_meta_info",
+    "return_input_ids_in_sglext", "return_output_ids_in_sglext", "return_sampling_mask",
+    "sampling_logprobs_mode", "return_flat_raw_output_top_logprobs",
+    "return_flat_raw_top_logprobs_b64", "lora_path", "session_id", "session_params",
+    "custom_logit_processor", "watermark", "images_config", "video_config",
+    "mm_processor_kwargs", "max_dynamic_patch", "min_dynamic_patch", "use_audio_in_video",
+    "data_parallel_rank", "routed_dp_rank", "disagg_prefill_dp_rank", "bootstrap_host",
+    "bootstrap_port", "bootstrap_room", "extra_key", "cache_salt", "input_ids"})
+
+
+def check_fields(body: dict[str, Any], endpoint: str, own: frozenset[str] | set[str],
+                 unknown: UnknownFields) -> None:
+    """Refuse the unsupported fields that ask for something; ignore (and log) unknown ones."""
+    refuse_unsupported(body, UNSUPPORTED_FIELDS)
+    extra = set(body) - own - set(SAMPLING_FIELDS) - INERT_FIELDS - UNSUPPORTED_FIELDS
+    if extra:
+        unknown.ignore(endpoint, extra)
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise InvalidRequest("only response_format {\"type\": \"text\"} is supported")
+    if body.get("tool_choice") not in (None, "none", "auto"):
+        raise InvalidRequest("tool_choice is not supported by minisgl")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != (body.get("n") or 1):
+        raise InvalidRequest("best_of other than n is not supported by minisgl")
+
+
+def sampling_params(body: dict[str, Any], max_new_tokens: Any,
+                    defaults: dict[str, Any] | None = None) -> SamplingParams:
+    """`defaults` (the model's generation_config, --sampling-defaults model) fill the
+    sampling fields the request leaves out."""
+    values = {ours: body[theirs] for theirs, ours in SAMPLING_FIELDS.items()
+              if body.get(theirs) is not None}
+    for name, value in (defaults or {}).items():
+        values.setdefault(name, value)
+    values["max_new_tokens"] = max_new_tokens
+    return SamplingParams.from_dict(values)
+
+
+def flag(body: dict[str, Any], name: str) -> bool:
+    """A boolean field: true, false, or absent / null (false)."""
+    return check_bool(none_as(body.get(name), False), name)
+
+
+@dataclass
+class StreamOptions:
+    include_usage: bool = False  # a last chunk with the request's usage
+    continuous_usage: bool = False  # each content chunk with its choice's usage so far
+
+
+def stream_options(body: dict[str, Any]) -> StreamOptions:
+    options = body.get("stream_options")
+    if options is None:
+        return StreamOptions()
+    if not isinstance(options, dict):
+        raise InvalidRequest("stream_options must be an object")
+    return StreamOptions(
+        check_bool(none_as(options.get("include_usage"), False),
+                   "stream_options.include_usage"),
+        check_bool(none_as(options.get("continuous_usage_stats"), False),
+                   "stream_options.continuous_usage_stats"))
+
+
+def normalize_messages(messages: Any) -> list[dict[str, Any]]:
+    """Text content parts joined into one string, which every chat template understands."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("messages must be a non-empty list")
+    out = []
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise InvalidRequest("each message must be an object with a string role")
+        if m["role"] not in CHAT_ROLES:
+            raise InvalidRequest(f"messages: unknown role {m['role']!r} (one of "
+                                 f"{', '.join(sorted(CHAT_ROLES))})")
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if not (isinstance(part, dict) and part.get("type") == "text"
+                        and isinstance(part.get("text"), str)):
+                    raise InvalidRequest("only text content parts are supported")
+                parts.append(part["text"])
+            content = "\n".join(parts)
+        elif content is None:
+            content = ""
+        elif not isinstance(content, str):
+            raise InvalidRequest("message content must be a string or a list of text parts")
+        out.append({**m, "content": content})
+    return out
+
+
+def split_prefill(messages: list[dict[str, Any]], continue_final: bool
+                  ) -> tuple[list[dict[str, Any]], str]:
+    """(the messages to apply the template to, the assistant text the answer continues).
+    As SGLang: with continue_final_message a trailing assistant message is the start of the
+    answer; without it, a trailing assistant message is sent as a user turn."""
+    if messages[-1]["role"] != "assistant":
+        return messages, ""
+    if continue_final:
+        return messages[:-1], messages[-1]["content"]
+    return [*messages[:-1], {**messages[-1], "role": "user"}], ""
+
+
+def chat_template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    kwargs = none_as(body.get("chat_template_kwargs"), {})
+    if not isinstance(kwargs, dict):
+        raise InvalidRequest("chat_template_kwargs must be an object")
+    if "chat_template" in kwargs:
+        raise InvalidRequest("chat_template_kwargs.chat_template: a request cannot bring its "
+                             "own template (start the server with --chat-template)")
+    return kwargs
