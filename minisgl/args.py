@@ -27,6 +27,13 @@ class ServerArgs:
     chat_template: str | None = _flag(
         None, "Chat template for /v1/chat/completions: a file, or an inline Jinja template "
         "(default: the tokenizer's).")
+    grammar_backend: str = _flag(
+        "xgrammar", "Backend of json_schema / regex / ebnf / response_format constraints: "
+        "xgrammar, or none (such requests get 400).", choices=["xgrammar", "none"])
+    tool_call_parser: str = _flag(
+        "hermes", "How tool calls are read from a chat answer under tool_choice auto: hermes "
+        "(<tool_call>{...}</tool_call>, Qwen2.5/3 style) or llama3 (a JSON object).",
+        choices=["hermes", "llama3"])
     sampling_defaults: str = _flag(
         "model", "model: chat requests that leave temperature, top_p, top_k, min_p or "
         "repetition_penalty out take them from the model's generation_config.json; openai: "
@@ -108,6 +115,8 @@ class ServerArgs:
                               ("load_format", ("auto", "dummy")),
                               ("schedule_policy", ("fcfs", "lpm")),
                               ("sampling_defaults", ("model", "openai")),
+                              ("grammar_backend", ("xgrammar", "none")),
+                              ("tool_call_parser", ("hermes", "llama3")),
                               ("attention_backend", (None, "torch", "flashinfer")),
                               ("log_level", ("debug", "info", "warning", "error"))):
             if getattr(self, name) not in choices:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -19,9 +20,9 @@ SAMPLING_EPS = 1e-6
 # how the stream is cut; custom_params feed a custom logit processor, which is refused).
 INERT_SAMPLING_FIELDS = frozenset({"stream_interval", "custom_params"})
 # SGLang sampling parameters minisgl does not act on: accepted only when they ask for nothing.
-UNSUPPORTED_SAMPLING_FIELDS = frozenset({"beam_width", "json_schema", "regex", "ebnf",
-                                         "structural_tag", "stop_regex", "watermark",
-                                         "choice"})
+UNSUPPORTED_SAMPLING_FIELDS = frozenset({"beam_width", "structural_tag", "stop_regex",
+                                         "watermark", "choice"})
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")  # at most one per request
 
 
 def asks_nothing(value: Any, nested: bool = False) -> bool:
@@ -57,6 +58,9 @@ class SamplingParams:
     n: int = 1
     sampling_seed: int | None = None
     logit_bias: dict[int, float] | None = None  # token id (JSON: its string) -> added logit
+    json_schema: str | None = None  # a JSON schema, as a string (a JSON object is dumped)
+    regex: str | None = None
+    ebnf: str | None = None
 
     @classmethod
     def from_dict(cls, values: dict[str, Any] | None) -> SamplingParams:
@@ -136,6 +140,23 @@ class SamplingParams:
             raise InvalidRequest("sampling_seed must be an integer")
         if self.logit_bias is not None:
             self.logit_bias = _check_logit_bias(self.logit_bias)
+        if isinstance(self.json_schema, dict):
+            self.json_schema = json.dumps(self.json_schema)
+        given = [name for name in GRAMMAR_FIELDS if getattr(self, name) not in (None, "")]
+        if len(given) > 1:
+            raise InvalidRequest(f"give at most one of json_schema, regex and ebnf, got "
+                                 f"{' and '.join(given)}")
+        for name in given:
+            if not isinstance(getattr(self, name), str):
+                raise InvalidRequest(f"{name} must be a string")
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """(kind, text) of the grammar the output must follow, or None."""
+        for name in GRAMMAR_FIELDS:
+            if getattr(self, name) not in (None, ""):
+                return name, getattr(self, name)
+        return None
 
     @property
     def stop_strings(self) -> list[str]:
@@ -216,6 +237,7 @@ class Req:
     input_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     input_logprobs_sent: bool = False  # delivered with the first output token
     cached_tokens: int = 0
+    matcher: Any = None  # the grammar's state (grammar.backend.Matcher), or None
 
     @property
     def host_ids(self) -> list[int]:

@@ -79,9 +79,11 @@ def start_minisgl_server(*extra_args: str, timeout: float = SERVER_START_TIMEOUT
                      daemon=True).start()
     threading.Thread(target=_drain, args=(proc.stderr, server.stderr), daemon=True).start()
     if not ready.wait(timeout) or not found:
+        state = "still running" if proc.poll() is None else f"exit code {proc.returncode}"
         proc.kill()
         proc.wait()
-        raise RuntimeError(f"the server did not become ready in {timeout} s:\n{server.log()}")
+        raise RuntimeError(f"the server did not become ready in {timeout} s ({state}):\n"
+                           f"{server.log()}")
     server.url = found[0]
     return server
 

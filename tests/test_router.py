@@ -62,8 +62,7 @@ class Router:
 
 @pytest.fixture(scope="module")
 def workers():
-    with ThreadPoolExecutor(2) as pool:
-        started = list(pool.map(lambda _: start_minisgl_server(*WORKER_ARGS), range(2)))
+    started = [start_minisgl_server(*WORKER_ARGS) for _ in range(2)]
     yield started
     for worker in started:
         if worker.proc.poll() is None:

@@ -196,6 +196,12 @@ class Engine:
         return self.arch.eos_token_ids
 
     @property
+    def waits_for_masks(self) -> bool:
+        """Whether a launched step may wait for its grammar mask (see GrammarMask): only the
+        CPU engine thread can; a CUDA launch runs on the scheduler's thread."""
+        return isinstance(self.stream, CpuStream)
+
+    @property
     def phase_seconds(self) -> dict[str, float]:
         return self.runner.phase_seconds
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import concurrent.futures
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,6 +34,38 @@ class InputLogprobs:
 
 
 @dataclass
+class GrammarMask:
+    """The rows of a batch whose next token must follow a grammar, and the tokens each may
+    take: bit t % 32 of word t // 32 of its bitmask row, set = allowed.
+
+    NOTE: in the overlap loop batch N+1 is launched before batch N's tokens are known, and a
+    grammar row's mask depends on them. The forward runs; only sampling waits for `ready`,
+    which the scheduler completes once batch N's tokens are accepted by the matchers. That
+    wait is on the CPU engine thread. On CUDA the scheduler's own thread enqueues the step, so
+    there the scheduler settles the batch in flight and fills the mask before launching."""
+
+    rows: torch.Tensor  # [R] int64 on the device: rows of the batch
+    bitmask: torch.Tensor  # [R, ceil(vocab / 32)] int32 on the host
+    ready: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+    @property
+    def filled(self) -> bool:
+        return self.ready.done()
+
+    def release(self, error: BaseException | None = None) -> None:
+        """The bitmask is filled (or, with `error`, never will be): let sampling go on."""
+        if self.ready.done():
+            return
+        if error is None:
+            self.ready.set_result(self.bitmask)
+        else:
+            self.ready.set_exception(error)
+
+    def wait(self) -> torch.Tensor:
+        return self.ready.result()
+
+
+@dataclass
 class ForwardInput:
     batch: Batch
     load_indices: torch.Tensor  # flat token_pool indices of the input ids
@@ -44,6 +77,7 @@ class ForwardInput:
     message: StepMessage | None = None  # tp > 1: what ranks 1..N-1 run
     logits_only: bool = False  # return the logits instead of sampling
     input_logprobs: InputLogprobRows | None = None  # rank 0
+    grammar: GrammarMask | None = None  # rank 0: rows that sample under a grammar
 
     @property
     def num_scored_rows(self) -> int:

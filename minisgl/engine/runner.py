@@ -54,7 +54,12 @@ class ModelRunner:
             next_tokens = torch.empty(batch.size, dtype=torch.int32, device=self.device)
             self.token_pool.view(-1)[fwd.write_indices] = broadcast(next_tokens, 0)
             return ForwardOutput()
-        sample = self.sampler.sample(logits[: batch.size], fwd.sample_args, self.token_pool)
+        mask = None
+        if fwd.grammar is not None:  # NOTE: may wait for the scheduler (see GrammarMask)
+            bitmask = fwd.grammar.wait()
+            mask = (fwd.grammar.rows, bitmask.to(self.device, non_blocking=True))
+        sample = self.sampler.sample(logits[: batch.size], fwd.sample_args, self.token_pool,
+                                     mask)
         self.token_pool.view(-1)[fwd.write_indices] = sample.next_tokens
         if self.tp.size > 1:
             broadcast(sample.next_tokens, 0)

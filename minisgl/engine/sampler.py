@@ -193,9 +193,15 @@ class Sampler:
             noise[row] = own.to(probs.device)
         return noise.clamp_min_(torch.finfo(torch.float32).tiny)  # p / 0 would be inf or nan
 
-    def sample(self, logits: torch.Tensor, args: SamplingArgs,
-               token_pool: torch.Tensor) -> SampleOutput:
+    def sample(self, logits: torch.Tensor, args: SamplingArgs, token_pool: torch.Tensor,
+               grammar: tuple[torch.Tensor, torch.Tensor] | None = None) -> SampleOutput:
+        """`grammar`: (rows, int32 bitmask [rows, ceil(vocab / 32)]): those rows may only take
+        the tokens whose bit is set; their logprobs are those of the masked logits."""
         raw = logits.float()
+        if grammar is not None:
+            rows, bitmask = grammar
+            raw = raw.index_put((rows,), raw[rows].masked_fill(
+                ~unpack_bitmask(bitmask, raw.shape[1]), float("-inf")))
         logits = self._adjust_logits(raw, args, token_pool)
         if args.greedy_only:
             next_tokens = logits.argmax(dim=-1)
@@ -213,3 +219,10 @@ class Sampler:
                 values, ids = logp.topk(args.top_logprobs_num, dim=-1)
                 out.top_logprobs = (values, ids.to(torch.int32))
         return out
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[rows, words] int32, bit t % 32 of word t // 32 -> [rows, vocab] bool."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
+    return bits.view(bitmask.shape[0], -1)[:, :vocab].bool()

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from minisgl.errors import EngineFailed, InvalidRequest
+from minisgl.grammar import GrammarBackend
 from minisgl.runtime.detokenizer import DecodeState, IncrementalDetokenizer
 from minisgl.runtime.metrics import Metrics
 from minisgl.runtime.tokenizer import Tokenizer
@@ -79,8 +80,10 @@ class ReqHandle:
 
 
 class RequestManager:
-    def __init__(self, scheduler: Scheduler, tokenizer: Tokenizer | None) -> None:
+    def __init__(self, scheduler: Scheduler, tokenizer: Tokenizer | None,
+                 grammar: GrammarBackend | None = None) -> None:
         self.scheduler, self.tokenizer = scheduler, tokenizer
+        self.grammar = grammar or GrammarBackend()
         self.detokenizer = IncrementalDetokenizer(tokenizer.hf) if tokenizer else None
         self.metrics = Metrics()
         self.handles: dict[str, ReqHandle] = {}
@@ -153,6 +156,14 @@ class RequestManager:
             self.metrics.on_submit()
             handles.append(handle)
         return handles
+
+    async def attach_grammars(self, specs: list[RequestSpec]) -> None:
+        """Compile each grammar the batch asks for (off the event loop, cached) and give each
+        sequence its own matcher; raises InvalidRequest with the compiler's message."""
+        for spec in specs:
+            grammar = spec.params.grammar
+            if grammar is not None and spec.matcher is None:
+                spec.matcher = self.grammar.matcher(await self.grammar.compile(*grammar))
 
     async def encode(self, texts: list[str]) -> list[list[int]]:
         """Token ids of prompt texts; a text longer than the context could hold at the

@@ -132,6 +132,7 @@ async def submit_prompts(manager: RequestManager, prompts: list[Prompt]) -> list
         ids = dict(zip(unique, await manager.encode(unique)))
         for p in texts:
             p.input_ids = ids[p.text]
+    await manager.attach_grammars(prompts)
     return manager.submit(list(prompts))
 
 

@@ -11,6 +11,7 @@ from typing import Any
 from minisgl.args import ServerArgs
 from minisgl.engine import Engine, EngineConfig
 from minisgl.env import quiet_tokenizer_threads
+from minisgl.grammar import create_grammar_backend
 from minisgl.models import generation_defaults, model_name
 from minisgl.runtime.manager import RequestManager
 from minisgl.runtime.native import UnknownFields
@@ -32,7 +33,10 @@ class Runtime:
                 self.tokenizer.set_chat_template(template)
             self.scheduler = Scheduler(self.engine, args.pick(SchedulerConfig),
                                        lambda outputs: self.requests.deliver(outputs))
-            self.requests = RequestManager(self.scheduler, self.tokenizer)
+            grammar = create_grammar_backend(
+                args.grammar_backend, self.tokenizer.hf if self.tokenizer else None,
+                self.engine.arch.vocab_size)
+            self.requests = RequestManager(self.scheduler, self.tokenizer, grammar)
         except BaseException:
             self.engine.shutdown()
             raise

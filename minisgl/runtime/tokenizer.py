@@ -47,6 +47,11 @@ class Tokenizer:
             return await asyncio.to_thread(self._encode, texts)
         return self._encode(texts)
 
+    @property
+    def takes_tools(self) -> bool:
+        """Whether the chat template renders a `tools` list itself."""
+        return "tools" in (getattr(self.hf, "chat_template", None) or "")
+
     def set_chat_template(self, template: str) -> None:
         """--chat-template: a file's contents or an inline Jinja template."""
         self.hf.chat_template = template

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from minisgl.core import Batch, Phase, Req
-from minisgl.engine import Engine, ForwardInput, InputLogprobRows, StepMessage
+from minisgl.engine import Engine, ForwardInput, GrammarMask, InputLogprobRows, StepMessage
 from minisgl.engine.completion import Completion
 from minisgl.scheduler.prefill import PrefillChunk
 from minisgl.scheduler.table import TableManager
@@ -29,6 +29,18 @@ class ScheduledBatch:
     last_chunk: list[bool]
     fwd: ForwardInput
     completion: Completion | None = None  # set when launched
+
+    def fill_masks(self) -> None:
+        """Each grammar row's allowed next tokens, from its matcher (which must have accepted
+        every token sampled before this batch); then sampling may go on. Idempotent."""
+        grammar = self.fwd.grammar
+        if grammar is None or grammar.filled:
+            return
+        for j, i in enumerate(grammar.rows.tolist()):
+            req = self.reqs[i]
+            if not req.is_finished:  # NOTE: a finished row's token is dropped anyway
+                req.matcher.fill_next_token_bitmask(grammar.bitmask, j)
+        grammar.release()
 
 
 class BatchBuilder:
@@ -97,8 +109,19 @@ class BatchBuilder:
                            write_indices=write.to(device, non_blocking=True),
                            logit_rows=None if rows_host is None else rows_host.to(
                                device, non_blocking=True),
-                           sample_args=sample_args, message=message, input_logprobs=scored)
+                           sample_args=sample_args, message=message, input_logprobs=scored,
+                           grammar=self._grammar_rows(reqs, last_chunk))
         return ScheduledBatch(reqs, last_chunk, fwd)
+
+    def _grammar_rows(self, reqs: list[Req], last_chunk: list[bool]) -> GrammarMask | None:
+        """The rows whose token must follow a grammar (mask not filled yet); None if none."""
+        rows = [i for i, (req, last) in enumerate(zip(reqs, last_chunk))
+                if req.matcher is not None and last and not req.scores_only]
+        if not rows:
+            return None
+        words = -(-self.engine.arch.vocab_size // 32)
+        return GrammarMask(torch.tensor(rows).to(self.engine.device, non_blocking=True),
+                           torch.full((len(rows), words), -1, dtype=torch.int32))
 
     def _scored_rows(self, reqs: list[Req], starts: list[int], counts: list[int]
                      ) -> tuple[torch.Tensor, InputLogprobRows] | None:

@@ -7,7 +7,7 @@ the offline API and the scheduler itself): a batch with one bad element is refus
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 from minisgl.core import SamplingParams, check_logprob_start_len
 from minisgl.errors import InvalidRequest, QueueFull
@@ -23,6 +23,7 @@ class RequestSpec:
     rid: str | None = None
     logprob_num: int = -1  # -1: no logprobs; 0: the sampled token's; k: also the top k
     logprob_start_len: int = -1  # first prompt position of the input logprobs (-1: none)
+    matcher: Any = None  # params.grammar's matcher (grammar.backend.Matcher), made on submission
 
 
 @dataclass(frozen=True)
@@ -130,3 +131,5 @@ def check_one(spec: RequestSpec, limits: RequestLimits, rid_taken: Callable[[str
         raise InvalidRequest(f"a request with rid {spec.rid!r} is already running")
     if spec.logprob_num >= 0:
         check_logprob_start_len(spec.logprob_start_len, len(ids))
+    if params.grammar is not None and spec.matcher is None:
+        raise InvalidRequest(f"{params.grammar[0]}: the grammar was not compiled")

@@ -34,6 +34,16 @@ def finish_reason(req: Req, token: int) -> dict[str, Any] | None:
     return None
 
 
+def grammar_finish(req: Req, token: int) -> dict[str, Any] | None:
+    """The matcher takes the token; a grammar that has ended (its stop token) stops the
+    request. A token the grammar refuses cannot come from a masked row: it is an error."""
+    if not req.matcher.accept_token(token):
+        return {"type": "abort", "message": f"token {token} does not follow the grammar"}
+    if req.matcher.is_terminated():
+        return {"type": "stop", "matched": token}
+    return None
+
+
 def collect_outputs(done: ScheduledBatch, out: ForwardOutput,
                     finish: Callable[[Req, dict[str, Any]], None]) -> list[ReqOutput]:
     """Append each row's token to its request and call `finish` for the requests it ends."""
@@ -55,6 +65,8 @@ def collect_outputs(done: ScheduledBatch, out: ForwardOutput,
             token = tokens[i]
             req.output_ids.append(token)
             reason = finish_reason(req, token)
+            if reason is None and req.matcher is not None:
+                reason = grammar_finish(req, token)
             if reason is not None:
                 finish(req, reason)
             output = ReqOutput(req, token, reason is not None)

@@ -8,11 +8,11 @@ batch N writes its sampled ids, so the host never waits for them to launch the n
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import uuid
 from collections import deque
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -31,21 +31,12 @@ from minisgl.scheduler.intake import (RequestLimits, RequestSpec, check_batch,
 from minisgl.scheduler.integrity import check_kv_integrity
 from minisgl.scheduler.prefill import PrefillManager
 from minisgl.scheduler.results import ReqOutput, collect_outputs
+from minisgl.scheduler.stats import SchedulerStats, report
 from minisgl.scheduler.table import TableManager
 
 logger = logging.getLogger(__name__)
 
 OutputSink = Callable[[list[ReqOutput]], None]
-
-
-@dataclass
-class SchedulerStats:
-    tokens_generated: int = 0
-    prompt_tokens: int = 0
-    cached_prompt_tokens: int = 0
-    batches: int = 0
-    retractions: int = 0
-    integrity_error: str | None = None
 
 
 class Scheduler:
@@ -100,7 +91,7 @@ class Scheduler:
                   max_device_len=prompt_len + params.max_new_tokens,
                   stop_ids=frozenset(params.stop_token_ids or ()) | (
                       frozenset() if params.ignore_eos else self.eos_ids),
-                  logprob_num=spec.logprob_num,
+                  logprob_num=spec.logprob_num, matcher=spec.matcher,
                   logprob_start_len=-1 if spec.logprob_num < 0 else
                   (prompt_len - 1 if start < 0 else start))
         if params.sampling_seed is not None:
@@ -175,9 +166,13 @@ class Scheduler:
                     continue
                 self._take_inbox()
                 batch, last = await self._schedule(last)
+                if batch is not None and batch.fwd.grammar is not None:
+                    last = await self._ready_masks(batch, last)
                 ongoing = self._launch(batch) if batch is not None else None
                 if last is not None:
                     self._process(last, await self._result(last), ongoing)
+                    if ongoing is not None:
+                        ongoing.fill_masks()  # its grammar rows' previous tokens are in
                 last = ongoing
                 if self.config.disable_overlap_schedule and last is not None:
                     await self._settle(last)
@@ -188,9 +183,13 @@ class Scheduler:
             self._fail_all(str(exc))
             raise
         finally:
+            for batch in (self._in_flight, last):  # NOTE: an engine thread may wait on a mask
+                if batch is not None and batch.fwd.grammar is not None:
+                    batch.fwd.grammar.release(EngineFailed("the scheduler stopped"))
             self._in_flight = None
             if last is not None and last.completion is not None:
-                last.completion.result()
+                with contextlib.suppress(Exception):  # the forward ends before we return
+                    last.completion.result()
 
     def stop(self) -> None:
         """End the loop: every live request is aborted."""
@@ -219,6 +218,19 @@ class Scheduler:
         self._wake.clear()
         if not self.has_work() and not self._stopping:
             await self._wake.wait()
+
+    async def _ready_masks(self, batch: ScheduledBatch, last: ScheduledBatch | None
+                           ) -> ScheduledBatch | None:
+        """Fill the grammar masks of `batch` now if its matchers are up to date (nothing in
+        flight). Else, where a launched step cannot wait for its mask (CUDA), settle the batch
+        in flight first; on the CPU engine thread the mask is filled after launching, once
+        `last` is processed (GrammarMask). Returns what is still in flight."""
+        if last is not None and not self.engine.waits_for_masks:
+            await self._settle(last)
+            last = None
+        if last is None:
+            batch.fill_masks()
+        return last
 
     def _launch(self, batch: ScheduledBatch) -> ScheduledBatch:
         self.stats.batches += 1
@@ -365,27 +377,5 @@ class Scheduler:
         check_kv_integrity(self.cache, self.table, admitted, live=bool(self.reqs))
 
     def state(self) -> dict[str, Any]:
-        ps = self.cache.page_size
-        pool_tokens = self.cache.num_pages * ps
-        used = self.cache.used_pages * ps
-        return {
-            "num_running_reqs": len(self.decode) + (self.prefill.chunked is not None),
-            "num_waiting_reqs": len(self.prefill.waiting) + self._pending_new(),
-            "kv_pool_tokens": pool_tokens,
-            "kv_used_tokens": used,
-            "kv_cached_tokens": self.cache.cached_size,
-            "kv_usage": used / pool_tokens,
-            "free_pages": self.cache.num_free,
-            "prompt_tokens": self.stats.prompt_tokens,
-            "cached_prompt_tokens": self.stats.cached_prompt_tokens,
-            "cache_hit_rate": self.stats.cached_prompt_tokens / max(self.stats.prompt_tokens, 1),
-            "generated_tokens": self.stats.tokens_generated,
-            "batches": self.stats.batches,
-            "retractions": self.stats.retractions,
-            "new_token_ratio": self.prefill.ratio.value,
-            "engine_busy_seconds": self.engine.busy_seconds,
-            **{f"engine_{phase}_seconds": seconds
-               for phase, seconds in self.engine.phase_seconds.items()},
-            **{f"engine_{phase}_steps": steps for phase, steps in self.engine.phase_steps.items()},
-            "integrity_error": self.stats.integrity_error,
-        }
+        return report(self.stats, self.cache, self.prefill, self.decode, self.engine,
+                      self._pending_new())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from functools import partial
 from typing import Any, Callable
 
 from aiohttp import web
@@ -20,6 +21,7 @@ from minisgl.server.openai_fields import (CHAT_FIELDS, COMPLETION_FIELDS, MAX_TO
                                           flag, normalize_messages, sampling_params,
                                           split_prefill, stream_options)
 from minisgl.server.openai_logprobs import Cursor, chat_logprobs, completion_logprobs
+from minisgl.server.openai_tools import ToolUse, parse_tool_use, render_tools
 from minisgl.server.protocol import HTTPError, json_response, read_json
 from minisgl.server.sse import stream_response, wait_all
 
@@ -176,6 +178,11 @@ class OpenAIAPI:
         messages, prefix = split_prefill(normalize_messages(body.get("messages")),
                                          flag(body, "continue_final_message"))
         template_kwargs = chat_template_kwargs(body)
+        tools = parse_tool_use(body)
+        if tools is not None:
+            messages, extra = render_tools(messages, tools, self.manager.tokenizer is not None
+                                           and self.manager.tokenizer.takes_tools)
+            template_kwargs = {**template_kwargs, **extra}
         logprobs = flag(body, "logprobs")
         top = body.get("top_logprobs")
         if top is not None:
@@ -188,6 +195,11 @@ class OpenAIAPI:
             max_tokens = body.get("max_tokens")
         # NOTE: None is OpenAI's default: whatever room the context leaves
         params = sampling_params(body, max_tokens, self.runtime.sampling_defaults)
+        if tools is not None and tools.grammar() is not None:
+            if params.grammar is not None:
+                raise InvalidRequest("tool_choice required or a named function constrains the "
+                                     "answer already: drop response_format / regex / ebnf")
+            params.json_schema = tools.grammar()
         ids = await self.manager.encode_chat(messages, template_kwargs, prefix)
         rid = self._rid(body, "chatcmpl")
         groups = expand_samples([Prompt(ids, params, logprob_num=(top or 0) if logprobs else -1)],
@@ -200,18 +212,49 @@ class OpenAIAPI:
                 "model": model}
         if stream:
             head["object"] = "chat.completion.chunk"
-            return await self._stream(request, head, groups, handles, options,
-                                      self._chat_delta, None)
+            delta = self._chat_delta if tools is None else partial(self._tool_delta, tools)
+            return await self._stream(request, head, groups, handles, options, delta, None)
         await wait_all(self.manager, handles)
         choices = []
         for k, h in enumerate(handles):
+            message, reason = self._message(h, tools)
             choices.append({
-                "index": k, "message": {"role": "assistant", "content": h.text},
+                "index": k, "message": message,
                 "logprobs": (chat_logprobs(self.tokens, h, Cursor()) if h.logprob_num >= 0
                              else None),
-                "finish_reason": finish_reason(h.finish_reason),
-                "matched_stop": matched_stop(h.finish_reason)})
+                "finish_reason": reason, "matched_stop": matched_stop(h.finish_reason)})
         return json_response({**head, "choices": choices, "usage": usage(groups, handles)})
+
+    def _message(self, h: ReqHandle, tools: ToolUse | None
+                 ) -> tuple[dict[str, Any], str | None]:
+        """A finished choice's message and finish_reason ("tool_calls" when it calls)."""
+        if tools is None:
+            return {"role": "assistant", "content": h.text}, finish_reason(h.finish_reason)
+        try:
+            content, calls = tools.calls(h.text, self.runtime.args.tool_call_parser)
+        except (ValueError, KeyError, TypeError):  # a constrained call cut short by max_tokens
+            content, calls = h.text, []
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        return message, "tool_calls" if calls else finish_reason(h.finish_reason)
+
+    def _tool_delta(self, tools: ToolUse, k: int, h: ReqHandle, cursor: Cursor
+                    ) -> dict[str, Any] | None:
+        """With tools the answer is sent whole once finished (a call cannot be told from text
+        before): its content and OpenAI's delta.tool_calls, each call with its index."""
+        if not h.finished:
+            return None
+        message, reason = self._message(h, tools)
+        delta = {key: value for key, value in message.items()
+                 if key != "role" and value is not None}
+        if "tool_calls" in delta:
+            delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(delta["tool_calls"])]
+        cursor.chars = len(h.text)
+        return {"index": k, "delta": delta, "finish_reason": reason,
+                "matched_stop": matched_stop(h.finish_reason),
+                "logprobs": chat_logprobs(self.tokens, h, cursor) if h.logprob_num >= 0
+                else None}
 
     def _chat_delta(self, k: int, h: ReqHandle, cursor: Cursor) -> dict[str, Any]:
         text = h.text
@@ -230,7 +273,7 @@ class OpenAIAPI:
     async def _stream(self, request: web.Request, head: dict[str, Any],
                       groups: list[list[Prompt]], handles: list[ReqHandle],
                       options: StreamOptions,
-                      make_choice: Callable[[int, ReqHandle, Cursor], dict[str, Any]],
+                      make_choice: Callable[[int, ReqHandle, Cursor], dict[str, Any] | None],
                       prefixes: list[str] | None, prompt_logprobs: bool = False
                       ) -> web.StreamResponse:
         """One chunk per change of one choice: the text it gained (a delta, as OpenAI streams),
@@ -250,8 +293,11 @@ class OpenAIAPI:
             if (len(h.text) == c.chars and not c.prefix and not h.finished
                     and (h.logprob_num < 0 or len(h.token_logprobs) == c.tokens)):
                 return None  # nothing to send (e.g. half a UTF-8 character so far)
+            choice = make_choice(k, h, c)
+            if choice is None:
+                return None
             extra = {"usage": choice_usage(h)} if options.continuous_usage else no_usage
-            return {**head, "choices": [make_choice(k, h, c)], **extra}
+            return {**head, "choices": [choice], **extra}
 
         def usage_chunk() -> list[dict[str, Any]]:
             if not options.include_usage:

@@ -7,6 +7,7 @@ default and refused with a 400 naming it otherwise; an unknown one is ignored an
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,22 +26,22 @@ SAMPLING_FIELDS = {  # OpenAI (or SGLang extension) name -> SamplingParams name
     "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos",
     "skip_special_tokens": "skip_special_tokens", "no_stop_trim": "no_stop_trim",
     "spaces_between_special_tokens": "spaces_between_special_tokens",
-    "logit_bias": "logit_bias",
+    "logit_bias": "logit_bias", "json_schema": "json_schema", "regex": "regex", "ebnf": "ebnf",
 }
 # Read by the endpoints themselves.
 COMMON_FIELDS = frozenset({"model", "stream", "stream_options", "max_tokens", "rid",
                            "response_format", "best_of"})
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens",
-                               "tool_choice", "continue_final_message", "chat_template_kwargs"}
+                               "tools", "tool_choice", "continue_final_message",
+                               "chat_template_kwargs"}
 # Nothing a client sees depends on these.
 INERT_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls",
                           "separate_reasoning", "stream_reasoning", "priority", "custom_labels",
                           "custom_params"})
 # Features minisgl lacks: accepted only at their default.
 UNSUPPORTED_FIELDS = frozenset({
-    "suffix", "tools", "functions", "function_call", "json_schema", "regex", "ebnf",
-    "stop_regex", "reasoning_effort", "reasoning", "thinking", "task", "audio", "modalities",
+    "suffix", "functions", "function_call", "stop_regex", "reasoning_effort", "reasoning", "thinking", "task", "audio", "modalities",
     "prediction", "web_search_options", "return_hidden_states", "return_routed_experts",
     "routed_experts_start_len", "return_cached_tokens_details", "return_spec_tokens_details",
     "return_token_ids", "return_prompt_token_ids", "return_meta_info",
@@ -60,22 +61,41 @@ def check_fields(body: dict[str, Any], endpoint: str, own: frozenset[str] | set[
     extra = set(body) - own - set(SAMPLING_FIELDS) - INERT_FIELDS - UNSUPPORTED_FIELDS
     if extra:
         unknown.ignore(endpoint, extra)
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise InvalidRequest("only response_format {\"type\": \"text\"} is supported")
-    if body.get("tool_choice") not in (None, "none", "auto"):
-        raise InvalidRequest("tool_choice is not supported by minisgl")
     best_of = body.get("best_of")
     if best_of is not None and best_of != (body.get("n") or 1):
         raise InvalidRequest("best_of other than n is not supported by minisgl")
 
 
+def response_format_schema(fmt: Any) -> str | None:
+    """OpenAI's response_format as a JSON schema string (None: free text)."""
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return '{"type": "object"}'
+    if kind == "json_schema":  # {"json_schema": {"name", "schema", "strict"}}, or SGLang's
+        spec = fmt.get("json_schema") or fmt  # shorter {"type": "json_schema", "schema": ...}
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise InvalidRequest("response_format json_schema needs json_schema.schema, a JSON "
+                                 "object")
+        return json.dumps(schema)
+    raise InvalidRequest("response_format.type must be text, json_object or json_schema")
+
+
 def sampling_params(body: dict[str, Any], max_new_tokens: Any,
                     defaults: dict[str, Any] | None = None) -> SamplingParams:
     """`defaults` (the model's generation_config, --sampling-defaults model) fill the
-    sampling fields the request leaves out."""
+    sampling fields the request leaves out; response_format becomes a json_schema."""
     values = {ours: body[theirs] for theirs, ours in SAMPLING_FIELDS.items()
               if body.get(theirs) is not None}
+    schema = response_format_schema(body.get("response_format"))
+    if schema is not None:
+        if values.get("json_schema") not in (None, schema):
+            raise InvalidRequest("give either response_format or json_schema, not both")
+        values["json_schema"] = schema
     for name, value in (defaults or {}).items():
         values.setdefault(name, value)
     values["max_new_tokens"] = max_new_tokens

@@ -1,0 +1,106 @@
+"""Grammar backends: compile a (kind, text) grammar once, then make one matcher per request.
+
+Kinds, with SGLang's names: `json_schema` (a JSON schema, as a string), `regex`, `ebnf`
+(xgrammar's EBNF).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from collections import OrderedDict
+from typing import Any, Protocol
+
+from minisgl.errors import InvalidRequest
+
+logger = logging.getLogger(__name__)
+
+CACHE_SIZE = 1024  # compiled grammars kept (least recently used go first)
+# xgrammar's messages start with "[hh:mm:ss] /project/cpp/file.cc:123: "
+_LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+
+
+class Matcher(Protocol):
+    """One request's position in its grammar (xgrammar.GrammarMatcher has these)."""
+
+    def accept_token(self, token_id: int) -> bool: ...
+    def fill_next_token_bitmask(self, bitmask: Any, index: int = 0) -> Any: ...
+    def is_terminated(self) -> bool: ...
+
+
+class GrammarBackend:
+    """Refuses every grammar: `--grammar-backend none`, or xgrammar missing."""
+
+    name = "none"
+
+    def __init__(self, reason: str = "grammar-constrained decoding is off "
+                 "(--grammar-backend none)") -> None:
+        self.reason = reason
+
+    async def compile(self, kind: str, text: str) -> Any:
+        raise InvalidRequest(f"{kind}: {self.reason}")
+
+    def matcher(self, compiled: Any) -> Matcher:
+        raise InvalidRequest(self.reason)
+
+
+class XGrammarBackend(GrammarBackend):
+    name = "xgrammar"
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int) -> None:
+        import xgrammar
+
+        super().__init__()
+        self._xgr = xgrammar
+        info = xgrammar.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size)
+        self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+
+    def _compile(self, kind: str, text: str) -> Any:
+        if kind == "json_schema":
+            # NOTE: compact JSON (no free whitespace): a small model must not be able to
+            # wander off into endless newlines inside an object
+            return self._compiler.compile_json_schema(text, any_whitespace=False)
+        if kind == "regex":
+            return self._compiler.compile_regex(text)
+        if kind == "ebnf":
+            return self._compiler.compile_grammar(text)
+        raise InvalidRequest(f"unknown grammar kind {kind!r}")
+
+    async def compile(self, kind: str, text: str) -> Any:
+        """The compiled grammar (cached by kind and text), compiled on a worker thread: the
+        request waits for it, the event loop does not. Raises InvalidRequest with the
+        compiler's message."""
+        key = (kind, text)
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            return self._cache[key]
+        try:
+            compiled = await asyncio.to_thread(self._compile, kind, text)
+        except InvalidRequest:
+            raise
+        except Exception as exc:  # the compiler's parse error
+            message = _LOCATION.sub("", str(exc).strip().splitlines()[0] if str(exc) else "")
+            raise InvalidRequest(f"invalid {kind}: {message or type(exc).__name__}") from None
+        self._cache[key] = compiled
+        if len(self._cache) > CACHE_SIZE:
+            self._cache.popitem(last=False)
+        return compiled
+
+    def matcher(self, compiled: Any) -> Matcher:
+        return self._xgr.GrammarMatcher(compiled)
+
+
+def create_grammar_backend(name: str, hf_tokenizer: Any | None,
+                           vocab_size: int) -> GrammarBackend:
+    if name == "none":
+        return GrammarBackend()
+    if hf_tokenizer is None:
+        return GrammarBackend("grammar-constrained decoding needs a tokenizer; this model has "
+                              "none")
+    try:
+        return XGrammarBackend(hf_tokenizer, vocab_size)
+    except ImportError:
+        logger.warning("xgrammar is not installed: requests with a grammar will be refused")
+        return GrammarBackend("xgrammar is not installed (pip install xgrammar)")

@@ -1,0 +1,50 @@
+"""The scheduler's counters, and the state report built from them and its managers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from minisgl.engine import Engine
+from minisgl.scheduler.cache import CacheManager
+from minisgl.scheduler.decode import DecodeManager
+from minisgl.scheduler.prefill import PrefillManager
+
+
+@dataclass
+class SchedulerStats:
+    tokens_generated: int = 0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    batches: int = 0
+    retractions: int = 0
+    integrity_error: str | None = None
+
+
+def report(stats: SchedulerStats, cache: CacheManager, prefill: PrefillManager,
+           decode: DecodeManager, engine: Engine, pending_new: int) -> dict[str, Any]:
+    """The scheduler's state as /get_server_info and /metrics show it."""
+    ps = cache.page_size
+    pool_tokens = cache.num_pages * ps
+    used = cache.used_pages * ps
+    return {
+        "num_running_reqs": len(decode) + (prefill.chunked is not None),
+        "num_waiting_reqs": len(prefill.waiting) + pending_new,
+        "kv_pool_tokens": pool_tokens,
+        "kv_used_tokens": used,
+        "kv_cached_tokens": cache.cached_size,
+        "kv_usage": used / pool_tokens,
+        "free_pages": cache.num_free,
+        "prompt_tokens": stats.prompt_tokens,
+        "cached_prompt_tokens": stats.cached_prompt_tokens,
+        "cache_hit_rate": stats.cached_prompt_tokens / max(stats.prompt_tokens, 1),
+        "generated_tokens": stats.tokens_generated,
+        "batches": stats.batches,
+        "retractions": stats.retractions,
+        "new_token_ratio": prefill.ratio.value,
+        "engine_busy_seconds": engine.busy_seconds,
+        **{f"engine_{phase}_seconds": seconds
+           for phase, seconds in engine.phase_seconds.items()},
+        **{f"engine_{phase}_steps": steps for phase, steps in engine.phase_steps.items()},
+        "integrity_error": stats.integrity_error,
+    }

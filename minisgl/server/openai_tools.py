@@ -1,0 +1,153 @@
+"""Tool calls on /v1/chat/completions: the tools go into the prompt, `required` and a named
+function are grammar-constrained (the call always parses and its arguments follow the
+function's schema), and `auto` output is parsed (`--tool-call-parser`).
+
+Prompt: a chat template that takes `tools` gets them. Otherwise a system message lists them
+and asks for calls in the hermes style, which the default parser reads:
+    <tool_call>
+    {"name": "<function>", "arguments": {...}}
+    </tool_call>
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from minisgl.errors import InvalidRequest
+
+PARSERS = ("hermes", "llama3")
+HERMES_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*(?:</tool_call>|$)", re.DOTALL)
+DEFAULT_PROMPT = (
+    "You can call functions. Here they are, as JSON schemas:\n{tools}\n"
+    "To call one, answer with\n<tool_call>\n"
+    '{{"name": <function name>, "arguments": <the arguments as a JSON object>}}\n</tool_call>')
+
+
+@dataclass
+class ToolUse:
+    tools: list[dict[str, Any]]  # OpenAI's {"type": "function", "function": {...}}
+    choice: str | None  # "auto", "required", or the one function's name; None: "none"
+
+    @property
+    def names(self) -> list[str]:
+        return [t["function"]["name"] for t in self.tools]
+
+    def grammar(self) -> str | None:
+        """The JSON schema the answer must follow: one call's arguments for a named function,
+        a non-empty list of calls for `required`; None for `auto` (free text, parsed)."""
+        schemas = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"}
+                   for t in self.tools}
+        if self.choice in (None, "auto"):
+            return None
+        if self.choice != "required":
+            return json.dumps(schemas[self.choice])
+        calls = [{"type": "object", "properties": {"name": {"const": name},
+                                                   "arguments": schema},
+                  "required": ["name", "arguments"], "additionalProperties": False}
+                 for name, schema in schemas.items()]
+        return json.dumps({"type": "array", "minItems": 1, "items": {"anyOf": calls}})
+
+    def calls(self, text: str, parser: str) -> tuple[str | None, list[dict[str, Any]]]:
+        """(content, OpenAI tool_calls) of a finished answer."""
+        if self.choice not in (None, "auto", "required"):
+            return None, [_call(self.choice, json.loads(text))]
+        if self.choice == "required":
+            return None, [_call(c["name"], c["arguments"]) for c in json.loads(text)]
+        if self.choice is None:
+            return text, []
+        return parse_calls(text, parser, set(self.names))
+
+
+def _call(name: str, arguments: Any) -> dict[str, Any]:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": json.dumps(arguments)}}
+
+
+def parse_calls(text: str, parser: str, names: set[str]
+                ) -> tuple[str | None, list[dict[str, Any]]]:
+    """Calls of known functions in free text; what is not a call stays content."""
+    found: list[tuple[str, Any]] = []
+    if parser == "hermes":
+        for match in HERMES_CALL.finditer(text):
+            call = _load(match.group(1))
+            if call is not None and call.get("name") in names:
+                found.append((call["name"], call.get("arguments", {})))
+        content = HERMES_CALL.sub("", text).strip() if found else text
+    else:  # llama3: the whole answer is the call(s), JSON, optionally after <|python_tag|>
+        body = text.strip().removeprefix("<|python_tag|>")
+        for part in body.split(";"):
+            call = _load(part.strip())
+            if call is None or call.get("name") not in names:
+                return text, []
+            found.append((call["name"], call.get("parameters", call.get("arguments", {}))))
+        content = ""
+    return (content or None), [_call(name, arguments) for name, arguments in found]
+
+
+def _load(text: str) -> dict[str, Any] | None:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def parse_tool_use(body: dict[str, Any]) -> ToolUse | None:
+    """The request's tools and tool_choice, checked; None when no tool may be called."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools is None or tools == []:
+        if choice not in (None, "none", "auto"):
+            raise InvalidRequest("tool_choice needs tools")
+        return None
+    if not isinstance(tools, list) or not all(
+            isinstance(t, dict) and t.get("type", "function") == "function"
+            and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str) and t["function"]["name"]
+            for t in tools):
+        raise InvalidRequest("tools must be a list of {\"type\": \"function\", \"function\": "
+                             "{\"name\", \"description\", \"parameters\"}}")
+    for tool in tools:
+        parameters = tool["function"].get("parameters")
+        if parameters is not None and not isinstance(parameters, dict):
+            raise InvalidRequest(f"tools: {tool['function']['name']}.parameters must be a "
+                                 "JSON schema object")
+    names = [t["function"]["name"] for t in tools]
+    if choice in (None, "auto", "none", "required"):
+        return None if choice == "none" else ToolUse(tools, choice or "auto")
+    if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        if name not in names:
+            raise InvalidRequest(f"tool_choice names {name!r}, which is not among the tools "
+                                 f"({', '.join(names)})")
+        return ToolUse(tools, name)
+    raise InvalidRequest("tool_choice must be none, auto, required or "
+                         "{\"type\": \"function\", \"function\": {\"name\": ...}}")
+
+
+def render_tools(messages: list[dict[str, Any]], use: ToolUse, template_takes_tools: bool
+                 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """(messages, extra template kwargs) that put the tools into the prompt; earlier calls
+    and their results are written as text where the template cannot take them."""
+    if template_takes_tools:
+        return messages, {"tools": use.tools}
+    listing = "\n".join(json.dumps(t["function"]) for t in use.tools)
+    system = DEFAULT_PROMPT.format(tools=listing)
+    out = []
+    for m in messages:
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            calls = "\n".join(
+                "<tool_call>\n" + json.dumps({"name": c["function"]["name"],
+                                              "arguments": _load(c["function"]["arguments"])
+                                              or {}}) + "\n</tool_call>"
+                for c in m["tool_calls"])
+            m = {"role": "assistant", "content": (m.get("content") or "") + calls}
+        out.append({k: v for k, v in m.items() if k in ("role", "content")})
+    if out and out[0]["role"] in ("system", "developer"):
+        out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + system}
+    else:
+        out.insert(0, {"role": "system", "content": system})
+    return out, {}
