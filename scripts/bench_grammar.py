@@ -38,7 +38,7 @@ class MaskTimer:
             original(batch)
             self.seconds += time.perf_counter() - started
             self.calls += 1
-            self.rows += len(grammar.rows)
+            self.rows += len(grammar.row_ids)
 
         ScheduledBatch.fill_masks = timed  # type: ignore[method-assign]
 

@@ -44,7 +44,8 @@ class GrammarMask:
     wait is on the CPU engine thread. On CUDA the scheduler's own thread enqueues the step, so
     there the scheduler settles the batch in flight and fills the mask before launching."""
 
-    rows: torch.Tensor  # [R] int64 on the device: rows of the batch
+    row_ids: list[int]  # rows of the batch
+    rows: torch.Tensor  # the same, [R] int64 on the device
     bitmask: torch.Tensor  # [R, ceil(vocab / 32)] int32 on the host
     ready: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 

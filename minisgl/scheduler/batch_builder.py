@@ -36,7 +36,7 @@ class ScheduledBatch:
         grammar = self.fwd.grammar
         if grammar is None or grammar.filled:
             return
-        for j, i in enumerate(grammar.rows.tolist()):
+        for j, i in enumerate(grammar.row_ids):
             req = self.reqs[i]
             if not req.is_finished:  # NOTE: a finished row's token is dropped anyway
                 req.matcher.fill_next_token_bitmask(grammar.bitmask, j)
@@ -120,7 +120,7 @@ class BatchBuilder:
         if not rows:
             return None
         words = -(-self.engine.arch.vocab_size // 32)
-        return GrammarMask(torch.tensor(rows).to(self.engine.device, non_blocking=True),
+        return GrammarMask(rows, torch.tensor(rows).to(self.engine.device, non_blocking=True),
                            torch.full((len(rows), words), -1, dtype=torch.int32))
 
     def _scored_rows(self, reqs: list[Req], starts: list[int], counts: list[int]
