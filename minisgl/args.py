@@ -80,8 +80,21 @@ class ServerArgs:
     page_size: int | None = _flag(
         None, "Tokens per KV page (default: 1 on GPU; 16 on CPU, where reading a request's KV "
         "in runs of a page is much faster than from scattered tokens).")
-    schedule_policy: str = _flag("fcfs", "Order of the waiting queue: fcfs or lpm (longest "
-                                 "prefix match first).", choices=["fcfs", "lpm"])
+    schedule_policy: str = _flag(
+        "fcfs", "Order of the waiting queue: fcfs, lpm (longest cached prefix first), lof "
+        "(longest output first) or random.", choices=["fcfs", "lpm", "lof", "random"])
+    enable_priority_scheduling: bool = _flag(
+        False, "Order the waiting queue by each request's `priority` (higher first), let an "
+        "urgent request preempt a running one, and displace the least urgent waiting one "
+        "when the queue is full.")
+    schedule_low_priority_values_first: bool = _flag(
+        False, "With priority scheduling: lower `priority` values are more urgent.")
+    priority_scheduling_preemption_threshold: int = _flag(
+        10, "With priority scheduling: how much more urgent a waiting request must be than a "
+        "running one to preempt it.")
+    enable_mixed_chunk: bool = _flag(
+        False, "Run the decodes in the same forward as a prefill chunk, so streams keep "
+        "producing tokens while a long prompt is prefilled.")
     disable_radix_cache: bool = _flag(False, "Use no prefix cache.")
     disable_overlap_schedule: bool = _flag(
         False, "Process each batch's results before launching the next one.")
@@ -106,6 +119,10 @@ class ServerArgs:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{flag(name)} must be an integer >= 1, got {value!r}")
+        threshold = self.priority_scheduling_preemption_threshold
+        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+            raise ValueError("--priority-scheduling-preemption-threshold must be an integer "
+                             f">= 0, got {threshold!r}")
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port!r}")
         fraction = self.mem_fraction_static
@@ -113,7 +130,7 @@ class ServerArgs:
             raise ValueError(f"--mem-fraction-static must be in (0, 1], got {fraction}")
         for name, choices in (("dtype", DTYPE_CHOICES), ("device", ("auto", "cuda", "cpu")),
                               ("load_format", ("auto", "dummy")),
-                              ("schedule_policy", ("fcfs", "lpm")),
+                              ("schedule_policy", ("fcfs", "lpm", "lof", "random")),
                               ("sampling_defaults", ("model", "openai")),
                               ("grammar_backend", ("xgrammar", "none")),
                               ("tool_call_parser", ("hermes", "llama3")),

@@ -209,7 +209,8 @@ class Req:
     """One sequence being served.
 
     Positions [0, kv_len) have K/V computed (or being computed by a launched batch), of which
-    [0, shared_len) are pages the prefix cache lent it at its last admission; tokens
+    [0, shared_len) are pages the prefix cache holds for it (lent at admission, or its own
+    prefilled pages handed over: see scheduler.prefill); tokens
     [0, device_len) are known on the device (`token_pool`). `host_ids` holds the tokens the
     host has seen: the prompt plus every processed output token. `cached_tokens` is what the
     client is told: prompt tokens the prefix cache served at the first admission.
@@ -238,6 +239,7 @@ class Req:
     input_logprobs_sent: bool = False  # delivered with the first output token
     cached_tokens: int = 0
     matcher: Any = None  # the grammar's state (grammar.backend.Matcher), or None
+    priority: int = 0  # with priority scheduling: higher first (see scheduler.policy)
 
     @property
     def host_ids(self) -> list[int]:
@@ -277,7 +279,9 @@ class Req:
         return self is other
 
 
-Phase = Literal["prefill", "decode"]
+# A mixed batch (--enable-mixed-chunk) is a prefill whose last `decode_rows` rows are running
+# requests decoding one token each.
+Phase = Literal["prefill", "decode", "mixed"]
 
 
 @dataclass
@@ -294,6 +298,7 @@ class Batch:
     input_positions: torch.Tensor | None = None  # [num_tokens]
     out_loc: torch.Tensor | None = None  # [num_tokens] KV slot each new token writes to
     attn_metadata: Any = None
+    decode_rows: int = 0  # mixed: the trailing rows that decode
 
     @property
     def is_decode(self) -> bool:

@@ -58,6 +58,14 @@ def make_dataset(args: argparse.Namespace) -> list[tuple[list[int], int]]:
 
 
 def request_body(args: argparse.Namespace, prompt: list[int], output_len: int) -> tuple[str, dict]:
+    path, body = _request_body(args, prompt, output_len)
+    if getattr(args, "priority", None) is not None:
+        body["priority"] = args.priority
+    return path, body
+
+
+def _request_body(args: argparse.Namespace, prompt: list[int], output_len: int
+                  ) -> tuple[str, dict]:
     if args.backend == "sglang":
         return "/generate", {"input_ids": prompt, "stream": True, "sampling_params": {
             "max_new_tokens": output_len, "ignore_eos": args.ignore_eos,
@@ -218,6 +226,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prefix-len", type=int, default=256)
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--priority", type=int, default=None,
+                        help="send this `priority` with every request (SGLang's field)")
     parser.add_argument("--token-low", type=int, default=100)
     parser.add_argument("--token-high", type=int, default=20000)
     parser.add_argument("--probe-health", action="store_true",

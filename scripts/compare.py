@@ -124,15 +124,17 @@ def _collect(server: Server, ready: threading.Event) -> None:
     ready.set()
 
 
-def start_minisgl(overlap: bool, max_running: int, max_total_tokens: int) -> Server:
+def start_minisgl(overlap: bool, max_running: int, max_total_tokens: int,
+                  extra: tuple[str, ...] = ()) -> Server:
     cmd = [sys.executable, "-m", "minisgl", "serve", "--port", "0", "--log-level", "warning",
            "--max-running-requests", str(max_running), "--max-total-tokens",
-           str(max_total_tokens)]
+           str(max_total_tokens), *extra]
     if not overlap:
         cmd.append("--disable-overlap-schedule")
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    server = Server("minisgl" + ("" if overlap else " --disable-overlap-schedule"), proc)
+    server = Server(" ".join(["minisgl", *extra] + ([] if overlap else
+                                                    ["--disable-overlap-schedule"])), proc)
     ready = threading.Event()
     threading.Thread(target=_collect, args=(server, ready), daemon=True).start()
     if not ready.wait(300) or not server.url:

@@ -275,7 +275,9 @@ def _serve(*flags: str, timeout: float = 60) -> subprocess.CompletedProcess:
     (("--max-total-tokens", "-5"), "--max-total-tokens"),
     (("--chunked-prefill-size", "0"), "--chunked-prefill-size"),
     (("--mem-fraction-static", "1.5"), "--mem-fraction-static"),
-    (("--schedule-policy", "random"), "--schedule-policy"),
+    (("--schedule-policy", "bogus"), "--schedule-policy"),
+    (("--priority-scheduling-preemption-threshold", "-1"),
+     "--priority-scheduling-preemption-threshold"),
     (("--max-stop-strings", "0"), "--max-stop-strings"),
     (("--tp-size", "x"), "--tp-size"),
 ])

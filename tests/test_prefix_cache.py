@@ -386,3 +386,45 @@ def test_fuzz(page_size: int, seed: int) -> None:
     free.update(cache.evict(cache.size).tolist())
     check(cache, 0, 0)
     assert free == set(range(num_pages * p))
+
+
+@pytest.mark.parametrize("page_size", [4])  # NOTE: a partial last page needs page_size > 1
+def test_share_hands_a_running_requests_pages_to_the_cache(page_size: int) -> None:
+    """CacheManager.share: the prefilled whole pages of a live request become matchable (and
+    stay locked by it); its release then frees only what the cache does not hold."""
+    from minisgl.scheduler.cache import CacheManager
+    cache = RadixCache(page_size)
+    manager = CacheManager(16, page_size, cache)
+    tokens = seq(page_size, 1, 2, 3) + [7]
+    handle, _ = manager.match(tokens)
+    manager.lock(handle)
+    pages = manager.allocate(4)
+    kv = (pages[:, None] * page_size + torch.arange(page_size)).flatten()[:len(tokens)]
+    shared_len, handle = manager.share(tokens, kv[:2 * page_size], 0, handle)
+    assert shared_len == 2 * page_size
+    check(cache, evictable=0, protected=2 * page_size)
+    found, locs = manager.match(seq(page_size, 1, 2, 9))
+    assert found.length == 2 * page_size and locs.tolist() == kv[:2 * page_size].tolist()
+    assert manager.share(tokens, kv[:2 * page_size + 1], shared_len, handle) is None  # no new page
+    shared_len, handle = manager.share(tokens, kv, shared_len, handle)
+    assert shared_len == 3 * page_size
+    check(cache, evictable=0, protected=3 * page_size)
+    manager.release(tokens, kv, shared_len, handle)
+    check(cache, evictable=3 * page_size, protected=0)
+    assert manager.num_free == 16 - 3  # the partial last page went back
+
+
+def test_share_skips_what_another_request_cached_meanwhile(page_size: int) -> None:
+    from minisgl.scheduler.cache import CacheManager
+    cache = RadixCache(page_size)
+    manager = CacheManager(16, page_size, cache)
+    tokens = seq(page_size, 1, 2)
+    handle, _ = manager.match(tokens)
+    manager.lock(handle)
+    mine = (manager.allocate(2)[:, None] * page_size + torch.arange(page_size)).flatten()
+    theirs = (manager.allocate(2)[:, None] * page_size + torch.arange(page_size)).flatten()
+    cache.insert(tokens, theirs)
+    assert manager.share(tokens, mine, 0, handle) is None
+    assert NaiveCache(page_size).holds_prefixes is False
+    naive = CacheManager(16, page_size, NaiveCache(page_size))
+    assert naive.share(tokens, mine, 0, naive.match(tokens)[0]) is None

@@ -216,17 +216,18 @@ def test_finish_conditions() -> None:
         llm.check_integrity()
 
 
-def test_abort_fuzz_keeps_every_page_accounted_for() -> None:
-    """Hundreds of requests of random lengths; random ones aborted at random moments (waiting,
-    prefilling, decoding). Integrity holds throughout, and every page is free at the end."""
-    # NOTE: the bookkeeping under test does not depend on the weights. A 4-layer dummy-weight
-    # SmolLM2 is ~3x cheaper and still lands ~90 aborts (the real model: ~97).
-    args = ServerArgs(dtype="bfloat16", max_total_tokens=3000, max_running_requests=24,
-                      chunked_prefill_size=128, page_size=2, load_format="dummy",
-                      json_model_override_args='{"num_hidden_layers": 4}')
+FUZZ_ARGS = dict(dtype="bfloat16", max_total_tokens=3000, max_running_requests=24,
+                 chunked_prefill_size=128, page_size=2, load_format="dummy",
+                 json_model_override_args='{"num_hidden_layers": 4}')
+
+
+def abort_fuzz(args: ServerArgs, priorities: tuple[int, ...] = (0,)) -> tuple[int, dict]:
+    """Hundreds of requests of random lengths (and priorities); random ones aborted at random
+    moments (waiting, prefilling, decoding). Integrity holds throughout, every page is free
+    once the cache is flushed. Returns the aborts that landed and the scheduler's state."""
     rng = random.Random(11)
 
-    async def scenario() -> tuple[int, int]:
+    async def scenario() -> tuple[int, dict]:
         runtime = Runtime(args)
         await runtime.start()
         manager = runtime.requests
@@ -237,7 +238,8 @@ def test_abort_fuzz_keeps_every_page_accounted_for() -> None:
                 rng.randrange(100, 20000) for _ in range(rng.randint(1, 300))]
             params = SamplingParams(max_new_tokens=rng.randint(1, 40), ignore_eos=True,
                                     temperature=rng.choice([0, 1.0]))
-            handles += manager.submit([RequestSpec(prompt, params)])
+            spec = RequestSpec(prompt, params, priority=rng.choice(priorities))
+            handles += manager.submit([spec])
             for _ in range(rng.randint(0, 2)):
                 await asyncio.sleep(rng.random() * 0.02)
             if rng.random() < 0.4:
@@ -255,11 +257,17 @@ def test_abort_fuzz_keeps_every_page_accounted_for() -> None:
             assert reason["type"] in ("length", "abort"), reason
             if reason["type"] == "length":
                 assert len(h.output_ids) == reason["length"]
+        state = runtime.state()
         scheduler.cache.reset_cache()
-        free = scheduler.cache.num_free
+        assert scheduler.cache.num_free == scheduler.cache.num_pages, "pages leaked"
         await runtime.stop()
-        return aborted, free
+        return aborted, state
 
-    aborted, free = asyncio.run(scenario())
+    return asyncio.run(scenario())
+
+
+def test_abort_fuzz_keeps_every_page_accounted_for() -> None:
+    # NOTE: the bookkeeping under test does not depend on the weights. A 4-layer dummy-weight
+    # SmolLM2 is ~3x cheaper and still lands ~90 aborts (the real model: ~97).
+    aborted, _ = abort_fuzz(ServerArgs(**FUZZ_ARGS))
     assert aborted > 50, f"only {aborted} aborts landed on live requests"
-    assert free == 1500  # 3000 tokens / page_size 2: everything free after the cache is flushed

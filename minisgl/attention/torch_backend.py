@@ -1,5 +1,6 @@
 """Torch paged attention: SDPA per request for prefill; for decode a compiled CPU kernel that
-reads K/V in place, or (without a compiler, or on CUDA) grouped matmuls over gathered K/V.
+reads K/V in place, or (without a compiler, or on CUDA) grouped matmuls over gathered K/V. A
+mixed batch runs both: its prefill tokens, then its decode tokens.
 
 On CPU, SDPA with a single query token is slower than two batched matmuls, and the gather in
 front of those matmuls moves about as many bytes as the weights at large batches, which the
@@ -53,6 +54,16 @@ class PrefillSegment:
         return self.start + self.count * self.length
 
 
+@dataclass
+class MixedMetadata:
+    """A mixed batch: prefill segments over the first `prefill_tokens` tokens, then one
+    decode token per running request."""
+
+    prefill: list[PrefillSegment]
+    decode: DecodeMetadata
+    prefill_tokens: int
+
+
 class TorchBackend(AttentionBackend):
     def __init__(self, kv_pool: KVPool, page_table: torch.Tensor, scale: float) -> None:
         super().__init__(kv_pool, page_table, scale)
@@ -63,11 +74,22 @@ class TorchBackend(AttentionBackend):
 
     def prepare_metadata(self, batch: Batch) -> None:
         if batch.is_decode:
-            batch.attn_metadata = self._decode_metadata(batch)
+            batch.attn_metadata = self._decode_metadata(batch.table_rows, batch.seq_lens)
             return
+        n = batch.size - batch.decode_rows  # prefill rows
+        segments = self._prefill_segments(batch.table_rows[:n], batch.cached_lens[:n],
+                                          batch.seq_lens[:n])
+        if batch.decode_rows == 0:
+            batch.attn_metadata = segments
+            return
+        decode = self._decode_metadata(batch.table_rows[n:], batch.seq_lens[n:])
+        batch.attn_metadata = MixedMetadata(segments, decode, sum(batch.extend_lens[:n]))
+
+    def _prefill_segments(self, table_rows: list[int], cached_lens: list[int],
+                          seq_lens: list[int]) -> list[PrefillSegment]:
         segments: list[PrefillSegment] = []
         start = 0
-        for row, cached, seq_len in zip(batch.table_rows, batch.cached_lens, batch.seq_lens):
+        for row, cached, seq_len in zip(table_rows, cached_lens, seq_lens):
             length = seq_len - cached
             if cached > 0:
                 segments.append(PrefillSegment(start, 1, length, cached,
@@ -77,19 +99,25 @@ class TorchBackend(AttentionBackend):
             else:
                 segments.append(PrefillSegment(start, 1, length))
             start += length
-        batch.attn_metadata = segments
+        return segments
 
-    def _decode_metadata(self, batch: Batch) -> DecodeMetadata:
+    def _decode_metadata(self, table_rows: list[int], seq_lens: list[int]) -> DecodeMetadata:
         device = self.page_table.device
-        return DecodeMetadata(torch.tensor(batch.table_rows, device=device),
-                              torch.tensor(batch.seq_lens, device=device), max(batch.seq_lens))
+        return DecodeMetadata(torch.tensor(table_rows, device=device),
+                              torch.tensor(seq_lens, device=device), max(seq_lens))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: Batch) -> torch.Tensor:
         k_cache, v_cache = self.kv_pool.store(layer_id, batch.out_loc, k, v)
+        meta = batch.attn_metadata
         if batch.is_decode:
-            return self._decode(q, k_cache, v_cache, batch.attn_metadata)
-        return self._prefill(q, k, v, k_cache, v_cache, batch.attn_metadata)
+            return self._decode(q, k_cache, v_cache, meta)
+        if not isinstance(meta, MixedMetadata):
+            return self._prefill(q, k, v, k_cache, v_cache, meta)
+        split = meta.prefill_tokens
+        return torch.cat((self._prefill(q[:split], k[:split], v[:split], k_cache, v_cache,
+                                        meta.prefill),
+                          self._decode(q[split:], k_cache, v_cache, meta.decode)))
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: DecodeMetadata) -> torch.Tensor:

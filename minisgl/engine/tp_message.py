@@ -10,7 +10,7 @@ import torch
 
 from minisgl.core import Batch, Phase
 
-PHASES: tuple[Phase, Phase] = ("prefill", "decode")  # NOTE: the wire codes 0, 1; -1 is STOP
+PHASES: tuple[Phase, ...] = ("prefill", "decode", "mixed")  # NOTE: wire codes 0..2; -1 is STOP
 
 
 @dataclass
@@ -31,13 +31,14 @@ class StepMessage:
     write_indices: torch.Tensor
     logit_rows: torch.Tensor | None
     logits_only: bool = False
+    decode_rows: int = 0
     token_writes: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (row, ids)
     location_writes: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     def pack(self) -> list[np.ndarray]:
         tokens, locations = self.token_writes, self.location_writes
         meta = [PHASES.index(self.phase), self.size, int(self.logits_only),
-                int(self.logit_rows is not None)]
+                int(self.logit_rows is not None), self.decode_rows]
         return [
             _ints(meta), _ints(self.table_rows), _ints(self.cached_lens), _ints(self.seq_lens),
             _ints(self.extend_lens), _ints(self.positions), _ints(self.out_loc),
@@ -55,7 +56,7 @@ class StepMessage:
     def unpack(cls, arrays: list[np.ndarray]) -> StepMessage:
         (meta, rows, cached, seq_lens, extend, positions, out_loc, load, write, logit_rows,
          token_rows, token_lens, token_ids, location_lens, location_idx, location_vals) = arrays
-        phase, size, logits_only, has_logit_rows = meta.tolist()
+        phase, size, logits_only, has_logit_rows, decode_rows = meta.tolist()
         tokens, at = [], 0
         for row, n in zip(token_rows.tolist(), token_lens.tolist()):
             tokens.append((row, torch.from_numpy(token_ids[at:at + n])))
@@ -69,7 +70,7 @@ class StepMessage:
                    extend.tolist(), torch.from_numpy(positions), torch.from_numpy(out_loc),
                    torch.from_numpy(load), torch.from_numpy(write),
                    torch.from_numpy(logit_rows) if has_logit_rows else None, bool(logits_only),
-                   tokens, locations)
+                   decode_rows, tokens, locations)
 
     def replay_writes(self, token_pool: torch.Tensor, page_table: torch.Tensor) -> None:
         device = token_pool.device
@@ -81,7 +82,7 @@ class StepMessage:
     def batch(self, device: torch.device) -> Batch:
         return Batch(self.phase, self.size, self.table_rows, self.cached_lens, self.seq_lens,
                      self.extend_lens, input_positions=self.positions.to(device),
-                     out_loc=self.out_loc.to(device))
+                     out_loc=self.out_loc.to(device), decode_rows=self.decode_rows)
 
 
 def _ints(values: object) -> np.ndarray:

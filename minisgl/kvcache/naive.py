@@ -10,6 +10,8 @@ _NO_MATCH = CacheHandle(length=0)
 
 
 class NaiveCache(PrefixCache):
+    holds_prefixes = False
+
     def match_prefix(self, token_ids: list[int]) -> tuple[CacheHandle, torch.Tensor]:
         return _NO_MATCH, empty_locations()
 

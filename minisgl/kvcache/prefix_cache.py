@@ -24,6 +24,8 @@ class CacheHandle:
 
 
 class PrefixCache(ABC):
+    holds_prefixes = True  # False: a cache that keeps nothing (NaiveCache)
+
     def __init__(self, page_size: int) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")

@@ -71,10 +71,13 @@ class Metrics:
             "generated_tokens": "Tokens generated",
             "cached_prompt_tokens": "Prompt tokens served from the prefix cache",
             "retractions": "Requests sent back to the waiting queue for lack of KV pages",
+            "preemptions": "Running requests sent back to the waiting queue for a more urgent one",
             "engine_decode_steps": "Decode steps run",
             "engine_decode_seconds": "Seconds in decode steps (CPU: compute; CUDA: launch only)",
             "engine_prefill_steps": "Prefill steps run",
             "engine_prefill_seconds": "Seconds in prefill steps (CPU: compute; CUDA: launch only)",
+            "engine_mixed_steps": "Mixed steps run (a prefill chunk with the running decodes)",
+            "engine_mixed_seconds": "Seconds in mixed steps (CPU: compute; CUDA: launch only)",
         }
         lines = []
         for key, help in gauges.items():

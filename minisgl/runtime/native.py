@@ -30,11 +30,11 @@ MAX_TOP_LOGPROBS = 100  # native API; the OpenAI endpoints allow 20, as OpenAI d
 SUPPORTED_FIELDS = frozenset({
     "text", "input_ids", "sampling_params", "rid", "stream", "return_logprob",
     "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs", "log_metrics",
-    "return_prompt_token_ids"})
+    "return_prompt_token_ids", "priority"})
 # Bookkeeping, routing and tracing hints: nothing of the output depends on them.
 INERT_FIELDS = frozenset({
     "no_logs", "conversation_id", "custom_labels", "external_trace_header",
-    "received_time", "routing_key", "priority", "http_worker_ipc"})
+    "received_time", "routing_key", "http_worker_ipc"})
 # Features minisgl does not have (multimodal, LoRA, sessions, hidden states, disaggregation,
 # data parallelism, custom logit processors, cache namespaces, extra logprob forms, ...).
 UNSUPPORTED_FIELDS = frozenset({
@@ -99,6 +99,13 @@ def check_int(value: Any, name: str, low: int, high: int | None = None) -> int:
     if not is_int(value) or value < low or (high is not None and value > high):
         bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
         raise InvalidRequest(f"{name} must be an integer {bound}, got {value!r}")
+    return value
+
+
+def check_priority(value: Any) -> int | None:
+    """A request's `priority` (used with --enable-priority-scheduling): an integer or null."""
+    if value is not None and not is_int(value):
+        raise InvalidRequest(f"priority must be an integer, got {value!r}")
     return value
 
 
@@ -197,8 +204,10 @@ def parse_generate(body: dict[str, Any], max_sequences: int,
                     lambda v: check_int(v, "top_logprobs_num", 0, MAX_TOP_LOGPROBS), single)
     starts = per_item(body.get("logprob_start_len"), count, "logprob_start_len",
                       lambda v: check_int(none_as(v, -1), "logprob_start_len", -1), single)
-    for p, sp, r, w, k, start in zip(prompts, params, rids, want, tops, starts):
-        p.params, p.rid, p.logprob_num = sp, r, (k if w else -1)
+    priorities = per_item(body.get("priority"), count, "priority", check_priority, single)
+    for p, sp, r, w, k, start, prio in zip(prompts, params, rids, want, tops, starts,
+                                           priorities):
+        p.params, p.rid, p.logprob_num, p.priority = sp, r, (k if w else -1), prio
         p.logprob_start_len = start if w else -1
 
     def flag(name: str, default: bool) -> bool:

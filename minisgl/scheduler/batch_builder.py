@@ -57,8 +57,19 @@ class BatchBuilder:
         return self._build("decode", reqs, [r.kv_len for r in reqs], [1] * len(reqs),
                            [True] * len(reqs), locations)
 
+    def mixed(self, chunks: list[PrefillChunk], decodes: list[Req], locations: torch.Tensor
+              ) -> ScheduledBatch:
+        """The prefill chunks, then one decode row per running request (`locations`: theirs)."""
+        return self._build("mixed", [c.req for c in chunks] + decodes,
+                           [c.start for c in chunks] + [r.kv_len for r in decodes],
+                           [c.count for c in chunks] + [1] * len(decodes),
+                           [c.is_last for c in chunks] + [True] * len(decodes),
+                           torch.cat([c.locations for c in chunks] + [locations]),
+                           decode_rows=len(decodes))
+
     def _build(self, phase: Phase, reqs: list[Req], starts: list[int], counts: list[int],
-               last_chunk: list[bool], locations: torch.Tensor) -> ScheduledBatch:
+               last_chunk: list[bool], locations: torch.Tensor, decode_rows: int = 0
+               ) -> ScheduledBatch:
         ctx = self.table.context_len
         device = self.engine.device
         rows = [r.table_idx for r in reqs]
@@ -78,16 +89,17 @@ class BatchBuilder:
                               for req, r, e, last in zip(reqs, rows, ends, last_chunk)])
         batch = Batch(phase, len(reqs), table_rows=rows, cached_lens=starts, seq_lens=ends,
                       extend_lens=counts, input_positions=positions.to(device, non_blocking=True),
-                      out_loc=locations.to(device, non_blocking=True))
+                      out_loc=locations.to(device, non_blocking=True), decode_rows=decode_rows)
         self.engine.prepare(batch)
         sample_args = self.engine.sampler.prepare(
             reqs, prompt_lens=[len(r.prompt_ids) for r in reqs],
             output_counts=[e - len(r.prompt_ids) for r, e in zip(reqs, ends)],
             table_rows=rows, seq_lens=ends, logprob_nums=[r.logprob_num for r in reqs])
         rows_host, scored = None, None  # prefill: each last token, then any scored rows
-        if phase == "prefill":
+        if phase != "decode":
             rows_host = counts_t.cumsum(0) - 1
-            scored_rows = self._scored_rows(reqs, starts, counts)
+            prefills = len(reqs) - decode_rows
+            scored_rows = self._scored_rows(reqs[:prefills], starts, counts)
             if scored_rows is not None:
                 extra, scored = scored_rows
                 rows_host = torch.cat([rows_host, extra])
@@ -103,7 +115,8 @@ class BatchBuilder:
             tokens, location_writes = self.table.take_log()
             message = StepMessage(phase, batch.size, batch.table_rows, batch.cached_lens,
                                   batch.seq_lens, batch.extend_lens, positions, locations, load,
-                                  write, rows_host, token_writes=tokens,
+                                  write, rows_host, decode_rows=decode_rows,
+                                  token_writes=tokens,
                                   location_writes=location_writes)
         fwd = ForwardInput(batch=batch, load_indices=load.to(device, non_blocking=True),
                            write_indices=write.to(device, non_blocking=True),

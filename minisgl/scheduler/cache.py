@@ -1,4 +1,5 @@
-"""KV pages: the free-page stack plus the prefix cache that holds pages of finished requests.
+"""KV pages: the free-page stack plus the prefix cache, which holds the pages of finished
+requests and the prefilled pages of running ones.
 
 A page is free, owned by exactly one live request, or held by the prefix cache (locked while
 live requests use it as their prefix). Eviction moves unlocked cached pages back to free.
@@ -86,6 +87,25 @@ class CacheManager:
         self.prefix_cache.unlock(handle)
         tail = locations[max(aligned, owned_from):]
         self.free_locations(tail)
+
+    def share(self, token_ids: list[int], locations: torch.Tensor, shared_len: int,
+              handle: CacheHandle) -> tuple[int, CacheHandle] | None:
+        """Hand a live request's whole pages past `shared_len` to the prefix cache (locked by
+        it), so later requests can match them while it runs. Returns its new (shared_len,
+        handle); None if nothing changed, also when another request cached part of the same
+        tokens meanwhile (its pages stay the request's own, cached when it finishes)."""
+        aligned = min(len(locations), len(token_ids)) // self.page_size * self.page_size
+        if not self.prefix_cache.holds_prefixes or aligned <= shared_len:
+            return None
+        found, _ = self.prefix_cache.match_prefix(token_ids[:aligned])
+        if found.length != shared_len:
+            return None
+        rejected = self.prefix_cache.insert(token_ids[:aligned], locations[:aligned])
+        assert rejected.numel() == 0  # NOTE: [0, shared_len) are the cache's own locations
+        new_handle, _ = self.prefix_cache.match_prefix(token_ids[:aligned])
+        self.prefix_cache.lock(new_handle)
+        self.prefix_cache.unlock(handle)
+        return aligned, new_handle
 
     def free_page_ids(self) -> np.ndarray:
         return self._free[: self.num_free].numpy().copy()

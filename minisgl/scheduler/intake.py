@@ -24,6 +24,7 @@ class RequestSpec:
     logprob_num: int = -1  # -1: no logprobs; 0: the sampled token's; k: also the top k
     logprob_start_len: int = -1  # first prompt position of the input logprobs (-1: none)
     matcher: Any = None  # params.grammar's matcher (grammar.backend.Matcher), made on submission
+    priority: int | None = None  # used with --enable-priority-scheduling
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,8 @@ def fill_max_new_tokens(spec: Spec, limits: RequestLimits) -> Spec:
 
 def check_batch(specs: list[RequestSpec], limits: RequestLimits, rid_taken: Callable[[str], bool],
                 waiting: int) -> None:
-    """Raises InvalidRequest (naming the batch item) or QueueFull; queues nothing."""
+    """Raises InvalidRequest (naming the batch item) or QueueFull; queues nothing. `waiting`:
+    the queue's length, less what the batch may displace (priority scheduling)."""
     if not specs:
         raise InvalidRequest("the request holds no prompt")
     if len(specs) > limits.max_sequences:

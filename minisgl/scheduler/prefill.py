@@ -1,4 +1,7 @@
-"""The waiting queue and prefill admission, with chunked prefill.
+"""The waiting queue and prefill admission, with chunked prefill. Prefilled pages go to the
+prefix cache as soon as their batch is built (`share`), so a request that arrives while another
+with the same prefix runs reuses them; under lpm, a request that shares an uncached prefix with
+one admitted in the same round waits for the next round to hit it.
 
 A request is admitted when a slot is free and the pool can hold its next chunk plus a
 reservation for the decode tokens of everything running (SGLang's adaptive new-token ratio:
@@ -15,9 +18,25 @@ import torch
 from minisgl.core import Req
 from minisgl.scheduler.cache import CacheManager, locations_for, pages_spanned
 from minisgl.scheduler.decode import DecodeManager
+from minisgl.scheduler.policy import WaitingOrder
 from minisgl.scheduler.table import TableManager
 
 RESERVE_CLIP = 4096  # decode tokens reserved per request at most
+IN_BATCH_SHARE = 32  # lpm: a shared uncached prefix this long defers the later request
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    low, high = 0, n  # NOTE: a[:low] == b[:low] and a[:high] != b[:high]; list compares are C
+    while high - low > 1:
+        mid = (low + high) // 2
+        if a[:mid] == b[:mid]:
+            low = mid
+        else:
+            high = mid
+    return low
 
 
 @dataclass
@@ -27,6 +46,7 @@ class PrefillChunk:
     count: int
     is_last: bool  # the chunk ends the prompt: its sampled token is the first output
     locations: torch.Tensor
+    first: bool = False  # the first chunk after an admission (start: the cached prefix)
 
 
 class NewTokenRatio:
@@ -44,9 +64,9 @@ class NewTokenRatio:
 
 class PrefillManager:
     def __init__(self, cache: CacheManager, table: TableManager, decode: DecodeManager,
-                 policy: str) -> None:
+                 order: WaitingOrder) -> None:
         self.cache, self.table, self.decode = cache, table, decode
-        self.policy = policy
+        self.order = order
         self.waiting: deque[Req] = deque()
         self.chunked: Req | None = None  # admitted, prompt only partly prefilled
         self.ratio = NewTokenRatio()
@@ -55,16 +75,17 @@ class PrefillManager:
     def add(self, req: Req) -> None:
         self.waiting.append(req)
 
-    def requeue(self, req: Req) -> None:
+    def requeue(self, req: Req, memory_short: bool = True) -> None:
         """A retracted request (its KV released) goes first in line; it keeps its tokens and
-        prefills them again. Memory was short: assume more of each running request's tokens
-        are still to come."""
+        prefills them again. If memory was short, assume more of each running request's
+        tokens are still to come."""
         req.kv_len = req.device_len = req.shared_len = 0
         if not req.input_logprobs_sent:  # its prefill starts over, and scores again
             req.input_logprobs.clear()
             req.input_top_logprobs.clear()
         self.waiting.appendleft(req)
-        self.ratio.after_retraction()
+        if memory_short:
+            self.ratio.after_retraction()
 
     def on_decode_step(self) -> None:
         self.ratio.step()
@@ -78,11 +99,9 @@ class PrefillManager:
         tokens = sum(min(r.remain_len, RESERVE_CLIP) for r in self.decode.running)
         return int(tokens * self.ratio.value) // ps + len(self.decode.running)
 
-    def _order(self) -> list[Req]:
-        if self.policy == "lpm" and len(self.waiting) > 1:
-            lengths = {r: self.cache.match(r.host_ids)[0].length for r in self.waiting}
-            return sorted(self.waiting, key=lambda r: -lengths[r])
-        return list(self.waiting)
+    def ordered(self) -> list[Req]:
+        """The waiting queue in admission order (WaitingOrder)."""
+        return self.order.order(self.waiting, lambda r: self.cache.match(r.host_ids)[0].length)
 
     def schedule(self, budget: int) -> list[PrefillChunk]:
         chunks: list[PrefillChunk] = []
@@ -94,19 +113,41 @@ class PrefillManager:
             budget -= chunk.count
             if chunk.is_last:
                 self.chunked = None
-        for req in self._order():
+        admitted: list[Req] = []
+        for req in self.ordered():
             if budget <= 0 or self.chunked is not None or self.table.num_free == 0:
                 break
+            if self.order.shares_in_batch and self._shares_uncached(req, admitted):
+                continue  # NOTE: next round, once this round's pages are cached, it hits them
             if not self._admit(req, budget):
                 break
+            admitted.append(req)
             self.waiting.remove(req)
             chunk = self._next_chunk(req, budget)
             assert chunk is not None  # _admit checked the room for it
+            chunk.first = True
             chunks.append(chunk)
             budget -= chunk.count
             if not chunk.is_last:
                 self.chunked = req
         return chunks
+
+    def _shares_uncached(self, req: Req, admitted: list[Req]) -> bool:
+        """Whether `req` shares an uncached prefix of IN_BATCH_SHARE tokens or more with a
+        request admitted in this round (lpm's in-batch prefix sharing)."""
+        if not admitted:
+            return False
+        cached = self.cache.match(req.host_ids)[0].length
+        ids = req.host_ids
+        return any(common_prefix_len(ids, other.host_ids) - cached >= IN_BATCH_SHARE
+                   for other in admitted)
+
+    def share(self, req: Req) -> None:
+        """Let later requests match this request's prefilled pages while it runs."""
+        shared = self.cache.share(req.host_ids, self.table.locations(req.table_idx, req.kv_len),
+                                  req.shared_len, req.cache_handle)
+        if shared is not None:
+            req.shared_len, req.cache_handle = shared
 
     def _admit(self, req: Req, budget: int) -> bool:
         ps = self.cache.page_size

@@ -22,14 +22,16 @@ from minisgl.engine import Engine, ForwardOutput
 from minisgl.errors import EngineFailed, IntegrityError
 from minisgl.kvcache import NaiveCache, RadixCache
 from minisgl.scheduler.batch_builder import BatchBuilder, ScheduledBatch
-from minisgl.scheduler.cache import CacheManager, locations_for, pages_spanned
+from minisgl.scheduler.cache import CacheManager
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.decode import DecodeManager
 from minisgl.scheduler.failure import FailureBridge
 from minisgl.scheduler.intake import (RequestLimits, RequestSpec, check_batch,
                                      fill_max_new_tokens)
 from minisgl.scheduler.integrity import check_kv_integrity
+from minisgl.scheduler.policy import WaitingOrder
 from minisgl.scheduler.prefill import PrefillManager
+from minisgl.scheduler.selection import SETTLE, BatchSelector
 from minisgl.scheduler.results import ReqOutput, collect_outputs
 from minisgl.scheduler.stats import SchedulerStats, report
 from minisgl.scheduler.table import TableManager
@@ -45,11 +47,17 @@ class Scheduler:
         ps = engine.page_size
         prefix_cache = NaiveCache(ps) if config.disable_radix_cache else RadixCache(ps)
         self.cache = CacheManager(engine.kv_pool.num_pages, ps, prefix_cache)
+        self.stats = SchedulerStats()
         self.table = TableManager(engine.max_running, engine.page_table, engine.token_pool,
                                   mirror=engine.tp.size > 1)
         self.decode = DecodeManager()
-        self.prefill = PrefillManager(self.cache, self.table, self.decode, config.schedule_policy)
+        self.order = WaitingOrder(config.schedule_policy, config.enable_priority_scheduling,
+                                  config.schedule_low_priority_values_first,
+                                  config.priority_scheduling_preemption_threshold, config.seed)
+        self.prefill = PrefillManager(self.cache, self.table, self.decode, self.order)
         self.builder = BatchBuilder(engine, self.table, ps)
+        self.selector = BatchSelector(config, self.prefill, self.decode, self.cache, self.builder,
+                                      self.order, self.stats, self._release)
         self.context_len = engine.context_len
         self.eos_ids = frozenset(engine.eos_token_ids)
         self.limits = RequestLimits(
@@ -61,7 +69,6 @@ class Scheduler:
             max_queued=config.max_queued_requests)
         self.reqs: dict[str, Req] = {}  # live requests by rid
         self.to_release: list[Req] = []  # finished, still holding a slot and pages
-        self.stats = SchedulerStats()
         self._inbox: deque[tuple[str, Any]] = deque()
         self._uids = itertools.count()
         self._wake: asyncio.Event | None = None  # made by run(), on its loop
@@ -80,8 +87,24 @@ class Scheduler:
             return rid in self.reqs or (rid_taken is not None and rid_taken(rid))
 
         specs = [fill_max_new_tokens(spec, self.limits) for spec in specs]
-        check_batch(specs, self.limits, taken, len(self.prefill.waiting) + self._pending_new())
+        waiting = len(self.prefill.waiting) + self._pending_new()
+        displaced = self._displaceable(specs, waiting)
+        check_batch(specs, self.limits, taken, waiting - len(displaced))
+        for req in displaced:  # NOTE: only once the whole batch is known to be accepted
+            self._post("finish", (req.rid, {"type": "abort", "message": "displaced from the "
+                                  "full waiting queue by a more urgent request"}))
         return [self._queue(spec) for spec in specs]
+
+    def _displaceable(self, specs: list[RequestSpec], waiting: int) -> list[Req]:
+        """With priority scheduling and the waiting queue full: the waiting requests the
+        batch's more urgent requests push out (none if it cannot make room for all)."""
+        limit = self.limits.max_queued
+        if limit is None or waiting + len(specs) <= limit:
+            return []
+        queued = [*self.prefill.waiting, *(p for kind, p in self._inbox if kind == "new")]
+        return self.order.displaced([spec.priority or 0 for spec in specs],
+                                    [r for r in queued if not r.is_finished],
+                                    waiting + len(specs) - limit) or []
 
     def _queue(self, spec: RequestSpec) -> Req:
         params, prompt_len = spec.params, len(spec.input_ids)
@@ -92,6 +115,7 @@ class Scheduler:
                   stop_ids=frozenset(params.stop_token_ids or ()) | (
                       frozenset() if params.ignore_eos else self.eos_ids),
                   logprob_num=spec.logprob_num, matcher=spec.matcher,
+                  priority=spec.priority or 0,
                   logprob_start_len=-1 if spec.logprob_num < 0 else
                   (prompt_len - 1 if start < 0 else start))
         if params.sampling_seed is not None:
@@ -265,52 +289,15 @@ class Scheduler:
 
     async def _schedule(self, last: ScheduledBatch | None
                         ) -> tuple[ScheduledBatch | None, ScheduledBatch | None]:
-        """The next batch (a prefill if one fits, else a decode), and what is still in flight
-        (settled here when the pool must be freed up first)."""
-        if self.prefill.runnable:
-            chunks = self.prefill.schedule(self.config.chunked_prefill_size)
-            if chunks:
-                for chunk in chunks:
-                    if chunk.start == chunk.req.shared_len:  # the first chunk of an admission
-                        chunk.req.cached_tokens = chunk.req.cached_tokens or chunk.start
-                        self.stats.cached_prompt_tokens += chunk.start
-                batch = self.builder.prefill(chunks)
-                for req, last_chunk in zip(batch.reqs, batch.last_chunk):
-                    if last_chunk and not req.scores_only:
-                        self.decode.add(req)
-                return batch, last
+        """The next batch (BatchSelector), and what is still in flight: settled here when a
+        request must first give its pages or slot back."""
         while True:
-            reqs = self.decode.schedule()
-            if not reqs:
-                return None, last
-            spans = [(r.kv_len, 1, r.tail_loc) for r in reqs]
-            need = sum(pages_spanned(s, 1, self.cache.page_size) for s, _, _ in spans)
-            pages = self.cache.allocate(need)
-            if pages is not None:
-                self.prefill.on_decode_step()
-                return self.builder.decode(reqs, locations_for(spans, pages,
-                                                               self.cache.page_size)), last
-            # Out of pages even after eviction: settle the batch in flight, then retract.
-            if last is not None:
-                await self._settle(last)
-                last = None
-                continue
-            self._retract_one()
-
-    def _retract_one(self) -> None:
-        """Send the newest admitted request back to the waiting queue, keeping its tokens; its
-        KV goes to the prefix cache so the re-prefill can reuse what is not evicted meanwhile."""
-        candidates = list(self.decode.running)
-        if self.prefill.chunked is not None:
-            candidates.append(self.prefill.chunked)
-        victim = max(candidates, key=lambda r: r.admitted_at)
-        if len(candidates) == 1 and self.cache.available_pages == 0:
-            logger.warning("request %s cannot make progress; retracting it", victim.rid)
-        self.decode.remove(victim)
-        self.prefill.drop(victim)
-        self._release(victim)
-        self.prefill.requeue(victim)
-        self.stats.retractions += 1
+            batch = self.selector.next_batch(in_flight=last is not None)
+            if batch is not SETTLE:
+                return batch, last
+            assert last is not None
+            await self._settle(last)
+            last = None
 
     # ---- results -----------------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ class SchedulerStats:
     cached_prompt_tokens: int = 0
     batches: int = 0
     retractions: int = 0
+    preemptions: int = 0  # retractions for a more urgent request (priority scheduling)
     integrity_error: str | None = None
 
 
@@ -41,6 +42,8 @@ def report(stats: SchedulerStats, cache: CacheManager, prefill: PrefillManager,
         "generated_tokens": stats.tokens_generated,
         "batches": stats.batches,
         "retractions": stats.retractions,
+        "preemptions": stats.preemptions,
+        "waiting_by_priority": waiting_by_priority(prefill),
         "new_token_ratio": prefill.ratio.value,
         "engine_busy_seconds": engine.busy_seconds,
         **{f"engine_{phase}_seconds": seconds
@@ -48,3 +51,11 @@ def report(stats: SchedulerStats, cache: CacheManager, prefill: PrefillManager,
         **{f"engine_{phase}_steps": steps for phase, steps in engine.phase_steps.items()},
         "integrity_error": stats.integrity_error,
     }
+
+
+def waiting_by_priority(prefill: PrefillManager) -> dict[str, int]:
+    """How many requests wait at each priority (JSON keys: strings)."""
+    counts: dict[str, int] = {}
+    for req in prefill.waiting:
+        counts[str(req.priority)] = counts.get(str(req.priority), 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -int(kv[0])))

@@ -13,7 +13,7 @@ from aiohttp import web
 from minisgl.core import SamplingParams
 from minisgl.errors import InvalidRequest
 from minisgl.runtime import ReqHandle, Runtime
-from minisgl.runtime.native import Prompt, check_int, is_ids, submit_prompts
+from minisgl.runtime.native import Prompt, check_int, check_priority, is_ids, submit_prompts
 from minisgl.runtime.token_texts import TokenTexts
 from minisgl.scheduler import expand_samples
 from minisgl.server.openai_fields import (CHAT_FIELDS, COMPLETION_FIELDS, MAX_TOP_LOGPROBS,
@@ -129,9 +129,10 @@ class OpenAIAPI:
         echo = flag(body, "echo")
         echo_logprobs = echo and logprobs is not None  # the prompt's logprobs come first
         stream, options = flag(body, "stream"), stream_options(body)
+        priority = check_priority(body.get("priority"))
         for p in prompts:
             p.params, p.logprob_num = params, (-1 if logprobs is None else logprobs)
-            p.logprob_start_len = 0 if echo_logprobs else -1
+            p.logprob_start_len, p.priority = (0 if echo_logprobs else -1), priority
         rid = self._rid(body, "cmpl")
         groups = expand_samples(prompts, self.manager.max_sequences)
         flat = [p for g in groups for p in g]
@@ -202,7 +203,8 @@ class OpenAIAPI:
             params.json_schema = tools.grammar()
         ids = await self.manager.encode_chat(messages, template_kwargs, prefix)
         rid = self._rid(body, "chatcmpl")
-        groups = expand_samples([Prompt(ids, params, logprob_num=(top or 0) if logprobs else -1)],
+        groups = expand_samples([Prompt(ids, params, logprob_num=(top or 0) if logprobs else -1,
+                                        priority=check_priority(body.get("priority")))],
                                 self.manager.max_sequences)
         flat = groups[0]
         for k, p in enumerate(flat):

@@ -30,14 +30,14 @@ SAMPLING_FIELDS = {  # OpenAI (or SGLang extension) name -> SamplingParams name
 }
 # Read by the endpoints themselves.
 COMMON_FIELDS = frozenset({"model", "stream", "stream_options", "max_tokens", "rid",
-                           "response_format", "best_of"})
+                           "response_format", "best_of", "priority"})
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens",
                                "tools", "tool_choice", "continue_final_message",
                                "chat_template_kwargs"}
 # Nothing a client sees depends on these.
 INERT_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls",
-                          "separate_reasoning", "stream_reasoning", "priority", "custom_labels",
+                          "separate_reasoning", "stream_reasoning", "custom_labels",
                           "custom_params"})
 # Features minisgl lacks: accepted only at their default.
 UNSUPPORTED_FIELDS = frozenset({

@@ -1,0 +1,110 @@
+"""Choosing the next batch: a prefill when one can be admitted (with the running decodes in the
+same forward under --enable-mixed-chunk), else one decode step for every running request.
+When a request must give its pages or slot back first (the pool is out of pages, or a more
+urgent request waits), the batch in flight may still use them: the selector then asks the loop
+to settle it (SETTLE) before it retracts anything.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+
+from minisgl.core import Req
+from minisgl.scheduler.batch_builder import BatchBuilder, ScheduledBatch
+from minisgl.scheduler.cache import CacheManager, locations_for, pages_spanned
+from minisgl.scheduler.config import SchedulerConfig
+from minisgl.scheduler.decode import DecodeManager
+from minisgl.scheduler.policy import WaitingOrder
+from minisgl.scheduler.prefill import PrefillChunk, PrefillManager
+from minisgl.scheduler.stats import SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+SETTLE = object()  # next_batch's answer: settle the batch in flight, then ask again
+
+
+class BatchSelector:
+    def __init__(self, config: SchedulerConfig, prefill: PrefillManager, decode: DecodeManager,
+                 cache: CacheManager, builder: BatchBuilder, order: WaitingOrder,
+                 stats: SchedulerStats, release: Callable[[Req], None]) -> None:
+        self.config, self.prefill, self.decode, self.cache = config, prefill, decode, cache
+        self.builder, self.order, self.stats, self.release = builder, order, stats, release
+
+    def next_batch(self, in_flight: bool) -> ScheduledBatch | None | object:
+        """A batch, None (nothing to run), or SETTLE (only when `in_flight`)."""
+        while True:
+            if self.prefill.runnable:
+                chunks = self.prefill.schedule(self.config.chunked_prefill_size)
+                if chunks:
+                    return self._prefill_batch(chunks)
+                victim = self._preemption_victim()
+                if victim is not None:
+                    if in_flight:  # NOTE: the victim may be in the batch in flight
+                        return SETTLE
+                    self.retract(victim, memory_short=False)
+                    self.stats.preemptions += 1
+                    continue
+            reqs = self.decode.schedule()
+            if not reqs:
+                return None
+            locations = self._decode_locations(reqs)
+            if locations is not None:
+                self.prefill.on_decode_step()
+                return self.builder.decode(reqs, locations)
+            if in_flight:  # out of pages even after eviction: settle first, then retract
+                return SETTLE
+            self._retract_newest()
+
+    def _prefill_batch(self, chunks: list[PrefillChunk]) -> ScheduledBatch:
+        for chunk in chunks:
+            if chunk.first:
+                chunk.req.cached_tokens = chunk.req.cached_tokens or chunk.start
+                self.stats.cached_prompt_tokens += chunk.start
+        decodes = self.decode.schedule() if self.config.enable_mixed_chunk else []
+        locations = self._decode_locations(decodes) if decodes else None
+        if locations is not None:  # NOTE: without pages for the decodes they wait, unmixed
+            batch = self.builder.mixed(chunks, decodes, locations)
+            self.prefill.on_decode_step()
+        else:
+            batch = self.builder.prefill(chunks)
+        for chunk in chunks:
+            self.prefill.share(chunk.req)
+            if chunk.is_last and not chunk.req.scores_only:
+                self.decode.add(chunk.req)
+        return batch
+
+    def _decode_locations(self, reqs: list[Req]) -> torch.Tensor | None:
+        """KV locations for one more token of each request; None (nothing taken) if short."""
+        spans = [(r.kv_len, 1, r.tail_loc) for r in reqs]
+        pages = self.cache.allocate(sum(pages_spanned(s, 1, self.cache.page_size)
+                                        for s, _, _ in spans))
+        return None if pages is None else locations_for(spans, pages, self.cache.page_size)
+
+    def _preemption_victim(self) -> Req | None:
+        """With priority scheduling: the running request the most urgent waiting one may
+        preempt, now that it could not be admitted."""
+        if self.prefill.chunked is not None or not self.prefill.waiting:
+            return None
+        return self.order.preemption_victim(self.prefill.ordered()[0], self.decode.running)
+
+    def _retract_newest(self) -> None:
+        """Out of pages: retract the newest admitted request (also a partly prefilled one)."""
+        candidates = list(self.decode.running)
+        if self.prefill.chunked is not None:
+            candidates.append(self.prefill.chunked)
+        victim = max(candidates, key=lambda r: r.admitted_at)
+        if len(candidates) == 1 and self.cache.available_pages == 0:
+            logger.warning("request %s cannot make progress; retracting it", victim.rid)
+        self.retract(victim)
+        self.stats.retractions += 1
+
+    def retract(self, victim: Req, memory_short: bool = True) -> None:
+        """Send a request back to the waiting queue, keeping its tokens; its KV goes to the
+        prefix cache so the re-prefill can reuse what is not evicted meanwhile."""
+        self.decode.remove(victim)
+        self.prefill.drop(victim)
+        self.release(victim)
+        self.prefill.requeue(victim, memory_short)
