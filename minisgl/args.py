@@ -75,8 +75,10 @@ class ServerArgs:
         "for the KV pool (CPU, default 0.25).")
     max_queued_requests: int | None = _flag(
         None, "Waiting requests at most; beyond it new ones get HTTP 503.")
-    chunked_prefill_size: int = _flag(
-        8192, "Most prompt tokens in one prefill batch; longer prompts are chunked.")
+    chunked_prefill_size: int | None = _flag(
+        None, "Most prompt tokens in one prefill batch; longer prompts are chunked (default "
+        "8192; 256 on CPU with --enable-mixed-chunk, where the chunk bounds the running "
+        "streams' inter-token stall).")
     page_size: int | None = _flag(
         None, "Tokens per KV page (default: 1 on GPU; 16 on CPU, where reading a request's KV "
         "in runs of a page is much faster than from scattered tokens).")

@@ -216,7 +216,7 @@ def main() -> None:
     parser.add_argument("workloads", nargs="+", choices=["mixed", "priority", "prefix"])
     parser.add_argument("--seed", type=int, default=0)
     mixed = parser.add_argument_group("mixed")
-    mixed.add_argument("--chunk-sizes", type=int, nargs="+", default=[512])
+    mixed.add_argument("--chunk-sizes", type=int, nargs="+", default=[256])
     mixed.add_argument("--streams", type=int, default=16)
     mixed.add_argument("--stream-requests", type=int, default=2)
     mixed.add_argument("--stream-input", type=int, default=64)

@@ -4,6 +4,8 @@ Three requests in page_table rows 0..2 whose pages are scattered over the pool i
 row 1 first prefills a 32-token prefix alone; then one prefill batch extends row 1 over that
 cached prefix and prefills rows 0 and 2 from scratch; then four decode steps of all three.
 Every forward runs the model directly (teacher forcing) and returns logits for all its rows.
+MIXED_STEPS runs row 1's extension in one mixed forward with a decode of rows 0 and 2 (a mixed
+step's spans: the prefill ones, then the trailing decodes of one token each).
 """
 
 from __future__ import annotations
@@ -19,6 +21,13 @@ STEPS = [
     ("prefill", [(1, 0, 32)]),
     ("prefill", [(0, 0, 37), (1, 32, 19), (2, 0, 21)]),
     *[("decode", [(0, 37 + i, 1), (1, 51 + i, 1), (2, 21 + i, 1)]) for i in range(4)],
+]
+
+MIXED_STEPS = [
+    ("prefill", [(1, 0, 32)]),
+    ("prefill", [(0, 0, 37), (2, 0, 21)]),
+    ("mixed", [(1, 32, 19), (0, 37, 1), (2, 21, 1)]),
+    *[("decode", [(0, 38 + i, 1), (1, 51 + i, 1), (2, 22 + i, 1)]) for i in range(3)],
 ]
 
 
@@ -51,12 +60,16 @@ def make_batch(phase: str, spans: list[tuple[int, int, int]], locations: dict[in
                device: torch.device) -> tuple[Batch, torch.Tensor]:
     """(batch, input ids) for spans (row, start, count)."""
     positions = torch.cat([torch.arange(s, s + c) for _, s, c in spans])
+    decode_rows = 0
+    if phase == "mixed":
+        while decode_rows < len(spans) - 1 and spans[-1 - decode_rows][2] == 1:
+            decode_rows += 1
     out_loc = torch.cat([locations[r][s:s + c] for r, s, c in spans])
     batch = Batch(phase, len(spans), table_rows=[r for r, _, _ in spans],
                   cached_lens=[s for _, s, _ in spans], seq_lens=[s + c for _, s, c in spans],
                   extend_lens=[c for _, _, c in spans],
                   input_positions=positions.to(device, non_blocking=True),
-                  out_loc=out_loc.to(device, non_blocking=True))
+                  out_loc=out_loc.to(device, non_blocking=True), decode_rows=decode_rows)
     return batch, positions
 
 

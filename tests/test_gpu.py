@@ -52,25 +52,29 @@ def flashinfer_backend(engine):
     return FlashInferBackend(engine.kv_pool, engine.page_table, engine.arch.head_dim ** -0.5)
 
 
+@pytest.mark.parametrize("steps", ["unmixed", "mixed"])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("model", list(MODELS))
-def test_flashinfer_matches_torch_backend(flashinfer, model: str, page_size: int) -> None:
-    """Prefill over a cached prefix in a mixed batch, then decode, pages scattered."""
+def test_flashinfer_matches_torch_backend(flashinfer, model: str, page_size: int, steps: str
+                                          ) -> None:
+    """Prefill over a cached prefix in a batch with new prompts (or, mixed, in one forward with
+    decodes: --enable-mixed-chunk), then decode, pages scattered."""
     from minisgl.attention.torch_backend import TorchBackend
     engine = make_engine(model, page_size)
     try:
         locations = scenario.assign_locations(engine.kv_pool.num_pages, page_size, seed=3)
         ids = scenario.token_ids(seed=3)
+        plan = scenario.MIXED_STEPS if steps == "mixed" else scenario.STEPS
         torch_backend = TorchBackend(engine.kv_pool, engine.page_table,
                                      engine.arch.head_dim ** -0.5)
         ref = scenario.run_scenario(engine.model, torch_backend, engine.page_table, locations,
-                                    ids)
+                                    ids, plan)
         ours = scenario.run_scenario(engine.model, flashinfer_backend(engine), engine.page_table,
-                                     locations, ids)
+                                     locations, ids, plan)
         for step, (a, b) in enumerate(zip(ours, ref)):
             assert torch.isfinite(a).all()
             err = scenario.relative_error(a, b)
-            assert err < BF16_REL_TOL, f"step {step} ({scenario.STEPS[step][0]}): {err:.3g}"
+            assert err < BF16_REL_TOL, f"step {step} ({plan[step][0]}): {err:.3g}"
     finally:
         engine.shutdown()
 

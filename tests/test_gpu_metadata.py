@@ -95,8 +95,10 @@ class EmulatedFlashInfer(AttentionBackend):
         return out
 
 
+@pytest.mark.parametrize("steps", ["unmixed", "mixed"])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_flashinfer_metadata_drives_the_same_attention_as_torch(page_size: int) -> None:
+def test_flashinfer_metadata_drives_the_same_attention_as_torch(page_size: int, steps: str
+                                                                 ) -> None:
     """End to end through the model on the CPU: the metadata, page ids and strided view the
     FlashInfer backend hands to its kernels give the torch backend's logits."""
     from minisgl.engine import Engine, EngineConfig
@@ -107,12 +109,13 @@ def test_flashinfer_metadata_drives_the_same_attention_as_torch(page_size: int) 
     try:
         locations = scenario.assign_locations(engine.kv_pool.num_pages, page_size, seed=1)
         ids = scenario.token_ids(seed=1)
+        plan = scenario.MIXED_STEPS if steps == "mixed" else scenario.STEPS
         scale = engine.arch.head_dim ** -0.5
         ref = scenario.run_scenario(engine.model, TorchBackend(engine.kv_pool, engine.page_table,
                                                                scale),
-                                    engine.page_table, locations, ids)
+                                    engine.page_table, locations, ids, plan)
         ours = scenario.run_scenario(engine.model, EmulatedFlashInfer(
-            engine.kv_pool, engine.page_table, scale), engine.page_table, locations, ids)
+            engine.kv_pool, engine.page_table, scale), engine.page_table, locations, ids, plan)
         for step, (a, b) in enumerate(zip(ours, ref)):
             assert scenario.relative_error(a, b) < 1e-4, f"step {step}"
     finally:

@@ -118,6 +118,7 @@ class Runtime:
                 "max_total_tokens": limits.pool_tokens,
                 "max_total_num_tokens": limits.pool_tokens,
                 "context_length": self.context_len, "page_size": self.engine.page_size,
+                "chunked_prefill_size": self.scheduler.config.chunked_prefill_size,
                 "internal_states": [self.state()]}
 
     def load(self) -> list[dict[str, int]]:

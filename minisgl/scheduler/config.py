@@ -4,10 +4,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+DEFAULT_CHUNK = 8192
+# NOTE: measured (BENCHMARKS.md, "Mixed chunked prefill"): on CPU a mixed step costs about as
+# much as its prefill chunk, so the chunk bounds the running streams' inter-token stall; 256
+# cuts the p99 ~5x for ~2% output tok/s. Unmixed, prefill runs first anyway and a small chunk
+# would only add per-step overhead.
+CPU_MIXED_CHUNK = 256
+
+
+def default_chunk(device_type: str, mixed: bool) -> int:
+    return CPU_MIXED_CHUNK if device_type == "cpu" and mixed else DEFAULT_CHUNK
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    chunked_prefill_size: int = 8192  # prompt tokens in one prefill batch at most
+    chunked_prefill_size: int | None = None  # prompt tokens in one prefill batch at most
     schedule_policy: str = "fcfs"  # fcfs | lpm | lof | random
     enable_priority_scheduling: bool = False
     schedule_low_priority_values_first: bool = False

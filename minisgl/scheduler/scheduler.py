@@ -13,6 +13,7 @@ import itertools
 import logging
 import uuid
 from collections import deque
+from dataclasses import replace
 from typing import Any, Callable
 
 import torch
@@ -23,7 +24,7 @@ from minisgl.errors import EngineFailed, IntegrityError
 from minisgl.kvcache import NaiveCache, RadixCache
 from minisgl.scheduler.batch_builder import BatchBuilder, ScheduledBatch
 from minisgl.scheduler.cache import CacheManager
-from minisgl.scheduler.config import SchedulerConfig
+from minisgl.scheduler.config import SchedulerConfig, default_chunk
 from minisgl.scheduler.decode import DecodeManager
 from minisgl.scheduler.failure import FailureBridge
 from minisgl.scheduler.intake import (RequestLimits, RequestSpec, check_batch,
@@ -43,6 +44,9 @@ OutputSink = Callable[[list[ReqOutput]], None]
 
 class Scheduler:
     def __init__(self, engine: Engine, config: SchedulerConfig, sink: OutputSink) -> None:
+        if config.chunked_prefill_size is None:
+            config = replace(config, chunked_prefill_size=default_chunk(
+                engine.device.type, config.enable_mixed_chunk))
         self.engine, self.config, self.sink = engine, config, sink
         ps = engine.page_size
         prefix_cache = NaiveCache(ps) if config.disable_radix_cache else RadixCache(ps)
