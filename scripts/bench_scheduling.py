@@ -10,6 +10,7 @@
             fcfs vs lpm (with in-batch prefix sharing): cache hit rate and tok/s.
 
     python scripts/bench_scheduling.py mixed priority prefix
+    python scripts/bench_scheduling.py mixed --rounds 3
     python scripts/bench_scheduling.py mixed --chunk-sizes 128 256 512 1024 2048
 
 Prints one markdown table per workload (paste into BENCHMARKS.md with the command).
@@ -115,7 +116,7 @@ def bench_mixed(args: argparse.Namespace) -> None:
     print("| server | stream ITL p50 ms | p99 ms | max ms | long-prompt TTFT ms | "
           "output tok/s | mixed steps |")
     print("|---|---|---|---|---|---|---|")
-    for name, flags in configs:
+    for round_, (name, flags) in ((r, c) for r in range(args.rounds) for c in configs):
         server = start_minisgl(True, args.streams + 4, POOL_TOKENS, flags)
         try:
             asyncio.run(warm(server.url))
@@ -123,6 +124,7 @@ def bench_mixed(args: argparse.Namespace) -> None:
             steps = server_state(server)["engine_mixed_steps"]
         finally:
             server.stop()
+        name = name if args.rounds == 1 else f"{name}, round {round_ + 1}"
         print(f"| {name} | {row['itl_p50_ms']:.0f} | {row['itl_p99_ms']:.0f} | "
               f"{row['itl_max_ms']:.0f} | {row['long_ttft_ms']:.0f} | "
               f"{row['output_tok_s']:.1f} | {steps} |", flush=True)
@@ -217,6 +219,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     mixed = parser.add_argument_group("mixed")
     mixed.add_argument("--chunk-sizes", type=int, nargs="+", default=[256])
+    mixed.add_argument("--rounds", type=int, default=1, help="run every row this many times, "
+                       "alternating (the rows are a few % apart: rounds show the noise)")
     mixed.add_argument("--streams", type=int, default=16)
     mixed.add_argument("--stream-requests", type=int, default=2)
     mixed.add_argument("--stream-input", type=int, default=64)

@@ -48,6 +48,7 @@ class PrefillSegment:
     length: int
     cached_len: int = 0
     locations: torch.Tensor | None = None
+    mask: torch.Tensor | None = None  # with a prefix: built by the first layer, reused by all
 
     @property
     def end(self) -> int:
@@ -158,16 +159,28 @@ class TorchBackend(AttentionBackend):
             else:
                 ks = k_cache.index_select(1, seg.locations)[None]
                 vs = v_cache.index_select(1, seg.locations)[None]
-                query_pos = torch.arange(new, device=q.device)[:, None] + seg.cached_len
-                mask = torch.arange(ks.shape[2], device=q.device)[None, :] <= query_pos
+                if seg.mask is None:
+                    seg.mask = self._prefix_mask(new, seg.cached_len, q.dtype, q.device)
+                mask = seg.mask
             o = self._attend(qs, ks, vs, mask)  # [n, heads, new, dim]
             out[seg.start:seg.end] = o.transpose(1, 2).reshape(n * new, heads * dim)
         return out
 
+    def _prefix_mask(self, new: int, cached_len: int, dtype: torch.dtype,
+                     device: torch.device) -> torch.Tensor:
+        """Causality for `new` queries after `cached_len` cached tokens: True = attend, or (the
+        fused CPU kernel wants it) 0 / -inf, shaped [1, 1, new, cached_len + new]."""
+        query_pos = torch.arange(new, device=device)[:, None] + cached_len
+        allowed = torch.arange(cached_len + new, device=device)[None, :] <= query_pos
+        if self._flash is None:
+            return allowed
+        return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(
+            ~allowed, float("-inf"))[None, None]
+
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:
         """Causal attention of q [n, heads, new, dim] over k/v [n, kv_heads, len, dim]; `mask`
-        (True = attend) replaces causality when a cached prefix precedes the queries."""
+        (_prefix_mask) replaces causality when a cached prefix precedes the queries."""
         if self._flash is None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                                   scale=self.scale, enable_gqa=True)
@@ -175,7 +188,4 @@ class TorchBackend(AttentionBackend):
         # CPU kernel wants equal head counts and an additive mask.
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        if mask is not None:
-            mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(
-                ~mask, float("-inf"))[None, None]
         return self._flash(q, k, v, 0.0, mask is None, attn_mask=mask, scale=self.scale)[0]

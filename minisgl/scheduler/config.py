@@ -7,7 +7,7 @@ from dataclasses import dataclass
 DEFAULT_CHUNK = 8192
 # NOTE: measured (BENCHMARKS.md, "Mixed chunked prefill"): on CPU a mixed step costs about as
 # much as its prefill chunk, so the chunk bounds the running streams' inter-token stall; 256
-# cuts the p99 ~5x for ~2% output tok/s. Unmixed, prefill runs first anyway and a small chunk
+# cuts the p99 4-5x for ~3% output tok/s. Unmixed, prefill runs first anyway and a small chunk
 # would only add per-step overhead.
 CPU_MIXED_CHUNK = 256
 
