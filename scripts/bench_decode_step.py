@@ -1,6 +1,7 @@
 """Time one decode forward (model only: no scheduler, no sampler) at several batch sizes.
 
     python scripts/bench_decode_step.py --batch 1 8 32 64 --context 128 [--dtype bfloat16]
+        [--quantization gguf|none]
 
 Reports ms per step, tokens/s and the weight bytes read per second (the bandwidth floor).
 """
@@ -20,6 +21,10 @@ def weight_bytes(model: torch.nn.Module) -> int:
     total = 0
     for module in model.modules():
         if module is getattr(model, "embed_tokens", None):
+            continue
+        int4 = getattr(module, "int4", None)
+        if int4 is not None:
+            total += int4.nbytes
             continue
         packed, weight = getattr(module, "packed", None), getattr(module, "weight", None)
         tensor = packed if packed is not None else weight
@@ -49,12 +54,15 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--quantization", default=None, choices=["gguf", "none"])
     args = parser.parse_args()
     most = max(args.batch)
     engine = Engine(EngineConfig(dtype=args.dtype, max_running_requests=most,
-                               max_total_tokens=most * (args.context + 8) + 16))
+                                 quantization=args.quantization,
+                                 max_total_tokens=most * (args.context + 8) + 16))
     read = weight_bytes(engine.model)
-    print(f"{args.dtype}, context {args.context}, weights read per step {read / 1e6:.0f} MB, "
+    print(f"{args.dtype}, quantization {engine.quantization}, context {args.context}, "
+          f"weights read per step {read / 1e6:.0f} MB, "
           f"{torch.get_num_threads()} threads")
     print("| batch | step ms | tok/s | weight GB/s |\n|---|---|---|---|")
     def time_steps(batch: Batch, ids: torch.Tensor) -> float:

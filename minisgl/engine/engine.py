@@ -27,6 +27,7 @@ from minisgl.engine.config import EngineConfig
 from minisgl.engine.forward import ForwardInput, ForwardOutput
 from minisgl.engine.graph import GraphRunner, supports_graphs
 from minisgl.engine.memory import allocate_kv_pool, release_cuda_memory
+from minisgl.engine.quantization import load_weights, resolve_quantization
 from minisgl.engine.runner import ModelRunner
 from minisgl.engine.sampler import Sampler
 from minisgl.engine.stream import CpuStream
@@ -34,8 +35,7 @@ from minisgl.engine.tp_message import StepMessage
 from minisgl.env import cuda_wait_mode
 from minisgl.errors import EngineFailed
 from minisgl.layers.linear import can_prepack
-from minisgl.models import (ModelArch, build_model, load_config, load_dummy, load_safetensors,
-                            resolve_model_path)
+from minisgl.models import ModelArch, build_model, load_config, resolve_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +88,8 @@ class Engine:
             self.device = torch.device("cuda", self.tp.rank)
             torch.cuda.set_device(self.device)
         self.dtype = DTYPES[config.dtype]
+        self.quantization = resolve_quantization(config.quantization, config.model_path,
+                                                 self.device, self.dtype, config.load_format)
         self.model_path: Path = resolve_model_path(config.model_path)
         model_config = load_config(self.model_path)
         if config.json_model_override_args:
@@ -175,10 +177,8 @@ class Engine:
                 model = build_model(self.arch)
         finally:
             torch.set_default_dtype(default_dtype)
-        if self.config.load_format == "dummy":  # NOTE: the same model whatever the tp size
-            load_dummy(model, self.arch, self.config.seed, self.device, self.dtype)
-        else:
-            load_safetensors(model, self.model_path)
+        load_weights(model, self.config, self.model_path, self.arch, self.quantization,
+                     self.dtype, self.device)
         if can_prepack(next(model.parameters())):
             for module in model.modules():
                 if hasattr(module, "prepack_for_cpu"):

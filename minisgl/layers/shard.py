@@ -1,20 +1,26 @@
 """Helpers to copy a (possibly lazily read) checkpoint tensor's shard into a parameter.
 
-`source` is a torch.Tensor or a safetensors slice: both support `src[a:b]` and `src[:, a:b]`,
-so a rank reads only the rows or columns it owns.
+`source` is a torch.Tensor, a safetensors slice or 4-bit blocks (layers.quant.Int4Blocks): all
+support `src[a:b]` and `src[:, a:b]`, so a rank reads only the rows or columns it owns.
 """
 
 from typing import Any
 
 import torch
 
-
-def read_rows(source: Any, start: int, length: int) -> torch.Tensor:
-    return torch.as_tensor(source[start:start + length])
+from minisgl.layers.quant import Int4Blocks
 
 
-def read_cols(source: Any, start: int, length: int) -> torch.Tensor:
-    return torch.as_tensor(source[:, start:start + length])
+def _read(part: Any) -> Any:
+    return part if isinstance(part, Int4Blocks) else torch.as_tensor(part)
+
+
+def read_rows(source: Any, start: int, length: int) -> Any:
+    return _read(source[start:start + length])
+
+
+def read_cols(source: Any, start: int, length: int) -> Any:
+    return _read(source[:, start:start + length])
 
 
 def read_all(source: Any) -> torch.Tensor:

@@ -4,7 +4,9 @@
 tp 1 and tp 2 ran different models. Here every checkpoint tensor (Hugging Face naming, Llama
 family: Llama, Mistral, Qwen2, Qwen3) is drawn whole from a generator seeded by its name and
 `--seed`, then handed to `model.load_weight` like a real checkpoint tensor, so each rank keeps
-exactly its shard of the same model. Norm weights are 1, everything else N(0, 0.02).
+exactly its shard of the same model. Norm weights are 1, everything else N(0, 0.02); with
+`int4` (`--quantization gguf`), the layers' linear weights are random 4-bit blocks instead, of
+about the same spread (codes uniform in 0..15, scale 0.02 / 4.6, zero 0), never dense.
 """
 
 from __future__ import annotations
@@ -14,6 +16,10 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from minisgl.layers.quant import GROUP, Int4Blocks
+
+INT4_SCALE = 0.02 / 4.6  # codes - 8 uniform in [-8, 7] have a standard deviation of ~4.6
 
 
 def checkpoint_shapes(arch: Any) -> dict[str, tuple[int, ...]]:
@@ -46,17 +52,31 @@ def checkpoint_shapes(arch: Any) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def is_layer_linear(name: str) -> bool:
+    return name.startswith("model.layers.") and name.endswith("proj.weight")
+
+
 def load_dummy(model: nn.Module, arch: Any, seed: int, device: torch.device,
-               dtype: torch.dtype) -> None:
+               dtype: torch.dtype, int4: bool = False) -> None:
+    shapes = checkpoint_shapes(arch)
+    if int4:
+        for name in filter(is_layer_linear, shapes):
+            module = model.weight_target(name)[0]
+            if not isinstance(module.weight, Int4Blocks):
+                module.expect_int4()
     params = dict(model.named_parameters())
     for p in params.values():
         p.data.fill_(float("nan"))
-    for name, shape in checkpoint_shapes(arch).items():
+    for name, shape in shapes.items():
+        gen = torch.Generator(device=device)
+        gen.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         if name.endswith("norm.weight"):
             full = torch.ones(shape, dtype=dtype, device=device)
+        elif int4 and is_layer_linear(name):
+            codes = torch.randint(0, 16, shape, generator=gen, dtype=torch.uint8, device=device)
+            scales = torch.full((shape[0], shape[1] // GROUP), INT4_SCALE, device=device)
+            full = Int4Blocks(codes, scales, torch.zeros_like(scales))
         else:
-            gen = torch.Generator(device=device)
-            gen.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
             full = torch.empty(shape, dtype=torch.float32, device=device).normal_(
                 0.0, 0.02, generator=gen).to(dtype)
         if not model.load_weight(name, full):

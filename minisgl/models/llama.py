@@ -114,8 +114,10 @@ class LlamaForCausalLM(nn.Module):
         x, _ = self.norm(x, residual)
         return x if rows is None else x.index_select(0, rows)
 
-    def load_weight(self, name: str, source: Any) -> bool:
-        """Copy one checkpoint tensor (HF naming) into its shard; False if it is not ours."""
+    def weight_target(self, name: str) -> tuple[nn.Module, str, Any] | None | bool:
+        """(module, parameter name, shard id) a checkpoint tensor (HF naming) loads into; True
+        for a tensor that is ours but not loaded (a tied head, rotary buffers); None if not
+        ours."""
         name = name.removeprefix("model.")
         if name == "lm_head.weight" and self.arch.tie_word_embeddings:
             return True
@@ -127,9 +129,17 @@ class LlamaForCausalLM(nn.Module):
         if leaf in self.STACKED:
             leaf, shard_id = self.STACKED[leaf]
         try:
-            module = self.get_submodule(f"{parent_path}.{leaf}" if parent_path else leaf)
+            return self.get_submodule(f"{parent_path}.{leaf}" if parent_path else leaf), param, \
+                shard_id
         except AttributeError:
-            return False
+            return None
+
+    def load_weight(self, name: str, source: Any) -> bool:
+        """Copy one checkpoint tensor (HF naming) into its shard; False if it is not ours."""
+        target = self.weight_target(name)
+        if target is None or target is True:
+            return target is True
+        module, param, shard_id = target
         if hasattr(module, "load"):
             module.load(param, source, shard_id)
         else:

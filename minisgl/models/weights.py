@@ -41,6 +41,14 @@ def bundled_gguf() -> Path:
     return files[0]
 
 
+def gguf_file(model: str | None) -> Path | None:
+    """The GGUF file `--model` names (the bundled one for None), or None if it is not one."""
+    if model is None:
+        return bundled_gguf()
+    path = Path(model).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
 def resolve_model_path(model: str | None) -> Path:
     """A folder with config.json (+ weights, tokenizer) for `model`, converting GGUF once."""
     if model is None:
@@ -122,7 +130,9 @@ def load_config(path: Path) -> dict:
     return json.loads((path / "config.json").read_text())
 
 
-def load_safetensors(model: nn.Module, path: Path) -> None:
+def load_safetensors(model: nn.Module, path: Path, skip: set[str] = frozenset()) -> None:
+    """Fill every parameter from the folder's safetensors files, except the tensors in `skip`
+    (loaded by the caller from elsewhere: quantized blocks)."""
     from safetensors import safe_open
 
     files = sorted(path.glob("*.safetensors"))
@@ -135,6 +145,8 @@ def load_safetensors(model: nn.Module, path: Path) -> None:
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
+                if name in skip:
+                    continue
                 if not model.load_weight(name, f.get_slice(name)):
                     unknown.append(name)
     missing = [n for n, p in model.named_parameters() if torch.isnan(p).any()]

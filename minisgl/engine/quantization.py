@@ -1,0 +1,77 @@
+"""`--quantization`: which weights stay in a compact form, and loading them.
+
+- `gguf`: a GGUF model's Q4_0 / Q4_1 linear weights stay 4-bit as in the file (models.
+  gguf_blocks, layers.quant), on CPU in bfloat16.
+- `none` (the default): every weight dequantized to the serving dtype.
+NOTE: gguf is opt-in until a kernel makes it win at every batch size: torch's int4 kernel
+reads 2.2x fewer bytes and wins at 1-8 decode rows, but dequantizes per row, so from 16 rows
+up (and in prefill) the dense oneDNN GEMM is faster (BENCHMARKS.md, "Quantized weights").
+With `--load-format dummy`, `gguf` makes the linear weights random 4-bit blocks (large shapes
+in a quarter of the memory).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from minisgl.engine.config import EngineConfig
+from minisgl.layers.quant import Int4Blocks
+from minisgl.models import ModelArch, load_dummy, load_safetensors
+from minisgl.models.gguf_blocks import stage_int4_linears
+from minisgl.models.weights import gguf_file
+
+logger = logging.getLogger(__name__)
+
+METHODS = ("gguf", "none")
+
+
+def resolve_quantization(method: str | None, model: str | None, device: torch.device,
+                         dtype: torch.dtype, load_format: str) -> str:
+    """The method to use (None: the default); ValueError (one line) if it cannot run here."""
+    dummy = load_format == "dummy"
+    source = None if dummy else gguf_file(model)
+    if method is None:
+        return "none"
+    if method == "gguf":
+        if source is None and not dummy:
+            raise ValueError("--quantization gguf needs a .gguf model (or the bundled one), "
+                             "or --load-format dummy (random 4-bit weights)")
+        if device.type != "cpu":
+            raise ValueError("--quantization gguf runs on CPU only (torch's int4 CPU kernel); "
+                             "use --quantization none on a GPU")
+        if dtype != torch.bfloat16:
+            raise ValueError("--quantization gguf runs with --dtype bfloat16 (its kernel has "
+                             "no fast float32 path); use --quantization none for other dtypes")
+    return method
+
+
+def load_weights(model: torch.nn.Module, config: EngineConfig, folder: Path, arch: ModelArch,
+                 method: str, dtype: torch.dtype, device: torch.device) -> None:
+    """Fill `model`: random weights, or the converted checkpoint `folder`; with `gguf`, its
+    4-bit linear weights come from the GGUF file instead (never read dense). Logs the size."""
+    if config.load_format == "dummy":
+        load_dummy(model, arch, config.seed, device, dtype, int4=method == "gguf")
+    else:
+        staged: dict[str, Int4Blocks] = {}
+        if method == "gguf":
+            heads = {"num_heads": arch.num_heads, "num_kv_heads": arch.num_kv_heads}
+            staged, kept = stage_int4_linears(model, gguf_file(config.model_path), heads)
+            if kept:
+                logger.warning("--quantization gguf: %d linear weights (%s) have no 4-bit "
+                               "kernel here and run dequantized", len(kept),
+                               ", ".join(sorted(set(kept.values()))))
+        load_safetensors(model, folder, skip=set(staged))
+        for name, blocks in staged.items():
+            model.load_weight(name, blocks)
+    int4_bytes = 0
+    for module in model.modules():
+        if isinstance(getattr(module, "weight", None), Int4Blocks):
+            module.finish_int4(dtype)
+            int4_bytes += module.int4.nbytes
+    dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    logger.info("weights: %.0f MB (quantization %s: %.0f MB of 4-bit linear weights, "
+                "%.0f MB dense)", (int4_bytes + dense_bytes) / 1e6, method, int4_bytes / 1e6,
+                dense_bytes / 1e6)

@@ -1,0 +1,132 @@
+"""Weight-only 4-bit linear weights: GGUF's Q4_0 / Q4_1 blocks, kept as they are in the file.
+
+A weight row of `in_features` values is cut into groups of 32, each a 4-bit code per value with
+one scale and one zero: w = (code - 8) * scale + zero (Q4_1: zero = min + 8 * scale; Q4_0: zero
+= 0). `Int4Blocks` holds them while the checkpoint loads (it slices like the dense weight it
+stands for, so the tensor-parallel loaders of layers.linear shard it unchanged); `Int4Weight`
+runs them: torch's packed-int4 CPU kernel for small batches (decode), and for large ones a
+dequantized bfloat16 GEMM, whichever measured faster (BENCHMARKS.md, "Quantized weights").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+GROUP = 32
+# NOTE: measured on the project's CPU (BENCHMARKS.md): past this many rows the int4 kernel's
+# per-row dequantization costs more than dequantizing the layer once and running the GEMM.
+KERNEL_MAX_ROWS = 96
+
+
+@dataclass
+class Int4Blocks:
+    codes: torch.Tensor  # [out, in] uint8, 0..15
+    scales: torch.Tensor  # [out, in / 32] float32
+    zeros: torch.Tensor  # [out, in / 32] float32
+
+    @classmethod
+    def empty(cls, out_features: int, in_features: int) -> Int4Blocks:
+        if in_features % GROUP:
+            raise ValueError(f"4-bit weights need input features divisible by {GROUP}, got "
+                             f"{in_features}")
+        groups = in_features // GROUP
+        return cls(torch.zeros(out_features, in_features, dtype=torch.uint8),
+                   torch.zeros(out_features, groups), torch.zeros(out_features, groups))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    @property
+    def data(self) -> Int4Blocks:  # NOTE: stands in for a Parameter: `param.data` is itself
+        return self
+
+    def __getitem__(self, index: slice | tuple[slice, slice]) -> Int4Blocks:
+        """Rows (`b[a:z]`) or whole groups of columns (`b[:, a:z]`), as the TP loaders read."""
+        if not isinstance(index, tuple):
+            return Int4Blocks(self.codes[index], self.scales[index], self.zeros[index])
+        rows, cols = index
+        start, stop = cols.start or 0, self.shape[1] if cols.stop is None else cols.stop
+        if start % GROUP or stop % GROUP:
+            raise ValueError(f"a shard of a 4-bit weight must cut at multiples of {GROUP} "
+                             f"input features, not [{start}, {stop})")
+        groups = slice(start // GROUP, stop // GROUP)
+        return Int4Blocks(self.codes[rows, cols], self.scales[rows, groups],
+                          self.zeros[rows, groups])
+
+    def narrow(self, dim: int, start: int, length: int) -> Int4Blocks:
+        assert dim == 0
+        return self[start:start + length]
+
+    def copy_(self, other: Int4Blocks) -> None:
+        if not isinstance(other, Int4Blocks):
+            raise ValueError("a 4-bit layer was given a dense tensor for part of its weight")
+        self.codes.copy_(other.codes)
+        self.scales.copy_(other.scales)
+        self.zeros.copy_(other.zeros)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        out, groups = self.scales.shape
+        codes = self.codes.view(out, groups, GROUP).float() - 8
+        weight = codes * self.scales[..., None] + self.zeros[..., None]
+        return weight.view(out, groups * GROUP).to(dtype)
+
+
+class Int4Weight:
+    """An `Int4Blocks` weight packed for torch's int4 CPU kernel (bfloat16 activations)."""
+
+    def __init__(self, blocks: Int4Blocks, dtype: torch.dtype) -> None:
+        out, groups = blocks.scales.shape
+        self.out_features, self.in_features, self.dtype = out, groups * GROUP, dtype
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            blocks.codes.to(torch.int32), 1)
+        # [in / 32, out, 2]: (scale, zero) per group, the kernel's layout
+        self.scales_and_zeros = torch.stack([blocks.scales.t(), blocks.zeros.t()], dim=-1).to(
+            dtype).contiguous()
+        # NOTE: the dequantizing path reads the codes back from the packed tensor when its
+        # layout is the one unpack_codes knows (checked here); else it keeps its own copy.
+        self.nibbles = None
+        if not torch.equal(unpack_codes(self.packed, out, self.in_features), blocks.codes):
+            pairs = blocks.codes.view(out, -1, 2)
+            self.nibbles = (pairs[..., 0] | (pairs[..., 1] << 4)).contiguous()
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.packed, self.scales_and_zeros] + ([self.nibbles] if self.nibbles is not
+                                                          None else [])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] <= KERNEL_MAX_ROWS:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP,
+                                                              self.scales_and_zeros)
+        else:
+            out = F.linear(rows, self.dequantized())
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def codes(self) -> torch.Tensor:
+        if self.nibbles is None:
+            return unpack_codes(self.packed, self.out_features, self.in_features)
+        return torch.stack([self.nibbles & 15, self.nibbles >> 4], dim=-1).view(
+            self.out_features, self.in_features)
+
+    def dequantized(self) -> torch.Tensor:
+        codes = self.codes().to(self.dtype).view(self.out_features, -1, GROUP) - 8
+        scales, zeros = self.scales_and_zeros.permute(2, 1, 0)  # [out, in / 32] each
+        weight = codes * scales[..., None] + zeros[..., None]
+        return weight.view(self.out_features, self.in_features)
+
+
+def unpack_codes(packed: torch.Tensor, out: int, in_features: int) -> torch.Tensor:
+    """The codes [out, in] of torch's CPU int4 packing (torch 2.13) when `out` is a multiple
+    of 64: blocks of 64 output rows; per input column, 32 bytes, byte j holding row j (low
+    nibble) and row j + 32 (high nibble). Anything else: an empty tensor."""
+    if out % 64 or packed.numel() * 2 != out * in_features:
+        return torch.empty(0, dtype=torch.uint8)
+    blocks = packed.view(out // 64, in_features, 32)
+    codes = torch.cat([blocks & 15, blocks >> 4], dim=-1)  # [out / 64, in, 64]
+    return codes.permute(0, 2, 1).reshape(out, in_features)

@@ -1,0 +1,77 @@
+"""`--quantization gguf` vs `none` vs llama.cpp's `llama-server` on the same GGUF, side by side
+in one run: output tok/s and TPOT at each stream count, with the weight bytes each reads per
+decode step and the bandwidth that implies (bytes / TPOT).
+
+    python scripts/bench_quantization.py                  # 1 8 32 64 streams
+    python scripts/bench_quantization.py --concurrency 1 --skip-llama-cpp
+
+Same client (scripts/bench_serving.py through `/v1/completions`, ignore_eos, greedy) and the
+same prompts for every server; llama-server is built once by scripts/compare.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+
+import compare  # noqa: E402 (this folder)
+from minisgl.models.weights import bundled_gguf  # noqa: E402
+
+# weight bytes one decode step reads (bench_decode_step.py; llama.cpp: the GGUF's tensors but
+# the token embedding's unused rows, i.e. the file less its metadata)
+STEP_BYTES = {"none": 269e6, "gguf": 123e6, "llama.cpp": 98e6}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--prompts-per-stream", type=int, default=2)
+    parser.add_argument("--min-prompts", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-llama-cpp", action="store_true")
+    args = parser.parse_args()
+    most = max(args.concurrency)
+    pool = most * (args.input_len + args.output_len + 16)
+    rows: dict[str, dict[int, dict]] = {}
+    for method in ("none", "gguf"):
+        server = compare.start_minisgl(True, most, pool, ("--quantization", method))
+        try:
+            for c in args.concurrency:
+                compare.log(f"{server.name}: {c} streams")
+                rows.setdefault(method, {})[c] = compare.bench(server, c, args)
+        finally:
+            server.stop()
+    llama, note = (None, "skipped") if args.skip_llama_cpp else compare.build_llama_server()
+    if llama is not None:
+        for c in args.concurrency:
+            server = compare.start_llama(llama, bundled_gguf(), c,
+                                         args.input_len + args.output_len + 16)
+            try:
+                compare.log(f"{server.name}: {c} streams")
+                rows.setdefault("llama.cpp", {})[c] = compare.bench(server, c, args)
+            finally:
+                server.stop()
+    print(f"\nllama.cpp: {note}; {args.input_len} in / {args.output_len} out\n")
+    print("| streams | server | output tok/s | TPOT p50 ms | weights read per step | GB/s |")
+    print("|---|---|---|---|---|---|")
+    for c in args.concurrency:
+        for name, label in (("none", "minisgl --quantization none"),
+                            ("gguf", "minisgl --quantization gguf"),
+                            ("llama.cpp", "llama-server")):
+            result = rows.get(name, {}).get(c)
+            if result is None:
+                continue
+            tpot = result["tpot_ms"]["median"]
+            print(f"| {c} | {label} | {result['output_tok_s']:.0f} | {tpot:.1f} | "
+                  f"{STEP_BYTES[name] / 1e6:.0f} MB | {STEP_BYTES[name] / tpot / 1e6:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
