@@ -18,7 +18,7 @@ import torch.nn.functional as F
 GROUP = 32
 # NOTE: measured on the project's CPU (BENCHMARKS.md): past this many rows the int4 kernel's
 # per-row dequantization costs more than dequantizing the layer once and running the GEMM.
-KERNEL_MAX_ROWS = 96
+KERNEL_MAX_ROWS = 192
 
 
 @dataclass
