@@ -27,7 +27,7 @@ from minisgl.engine.config import EngineConfig
 from minisgl.engine.forward import ForwardInput, ForwardOutput
 from minisgl.engine.graph import GraphRunner, supports_graphs
 from minisgl.engine.memory import allocate_kv_pool, release_cuda_memory
-from minisgl.engine.quantization import load_weights, resolve_quantization
+from minisgl.engine.quantization import load_weights, log_weight_memory, resolve_quantization
 from minisgl.engine.runner import ModelRunner
 from minisgl.engine.sampler import Sampler
 from minisgl.engine.stream import CpuStream
@@ -183,6 +183,8 @@ class Engine:
             for module in model.modules():
                 if hasattr(module, "prepack_for_cpu"):
                     module.prepack_for_cpu()
+        if self.tp.is_primary:
+            log_weight_memory(model, self.quantization)
         return model.eval()
 
     @property

@@ -51,7 +51,7 @@ def resolve_quantization(method: str | None, model: str | None, device: torch.de
 def load_weights(model: torch.nn.Module, config: EngineConfig, folder: Path, arch: ModelArch,
                  method: str, dtype: torch.dtype, device: torch.device) -> None:
     """Fill `model`: random weights, or the converted checkpoint `folder`; with `gguf`, its
-    4-bit linear weights come from the GGUF file instead (never read dense). Logs the size."""
+    4-bit linear weights come from the GGUF file instead (never read dense)."""
     if config.load_format == "dummy":
         load_dummy(model, arch, config.seed, device, dtype, int4=method == "gguf")
     else:
@@ -66,12 +66,17 @@ def load_weights(model: torch.nn.Module, config: EngineConfig, folder: Path, arc
         load_safetensors(model, folder, skip=set(staged))
         for name, blocks in staged.items():
             model.load_weight(name, blocks)
-    int4_bytes = 0
     for module in model.modules():
         if isinstance(getattr(module, "weight", None), Int4Blocks):
             module.finish_int4(dtype)
-            int4_bytes += module.int4.nbytes
-    dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    logger.info("weights: %.0f MB (quantization %s: %.0f MB of 4-bit linear weights, "
-                "%.0f MB dense)", (int4_bytes + dense_bytes) / 1e6, method, int4_bytes / 1e6,
-                dense_bytes / 1e6)
+
+
+def log_weight_memory(model: torch.nn.Module, method: str) -> None:
+    """The weights' resident size (after CPU prepacking, which may keep a second copy)."""
+    int4 = sum(m.int4.nbytes for m in model.modules() if getattr(m, "int4", None) is not None)
+    dense = sum(p.numel() * p.element_size() for p in model.parameters())
+    packed = sum(m.packed.numel() * m.packed.element_size() for m in model.modules()
+                 if getattr(m, "packed", None) is not None)
+    logger.info("weights: %.0f MB resident (quantization %s: %.0f MB 4-bit, %.0f MB dense, "
+                "%.0f MB prepacked)", (int4 + dense + packed) / 1e6, method, int4 / 1e6,
+                dense / 1e6, packed / 1e6)
