@@ -29,12 +29,7 @@ STEP_BYTES = {"none": 269e6, "gguf": 123e6, "llama.cpp": 98e6}
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--prompts-per-stream", type=int, default=2)
-    parser.add_argument("--min-prompts", type=int, default=4)
-    parser.add_argument("--seed", type=int, default=0)
+    compare.add_serving_arguments(parser)
     parser.add_argument("--skip-llama-cpp", action="store_true")
     args = parser.parse_args()
     most = max(args.concurrency)

@@ -329,14 +329,20 @@ def report(args: argparse.Namespace, serving: dict[str, dict[int, dict]],
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_serving_arguments(parser: argparse.ArgumentParser) -> None:
+    """The serving workload `bench` runs (also scripts/bench_quantization.py's)."""
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--prompts-per-stream", type=int, default=2)
     parser.add_argument("--min-prompts", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_serving_arguments(parser)
     parser.add_argument("--fixed-concurrency", type=int, nargs="*", default=[1, 8, 32],
                         help="offline, fixed lengths (none: skip)")
     parser.add_argument("--fixed-input-len", type=int, default=64)
@@ -355,7 +361,6 @@ def main() -> None:
     parser.add_argument("--llama-server", type=Path, help="use this binary instead of building")
     parser.add_argument("--append", type=Path, default=REPO / "BENCHMARKS.md")
     parser.add_argument("--no-append", dest="append", action="store_const", const=None)
-    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     command = "python scripts/compare.py " + " ".join(sys.argv[1:])
 
