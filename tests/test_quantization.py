@@ -146,3 +146,36 @@ def test_quantization_that_cannot_run_is_one_line(flags, message):
     assert done.returncode == 2, done
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0] and lines[0].startswith("error:"), done.stderr
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_gguf_block_layouts_decode_to_the_ggml_formula(kind: str):
+    """Blocks written as ggml lays them out (fp16 scale [, fp16 min], 16 bytes: byte j = value
+    j | value j + 16 << 4) decode to w = (code - 8) * scale + zero."""
+    import numpy as np
+    from minisgl.models.gguf_blocks import decode_blocks
+    rng = np.random.default_rng(0)
+    out_features, in_features = 4, 64
+    codes = rng.integers(0, 16, (out_features, in_features // 32, 32), dtype=np.uint8)
+    d = rng.random((out_features, in_features // 32, 1)).astype(np.float16)
+    m = (rng.standard_normal((out_features, in_features // 32, 1)) * 0.1).astype(np.float16)
+    packed = codes[..., :16] | (codes[..., 16:] << 4)
+    parts = [d.view(np.uint8)] + ([m.view(np.uint8)] if kind == "Q4_1" else []) + [packed]
+    raw = np.concatenate(parts, axis=-1).reshape(out_features, -1)
+    blocks = decode_blocks(kind, raw, out_features, in_features)
+    q = codes.astype(np.float32)
+    want = q * d + m if kind == "Q4_1" else (q - 8) * d
+    assert torch.allclose(blocks.dequantize(), torch.from_numpy(want.reshape(out_features, -1)),
+                          atol=1e-6)
+
+
+def test_llama_q_rows_are_unpermuted_like_transformers():
+    """llama.cpp's converter interleaves the rotary halves of each head's q / k rows; the
+    blocks' rows go back to Hugging Face order (transformers' reverse_permute)."""
+    from minisgl.models.gguf_blocks import unpermute_rows
+    heads, rows = 3, 12
+    hf = torch.arange(rows)
+    gguf = hf.view(heads, 2, rows // heads // 2).transpose(1, 2).reshape(-1)  # the converter
+    blocks = Int4Blocks(gguf[:, None].repeat(1, 32).to(torch.uint8), torch.zeros(rows, 1),
+                        torch.zeros(rows, 1))
+    assert unpermute_rows(blocks, heads).codes[:, 0].tolist() == hf.tolist()
