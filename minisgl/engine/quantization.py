@@ -25,18 +25,14 @@ from minisgl.models.weights import gguf_file
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("gguf", "none")
-
 
 def resolve_quantization(method: str | None, model: str | None, device: torch.device,
                          dtype: torch.dtype, load_format: str) -> str:
     """The method to use (None: the default); ValueError (one line) if it cannot run here."""
-    dummy = load_format == "dummy"
-    source = None if dummy else gguf_file(model)
     if method is None:
         return "none"
     if method == "gguf":
-        if source is None and not dummy:
+        if load_format != "dummy" and gguf_file(model) is None:
             raise ValueError("--quantization gguf needs a .gguf model (or the bundled one), "
                              "or --load-format dummy (random 4-bit weights)")
         if device.type != "cpu":

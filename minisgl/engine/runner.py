@@ -14,6 +14,7 @@ from minisgl.engine.forward import ForwardInput, ForwardOutput, to_host
 from minisgl.engine.graph import GraphRunner
 from minisgl.engine.sampler import Sampler
 from minisgl.engine.scoring import score_rows
+from minisgl.engine.tp_message import PHASES
 
 
 class ModelRunner:
@@ -22,8 +23,8 @@ class ModelRunner:
         self.model, self.attn_backend, self.sampler = model, attn_backend, sampler
         self.token_pool, self.graph_runner, self.tp = token_pool, graph_runner, tp
         self.device = token_pool.device
-        self.phase_seconds = {"prefill": 0.0, "decode": 0.0, "mixed": 0.0}
-        self.phase_steps = {"prefill": 0, "decode": 0, "mixed": 0}
+        self.phase_seconds = {phase: 0.0 for phase in PHASES}
+        self.phase_steps = {phase: 0 for phase in PHASES}
 
     def prepare(self, batch: Batch) -> None:
         """Host side, when the batch is scheduled: pad a decode batch to its graph size (dummy

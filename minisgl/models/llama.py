@@ -114,31 +114,33 @@ class LlamaForCausalLM(nn.Module):
         x, _ = self.norm(x, residual)
         return x if rows is None else x.index_select(0, rows)
 
-    def weight_target(self, name: str) -> tuple[nn.Module, str, Any] | None | bool:
-        """(module, parameter name, shard id) a checkpoint tensor (HF naming) loads into; True
-        for a tensor that is ours but not loaded (a tied head, rotary buffers); None if not
-        ours."""
+    def _not_loaded(self, name: str) -> bool:
+        """Checkpoint tensors that are ours but have no place: a tied head, rotary buffers."""
         name = name.removeprefix("model.")
-        if name == "lm_head.weight" and self.arch.tie_word_embeddings:
-            return True
-        if "rotary_emb" in name:
-            return True
-        module_path, _, param = name.rpartition(".")
+        return (name == "lm_head.weight" and self.arch.tie_word_embeddings) or \
+            "rotary_emb" in name
+
+    def weight_target(self, name: str) -> tuple[nn.Module, str, Any] | None:
+        """(module, parameter name, shard id) a checkpoint tensor (HF naming) loads into, or
+        None if it has none."""
+        module_path, _, param = name.removeprefix("model.").rpartition(".")
         parent_path, _, leaf = module_path.rpartition(".")
         shard_id = None
         if leaf in self.STACKED:
             leaf, shard_id = self.STACKED[leaf]
         try:
-            return self.get_submodule(f"{parent_path}.{leaf}" if parent_path else leaf), param, \
-                shard_id
+            module = self.get_submodule(f"{parent_path}.{leaf}" if parent_path else leaf)
         except AttributeError:
             return None
+        return module, param, shard_id
 
     def load_weight(self, name: str, source: Any) -> bool:
         """Copy one checkpoint tensor (HF naming) into its shard; False if it is not ours."""
+        if self._not_loaded(name):
+            return True
         target = self.weight_target(name)
-        if target is None or target is True:
-            return target is True
+        if target is None:
+            return False
         module, param, shard_id = target
         if hasattr(module, "load"):
             module.load(param, source, shard_id)

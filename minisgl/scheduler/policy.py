@@ -51,12 +51,16 @@ class WaitingOrder:
             reqs.sort(key=lambda r: -self.urgency(r.priority))
         return reqs
 
-    def preemption_victim(self, urgent: Req, running: Iterable[Req]) -> Req | None:
-        """The running request `urgent` may preempt: the least urgent one whose urgency is at
-        least the threshold below it (the newest admitted among equals), or None."""
+    def preemption_victim(self, waiting: Iterable[Req], running: Iterable[Req]) -> Req | None:
+        """The running request the most urgent waiting one may preempt: the least urgent one
+        whose urgency is at least the threshold below it (the newest admitted among equals),
+        or None (also without priority scheduling)."""
         if not self.priorities:
             return None
-        floor = self.urgency(urgent.priority) - self.preemption_threshold
+        most_urgent = max((self.urgency(r.priority) for r in waiting), default=None)
+        if most_urgent is None:
+            return None
+        floor = most_urgent - self.preemption_threshold
         candidates = [r for r in running if self.urgency(r.priority) <= floor]
         if not candidates:
             return None

@@ -99,10 +99,6 @@ class PrefillManager:
         tokens = sum(min(r.remain_len, RESERVE_CLIP) for r in self.decode.running)
         return int(tokens * self.ratio.value) // ps + len(self.decode.running)
 
-    def ordered(self) -> list[Req]:
-        """The waiting queue in admission order (WaitingOrder)."""
-        return self.order.order(self.waiting, lambda r: self.cache.match(r.host_ids)[0].length)
-
     def schedule(self, budget: int) -> list[PrefillChunk]:
         chunks: list[PrefillChunk] = []
         if self.chunked is not None:
@@ -114,10 +110,18 @@ class PrefillManager:
             if chunk.is_last:
                 self.chunked = None
         admitted: list[Req] = []
-        for req in self.ordered():
+        lengths: dict[Req, int] = {}  # cached prefix lengths, matched once this round
+
+        def cached_len(req: Req) -> int:
+            if req not in lengths:
+                lengths[req] = self.cache.match(req.host_ids)[0].length
+            return lengths[req]
+
+        for req in self.order.order(self.waiting, cached_len):
             if budget <= 0 or self.chunked is not None or self.table.num_free == 0:
                 break
-            if self.order.shares_in_batch and self._shares_uncached(req, admitted):
+            if self.order.shares_in_batch and self._shares_uncached(req, cached_len(req),
+                                                                    admitted):
                 continue  # NOTE: next round, once this round's pages are cached, it hits them
             if not self._admit(req, budget):
                 break
@@ -132,12 +136,12 @@ class PrefillManager:
                 self.chunked = req
         return chunks
 
-    def _shares_uncached(self, req: Req, admitted: list[Req]) -> bool:
-        """Whether `req` shares an uncached prefix of IN_BATCH_SHARE tokens or more with a
-        request admitted in this round (lpm's in-batch prefix sharing)."""
+    def _shares_uncached(self, req: Req, cached: int, admitted: list[Req]) -> bool:
+        """Whether `req` (`cached` tokens of it cached) shares an uncached prefix of
+        IN_BATCH_SHARE tokens or more with a request admitted in this round (lpm's in-batch
+        prefix sharing)."""
         if not admitted:
             return False
-        cached = self.cache.match(req.host_ids)[0].length
         ids = req.host_ids
         return any(common_prefix_len(ids, other.host_ids) - cached >= IN_BATCH_SHARE
                    for other in admitted)

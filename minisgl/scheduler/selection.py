@@ -86,9 +86,9 @@ class BatchSelector:
     def _preemption_victim(self) -> Req | None:
         """With priority scheduling: the running request the most urgent waiting one may
         preempt, now that it could not be admitted."""
-        if self.prefill.chunked is not None or not self.prefill.waiting:
+        if self.prefill.chunked is not None:
             return None
-        return self.order.preemption_victim(self.prefill.ordered()[0], self.decode.running)
+        return self.order.preemption_victim(self.prefill.waiting, self.decode.running)
 
     def _retract_newest(self) -> None:
         """Out of pages: retract the newest admitted request (also a partly prefilled one)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,7 +56,5 @@ def report(stats: SchedulerStats, cache: CacheManager, prefill: PrefillManager,
 
 def waiting_by_priority(prefill: PrefillManager) -> dict[str, int]:
     """How many requests wait at each priority (JSON keys: strings)."""
-    counts: dict[str, int] = {}
-    for req in prefill.waiting:
-        counts[str(req.priority)] = counts.get(str(req.priority), 0) + 1
-    return dict(sorted(counts.items(), key=lambda kv: -int(kv[0])))
+    counts = Counter(req.priority for req in prefill.waiting)
+    return {str(priority): counts[priority] for priority in sorted(counts, reverse=True)}
