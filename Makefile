@@ -12,7 +12,7 @@ SGLANG_STAMP := $(SGLANG_VENV)/.installed
 SGLANG_CLIENT_DEPS := pybase64 pillow msgspec pyzmq ipython datasets aiohttp transformers tqdm \
 	numpy requests orjson starlette sentencepiece compressed-tensors gguf apache-tvm-ffi
 
-.PHONY: install serve test test-fast bench clean
+.PHONY: install serve test test-fast bench clean browser
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,8 +35,18 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(PY) -m minisgl serve $(ARGS)
 
-test: $(STAMP) $(SGLANG_STAMP)
+test: $(STAMP) $(SGLANG_STAMP) browser
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# Debian's chromium, for the dashboard test (tests/test_observability.py); where it cannot be
+# installed that test is skipped, unless MINISGL_REQUIRE_BROWSER is set (CI sets it).
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	{ SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); export DEBIAN_FRONTEND=noninteractive; \
+	  $$SUDO apt-get install -y -q --no-install-recommends chromium >/dev/null || \
+	  { $$SUDO apt-get update -q >/dev/null && \
+	    $$SUDO apt-get install -y -q --no-install-recommends chromium >/dev/null; }; } || \
+	echo "chromium could not be installed: the dashboard's browser test will be skipped"
 
 # minisgl vs llama.cpp llama-server vs transformers, appended to BENCHMARKS.md (~25 min the
 # first time: it builds llama-server into ~/.cache/minisgl/llama.cpp)

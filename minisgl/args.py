@@ -113,6 +113,16 @@ class ServerArgs:
     disable_cuda_graph: bool = _flag(False, "Run decode eagerly on CUDA.")
     seed: int = _flag(0, "Seed of the sampler for requests without a sampling_seed.")
     log_level: str = _flag("info", "Logging level.", choices=["debug", "info", "warning", "error"])
+    log_requests: bool = _flag(
+        False, "Log one line per finished request: rid, lengths, cached tokens, TTFT, "
+        "end-to-end latency, finish reason.")
+    log_requests_level: int = _flag(
+        0, "With --log-requests: 0 metadata only (no text); 1 also the sampling parameters; "
+        "2 also the prompt and output cut to 2048 characters; 3 all of them.",
+        choices=[0, 1, 2, 3])
+    log_requests_format: str = _flag(
+        "text", "With --log-requests: text (a log line) or json (a JSON object per line, on "
+        "stdout).", "--log-format", choices=["text", "json"])
 
     def __post_init__(self) -> None:
         """Refuse impossible values with one line (the CLI exits with code 2)."""
@@ -126,6 +136,10 @@ class ServerArgs:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{flag(name)} must be an integer >= 1, got {value!r}")
+        if self.log_requests_level not in (0, 1, 2, 3) or isinstance(self.log_requests_level,
+                                                                       bool):
+            raise ValueError("--log-requests-level must be 0, 1, 2 or 3, got "
+                             f"{self.log_requests_level!r}")
         threshold = self.priority_scheduling_preemption_threshold
         if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
             raise ValueError("--priority-scheduling-preemption-threshold must be an integer "
@@ -142,6 +156,7 @@ class ServerArgs:
                               ("sampling_defaults", ("model", "openai")),
                               ("grammar_backend", ("xgrammar", "none")),
                               ("tool_call_parser", ("hermes", "llama3")),
+                              ("log_requests_format", ("text", "json")),
                               ("attention_backend", (None, "torch", "flashinfer")),
                               ("log_level", ("debug", "info", "warning", "error"))):
             if getattr(self, name) not in choices:

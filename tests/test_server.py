@@ -145,8 +145,8 @@ def test_metrics_prometheus_text(minisgl_server):
     r = get(minisgl_server, "/metrics")
     assert r.status_code == 200 and r.headers["Content-Type"].startswith("text/plain")
     text = r.text
-    for name in ("minisgl_num_running_reqs", "minisgl_kv_usage", "minisgl_generated_tokens_total",
-                 "minisgl_time_to_first_token_seconds_bucket", "minisgl_e2e_request_latency_"
+    for name in ("sglang:num_running_reqs", "sglang:token_usage", "sglang:generation_tokens_total",
+                 "sglang:time_to_first_token_seconds_bucket", "sglang:e2e_request_latency_"
                  "seconds_count", "minisgl_engine_decode_seconds_total"):
         assert f"\n{name}" in text, name
     assert "# TYPE minisgl_requests_total counter" in text

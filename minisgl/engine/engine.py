@@ -212,6 +212,10 @@ class Engine:
         return self.runner.phase_steps
 
     @property
+    def forwarded_tokens(self) -> dict[str, int]:
+        return self.runner.forwarded_tokens
+
+    @property
     def busy_seconds(self) -> float:
         return self.runner.busy_seconds
 

@@ -25,6 +25,7 @@ class ModelRunner:
         self.device = token_pool.device
         self.phase_seconds = {phase: 0.0 for phase in PHASES}
         self.phase_steps = {phase: 0 for phase in PHASES}
+        self.forwarded_tokens = {"prefill": 0, "decode": 0}  # mixed steps count in both
 
     def prepare(self, batch: Batch) -> None:
         """Host side, when the batch is scheduled: pad a decode batch to its graph size (dummy
@@ -72,6 +73,10 @@ class ModelRunner:
         # NOTE: on CPU this is the real compute time; on CUDA only the launch time.
         self.phase_seconds[batch.phase] += time.perf_counter() - started
         self.phase_steps[batch.phase] += 1
+        decode_rows = batch.size if batch.is_decode else batch.decode_rows
+        self.forwarded_tokens["decode"] += decode_rows
+        if not batch.is_decode:
+            self.forwarded_tokens["prefill"] += sum(batch.extend_lens[:batch.size - decode_rows])
         return output
 
     @property

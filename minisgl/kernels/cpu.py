@@ -16,6 +16,7 @@ from minisgl.env import cache_root, cpu_kernels_disabled
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+NAME = "minisgl_cpu_kernels"
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 STALE_LOCK_S = 300.0  # a build lock this old was left by a killed build
 
@@ -33,9 +34,16 @@ def cpu_kernels() -> Any | None:
         build = cache_root() / "kernels" / digest[:16]
         build.mkdir(parents=True, exist_ok=True)
         _wait_for_other_build(build / "lock")
-        return load(name="minisgl_cpu_kernels", sources=[str(SOURCE)],
-                    build_directory=str(build), extra_cflags=CFLAGS,
-                    extra_ldflags=["-fopenmp"], verbose=False)
+        started = time.perf_counter()
+        fresh = not (build / f"{NAME}.so").exists()
+        if fresh:  # NOTE: a newcomer's first start would otherwise sit silent for a minute
+            logger.info("compiling the CPU kernels into %s (first start only: about a minute)",
+                        build)
+        module = load(name=NAME, sources=[str(SOURCE)], build_directory=str(build),
+                      extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+        if fresh:
+            logger.info("CPU kernels compiled in %.0f s", time.perf_counter() - started)
+        return module
     except Exception as exc:  # no compiler, no ninja, an unsupported platform
         logger.warning("CPU kernels unavailable (%s); using torch ops",
                        str(exc).splitlines()[0] if str(exc) else type(exc).__name__)

@@ -16,7 +16,9 @@ from typing import Any, AsyncIterator
 from minisgl.errors import EngineFailed, InvalidRequest
 from minisgl.grammar import GrammarBackend
 from minisgl.runtime.detokenizer import DecodeState, IncrementalDetokenizer
+from minisgl.core import SamplingParams
 from minisgl.runtime.metrics import Metrics
+from minisgl.runtime.request_log import RequestLog
 from minisgl.runtime.tokenizer import Tokenizer
 from minisgl.scheduler import ReqOutput, RequestSpec, Scheduler
 
@@ -29,6 +31,8 @@ class ReqHandle:
     prompt_ids: list[int]
     detok: DecodeState  # the detokenizer's state: text so far, stop strings
     logprob_num: int
+    params: SamplingParams | None = None
+    streaming: bool = False  # the client reads it as a stream (metrics' is_streaming label)
     created: float = field(default_factory=time.perf_counter)
     cached_tokens: int = 0
     finished: bool = False
@@ -81,11 +85,13 @@ class ReqHandle:
 
 class RequestManager:
     def __init__(self, scheduler: Scheduler, tokenizer: Tokenizer | None,
-                 grammar: GrammarBackend | None = None) -> None:
+                 grammar: GrammarBackend | None = None, metrics: Metrics | None = None,
+                 request_log: RequestLog | None = None) -> None:
         self.scheduler, self.tokenizer = scheduler, tokenizer
         self.grammar = grammar or GrammarBackend()
         self.detokenizer = IncrementalDetokenizer(tokenizer.hf) if tokenizer else None
-        self.metrics = Metrics()
+        self.metrics = metrics or Metrics()
+        self.request_log = request_log
         self.handles: dict[str, ReqHandle] = {}
         self._outbox: asyncio.Queue[list[ReqOutput]] | None = None
         self._tasks: list[asyncio.Task] = []
@@ -139,7 +145,7 @@ class RequestManager:
 
     # ---- requests ----------------------------------------------------------------------------
 
-    def submit(self, specs: list[RequestSpec]) -> list[ReqHandle]:
+    def submit(self, specs: list[RequestSpec], streaming: bool = False) -> list[ReqHandle]:
         """Queue a batch, all or nothing: every request is validated before any is queued
         (raises InvalidRequest, QueueFull or EngineFailed)."""
         if self.scheduler.engine_failed is not None:
@@ -151,7 +157,8 @@ class RequestManager:
         for req in reqs:
             handle = ReqHandle(req.rid, req.prompt_ids, DecodeState.start(req.prompt_ids,
                                                                          req.params),
-                               req.logprob_num, logprob_start_len=req.logprob_start_len)
+                               req.logprob_num, req.params, streaming,
+                               logprob_start_len=req.logprob_start_len)
             self.handles[req.rid] = handle
             self.metrics.on_submit()
             handles.append(handle)
@@ -230,10 +237,14 @@ class RequestManager:
             handle = self.handles.get(out.req.rid)
             if handle is None or handle.finished:
                 continue
+            handle.cached_tokens = out.req.cached_tokens
             if out.token is not None:
-                self.metrics.on_token(handle.first_token_at is None,
-                                      now - (handle.last_token_at or handle.created))
-                handle.first_token_at = handle.first_token_at or now
+                if handle.first_token_at is None:
+                    self.metrics.on_first_token(handle.streaming, now - handle.created,
+                                                len(handle.prompt_ids), handle.cached_tokens)
+                    handle.first_token_at = now
+                else:
+                    self.metrics.on_next_token(handle.streaming, now - handle.last_token_at)
                 handle.last_token_at = now
                 if out.logprob is not None:
                     handle.token_logprobs.append((out.logprob, out.token))
@@ -241,7 +252,6 @@ class RequestManager:
             if out.input_logprobs is not None:  # with the first token, or alone (scoring)
                 handle.input_logprobs = out.input_logprobs
                 handle.input_top_logprobs = out.input_top_logprobs or []
-            handle.cached_tokens = out.req.cached_tokens
             updates.append((handle, out))
         if self.detokenizer is not None:
             stopped = self.detokenizer.step(
@@ -263,4 +273,11 @@ class RequestManager:
     def _close(self, handle: ReqHandle, reason: dict[str, Any] | None, now: float) -> None:
         handle.finished, handle.finish_reason, handle.finished_at = True, reason, now
         self.handles.pop(handle.rid, None)
-        self.metrics.on_finish(now - handle.created)
+        decode_seconds = (None if handle.first_token_at is None
+                          else (handle.last_token_at or now) - handle.first_token_at)
+        self.metrics.on_finish(
+            handle.streaming, now - handle.created, decode_seconds, len(handle.prompt_ids),
+            len(handle.output_ids), aborted=(reason or {}).get("type") == "abort",
+            structured=handle.params is not None and handle.params.grammar is not None)
+        if self.request_log is not None:
+            self.request_log.finished(handle)

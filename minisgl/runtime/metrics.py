@@ -1,97 +1,216 @@
-"""Counters and latency histograms, rendered in the Prometheus text format."""
+"""Prometheus metrics under SGLang's names (`sglang:*`, with its label sets and bucket edges,
+so SGLang's Grafana dashboards and alerts read minisgl unchanged), beside minisgl's own engine
+series (`minisgl_*`). Request-level series are observed as tokens arrive; the scheduler's gauges
+are read from its state at scrape time. One registry per server, rendered by prometheus-client.
+
+It also keeps the latest latencies, for the dashboard's percentiles.
+"""
 
 from __future__ import annotations
 
-import bisect
-from dataclasses import dataclass, field
-from typing import Any
+import time
+from collections import deque
+from typing import Any, Callable, Iterator, get_args
 
-TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-ITL_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.2, 0.5, 1.0, 2.5)
-E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+from prometheus_client import (CollectorRegistry, Counter, Histogram, disable_created_metrics,
+                               generate_latest)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from minisgl.core import Phase
+
+# SGLang's default bucket edges (seconds; tokens for the length histograms)
+TTFT_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400)
+ITL_BUCKETS = (0.002, 0.004, 0.006, 0.008, 0.010, 0.015, 0.020, 0.025, 0.030, 0.035, 0.040,
+               0.060, 0.080, 0.100, 0.200, 0.400, 0.600, 0.800, 1.0, 2.0, 4.0, 6.0, 8.0)
+E2E_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400, 600,
+               1200, 1800, 2400)
+LENGTH_BUCKETS = (100, 300, 500, 700, 1000, 1500, 2000, 3000, 4000, 5000, 6000, 7000, 8000,
+                  9000, 10000, 12500, 15000, 17500, 20000, 22500, 25000, 27500, 30000, 35000,
+                  40000, 60000, 80000, 100000, 200000, 300000, 400000, 600000, 800000, 1000000,
+                  1100000)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+disable_created_metrics()  # NOTE: process-wide; SGLang's output has no *_created series
+RECENT_MAX = 20000  # latencies kept for the dashboard's percentiles (a busy GPU streams
+# thousands of tokens a second: the last seconds of them)
+
+# name: (help, key of the scheduler's state); read at scrape time
+PHASES = get_args(Phase)
+
+SGLANG_GAUGES = {
+    "num_running_reqs": ("The number of running requests.", "num_running_reqs"),
+    "num_queue_reqs": ("The number of requests in the waiting queue.", "num_waiting_reqs"),
+    "num_used_tokens": ("The number of used tokens.", "kv_request_tokens"),
+    "token_usage": ("The token usage.", "token_usage"),
+    "kv_used_tokens": ("Number of actively used token slots in the KV cache pool.",
+                       "kv_request_tokens"),
+    "kv_available_tokens": ("Number of free token slots in the KV cache pool.",
+                            "kv_free_tokens"),
+    "kv_evictable_tokens": ("Number of evictable (radix-cached) token slots in the KV cache "
+                            "pool.", "kv_evictable_tokens"),
+    "max_total_num_tokens": ("Tokens the KV cache pool holds.", "kv_pool_tokens"),
+    "cache_hit_rate": ("The prefix cache hit rate.", "cache_hit_rate"),
+    "new_token_ratio": ("The scheduler's estimate of the share of max_new_tokens a request "
+                        "will use.", "new_token_ratio"),
+}
+SGLANG_COUNTERS = {
+    "num_retracted_requests": ("Requests sent back to the waiting queue for lack of KV "
+                               "pages (preemptions included).", "retractions"),
+}
+MINISGL_COUNTERS = {
+    "preemptions": "Running requests sent back to the waiting queue for a more urgent one",
+    **{f"engine_{phase}_steps": f"Number of {phase} steps" for phase in PHASES},
+    **{f"engine_{phase}_seconds": f"Seconds in {phase} steps (CPU: compute; CUDA: launch only)"
+       for phase in PHASES},
+    "engine_prefill_tokens": "Prompt tokens forwarded (mixed steps' prefill rows included)",
+    "engine_decode_tokens": "Decode tokens forwarded (mixed steps' decode rows included)",
+}
 
 
-@dataclass
-class Histogram:
-    buckets: tuple[float, ...]
-    counts: list[int] = field(default_factory=list)
-    total: float = 0.0
-    count: int = 0
+def streaming_label(streaming: bool) -> str:
+    return "true" if streaming else "false"
 
-    def __post_init__(self) -> None:
-        self.counts = [0] * (len(self.buckets) + 1)
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.total += value
-        self.count += 1
+class _SchedulerCollector(Collector):
+    """The scheduler's gauges and counters, read from its state when /metrics is scraped."""
 
-    def render(self, name: str, help: str, labels: str) -> list[str]:
-        lines = [f"# HELP {name} {help}", f"# TYPE {name} histogram"]
-        cumulative = 0
-        for bound, n in zip((*map(str, self.buckets), "+Inf"), self.counts):
-            cumulative += n
-            lines.append(f'{name}_bucket{{{labels},le="{bound}"}} {cumulative}')
-        lines += [f"{name}_sum{{{labels}}} {self.total}",
-                  f"{name}_count{{{labels}}} {self.count}"]
-        return lines
+    def __init__(self, state: Callable[[], dict[str, Any]], model_name: str,
+                 gen_throughput: Callable[[], float]) -> None:
+        self.state, self.model_name, self.gen_throughput = state, model_name, gen_throughput
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        state = self.state()
+        values = {name: (help, state[key]) for name, (help, key) in SGLANG_GAUGES.items()}
+        values["gen_throughput"] = ("The generation throughput (token/s).",
+                                    self.gen_throughput())
+        for name, (help, value) in values.items():
+            family = GaugeMetricFamily(f"sglang:{name}", help, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
+        counters = {f"sglang:{name}": (help, state[key])
+                    for name, (help, key) in SGLANG_COUNTERS.items()}
+        counters |= {f"minisgl_{name}": (help, state[name])
+                     for name, help in MINISGL_COUNTERS.items()}
+        for name, (help, value) in counters.items():
+            family = CounterMetricFamily(name, help, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
 
 
 class Metrics:
-    def __init__(self) -> None:
-        self.requests = 0
-        self.finished = 0
-        self.ttft = Histogram(TTFT_BUCKETS)
-        self.itl = Histogram(ITL_BUCKETS)
-        self.e2e = Histogram(E2E_BUCKETS)
+    """What the request manager observes, per request and per token."""
+
+    def __init__(self, model_name: str = "") -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.requests = 0  # accepted, as minisgl_requests_total
+        self._scheduler: _SchedulerCollector | None = None
+        self.recent_ttft: deque[tuple[float, float]] = deque(maxlen=RECENT_MAX)
+        self.recent_itl: deque[tuple[float, float]] = deque(maxlen=RECENT_MAX)
+        r, labels, by_mode = self.registry, ["model_name"], ["model_name", "is_streaming"]
+        self._accepted = Counter("minisgl_requests", "Requests accepted", labels, registry=r)
+        self._prompt_tokens = Counter("sglang:prompt_tokens", "Number of prefill tokens "
+                                      "processed.", by_mode, registry=r)
+        self._generation_tokens = Counter("sglang:generation_tokens", "Number of generation "
+                                          "tokens processed.", by_mode, registry=r)
+        self._cached_tokens = Counter("sglang:cached_tokens", "Number of cached prompt tokens "
+                                      "by source.", ["model_name", "cache_source"], registry=r)
+        self._finished = Counter("sglang:num_requests", "Number of requests processed.",
+                                 by_mode, registry=r)
+        self._aborted = Counter("sglang:num_aborted_requests", "Number of requests aborted.",
+                                labels, registry=r)
+        self._structured = Counter("sglang:num_so_requests", "Number of structured output "
+                                   "requests processed.", labels, registry=r)
+        self._ttft = Histogram("sglang:time_to_first_token_seconds", "Histogram of time to "
+                               "first token in seconds.", by_mode, buckets=TTFT_BUCKETS,
+                               registry=r)
+        self._itl = Histogram("sglang:inter_token_latency_seconds", "Histogram of inter-token "
+                              "latency in seconds.", labels, buckets=ITL_BUCKETS, registry=r)
+        # per request: (finished - first token) / (completion tokens - 1), under SGLang's
+        # older name (its production-metrics page) and its newer one
+        self._tpot = [Histogram(name, "Per-request time per output token in seconds.",
+                                by_mode, buckets=ITL_BUCKETS, registry=r)
+                      for name in ("sglang:time_per_output_token_seconds",
+                                   "sglang:request_time_per_output_token_seconds")]
+        self._e2e = Histogram("sglang:e2e_request_latency_seconds", "Histogram of end-to-end "
+                              "request latency in seconds.", by_mode, buckets=E2E_BUCKETS,
+                              registry=r)
+        self._prompt_lengths = Histogram("sglang:prompt_tokens_histogram", "Histogram of "
+                                         "prompt token length.", labels,
+                                         buckets=LENGTH_BUCKETS, registry=r)
+        self._output_lengths = Histogram("sglang:generation_tokens_histogram", "Histogram of "
+                                         "generation token length.", labels,
+                                         buckets=LENGTH_BUCKETS, registry=r)
+        # NOTE: label children bound once (.labels() per token would cost a lookup chain), and
+        # all at start, so that every series is there from the first scrape
+        self._by_mode = {streaming: self._bind(streaming_label(streaming)) for streaming in
+                         (False, True)}
+        self._itl_child = self._itl.labels(model_name)
+        self._accepted_child = self._accepted.labels(model_name)
+        self._aborted_child = self._aborted.labels(model_name)
+        self._structured_child = self._structured.labels(model_name)
+        self._cached_child = self._cached_tokens.labels(model_name, "device")
+        self._prompt_lengths_child = self._prompt_lengths.labels(model_name)
+        self._output_lengths_child = self._output_lengths.labels(model_name)
+
+    def _bind(self, mode: str) -> dict[str, Any]:
+        name = self.model_name
+        return {"prompt": self._prompt_tokens.labels(name, mode),
+                "generation": self._generation_tokens.labels(name, mode),
+                "finished": self._finished.labels(name, mode),
+                "ttft": self._ttft.labels(name, mode),
+                "tpot": [h.labels(name, mode) for h in self._tpot],
+                "e2e": self._e2e.labels(name, mode)}
+
+    def watch_scheduler(self, state: Callable[[], dict[str, Any]],
+                        gen_throughput: Callable[[], float]) -> None:
+        """Report the scheduler's gauges, read from `state()` at each scrape (replacing the
+        previous watch: one server at a time reports a runtime)."""
+        if self._scheduler is not None:
+            self.registry.unregister(self._scheduler)
+        self._scheduler = _SchedulerCollector(state, self.model_name, gen_throughput)
+        self.registry.register(self._scheduler)
 
     def on_submit(self) -> None:
         self.requests += 1
+        self._accepted_child.inc()
 
-    def on_token(self, first: bool, since_previous: float) -> None:
-        (self.ttft if first else self.itl).observe(since_previous)
+    def on_first_token(self, streaming: bool, ttft: float, prompt_tokens: int,
+                       cached_tokens: int) -> None:
+        """The prompt was processed: count its tokens once, here rather than at the end."""
+        series = self._by_mode[streaming]
+        series["ttft"].observe(ttft)
+        series["prompt"].inc(prompt_tokens)
+        series["generation"].inc()
+        self._cached_child.inc(cached_tokens)
+        self.recent_ttft.append((time.monotonic(), ttft))
 
-    def on_finish(self, latency: float) -> None:
-        self.finished += 1
-        self.e2e.observe(latency)
+    def on_next_token(self, streaming: bool, gap: float) -> None:
+        self._by_mode[streaming]["generation"].inc()
+        self._itl_child.observe(gap)
+        self.recent_itl.append((time.monotonic(), gap))
 
-    def render(self, state: dict[str, Any], model_name: str) -> str:
-        """The Prometheus text format; every series carries a model_name label."""
-        escaped = model_name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-        labels = f'model_name="{escaped}"'
-        gauges = {
-            "num_running_reqs": "Requests being decoded or prefilled",
-            "num_waiting_reqs": "Requests waiting for admission",
-            "kv_usage": "Fraction of KV pool pages in use",
-            "kv_used_tokens": "KV pool tokens in use",
-            "cache_hit_rate": "Prompt tokens served from the prefix cache / prompt tokens",
-        }
-        counters = {
-            "prompt_tokens": "Prompt tokens received",
-            "generated_tokens": "Tokens generated",
-            "cached_prompt_tokens": "Prompt tokens served from the prefix cache",
-            "retractions": "Requests sent back to the waiting queue for lack of KV pages",
-            "preemptions": "Running requests sent back to the waiting queue for a more urgent one",
-            "engine_decode_steps": "Decode steps run",
-            "engine_decode_seconds": "Seconds in decode steps (CPU: compute; CUDA: launch only)",
-            "engine_prefill_steps": "Prefill steps run",
-            "engine_prefill_seconds": "Seconds in prefill steps (CPU: compute; CUDA: launch only)",
-            "engine_mixed_steps": "Mixed steps run (a prefill chunk with the running decodes)",
-            "engine_mixed_seconds": "Seconds in mixed steps (CPU: compute; CUDA: launch only)",
-        }
-        lines = []
-        for key, help in gauges.items():
-            lines += [f"# HELP minisgl_{key} {help}", f"# TYPE minisgl_{key} gauge",
-                      f"minisgl_{key}{{{labels}}} {state[key]}"]
-        for key, help in counters.items():
-            lines += [f"# HELP minisgl_{key}_total {help}", f"# TYPE minisgl_{key}_total counter",
-                      f"minisgl_{key}_total{{{labels}}} {state[key]}"]
-        lines += ["# HELP minisgl_requests_total Requests accepted",
-                  "# TYPE minisgl_requests_total counter",
-                  f"minisgl_requests_total{{{labels}}} {self.requests}"]
-        for histogram, name, help in (
-                (self.ttft, "time_to_first_token_seconds", "Time to first token"),
-                (self.itl, "inter_token_latency_seconds", "Inter-token latency"),
-                (self.e2e, "e2e_request_latency_seconds", "End-to-end latency")):
-            lines += histogram.render(f"minisgl_{name}", help, labels)
-        return "\n".join(lines) + "\n"
+    def on_finish(self, streaming: bool, e2e: float, decode_seconds: float | None,
+                  prompt_tokens: int, completion_tokens: int, aborted: bool,
+                  structured: bool) -> None:
+        series = self._by_mode[streaming]
+        series["finished"].inc()
+        series["e2e"].observe(e2e)
+        if decode_seconds is not None and completion_tokens > 1:
+            for tpot in series["tpot"]:
+                tpot.observe(decode_seconds / (completion_tokens - 1))
+        self._prompt_lengths_child.observe(prompt_tokens)
+        self._output_lengths_child.observe(completion_tokens)
+        if aborted:
+            self._aborted_child.inc()
+        if structured:
+            self._structured_child.inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def recent(self, window_s: float) -> tuple[list[float], list[float]]:
+        """TTFTs and inter-token latencies observed in the last `window_s` seconds."""
+        since = time.monotonic() - window_s
+        return ([v for t, v in self.recent_ttft if t >= since],
+                [v for t, v in self.recent_itl if t >= since])

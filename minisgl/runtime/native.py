@@ -128,7 +128,8 @@ class Prompt(RequestSpec):
     text: str | None = None
 
 
-async def submit_prompts(manager: RequestManager, prompts: list[Prompt]) -> list[ReqHandle]:
+async def submit_prompts(manager: RequestManager, prompts: list[Prompt], streaming: bool = False
+                         ) -> list[ReqHandle]:
     """Tokenize the text prompts (one batched call), then queue the batch, all or nothing."""
     texts = [p for p in prompts if p.text is not None]
     for p in texts:
@@ -140,7 +141,7 @@ async def submit_prompts(manager: RequestManager, prompts: list[Prompt]) -> list
         for p in texts:
             p.input_ids = ids[p.text]
     await manager.attach_grammars(prompts)
-    return manager.submit(list(prompts))
+    return manager.submit(list(prompts), streaming)
 
 
 @dataclass

@@ -14,6 +14,8 @@ from minisgl.env import quiet_tokenizer_threads
 from minisgl.grammar import create_grammar_backend
 from minisgl.models import generation_defaults, model_name
 from minisgl.runtime.manager import RequestManager
+from minisgl.runtime.metrics import Metrics
+from minisgl.runtime.request_log import RequestLog
 from minisgl.runtime.native import UnknownFields
 from minisgl.runtime.tokenizer import Tokenizer
 from minisgl.scheduler import Scheduler, SchedulerConfig
@@ -36,7 +38,9 @@ class Runtime:
             grammar = create_grammar_backend(
                 args.grammar_backend, self.tokenizer.hf if self.tokenizer else None,
                 self.engine.arch.vocab_size)
-            self.requests = RequestManager(self.scheduler, self.tokenizer, grammar)
+            self.model_name = args.served_model_name or model_name(args.model_path)
+            self.requests = RequestManager(self.scheduler, self.tokenizer, grammar,
+                                           Metrics(self.model_name), self._request_log())
         except BaseException:
             self.engine.shutdown()
             raise
@@ -46,10 +50,16 @@ class Runtime:
         if self.sampling_defaults:
             logger.info("chat requests default to the model's sampling parameters %s",
                         self.sampling_defaults)
-        self.model_name = args.served_model_name or model_name(args.model_path)
         # what a request's `model` may name: the served name, or the model as given or found
         self.model_aliases = {self.model_name, str(self.engine.model_path),
                               *([args.model_path] if args.model_path else [])}
+
+    def _request_log(self) -> RequestLog | None:
+        if not self.args.log_requests:
+            return None
+        hf = self.tokenizer.hf if self.tokenizer is not None else None
+        decode = (lambda ids: hf.decode(ids, skip_special_tokens=False)) if hf else None
+        return RequestLog(self.args.log_requests_level, self.args.log_requests_format, decode)
 
     async def start(self) -> None:
         await self.requests.start()

@@ -29,6 +29,7 @@ def report(stats: SchedulerStats, cache: CacheManager, prefill: PrefillManager,
     ps = cache.page_size
     pool_tokens = cache.num_pages * ps
     used = cache.used_pages * ps
+    evictable = cache.prefix_cache.evictable_size
     return {
         "num_running_reqs": len(decode) + (prefill.chunked is not None),
         "num_waiting_reqs": len(prefill.waiting) + pending_new,
@@ -36,6 +37,10 @@ def report(stats: SchedulerStats, cache: CacheManager, prefill: PrefillManager,
         "kv_used_tokens": used,
         "kv_cached_tokens": cache.cached_size,
         "kv_usage": used / pool_tokens,
+        "kv_request_tokens": used - evictable,  # held by requests (SGLang's num_used_tokens)
+        "kv_evictable_tokens": evictable,
+        "kv_free_tokens": cache.num_free * ps,
+        "token_usage": (used - evictable) / pool_tokens,
         "free_pages": cache.num_free,
         "prompt_tokens": stats.prompt_tokens,
         "cached_prompt_tokens": stats.cached_prompt_tokens,
@@ -50,6 +55,7 @@ def report(stats: SchedulerStats, cache: CacheManager, prefill: PrefillManager,
         **{f"engine_{phase}_seconds": seconds
            for phase, seconds in engine.phase_seconds.items()},
         **{f"engine_{phase}_steps": steps for phase, steps in engine.phase_steps.items()},
+        **{f"engine_{kind}_tokens": n for kind, n in engine.forwarded_tokens.items()},
         "integrity_error": stats.integrity_error,
     }
 

@@ -7,14 +7,18 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import Any
+from typing import Any, AsyncIterator
 
 from aiohttp import web
 
 from minisgl.core import SamplingParams
 from minisgl.errors import InvalidRequest, QueueFull
 from minisgl.runtime import ReqHandle, Runtime
+from minisgl.runtime.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from minisgl.runtime.timeline import Timeline
 from minisgl.scheduler import RequestSpec
+from minisgl.server.dashboard import OPEN_PATHS as DASHBOARD_OPEN_PATHS
+from minisgl.server.dashboard import Dashboard
 from minisgl.server.guard import Guard, Handler
 from minisgl.server.openai_api import OpenAIAPI
 from minisgl.runtime.native import (check_bool, generate_result, none_as, parse_generate,
@@ -39,14 +43,18 @@ class Server:
         self.model_name = runtime.model_name
         self.tokens = TokenTexts(runtime.tokenizer)
         self.openai = OpenAIAPI(runtime, self.tokens, self.ensure_ready)
+        self.timeline = Timeline(runtime.state, self.manager.metrics)
+        self.manager.metrics.watch_scheduler(runtime.state, self.timeline.gen_throughput)
+        self.dashboard = Dashboard(runtime, self.timeline)
         self.guard = Guard(args.host, args.api_key, args.split_list(args.allowed_hosts),
-                           args.split_list(args.cors_origins))
+                           args.split_list(args.cors_origins), DASHBOARD_OPEN_PATHS)
 
     def build_app(self) -> web.Application:
         app = web.Application(client_max_size=self.args.max_request_bytes,
                               middlewares=[self.errors_middleware, self.guard.middleware])
         app[MAX_BODY] = self.args.max_request_bytes
         app.on_response_prepare.append(self.guard.add_cors_headers)
+        app.cleanup_ctx.append(self._timeline_sampling)
         app.add_routes([
             web.get("/health", self.health), web.post("/health", self.health),
             web.get("/health_generate", self.health_generate),
@@ -59,8 +67,13 @@ class Server:
             web.get("/metrics", self.metrics),
             web.post("/generate", self.generate),
             *self.openai.routes(),
+            *self.dashboard.routes(),
         ])
         return app
+
+    async def _timeline_sampling(self, app: web.Application) -> AsyncIterator[None]:
+        async with self.dashboard.sampling():
+            yield
 
     # ---- middlewares -------------------------------------------------------------------------
 
@@ -102,7 +115,7 @@ class Server:
         req = parse_generate(await read_json(request), self.manager.max_sequences,
                              self.runtime.unknown_fields)
         tokens = self.tokens if req.text_in_logprobs else None
-        handles = await submit_prompts(self.manager, req.prompts)
+        handles = await submit_prompts(self.manager, req.prompts, req.stream)
         if not req.stream:
             await wait_all(self.manager, handles)
             results = [generate_result(h, tokens, req.prompt_ids_wanted) for h in handles]
@@ -169,9 +182,8 @@ class Server:
         return json_response({"success": found, "aborted": [rid] if found else []})
 
     async def metrics(self, request: web.Request) -> web.Response:
-        text = self.manager.metrics.render(self.runtime.state(), self.model_name)
-        return web.Response(body=text.encode(),
-                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+        return web.Response(body=self.manager.metrics.render(),
+                            headers={"Content-Type": METRICS_CONTENT_TYPE})
 
     async def shutdown(self, runner: web.AppRunner) -> None:
         """Refuse new requests, abort the running ones (their clients get a last chunk with

@@ -45,8 +45,10 @@ def host_name(header: str) -> str | None:
 
 class Guard:
     def __init__(self, bound_host: str, api_key: str | None, allowed_hosts: list[str] | None,
-                 cors_origins: list[str] | None) -> None:
+                 cors_origins: list[str] | None, open_paths: frozenset[str] = frozenset()
+                 ) -> None:
         self.api_key = api_key
+        self.open_paths = OPEN_PATHS | open_paths
         self.any_host = (allowed_hosts is None and not is_loopback(bound_host)) or (
             allowed_hosts is not None and "*" in allowed_hosts)
         self.hosts = {h.lower() for h in (allowed_hosts or [])} | LOOPBACK_NAMES | {
@@ -78,7 +80,7 @@ class Guard:
                         "start the server with --cors-origins to allow a web page")
 
     def _check_key(self, request: web.Request) -> None:
-        if not self.api_key or request.path in OPEN_PATHS:
+        if not self.api_key or request.path in self.open_paths:
             return
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         # NOTE: the scheme is case-insensitive (RFC 7235); the key is compared in constant time

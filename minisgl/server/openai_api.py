@@ -138,7 +138,7 @@ class OpenAIAPI:
         flat = [p for g in groups for p in g]
         for k, p in enumerate(flat):
             p.rid = f"{rid}-{k}"
-        handles = await submit_prompts(self.manager, flat)
+        handles = await submit_prompts(self.manager, flat, stream)
         echoes = [""] * len(flat)
         if echo:
             tokenizer = self.manager.tokenizer
@@ -209,7 +209,7 @@ class OpenAIAPI:
         flat = groups[0]
         for k, p in enumerate(flat):
             p.rid = f"{rid}-{k}"
-        handles = await submit_prompts(self.manager, flat)
+        handles = await submit_prompts(self.manager, flat, stream)
         head = {"id": rid, "object": "chat.completion", "created": int(time.time()),
                 "model": model}
         if stream:
