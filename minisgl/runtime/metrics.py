@@ -8,13 +8,16 @@ It also keeps the latest latencies, for the dashboard's percentiles.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import time
 from collections import deque
 from typing import Any, Callable, Iterator, get_args
 
 from prometheus_client import (CollectorRegistry, Counter, Histogram, disable_created_metrics,
                                generate_latest)
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                   HistogramMetricFamily)
 from prometheus_client.registry import Collector
 
 from minisgl.core import Phase
@@ -97,6 +100,44 @@ class _SchedulerCollector(Collector):
             yield family
 
 
+class BucketCounts:
+    """A histogram's counts, kept by hand for the per-token path (prometheus-client's
+    Histogram.observe takes a lock and costs ~1 us: a GPU streams >10k tokens a second)."""
+
+    def __init__(self, edges: tuple[float, ...]) -> None:
+        self.edges, self.counts, self.total = edges, [0] * (len(edges) + 1), 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.edges, value)] += 1
+        self.total += value
+
+    def family(self, name: str, help: str, model_name: str) -> HistogramMetricFamily:
+        family = HistogramMetricFamily(name, help, labels=["model_name"])
+        cumulative = list(itertools.accumulate(self.counts))
+        family.add_metric([model_name], [(str(float(e)), n) for e, n in zip(self.edges,
+                                                                            cumulative)]
+                          + [("+Inf", cumulative[-1])], self.total)
+        return family
+
+
+class TokenSeries(Collector):
+    """The per-token series: generated tokens (by is_streaming) and inter-token latency."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.generated = {False: 0, True: 0}
+        self.itl = BucketCounts(ITL_BUCKETS)
+
+    def collect(self) -> Iterator[CounterMetricFamily | HistogramMetricFamily]:
+        family = CounterMetricFamily("sglang:generation_tokens", "Number of generation tokens "
+                                     "processed.", labels=["model_name", "is_streaming"])
+        for streaming, count in self.generated.items():
+            family.add_metric([self.model_name, streaming_label(streaming)], count)
+        yield family
+        yield self.itl.family("sglang:inter_token_latency_seconds", "Histogram of inter-token "
+                              "latency in seconds.", self.model_name)
+
+
 class Metrics:
     """What the request manager observes, per request and per token."""
 
@@ -111,8 +152,6 @@ class Metrics:
         self._accepted = Counter("minisgl_requests", "Requests accepted", labels, registry=r)
         self._prompt_tokens = Counter("sglang:prompt_tokens", "Number of prefill tokens "
                                       "processed.", by_mode, registry=r)
-        self._generation_tokens = Counter("sglang:generation_tokens", "Number of generation "
-                                          "tokens processed.", by_mode, registry=r)
         self._cached_tokens = Counter("sglang:cached_tokens", "Number of cached prompt tokens "
                                       "by source.", ["model_name", "cache_source"], registry=r)
         self._finished = Counter("sglang:num_requests", "Number of requests processed.",
@@ -124,8 +163,6 @@ class Metrics:
         self._ttft = Histogram("sglang:time_to_first_token_seconds", "Histogram of time to "
                                "first token in seconds.", by_mode, buckets=TTFT_BUCKETS,
                                registry=r)
-        self._itl = Histogram("sglang:inter_token_latency_seconds", "Histogram of inter-token "
-                              "latency in seconds.", labels, buckets=ITL_BUCKETS, registry=r)
         # per request: (finished - first token) / (completion tokens - 1), under SGLang's
         # older name (its production-metrics page) and its newer one
         self._tpot = [Histogram(name, "Per-request time per output token in seconds.",
@@ -145,7 +182,8 @@ class Metrics:
         # all at start, so that every series is there from the first scrape
         self._by_mode = {streaming: self._bind(streaming_label(streaming)) for streaming in
                          (False, True)}
-        self._itl_child = self._itl.labels(model_name)
+        self.tokens = TokenSeries(model_name)
+        self.registry.register(self.tokens)
         self._accepted_child = self._accepted.labels(model_name)
         self._aborted_child = self._aborted.labels(model_name)
         self._structured_child = self._structured.labels(model_name)
@@ -156,7 +194,6 @@ class Metrics:
     def _bind(self, mode: str) -> dict[str, Any]:
         name = self.model_name
         return {"prompt": self._prompt_tokens.labels(name, mode),
-                "generation": self._generation_tokens.labels(name, mode),
                 "finished": self._finished.labels(name, mode),
                 "ttft": self._ttft.labels(name, mode),
                 "tpot": [h.labels(name, mode) for h in self._tpot],
@@ -181,13 +218,13 @@ class Metrics:
         series = self._by_mode[streaming]
         series["ttft"].observe(ttft)
         series["prompt"].inc(prompt_tokens)
-        series["generation"].inc()
+        self.tokens.generated[streaming] += 1
         self._cached_child.inc(cached_tokens)
         self.recent_ttft.append((time.monotonic(), ttft))
 
     def on_next_token(self, streaming: bool, gap: float) -> None:
-        self._by_mode[streaming]["generation"].inc()
-        self._itl_child.observe(gap)
+        self.tokens.generated[streaming] += 1
+        self.tokens.itl.observe(gap)
         self.recent_itl.append((time.monotonic(), gap))
 
     def on_finish(self, streaming: bool, e2e: float, decode_seconds: float | None,
