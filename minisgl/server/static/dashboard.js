@@ -19,7 +19,7 @@ const CHARTS = [
     series: [["itl_p50", "p50"], ["itl_p99", "p99"]], format: ms },
   { id: "batch", title: "Batch composition (tokens forwarded / s)",
     series: [["prefill_tok_s", "prefill"], ["decode_tok_s", "decode"]], format: (v) => v.toFixed(0) },
-  { id: "busy", title: "Engine busy share", series: [["busy", "busy"]], format: pct, max: 1 },
+  { id: "busy", title: "Engine busy share (CUDA: launch time only)", series: [["busy", "busy"]], format: pct, max: 1 },
 ];
 
 const STATS = [
