@@ -1,7 +1,8 @@
 """`--quantization`: which weights stay in a compact form, and loading them.
 
 - `gguf`: a GGUF model's Q4_0 / Q4_1 linear weights stay 4-bit as in the file (models.
-  gguf_blocks, layers.quant), on CPU in bfloat16.
+  gguf_blocks, layers.quant), on CPU in bfloat16; the LM head adds a per-row int8 copy for
+  small decode batches (layers.embedding).
 - `none` (the default): every weight dequantized to the serving dtype.
 NOTE: gguf is opt-in until a kernel makes it win at every batch size: torch's int4 kernel
 reads 2.2x fewer bytes and wins at 1-8 decode rows, but dequantizes per row, so from 16 rows
@@ -65,6 +66,8 @@ def load_weights(model: torch.nn.Module, config: EngineConfig, folder: Path, arc
     for module in model.modules():
         if isinstance(getattr(module, "weight", None), Int4Blocks):
             module.finish_int4(dtype)
+        if method == "gguf" and hasattr(module, "add_int8_copy"):  # the LM head
+            module.add_int8_copy()
 
 
 def log_weight_memory(model: torch.nn.Module, method: str) -> None:
@@ -73,6 +76,9 @@ def log_weight_memory(model: torch.nn.Module, method: str) -> None:
     dense = sum(p.numel() * p.element_size() for p in model.parameters())
     packed = sum(m.packed.numel() * m.packed.element_size() for m in model.modules()
                  if getattr(m, "packed", None) is not None)
-    logger.info("weights: %.0f MB resident (quantization %s: %.0f MB 4-bit, %.0f MB dense, "
+    int8 = sum(t.numel() * t.element_size() for m in model.modules()
+               if getattr(m, "int8", None) is not None for t in m.int8)
+    int4 += int8  # compact copies, reported together
+    logger.info("weights: %.0f MB resident (quantization %s: %.0f MB 4/8-bit, %.0f MB dense, "
                 "%.0f MB prepacked)", (int4 + dense + packed) / 1e6, method, int4 / 1e6,
                 dense / 1e6, packed / 1e6)
