@@ -13,10 +13,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+from minisgl.core import SamplingParams
 from minisgl.errors import EngineFailed, InvalidRequest
 from minisgl.grammar import GrammarBackend
 from minisgl.runtime.detokenizer import DecodeState, IncrementalDetokenizer
-from minisgl.core import SamplingParams
 from minisgl.runtime.metrics import Metrics
 from minisgl.runtime.request_log import RequestLog
 from minisgl.runtime.tokenizer import Tokenizer
