@@ -72,13 +72,13 @@ def load_weights(model: torch.nn.Module, config: EngineConfig, folder: Path, arc
 
 def log_weight_memory(model: torch.nn.Module, method: str) -> None:
     """The weights' resident size (after CPU prepacking, which may keep a second copy)."""
-    int4 = sum(m.int4.nbytes for m in model.modules() if getattr(m, "int4", None) is not None)
+    modules = list(model.modules())
+    compact = sum(m.int4.nbytes for m in modules if getattr(m, "int4", None) is not None) + sum(
+        t.numel() * t.element_size() for m in modules if getattr(m, "int8", None) is not None
+        for t in m.int8)
     dense = sum(p.numel() * p.element_size() for p in model.parameters())
-    packed = sum(m.packed.numel() * m.packed.element_size() for m in model.modules()
+    packed = sum(m.packed.numel() * m.packed.element_size() for m in modules
                  if getattr(m, "packed", None) is not None)
-    int8 = sum(t.numel() * t.element_size() for m in model.modules()
-               if getattr(m, "int8", None) is not None for t in m.int8)
-    int4 += int8  # compact copies, reported together
     logger.info("weights: %.0f MB resident (quantization %s: %.0f MB 4/8-bit, %.0f MB dense, "
-                "%.0f MB prepacked)", (int4 + dense + packed) / 1e6, method, int4 / 1e6,
+                "%.0f MB prepacked)", (compact + dense + packed) / 1e6, method, compact / 1e6,
                 dense / 1e6, packed / 1e6)

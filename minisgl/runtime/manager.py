@@ -241,10 +241,11 @@ class RequestManager:
             if out.token is not None:
                 if handle.first_token_at is None:
                     self.metrics.on_first_token(handle.streaming, now - handle.created,
-                                                len(handle.prompt_ids), handle.cached_tokens)
+                                                len(handle.prompt_ids), handle.cached_tokens, now)
                     handle.first_token_at = now
                 else:
-                    self.metrics.on_next_token(handle.streaming, now - handle.last_token_at)
+                    self.metrics.on_next_token(handle.streaming, now - handle.last_token_at,
+                                               now)
                 handle.last_token_at = now
                 if out.logprob is not None:
                     handle.token_logprobs.append((out.logprob, out.token))

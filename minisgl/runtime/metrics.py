@@ -120,15 +120,21 @@ class BucketCounts:
         return family
 
 
-class TokenSeries(Collector):
-    """The per-token series: generated tokens (by is_streaming) and inter-token latency."""
+class HandCounted(Collector):
+    """Series counted as plain numbers on the hot path: generated tokens (by is_streaming) and
+    inter-token latency per token, accepted requests per request."""
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
+        self.accepted = 0
         self.generated = {False: 0, True: 0}
         self.itl = BucketCounts(ITL_BUCKETS)
 
     def collect(self) -> Iterator[CounterMetricFamily | HistogramMetricFamily]:
+        accepted = CounterMetricFamily("minisgl_requests", "Requests accepted",
+                                       labels=["model_name"])
+        accepted.add_metric([self.model_name], self.accepted)
+        yield accepted
         family = CounterMetricFamily("sglang:generation_tokens", "Number of generation tokens "
                                      "processed.", labels=["model_name", "is_streaming"])
         for streaming, count in self.generated.items():
@@ -144,12 +150,10 @@ class Metrics:
     def __init__(self, model_name: str = "") -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=False)
-        self.requests = 0  # accepted, as minisgl_requests_total
         self._scheduler: _SchedulerCollector | None = None
         self.recent_ttft: deque[tuple[float, float]] = deque(maxlen=RECENT_MAX)
         self.recent_itl: deque[tuple[float, float]] = deque(maxlen=RECENT_MAX)
         r, labels, by_mode = self.registry, ["model_name"], ["model_name", "is_streaming"]
-        self._accepted = Counter("minisgl_requests", "Requests accepted", labels, registry=r)
         self._prompt_tokens = Counter("sglang:prompt_tokens", "Number of prefill tokens "
                                       "processed.", by_mode, registry=r)
         self._cached_tokens = Counter("sglang:cached_tokens", "Number of cached prompt tokens "
@@ -182,9 +186,8 @@ class Metrics:
         # all at start, so that every series is there from the first scrape
         self._by_mode = {streaming: self._bind(streaming_label(streaming)) for streaming in
                          (False, True)}
-        self.tokens = TokenSeries(model_name)
-        self.registry.register(self.tokens)
-        self._accepted_child = self._accepted.labels(model_name)
+        self.counted = HandCounted(model_name)
+        self.registry.register(self.counted)
         self._aborted_child = self._aborted.labels(model_name)
         self._structured_child = self._structured.labels(model_name)
         self._cached_child = self._cached_tokens.labels(model_name, "device")
@@ -208,24 +211,29 @@ class Metrics:
         self._scheduler = _SchedulerCollector(state, self.model_name, gen_throughput)
         self.registry.register(self._scheduler)
 
+    @property
+    def requests(self) -> int:
+        """Requests accepted (minisgl_requests_total)."""
+        return self.counted.accepted
+
     def on_submit(self) -> None:
-        self.requests += 1
-        self._accepted_child.inc()
+        self.counted.accepted += 1
 
     def on_first_token(self, streaming: bool, ttft: float, prompt_tokens: int,
-                       cached_tokens: int) -> None:
+                       cached_tokens: int, now: float) -> None:
         """The prompt was processed: count its tokens once, here rather than at the end."""
         series = self._by_mode[streaming]
         series["ttft"].observe(ttft)
         series["prompt"].inc(prompt_tokens)
-        self.tokens.generated[streaming] += 1
+        self.counted.generated[streaming] += 1
         self._cached_child.inc(cached_tokens)
-        self.recent_ttft.append((time.monotonic(), ttft))
+        self.recent_ttft.append((now, ttft))
 
-    def on_next_token(self, streaming: bool, gap: float) -> None:
-        self.tokens.generated[streaming] += 1
-        self.tokens.itl.observe(gap)
-        self.recent_itl.append((time.monotonic(), gap))
+    def on_next_token(self, streaming: bool, gap: float, now: float) -> None:
+        """`now`: time.perf_counter() when the token arrived (the caller's clock reading)."""
+        self.counted.generated[streaming] += 1
+        self.counted.itl.observe(gap)
+        self.recent_itl.append((now, gap))
 
     def on_finish(self, streaming: bool, e2e: float, decode_seconds: float | None,
                   prompt_tokens: int, completion_tokens: int, aborted: bool,
@@ -248,6 +256,6 @@ class Metrics:
 
     def recent(self, window_s: float) -> tuple[list[float], list[float]]:
         """TTFTs and inter-token latencies observed in the last `window_s` seconds."""
-        since = time.monotonic() - window_s
+        since = time.perf_counter() - window_s
         return ([v for t, v in self.recent_ttft if t >= since],
                 [v for t, v in self.recent_itl if t >= since])

@@ -18,6 +18,9 @@ SAMPLE_S = 1.0
 HISTORY = 600  # samples
 LATENCY_WINDOW_S = 10.0  # the percentiles of a sample cover this many seconds
 THROUGHPUT_SAMPLES = 5  # sglang:gen_throughput averages this many samples
+# a sample's per-second rates: its name -> the counter of the scheduler's state it differences
+RATES = {"output_tok_s": "generated_tokens", "prefill_tok_s": "engine_prefill_tokens",
+         "decode_tok_s": "engine_decode_tokens", "busy": "engine_busy_seconds"}
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -48,20 +51,18 @@ class Timeline:
             "t": round(time.time(), 3),
             "running": state["num_running_reqs"],
             "waiting": state["num_waiting_reqs"],
-            "kv_requests": state["kv_request_tokens"] / pool,
+            "kv_requests": state["token_usage"],
             "kv_cache": state["kv_evictable_tokens"] / pool,
             "cache_hit_rate": state["cache_hit_rate"],
             "ttft_p50": percentile(ttft, 0.5), "ttft_p99": percentile(ttft, 0.99),
             "itl_p50": percentile(itl, 0.5), "itl_p99": percentile(itl, 0.99),
         }
-        rates = {"output_tok_s": "generated_tokens", "prefill_tok_s": "engine_prefill_tokens",
-                 "decode_tok_s": "engine_decode_tokens", "busy": "engine_busy_seconds"}
         if self._previous is None:
-            sample |= dict.fromkeys(rates, 0.0)
+            sample |= dict.fromkeys(RATES, 0.0)
         else:
             then, before = self._previous
             elapsed = max(now - then, 1e-6)
-            sample |= {name: (state[key] - before[key]) / elapsed for name, key in rates.items()}
+            sample |= {name: (state[key] - before[key]) / elapsed for name, key in RATES.items()}
         sample["busy"] = min(sample["busy"], 1.0)
         sample |= {k: round(v, 6) for k, v in sample.items() if isinstance(v, float) and k != "t"}
         self._previous = (now, state)
