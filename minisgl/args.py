@@ -99,8 +99,9 @@ class ServerArgs:
         "producing tokens while a long prompt is prefilled.")
     quantization: str | None = _flag(
         None, "Weights kept compact: gguf (a GGUF model's Q4_0 / Q4_1 linear weights run "
-        "4-bit, as in the file, on CPU in bfloat16: fastest at 1-8 streams, slower from 16 "
-        "up) or none (the default: every weight dequantized to --dtype).",
+        "4-bit, as in the file, on CPU in bfloat16; the default for a GGUF model served so "
+        "where the AVX-512 VNNI kernel is built) or none (every weight dequantized to "
+        "--dtype; the default otherwise).",
         choices=["gguf", "none"])
     disable_radix_cache: bool = _flag(False, "Use no prefix cache.")
     disable_overlap_schedule: bool = _flag(

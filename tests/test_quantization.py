@@ -1,12 +1,14 @@
 """`--quantization gguf` (issue 18): the bundled GGUF's Q4_1 linear weights served 4-bit, as
-in the file. The reference is the float32 model on the same weights dequantized (transformers'
-GGUF reader): the same math, so what differs is bfloat16 rounding, stated as bounds beside
-the dense bfloat16 model's own (measured: logits relative error 0.016-0.031 for dense bf16,
-0.020-0.026 for gguf; perplexity of the paragraph twice 4.105 fp32, 4.108 bf16, 4.093 gguf,
-of it once 14.27, 14.32, 14.25; greedy tokens before the first difference from fp32 over 8
-prompts x 32: 212 / 256 bf16, 175 / 256 gguf, the reference's top-2 margin at each difference
-at most 0.13 bf16, 0.16 gguf). The LM head's int8 copy (decode batches of at most 4 rows;
-per-row scales, so not the file's exact math) measured 0.021-0.027 and perplexity 4.107."""
+in the file, through the VNNI kernel (kernels/csrc/quant_matmul.cpp; torch's int4 kernel on CPUs
+without it). The reference is the float32 model on the same weights dequantized (transformers'
+GGUF reader): the same math, so what differs is bfloat16 rounding (the kernel keeps activations
+to ~15 bits), stated as bounds beside the dense bfloat16 model's own. Measured with the VNNI
+kernel: logits relative error 0.016 / 0.031 (long / short prompt) for dense bf16, 0.017 / 0.032
+for gguf, where int8 activations alone (llama.cpp's Q8) gave 0.077 / 0.078; perplexity of the
+paragraph twice 4.105 fp32, 4.108 bf16, 4.087 gguf (4.083 with every row through the LM head's
+8-bit copy), of it once 14.27, 14.32, 14.17; greedy tokens before the first difference from
+fp32 over 4 prompts x 32: 88 / 128 bf16, 83 / 128 gguf, the reference's top-2 margin at each
+difference at most 0.018 bf16, 0.044 gguf."""
 
 from __future__ import annotations
 
@@ -20,7 +22,15 @@ import torch
 from minisgl import LLM
 from minisgl.engine import Engine, EngineConfig
 from minisgl.layers import embedding
-from minisgl.layers.quant import KERNEL_MAX_ROWS, Int4Blocks, Int4Weight
+from minisgl.layers.quant import (
+    KERNEL_MAX_ROWS,
+    VNNI_MAX_ROWS,
+    Int4Blocks,
+    TorchInt4Weight,
+    VnniWeight,
+    int8_weight,
+    vnni_kernels,
+)
 from tests import reference as ref
 from tests.engine_probe import prefill_logits
 
@@ -102,23 +112,78 @@ def test_gguf_greedy_agrees_with_the_reference():
         assert margin < TOP2_MARGIN_BF16, (at, margin)
 
 
+def vnni_int4(blocks: Int4Blocks, dtype: torch.dtype) -> VnniWeight:
+    return VnniWeight(blocks.codes, blocks.scales, blocks.zeros - 8 * blocks.scales, bits=4)
+
+
+def int4_layouts() -> list:
+    return [TorchInt4Weight] + ([vnni_int4] if vnni_kernels() is not None else [])
+
+
+needs_vnni = pytest.mark.skipif(vnni_kernels() is None, reason="no AVX-512 VNNI here")
+
+
+def random_blocks(out_features: int, in_features: int, gen: torch.Generator) -> Int4Blocks:
+    """Q4_1-like blocks: float16 scales and mins, as a GGUF stores them."""
+    groups = in_features // 32
+    scales = (torch.rand(out_features, groups, generator=gen) * 0.01).half().float()
+    mins = (torch.randn(out_features, groups, generator=gen) * 0.01).half().float()
+    return Int4Blocks(torch.randint(0, 16, (out_features, in_features), generator=gen,
+                                    dtype=torch.uint8), scales, mins + 8 * scales)
+
+
 def test_both_paths_of_a_4bit_layer_compute_the_same_weight():
-    """The int4 kernel (small batches) and the dequantized GEMM (large ones) against the
-    float32 product with the dequantized blocks; also a shape whose packing unpack_codes does
-    not know (output rows not a multiple of 64), which keeps its own copy of the codes."""
+    """Each layout's kernel against the float32 product with the dequantized blocks, at row
+    counts on both sides of each layout's kernel / GEMM switch and of the VNNI kernel's 4-row
+    tiles;
+    also shapes whose torch packing unpack_codes does not know (output rows not a multiple of
+    64: a copy of the codes is kept) and an input width of one group."""
     gen = torch.Generator().manual_seed(0)
-    for out_features in (192, 48):
-        blocks = Int4Blocks(torch.randint(0, 16, (out_features, 256), generator=gen,
-                                          dtype=torch.uint8),
-                            torch.rand(out_features, 8, generator=gen) * 0.01,
-                            torch.randn(out_features, 8, generator=gen) * 0.01)
-        weight = Int4Weight(blocks, torch.bfloat16)
-        assert (weight.nibbles is None) == (out_features % 64 == 0)
-        for rows in (1, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1, 300):
-            x = torch.randn(rows, 256, generator=gen)
-            want = x @ blocks.dequantize().t()
-            got = weight.matmul(x.to(torch.bfloat16))
-            assert relative_error(got, want) < 1e-2, (out_features, rows)
+    for layout in int4_layouts():
+        for out_features, in_features in ((192, 256), (48, 256), (16, 32)):
+            blocks = random_blocks(out_features, in_features, gen)
+            weight = layout(blocks, torch.bfloat16)
+            if layout is TorchInt4Weight:
+                assert (weight.nibbles is None) == (out_features % 64 == 0)
+            for rows in (1, 3, 5, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1, VNNI_MAX_ROWS,
+                         VNNI_MAX_ROWS + 1):
+                x = torch.randn(rows, in_features, generator=gen)
+                want = x @ blocks.dequantize().t()
+                got = weight.matmul(x.to(torch.bfloat16))
+                # measured: 0.0017 (VNNI), 0.0025-0.0033 (torch), mostly x's bf16 rounding
+                assert relative_error(got, want) < 1e-2, (layout, out_features, rows)
+
+
+@needs_vnni
+def test_vnni_layout_holds_the_gguf_weights_exactly():
+    """float16 scales and offsets (w = d * code + m) lose nothing of blocks whose scales and
+    mins are float16, as a GGUF's are."""
+    gen = torch.Generator().manual_seed(1)
+    blocks = random_blocks(64, 96, gen)
+    weight = vnni_int4(blocks, torch.bfloat16)
+    scales, offsets = weight.scales_and_offsets.float().permute(2, 0, 3, 1).reshape(2, 64, 3)
+    assert torch.equal(scales, blocks.scales)
+    assert torch.equal(offsets, blocks.zeros - 8 * blocks.scales)
+    assert torch.allclose(weight.dequantized(), blocks.dequantize(), rtol=0, atol=1e-6)
+    assert weight.nbytes == 64 * 96 // 2 + 64 * 3 * 2 * 2
+
+
+@needs_vnni
+def test_8bit_vnni_weight_is_q8_0_of_the_dense_one():
+    """The LM head's 8-bit form: per group of 32, codes within +-127 of 128 and a float16
+    scale; its product against the float32 one of the weight it encodes, at row counts
+    around the 4-row tiles."""
+    gen = torch.Generator().manual_seed(2)
+    dense = torch.randn(48, 96, generator=gen) * 0.05
+    weight = int8_weight(dense)
+    assert weight.codes.min() >= 1 and weight.nbytes == 48 * 96 + 48 * 3 * 2 * 2
+    # rounding to 255 steps of the group's largest value: at most half a step (max/254) off
+    step = dense.abs().view(48, 3, 32).amax(dim=-1, keepdim=True) / 254
+    assert ((weight.dequantized() - dense).view(48, 3, 32).abs() <= step * 1.01).all()
+    for rows in (1, 4, 5, 9, VNNI_MAX_ROWS + 1):
+        x = torch.randn(rows, 96, generator=gen)
+        want = x @ weight.dequantized().t()
+        assert relative_error(weight.matmul(x.to(torch.bfloat16)), want) < 1e-2, rows
 
 
 def test_tp3_gguf_matches_tp1(prompts):
@@ -188,3 +253,13 @@ def test_llama_q_rows_are_unpermuted_like_transformers():
     blocks = Int4Blocks(gguf[:, None].repeat(1, 32).to(torch.uint8), torch.zeros(rows, 1),
                         torch.zeros(rows, 1))
     assert unpermute_rows(blocks, heads).codes[:, 0].tolist() == hf.tolist()
+
+
+def test_gguf_is_the_default_for_a_gguf_model_in_bfloat16_on_cpu():
+    from minisgl.engine.quantization import resolve_quantization
+    cpu = torch.device("cpu")
+    want = "gguf" if vnni_kernels() is not None else "none"  # torch's int4 kernel: opt-in
+    assert resolve_quantization(None, None, cpu, torch.bfloat16, "auto") == want
+    assert resolve_quantization(None, None, cpu, torch.float32, "auto") == "none"
+    assert resolve_quantization(None, None, cpu, torch.bfloat16, "dummy") == "none"
+    assert resolve_quantization("none", None, cpu, torch.bfloat16, "auto") == "none"

@@ -1,12 +1,12 @@
 """`--quantization`: which weights stay in a compact form, and loading them.
 
 - `gguf`: a GGUF model's Q4_0 / Q4_1 linear weights stay 4-bit as in the file (models.
-  gguf_blocks, layers.quant), on CPU in bfloat16; the LM head adds a per-row int8 copy for
-  small decode batches (layers.embedding).
-- `none` (the default): every weight dequantized to the serving dtype.
-NOTE: gguf is opt-in until a kernel makes it win at every batch size: torch's int4 kernel
-reads 2.2x fewer bytes and wins at 1-8 decode rows, but dequantizes per row, so from 16 rows
-up (and in prefill) the dense oneDNN GEMM is faster (BENCHMARKS.md, "Quantized weights").
+  gguf_blocks, layers.quant), on CPU in bfloat16; the LM head adds an 8-bit copy for small
+  decode batches (layers.embedding). The default for GGUF models where the VNNI kernel is
+  built: it decodes 2x faster than `none` at one stream and no slower at 64, and prefills as
+  fast (BENCHMARKS.md, "Quantized weights"). Without that kernel (torch's int4 kernel, which
+  dequantizes per row, is slower than the dense GEMM from 16 rows up) it stays opt-in.
+- `none`: every weight dequantized to the serving dtype.
 With `--load-format dummy`, `gguf` makes the linear weights random 4-bit blocks (large shapes
 in a quarter of the memory).
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from minisgl.engine.config import EngineConfig
-from minisgl.layers.quant import Int4Blocks
+from minisgl.layers.quant import Int4Blocks, vnni_kernels
 from minisgl.models import ModelArch, load_dummy, load_safetensors
 from minisgl.models.gguf_blocks import stage_int4_linears
 from minisgl.models.weights import gguf_file
@@ -29,15 +29,19 @@ logger = logging.getLogger(__name__)
 
 def resolve_quantization(method: str | None, model: str | None, device: torch.device,
                          dtype: torch.dtype, load_format: str) -> str:
-    """The method to use (None: the default); ValueError (one line) if it cannot run here."""
+    """The method to use; ValueError (one line) if it cannot run here. The default (None) is
+    gguf for a GGUF model (or the bundled one) served in bfloat16 on a CPU where the VNNI
+    kernel is built, none otherwise."""
     if method is None:
-        return "none"
+        fits = (device.type == "cpu" and dtype == torch.bfloat16 and load_format != "dummy"
+                and vnni_kernels() is not None and gguf_file(model) is not None)
+        return "gguf" if fits else "none"
     if method == "gguf":
         if load_format != "dummy" and gguf_file(model) is None:
             raise ValueError("--quantization gguf needs a .gguf model (or the bundled one), "
                              "or --load-format dummy (random 4-bit weights)")
         if device.type != "cpu":
-            raise ValueError("--quantization gguf runs on CPU only (torch's int4 CPU kernel); "
+            raise ValueError("--quantization gguf runs on CPU only (its kernels are CPU ones); "
                              "use --quantization none on a GPU")
         if dtype != torch.bfloat16:
             raise ValueError("--quantization gguf runs with --dtype bfloat16 (its kernel has "
@@ -73,9 +77,9 @@ def load_weights(model: torch.nn.Module, config: EngineConfig, folder: Path, arc
 def log_weight_memory(model: torch.nn.Module, method: str) -> None:
     """The weights' resident size (after CPU prepacking, which may keep a second copy)."""
     modules = list(model.modules())
-    compact = sum(m.int4.nbytes for m in modules if getattr(m, "int4", None) is not None) + sum(
-        t.numel() * t.element_size() for m in modules if getattr(m, "int8", None) is not None
-        for t in m.int8)
+    compact = sum(weight.nbytes for m in modules for weight in (getattr(m, "int4", None),
+                                                                  getattr(m, "int8", None))
+                  if weight is not None)
     dense = sum(p.numel() * p.element_size() for p in model.parameters())
     packed = sum(m.packed.numel() * m.packed.element_size() for m in modules
                  if getattr(m, "packed", None) is not None)

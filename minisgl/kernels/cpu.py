@@ -1,6 +1,6 @@
-"""CPU kernels (paged decode attention, add + RMSNorm, silu * up, rotary) compiled on first use
-by torch's C++ extension loader (needs a C++ compiler and ninja). When they cannot be built,
-callers fall back to plain torch ops."""
+"""CPU kernels (paged decode attention, add + RMSNorm, silu * up, rotary, 4/8-bit matmul)
+compiled on first use by torch's C++ extension loader (needs a C++ compiler and ninja). When
+they cannot be built, callers fall back to plain torch ops."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from minisgl.env import cache_root, cpu_kernels_disabled
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_kernels.cpp",
+                                                               "quant_matmul.cpp")]
 NAME = "minisgl_cpu_kernels"
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 STALE_LOCK_S = 300.0  # a build lock this old was left by a killed build
@@ -30,7 +31,8 @@ def cpu_kernels() -> Any | None:
 
         # NOTE: one build folder per source and flags: checkouts of the same source share a
         # build, and two different ones never rebuild over each other.
-        digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()
+        digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES)
+                                + " ".join(CFLAGS).encode()).hexdigest()
         build = cache_root() / "kernels" / digest[:16]
         build.mkdir(parents=True, exist_ok=True)
         _wait_for_other_build(build / "lock")
@@ -39,7 +41,7 @@ def cpu_kernels() -> Any | None:
         if fresh:  # NOTE: a newcomer's first start would otherwise sit silent for a minute
             logger.info("compiling the CPU kernels into %s (first start only: about a minute)",
                         build)
-        module = load(name=NAME, sources=[str(SOURCE)], build_directory=str(build),
+        module = load(name=NAME, sources=[str(p) for p in SOURCES], build_directory=str(build),
                       extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
         if fresh:
             logger.info("CPU kernels compiled in %.0f s", time.perf_counter() - started)

@@ -9,11 +9,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.distributed import all_gather_last_dim, all_reduce, get_tp_info
+from minisgl.layers.quant import VnniWeight, int8_weight, vnni_kernels
 from minisgl.layers.shard import copy_into, read_rows
 
-# NOTE: measured on the project's CPU (BENCHMARKS.md, "Quantized weights"): torch's int8
-# weight-only kernel beats the bf16 GEMM on the 49152 x 576 head up to 4 rows, not from 8.
-INT8_MAX_ROWS = 4
+# NOTE: measured on the project's CPU (BENCHMARKS.md, "Quantized weights"): the 8-bit VNNI
+# kernel beats the bf16 GEMM on the 49152 x 576 head up to 8 rows, not from 16.
+INT8_MAX_ROWS = 8
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -47,16 +48,16 @@ class ParallelLMHead(VocabParallelEmbedding):
         if tied_to is not None:
             self.weight = tied_to.weight
         self.packed: torch.Tensor | None = None
-        self.int8: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.int8: VnniWeight | None = None
 
     def add_int8_copy(self) -> None:
-        """Per-row int8 codes and scales of this shard, for decode batches of at most
-        INT8_MAX_ROWS rows (half the bytes of bfloat16; --quantization gguf). From a GGUF's
-        Q8_0 table this rounds each 32-value block's codes to the row's scale."""
-        weight = self.weight.data.float()
-        scales = weight.abs().amax(dim=1).clamp_min(1e-12) / 127
-        codes = (weight / scales[:, None]).round().clamp(-127, 127).to(torch.int8)
-        self.int8 = (codes.contiguous(), scales.to(self.weight.dtype))
+        """An 8-bit copy of this shard (layers.quant.int8_weight: Q8_0's form, a scale per 32
+        values; half the bytes of bfloat16) for decode batches of at most INT8_MAX_ROWS rows
+        (--quantization gguf), where the VNNI kernel is built; from a GGUF's Q8_0 table it
+        holds the file's codes up to the bfloat16 rounding of the loaded table."""
+        if (vnni_kernels() is not None and self.weight.dtype == torch.bfloat16
+                and self.weight.shape[0] % 16 == 0 and self.weight.shape[1] % 32 == 0):
+            self.int8 = int8_weight(self.weight.data)
 
     def prepack_for_cpu(self) -> None:
         """See _Linear.prepack_for_cpu; the weight stays (the embedding may share it)."""
@@ -65,7 +66,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.int8 is not None and hidden.shape[0] <= INT8_MAX_ROWS:
-            local = torch.ops.aten._weight_int8pack_mm(hidden, *self.int8)
+            local = self.int8.matmul(hidden)
         elif self.packed is not None:
             local = torch.ops.mkldnn._linear_pointwise(hidden, self.packed, None, "none", [], "")
         else:

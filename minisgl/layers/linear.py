@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.distributed import all_reduce, get_tp_info
-from minisgl.layers.quant import Int4Blocks, Int4Weight
+from minisgl.layers.quant import Int4Blocks, Int4Weight, int4_weight
 from minisgl.layers.shard import copy_into, read_all, read_cols, read_rows
 
 
@@ -40,7 +40,7 @@ class _Linear(nn.Module):
         self.weight = Int4Blocks.empty(out_features, in_features)  # NOTE: loaders slice it
 
     def finish_int4(self, dtype: torch.dtype) -> None:
-        self.int4 = Int4Weight(self.weight, dtype)
+        self.int4 = int4_weight(self.weight, dtype)
         self.weight = None
 
     def prepack_for_cpu(self) -> None:

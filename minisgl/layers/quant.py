@@ -3,19 +3,30 @@
 A weight row of `in_features` values is cut into groups of 32, each a 4-bit code per value with
 one scale and one zero: w = (code - 8) * scale + zero (Q4_1: zero = min + 8 * scale; Q4_0: zero
 = 0). `Int4Blocks` holds them while the checkpoint loads (it slices like the dense weight it
-stands for, so the tensor-parallel loaders of layers.linear shard it unchanged); `Int4Weight`
-runs them: torch's packed-int4 CPU kernel for small batches (decode), and for large ones a
-dequantized bfloat16 GEMM, whichever measured faster (BENCHMARKS.md, "Quantized weights").
+stands for, so the tensor-parallel loaders of layers.linear shard it unchanged); `int4_weight`
+then packs them for the fastest kernel this CPU has (BENCHMARKS.md, "Quantized weights"):
+- `VnniWeight`: minisgl's own kernel (kernels/csrc/quant_matmul.cpp: integer dot products on
+  AVX-512 VNNI, as llama.cpp runs Q4 x Q8, with activations kept to ~15 bits), at every batch
+  size; `int8_weight` puts a dense weight (the LM head) in its 8-bit form;
+- `TorchInt4Weight`, on CPUs without it: torch's packed-int4 kernel for small batches and a
+  dequantized bfloat16 GEMM for large ones.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
+from minisgl.kernels import cpu_kernels
+
 GROUP = 32
+LANES = 16  # output features per block of the VNNI layout
+# NOTE: measured on the project's CPU (BENCHMARKS.md): past this many rows, dequantizing the
+# layer to bfloat16 and running the GEMM beats the integer dot products.
+VNNI_MAX_ROWS = 384
 # NOTE: measured on the project's CPU (BENCHMARKS.md): past this many rows the int4 kernel's
 # per-row dequantization costs more than dequantizing the layer once and running the GEMM.
 KERNEL_MAX_ROWS = 192
@@ -75,7 +86,86 @@ class Int4Blocks:
         return weight.view(out, groups * GROUP).to(dtype)
 
 
-class Int4Weight:
+class Int4Weight(Protocol):
+    out_features: int
+    in_features: int
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+def vnni_kernels() -> Any | None:
+    kernels = cpu_kernels()
+    return kernels if kernels is not None and kernels.vnni_available() else None
+
+
+def int4_weight(blocks: Int4Blocks, dtype: torch.dtype) -> Int4Weight:
+    if vnni_kernels() is not None and dtype == torch.bfloat16 and blocks.shape[0] % LANES == 0:
+        return VnniWeight(blocks.codes, blocks.scales, blocks.zeros - 8 * blocks.scales, bits=4)
+    return TorchInt4Weight(blocks, dtype)
+
+
+def int8_weight(weight: torch.Tensor) -> VnniWeight:
+    """8-bit codes of a dense weight per group of 32 inputs (as GGUF's Q8_0: a float16 scale
+    per group; w = d * (code - 128)), for the VNNI kernel."""
+    out, in_features = weight.shape
+    groups = weight.float().view(out, in_features // GROUP, GROUP)
+    scales = (groups.abs().amax(dim=-1) / 127).half().float()
+    codes = (groups / scales.clamp_min(1e-30)[..., None]).round().clamp(-127, 127) + 128
+    return VnniWeight(codes.to(torch.uint8).view(out, in_features), scales, -128 * scales,
+                      bits=8)
+
+
+class VnniWeight:
+    """Codes of `bits` bits with a scale d and an offset m per output feature and group of 32
+    inputs (w = d * code + m), in the layout of kernels/csrc/quant_matmul.cpp: per block of
+    16 output features and group, the codes as 64-byte vectors (byte 4 * lane + j: 4-bit,
+    vector p holds inputs 8p + j in the low nibbles and 8p + 4 + j in the high ones; 8-bit,
+    inputs 4p + j), then 16 float16 scales and 16 float16 offsets. GGUF stores its scales and
+    mins as float16, so this is exact for its blocks."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+                 bits: int) -> None:
+        out, in_features = codes.shape
+        groups, blocks = in_features // GROUP, out // LANES
+        self.out_features, self.in_features, self.bits = out, in_features, bits
+        if bits == 4:
+            nibbles = codes.view(blocks, LANES, groups, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
+            packed = nibbles[..., 0] | (nibbles[..., 1] << 4)
+        else:
+            packed = codes.view(blocks, LANES, groups, 8, 4).permute(0, 2, 3, 1, 4)
+        self.codes = packed.reshape(blocks, groups, -1).contiguous()
+        self.scales_and_offsets = torch.stack(
+            [t.view(blocks, LANES, groups).transpose(1, 2) for t in (scales, offsets)],
+            dim=2).to(torch.float16).contiguous()  # [out / 16, in / 32, 2, 16]
+        self.kernels = vnni_kernels()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales_and_offsets))
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() > VNNI_MAX_ROWS * self.in_features:
+            return x @ self.kernels.quant_dequantize_t(self.codes, self.scales_and_offsets)
+        return self.kernels.quant_matmul(x.contiguous(), self.codes, self.scales_and_offsets)
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight [out, in] the layout encodes (for tests)."""
+        blocks, groups = self.codes.shape[:2]
+        if self.bits == 4:
+            nibbles = torch.stack([self.codes & 15, self.codes >> 4], dim=-1).view(
+                blocks, groups, 4, LANES, 4, 2).permute(0, 3, 1, 2, 5, 4)
+        else:
+            nibbles = self.codes.view(blocks, groups, 8, LANES, 4).permute(0, 3, 1, 2, 4)
+        codes = nibbles.reshape(self.out_features, groups, GROUP).float()
+        scales, offsets = self.scales_and_offsets.float().permute(2, 0, 3, 1).reshape(
+            2, self.out_features, groups)
+        return (codes * scales[..., None] + offsets[..., None]).view(self.out_features, -1)
+
+
+class TorchInt4Weight:
     """An `Int4Blocks` weight packed for torch's int4 CPU kernel (bfloat16 activations)."""
 
     def __init__(self, blocks: Int4Blocks, dtype: torch.dtype) -> None:

@@ -4,7 +4,8 @@
 //   padded batch matmuls), parallel over (request, kv head) pairs;
 // - residual add + RMSNorm in one pass per row (float32 math, one rounding);
 // - silu(gate) * up over a merged [rows, 2 * d] projection, one pass (float32 math);
-// - rotary embedding ("rotate half") of q and k in place, one pass (float32 math).
+// - rotary embedding ("rotate half") of q and k in place, one pass (float32 math);
+// - 4- and 8-bit block-quantized weight matmuls (quant_matmul.cpp).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -244,6 +245,11 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   return out;
 }
 
+// quant_matmul.cpp
+bool vnni_available();
+torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor dm);
+torch::Tensor quant_dequantize_t(torch::Tensor codes, torch::Tensor dm);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention (CPU)",
         py::call_guard<py::gil_scoped_release>());
@@ -252,5 +258,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_", &rotary_, "rotary embedding of q and k, in place (CPU)",
         py::call_guard<py::gil_scoped_release>());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a merged projection (CPU)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("vnni_available", &vnni_available,
+        "whether quant_matmul was built (AVX-512 VNNI and BF16)");
+  m.def("quant_dequantize_t", &quant_dequantize_t, "a quant_matmul weight as bf16 [k, n]",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("quant_matmul", &quant_matmul, "4/8-bit block weights x bfloat16 activations (CPU)",
         py::call_guard<py::gil_scoped_release>());
 }
