@@ -22,9 +22,9 @@ def weight_bytes(model: torch.nn.Module) -> int:
     for module in model.modules():
         if module is getattr(model, "embed_tokens", None):
             continue
-        int4 = getattr(module, "int4", None)
-        if int4 is not None:
-            total += int4.nbytes
+        quantized = getattr(module, "quantized", None)
+        if quantized is not None:
+            total += quantized.nbytes
             continue
         packed, weight = getattr(module, "packed", None), getattr(module, "weight", None)
         tensor = packed if packed is not None else weight

@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 from minisgl.engine.config import EngineConfig
-from minisgl.layers.quant import Int4Blocks, vnni_kernels
+from minisgl.layers.quant import WeightBlocks, vnni_kernels
 from minisgl.models import ModelArch, load_dummy, load_safetensors
-from minisgl.models.gguf_blocks import stage_int4_linears
+from minisgl.models.gguf_blocks import stage_block_linears
 from minisgl.models.weights import gguf_file
 
 logger = logging.getLogger(__name__)
@@ -56,20 +56,20 @@ def load_weights(model: torch.nn.Module, config: EngineConfig, folder: Path, arc
     if config.load_format == "dummy":
         load_dummy(model, arch, config.seed, device, dtype, int4=method == "gguf")
     else:
-        staged: dict[str, Int4Blocks] = {}
+        staged: dict[str, WeightBlocks] = {}
         if method == "gguf":
             heads = {"num_heads": arch.num_heads, "num_kv_heads": arch.num_kv_heads}
-            staged, kept = stage_int4_linears(model, gguf_file(config.model_path), heads)
+            staged, kept = stage_block_linears(model, gguf_file(config.model_path), heads)
             if kept:
-                logger.warning("--quantization gguf: %d linear weights (%s) have no 4-bit "
+                logger.warning("--quantization gguf: %d linear weights (%s) have no block "
                                "kernel here and run dequantized", len(kept),
                                ", ".join(sorted(set(kept.values()))))
         load_safetensors(model, folder, skip=set(staged))
         for name, blocks in staged.items():
             model.load_weight(name, blocks)
     for module in model.modules():
-        if isinstance(getattr(module, "weight", None), Int4Blocks):
-            module.finish_int4(dtype)
+        if isinstance(getattr(module, "weight", None), WeightBlocks):
+            module.finish_blocks(dtype)
         if method == "gguf" and hasattr(module, "add_int8_copy"):  # the LM head
             module.add_int8_copy()
 
@@ -77,7 +77,7 @@ def load_weights(model: torch.nn.Module, config: EngineConfig, folder: Path, arc
 def log_weight_memory(model: torch.nn.Module, method: str) -> None:
     """The weights' resident size (after CPU prepacking, which may keep a second copy)."""
     modules = list(model.modules())
-    compact = sum(weight.nbytes for m in modules for weight in (getattr(m, "int4", None),
+    compact = sum(weight.nbytes for m in modules for weight in (getattr(m, "quantized", None),
                                                                   getattr(m, "int8", None))
                   if weight is not None)
     dense = sum(p.numel() * p.element_size() for p in model.parameters())

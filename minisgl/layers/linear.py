@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.distributed import all_reduce, get_tp_info
-from minisgl.layers.quant import Int4Blocks, Int4Weight, int4_weight
+from minisgl.layers.quant import WeightBlocks, BlockWeight, block_weight
 from minisgl.layers.shard import copy_into, read_all, read_cols, read_rows
 
 
@@ -30,30 +30,31 @@ class _Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None
-        self.int4: Int4Weight | None = None
+        self.quantized: BlockWeight | None = None
 
-    def expect_int4(self) -> None:
-        """The checkpoint gives this layer 4-bit blocks (layers.quant): load them in place of
-        the weight, which is never filled (so never resident), then `finish_int4`."""
+    def expect_blocks(self, bits: int = 4) -> None:
+        """The checkpoint gives this layer 4- or 8-bit blocks (layers.quant): load them in
+        place of the weight, which is never filled (so never resident), then `finish_blocks`."""
         out_features, in_features = self.weight.shape
         del self.weight
-        self.weight = Int4Blocks.empty(out_features, in_features)  # NOTE: loaders slice it
+        # NOTE: the loaders slice it like the dense weight
+        self.weight = WeightBlocks.empty(out_features, in_features, bits)
 
-    def finish_int4(self, dtype: torch.dtype) -> None:
-        self.int4 = int4_weight(self.weight, dtype)
+    def finish_blocks(self, dtype: torch.dtype) -> None:
+        self.quantized = block_weight(self.weight, dtype)
         self.weight = None
 
     def prepack_for_cpu(self) -> None:
         """Reorder the weight into oneDNN's blocked layout (after loading), which bf16 GEMMs on
         CPU run faster from (BENCHMARKS.md). The plain weight is released."""
-        if self.int4 is not None:
+        if self.quantized is not None:
             return
         self.packed = pack_weight(self.weight.data)
         self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.int4 is not None:
-            out = self.int4.matmul(x)
+        if self.quantized is not None:
+            out = self.quantized.matmul(x)
             return out if bias is None else out + bias
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")

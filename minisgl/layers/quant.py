@@ -2,8 +2,8 @@
 
 A weight row of `in_features` values is cut into groups of 32, each a 4-bit code per value with
 one scale and one zero: w = (code - 8) * scale + zero (Q4_1: zero = min + 8 * scale; Q4_0: zero
-= 0). `Int4Blocks` holds them while the checkpoint loads (it slices like the dense weight it
-stands for, so the tensor-parallel loaders of layers.linear shard it unchanged); `int4_weight`
+= 0). `WeightBlocks` holds them while the checkpoint loads (it slices like the dense weight it
+stands for, so the tensor-parallel loaders of layers.linear shard it unchanged); `block_weight`
 then packs them for the fastest kernel this CPU has (BENCHMARKS.md, "Quantized weights"):
 - `VnniWeight`: minisgl's own kernel (kernels/csrc/quant_matmul.cpp: integer dot products on
   AVX-512 VNNI, as llama.cpp runs Q4 x Q8, with activations kept to ~15 bits), at every batch
@@ -33,60 +33,68 @@ KERNEL_MAX_ROWS = 192
 
 
 @dataclass
-class Int4Blocks:
-    codes: torch.Tensor  # [out, in] uint8, 0..15
+class WeightBlocks:
+    codes: torch.Tensor  # [out, in] uint8, 0 .. 2^bits - 1
     scales: torch.Tensor  # [out, in / 32] float32
     zeros: torch.Tensor  # [out, in / 32] float32
+    bits: int = 4  # w = (code - 2^(bits - 1)) * scale + zero
 
     @classmethod
-    def empty(cls, out_features: int, in_features: int) -> Int4Blocks:
+    def empty(cls, out_features: int, in_features: int, bits: int = 4) -> WeightBlocks:
         if in_features % GROUP:
-            raise ValueError(f"4-bit weights need input features divisible by {GROUP}, got "
-                             f"{in_features}")
+            raise ValueError(f"{bits}-bit weights need input features divisible by {GROUP}, "
+                             f"got {in_features}")
         groups = in_features // GROUP
         return cls(torch.zeros(out_features, in_features, dtype=torch.uint8),
-                   torch.zeros(out_features, groups), torch.zeros(out_features, groups))
+                   torch.zeros(out_features, groups), torch.zeros(out_features, groups), bits)
 
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.codes.shape)
 
     @property
-    def data(self) -> Int4Blocks:  # NOTE: stands in for a Parameter: `param.data` is itself
+    def data(self) -> WeightBlocks:  # NOTE: stands in for a Parameter: `param.data` is itself
         return self
 
-    def __getitem__(self, index: slice | tuple[slice, slice]) -> Int4Blocks:
-        """Rows (`b[a:z]`) or whole groups of columns (`b[:, a:z]`), as the TP loaders read."""
+    @property
+    def center(self) -> int:
+        return 1 << (self.bits - 1)
+
+    def __getitem__(self, index: slice | torch.Tensor | tuple[slice, slice]) -> WeightBlocks:
+        """Rows (`b[a:z]`, `b[order]`) or whole groups of columns (`b[:, a:z]`), as the TP
+        loaders read."""
         if not isinstance(index, tuple):
-            return Int4Blocks(self.codes[index], self.scales[index], self.zeros[index])
+            return WeightBlocks(self.codes[index], self.scales[index], self.zeros[index],
+                                self.bits)
         rows, cols = index
         start, stop = cols.start or 0, self.shape[1] if cols.stop is None else cols.stop
         if start % GROUP or stop % GROUP:
-            raise ValueError(f"a shard of a 4-bit weight must cut at multiples of {GROUP} "
-                             f"input features, not [{start}, {stop})")
+            raise ValueError(f"a shard of a {self.bits}-bit weight must cut at multiples of "
+                             f"{GROUP} input features, not [{start}, {stop})")
         groups = slice(start // GROUP, stop // GROUP)
-        return Int4Blocks(self.codes[rows, cols], self.scales[rows, groups],
-                          self.zeros[rows, groups])
+        return WeightBlocks(self.codes[rows, cols], self.scales[rows, groups],
+                            self.zeros[rows, groups], self.bits)
 
-    def narrow(self, dim: int, start: int, length: int) -> Int4Blocks:
+    def narrow(self, dim: int, start: int, length: int) -> WeightBlocks:
         assert dim == 0
         return self[start:start + length]
 
-    def copy_(self, other: Int4Blocks) -> None:
-        if not isinstance(other, Int4Blocks):
-            raise ValueError("a 4-bit layer was given a dense tensor for part of its weight")
+    def copy_(self, other: WeightBlocks) -> None:
+        if not isinstance(other, WeightBlocks) or other.bits != self.bits:
+            raise ValueError(f"a {self.bits}-bit layer was given another kind of weight for "
+                             "part of it")
         self.codes.copy_(other.codes)
         self.scales.copy_(other.scales)
         self.zeros.copy_(other.zeros)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         out, groups = self.scales.shape
-        codes = self.codes.view(out, groups, GROUP).float() - 8
+        codes = self.codes.view(out, groups, GROUP).float() - self.center
         weight = codes * self.scales[..., None] + self.zeros[..., None]
         return weight.view(out, groups * GROUP).to(dtype)
 
 
-class Int4Weight(Protocol):
+class BlockWeight(Protocol):
     out_features: int
     in_features: int
 
@@ -101,9 +109,11 @@ def vnni_kernels() -> Any | None:
     return kernels if kernels is not None and kernels.vnni_available() else None
 
 
-def int4_weight(blocks: Int4Blocks, dtype: torch.dtype) -> Int4Weight:
+def block_weight(blocks: WeightBlocks, dtype: torch.dtype) -> BlockWeight:
     if vnni_kernels() is not None and dtype == torch.bfloat16 and blocks.shape[0] % LANES == 0:
-        return VnniWeight(blocks.codes, blocks.scales, blocks.zeros - 8 * blocks.scales, bits=4)
+        return VnniWeight(blocks.codes, blocks.scales,
+                          blocks.zeros - blocks.center * blocks.scales, blocks.bits)
+    assert blocks.bits == 4, "8-bit blocks run on the VNNI kernel only (models.gguf_blocks)"
     return TorchInt4Weight(blocks, dtype)
 
 
@@ -166,9 +176,9 @@ class VnniWeight:
 
 
 class TorchInt4Weight:
-    """An `Int4Blocks` weight packed for torch's int4 CPU kernel (bfloat16 activations)."""
+    """An `WeightBlocks` weight packed for torch's int4 CPU kernel (bfloat16 activations)."""
 
-    def __init__(self, blocks: Int4Blocks, dtype: torch.dtype) -> None:
+    def __init__(self, blocks: WeightBlocks, dtype: torch.dtype) -> None:
         out, groups = blocks.scales.shape
         self.out_features, self.in_features, self.dtype = out, groups * GROUP, dtype
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(

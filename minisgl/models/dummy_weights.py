@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from minisgl.layers.quant import GROUP, Int4Blocks
+from minisgl.layers.quant import GROUP, WeightBlocks
 
 INT4_SCALE = 0.02 / 4.6  # codes - 8 uniform in [-8, 7] have a standard deviation of ~4.6
 
@@ -62,8 +62,8 @@ def load_dummy(model: nn.Module, arch: Any, seed: int, device: torch.device,
     if int4:
         for name in filter(is_layer_linear, shapes):
             module = model.weight_target(name)[0]
-            if not isinstance(module.weight, Int4Blocks):
-                module.expect_int4()
+            if not isinstance(module.weight, WeightBlocks):
+                module.expect_blocks()
     params = dict(model.named_parameters())
     for p in params.values():
         p.data.fill_(float("nan"))
@@ -75,7 +75,7 @@ def load_dummy(model: nn.Module, arch: Any, seed: int, device: torch.device,
         elif int4 and is_layer_linear(name):
             codes = torch.randint(0, 16, shape, generator=gen, dtype=torch.uint8, device=device)
             scales = torch.full((shape[0], shape[1] // GROUP), INT4_SCALE, device=device)
-            full = Int4Blocks(codes, scales, torch.zeros_like(scales))
+            full = WeightBlocks(codes, scales, torch.zeros_like(scales))
         else:
             full = torch.empty(shape, dtype=torch.float32, device=device).normal_(
                 0.0, 0.02, generator=gen).to(dtype)

@@ -1,10 +1,11 @@
-"""The 4-bit blocks of a GGUF file's linear weights, as they are in the file (`--quantization
-gguf`): Q4_0 and Q4_1 tensors become layers.quant.Int4Blocks under their Hugging Face names.
-Other tensors (norms, embeddings, other quant types) come from the converted safetensors
-folder, dequantized as before.
+"""The 4- and 8-bit blocks of a GGUF file's linear weights, as they are in the file
+(`--quantization gguf`): Q4_0, Q4_1 and (where the VNNI kernel runs them) Q8_0 tensors become
+layers.quant.WeightBlocks under their Hugging Face names. Other tensors (norms, embeddings,
+other quant types) come from the converted safetensors folder, dequantized as before.
 
 Block layouts (ggml): Q4_0 = fp16 scale d, 16 bytes of codes, w = (q - 8) * d; Q4_1 = fp16 d,
-fp16 min m, 16 bytes, w = q * d + m. Byte j holds value j (low nibble) and j + 16 (high).
+fp16 min m, 16 bytes, w = q * d + m; byte j holds value j (low nibble) and j + 16 (high).
+Q8_0 = fp16 d, 32 int8 values q, w = q * d.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from minisgl.layers.quant import GROUP, Int4Blocks
+from minisgl.layers.quant import GROUP, LANES, WeightBlocks, vnni_kernels
 
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
            "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
            "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
@@ -34,33 +35,38 @@ def hf_name(gguf_name: str) -> str | None:
 
 
 def decode_blocks(kind: str, raw: np.ndarray, out_features: int, in_features: int
-                  ) -> Int4Blocks:
+                  ) -> WeightBlocks:
     blocks = np.ascontiguousarray(raw).reshape(out_features, in_features // GROUP,
                                                BLOCK_BYTES[kind])
     scales = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+    if kind == "Q8_0":
+        values = torch.from_numpy(blocks[..., 2:].copy().view(np.int8)).to(torch.int16)
+        return WeightBlocks((values + 128).to(torch.uint8).reshape(out_features, in_features),
+                            scales, torch.zeros_like(scales), bits=8)
     if kind == "Q4_1":
         mins = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
         zeros, packed = mins + 8 * scales, torch.from_numpy(blocks[..., 4:].copy())
     else:
         zeros, packed = torch.zeros_like(scales), torch.from_numpy(blocks[..., 2:].copy())
     codes = torch.cat([packed & 15, packed >> 4], dim=-1).reshape(out_features, in_features)
-    return Int4Blocks(codes, scales, zeros)
+    return WeightBlocks(codes, scales, zeros)
 
 
-def unpermute_rows(blocks: Int4Blocks, heads: int) -> Int4Blocks:
+def unpermute_rows(blocks: WeightBlocks, heads: int) -> WeightBlocks:
     """Undo llama.cpp's q / k row permutation (row order only: blocks run along the input)."""
     rows = blocks.shape[0]
     order = torch.arange(rows).view(heads, 2, rows // heads // 2).transpose(1, 2).reshape(-1)
     # NOTE: HF row r sits at GGUF row order[r] (the converter's permutation, inverted)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(rows)
-    return Int4Blocks(blocks.codes[inverse], blocks.scales[inverse], blocks.zeros[inverse])
+    return blocks[inverse]
 
 
-def read_int4_linears(path: Path, heads: dict[str, int]) -> tuple[dict[str, Int4Blocks],
+def read_block_linears(path: Path, heads: dict[str, int]) -> tuple[dict[str, WeightBlocks],
                                                                    dict[str, str]]:
-    """(the Q4_0 / Q4_1 linear weights by HF name, {HF name: GGUF type} of the other linear
-    weights, which stay dense). `heads`: num_heads and num_kv_heads."""
+    """(the Q4_0 / Q4_1 / Q8_0 linear weights by HF name, {HF name: GGUF type} of the other
+    linear weights, which stay dense). `heads`: num_heads and num_kv_heads. Q8_0 needs the VNNI
+    kernel (torch has no kernel for such blocks): without it, those stay dense."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))
@@ -72,30 +78,34 @@ def read_int4_linears(path: Path, heads: dict[str, int]) -> tuple[dict[str, Int4
         if name is None:
             continue
         kind = tensor.tensor_type.name
-        if kind not in BLOCK_BYTES:
+        in_features, out_features = (int(n) for n in tensor.shape[:2])
+        eight_bit_runs = vnni_kernels() is not None and out_features % LANES == 0
+        if kind not in BLOCK_BYTES or (kind == "Q8_0" and not eight_bit_runs):
             dense[name] = kind
             continue
-        in_features, out_features = (int(n) for n in tensor.shape[:2])
         weight = decode_blocks(kind, tensor.data, out_features, in_features)
         permuted = PERMUTED.get(arch, {}).get(tensor.name.split(".")[2])
         blocks[name] = unpermute_rows(weight, heads[permuted]) if permuted else weight
     return blocks, dense
 
 
-def stage_int4_linears(model: torch.nn.Module, path: Path, heads: dict[str, int]
-                       ) -> tuple[dict[str, Int4Blocks], dict[str, str]]:
-    """Prepare every linear layer whose checkpoint tensors are all 4-bit blocks to take them
-    (`expect_int4`); returns those tensors by HF name, and the GGUF types of the linear weights
-    that stay dense (a layer with any of them stays dense whole)."""
-    blocks, dense = read_int4_linears(path, heads)
+def stage_block_linears(model: torch.nn.Module, path: Path, heads: dict[str, int]
+                       ) -> tuple[dict[str, WeightBlocks], dict[str, str]]:
+    """Prepare every linear layer whose checkpoint tensors are all blocks of one width to take
+    them (`expect_blocks`); returns those tensors by HF name, and the GGUF types of the linear
+    weights that stay dense (a layer with any of them, or with mixed widths, stays dense
+    whole)."""
+    blocks, dense = read_block_linears(path, heads)
     names_by_module: dict[torch.nn.Module, list[str]] = {}
     for name in [*blocks, *dense]:
         names_by_module.setdefault(model.weight_target(name)[0], []).append(name)
     staged, kept = {}, {}
     for module, names in names_by_module.items():
-        if all(name in blocks for name in names):
-            module.expect_int4()
+        widths = {blocks[name].bits for name in names if name in blocks}
+        if all(name in blocks for name in names) and len(widths) == 1:
+            module.expect_blocks(widths.pop())
             staged.update((name, blocks[name]) for name in names)
         else:
-            kept.update((name, dense.get(name, "Q4")) for name in names)
+            kept.update((name, dense.get(name, f"{blocks[name].bits}-bit blocks beside others"))
+                        for name in names)
     return staged, kept
