@@ -1,7 +1,7 @@
 """Time one decode forward (model only: no scheduler, no sampler) at several batch sizes.
 
     python scripts/bench_decode_step.py --batch 1 8 32 64 --context 128 [--dtype bfloat16]
-        [--quantization gguf|none]
+        [--quantization gguf|w8a8_int8|none]
 
 Reports ms per step, tokens/s and the weight bytes read per second (the bandwidth floor).
 """
@@ -54,7 +54,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--quantization", default=None, choices=["gguf", "none"])
+    parser.add_argument("--quantization", default=None, choices=["gguf", "w8a8_int8", "none"])
     args = parser.parse_args()
     most = max(args.batch)
     engine = Engine(EngineConfig(dtype=args.dtype, max_running_requests=most,

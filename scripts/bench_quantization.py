@@ -1,9 +1,10 @@
-"""`--quantization gguf` vs `none` vs llama.cpp's `llama-server` on the same GGUF, side by side
-in one run: output tok/s and TPOT at each stream count, with the weight bytes each reads per
+"""`--quantization gguf` vs `w8a8_int8` vs `none` vs llama.cpp's `llama-server` on the same
+GGUF, side by side in one run: output tok/s and TPOT at each stream count, with the weight bytes each reads per
 decode step and the bandwidth that implies (bytes / TPOT).
 
     python scripts/bench_quantization.py                  # 1 8 32 64 streams
     python scripts/bench_quantization.py --concurrency 1 --skip-llama-cpp
+    python scripts/bench_quantization.py --methods none w8a8_int8 --concurrency 64
 
 Same client (scripts/bench_serving.py through `/v1/completions`, ignore_eos, greedy) and the
 same prompts for every server; llama-server is built once by scripts/compare.py.
@@ -24,9 +25,12 @@ from minisgl.models.weights import bundled_gguf  # noqa: E402
 
 # weight bytes one decode step reads (bench_decode_step.py; llama.cpp: the GGUF's tensors but
 # the token embedding's unused rows, i.e. the file less its metadata); gguf's LM head reads its
-# 8-bit copy (32 MB with its scales) instead of bfloat16 (57 MB) for up to INT8_MAX_ROWS rows
-STEP_BYTES = {"none": 269e6, "gguf": 123e6, "llama.cpp": 98e6}
-GGUF_SMALL_BATCH_BYTES = 98e6
+# 8-bit copy (32 MB with its scales) instead of bfloat16 (57 MB) for up to INT8_MAX_ROWS rows, as
+# does w8a8_int8's (its linears: 107 MB of int8 codes and scales)
+STEP_BYTES = {"none": 269e6, "gguf": 123e6, "w8a8_int8": 164e6, "llama.cpp": 98e6}
+SMALL_BATCH_BYTES = {"gguf": 98e6, "w8a8_int8": 139e6}
+LABELS = {"none": "minisgl --quantization none", "gguf": "minisgl --quantization gguf",
+          "w8a8_int8": "minisgl --quantization w8a8_int8", "llama.cpp": "llama-server"}
 
 
 def main() -> None:
@@ -34,11 +38,13 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     compare.add_serving_arguments(parser)
     parser.add_argument("--skip-llama-cpp", action="store_true")
+    parser.add_argument("--methods", nargs="+", default=["none", "gguf", "w8a8_int8"],
+                        choices=["none", "gguf", "w8a8_int8"])
     args = parser.parse_args()
     most = max(args.concurrency)
     pool = most * (args.input_len + args.output_len + 16)
     rows: dict[str, dict[int, dict]] = {}
-    for method in ("none", "gguf"):
+    for method in args.methods:
         server = compare.start_minisgl(True, most, pool, ("--quantization", method))
         try:
             for c in args.concurrency:
@@ -60,14 +66,12 @@ def main() -> None:
     print("| streams | server | output tok/s | TPOT p50 ms | weights read per step | GB/s |")
     print("|---|---|---|---|---|---|")
     for c in args.concurrency:
-        for name, label in (("none", "minisgl --quantization none"),
-                            ("gguf", "minisgl --quantization gguf"),
-                            ("llama.cpp", "llama-server")):
+        for name, label in LABELS.items():
             result = rows.get(name, {}).get(c)
             if result is None:
                 continue
             tpot = result["tpot_ms"]["median"]
-            read = (GGUF_SMALL_BATCH_BYTES if name == "gguf" and c <= INT8_MAX_ROWS
+            read = (SMALL_BATCH_BYTES[name] if name in SMALL_BATCH_BYTES and c <= INT8_MAX_ROWS
                     else STEP_BYTES[name])
             print(f"| {c} | {label} | {result['output_tok_s']:.0f} | {tpot:.1f} | "
                   f"{read / 1e6:.0f} MB | {read / tpot / 1e6:.1f} |")

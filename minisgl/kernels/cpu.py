@@ -1,6 +1,6 @@
-"""CPU kernels (paged decode attention, add + RMSNorm, silu * up, rotary, 4/8-bit matmul)
-compiled on first use by torch's C++ extension loader (needs a C++ compiler and ninja). When
-they cannot be built, callers fall back to plain torch ops."""
+"""CPU kernels (paged decode attention, add + RMSNorm, silu * up, rotary, 4/8-bit block
+matmul, W8A8 int8 matmul) compiled on first use by torch's C++ extension loader (needs a C++
+compiler and ninja). When they cannot be built, callers fall back to plain torch ops."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from minisgl.env import cache_root, cpu_kernels_disabled
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_kernels.cpp",
-                                                               "quant_matmul.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name
+           for name in ("cpu_kernels.cpp", "quant_matmul.cpp", "int8_matmul.cpp")]
 NAME = "minisgl_cpu_kernels"
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 STALE_LOCK_S = 300.0  # a build lock this old was left by a killed build

@@ -10,6 +10,7 @@ from torch import nn
 
 from minisgl.distributed import all_gather_last_dim, all_reduce, get_tp_info
 from minisgl.layers.quant import VnniWeight, int8_weight, vnni_kernels
+from minisgl.layers.w8a8 import Int8ChannelWeight, fits_int8
 from minisgl.layers.shard import copy_into, read_rows
 
 # NOTE: measured on the project's CPU (BENCHMARKS.md, "Quantized weights"): the 8-bit VNNI
@@ -48,24 +49,31 @@ class ParallelLMHead(VocabParallelEmbedding):
         if tied_to is not None:
             self.weight = tied_to.weight
         self.packed: torch.Tensor | None = None
-        self.int8: VnniWeight | None = None
+        self.int8: VnniWeight | Int8ChannelWeight | None = None
+        self.int8_all_rows = False  # else only batches of at most INT8_MAX_ROWS read it
 
-    def add_int8_copy(self) -> None:
-        """An 8-bit copy of this shard (layers.quant.int8_weight: Q8_0's form, a scale per 32
-        values; half the bytes of bfloat16) for decode batches of at most INT8_MAX_ROWS rows
-        (--quantization gguf), where the VNNI kernel is built; from a GGUF's Q8_0 table it
-        holds the file's codes up to the bfloat16 rounding of the loaded table."""
-        if (vnni_kernels() is not None and self.weight.dtype == torch.bfloat16
-                and self.weight.shape[0] % 16 == 0 and self.weight.shape[1] % 32 == 0):
+    def add_int8_copy(self, per_channel: bool = False) -> None:
+        """An 8-bit copy of this shard, where the VNNI kernel is built. By default
+        (--quantization gguf) layers.quant.int8_weight: Q8_0's form, a scale per 32 values,
+        half the bytes of bfloat16, for decode batches of at most INT8_MAX_ROWS rows; from a
+        GGUF's Q8_0 table it holds the file's codes up to the bfloat16 rounding of the loaded
+        table. `per_channel` (--quantization w8a8_int8): a scale per vocabulary row
+        (layers.w8a8), for every batch, as the method's linears."""
+        if vnni_kernels() is None or self.weight.dtype != torch.bfloat16:
+            return
+        if per_channel and fits_int8(self.weight):
+            self.int8, self.int8_all_rows = Int8ChannelWeight(self.weight.data), True
+        elif self.weight.shape[0] % 16 == 0 and self.weight.shape[1] % 32 == 0:
             self.int8 = int8_weight(self.weight.data)
 
     def prepack_for_cpu(self) -> None:
         """See _Linear.prepack_for_cpu; the weight stays (the embedding may share it)."""
         from minisgl.layers.linear import pack_weight
-        self.packed = pack_weight(self.weight.data)
+        if not self.int8_all_rows:
+            self.packed = pack_weight(self.weight.data)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.int8 is not None and hidden.shape[0] <= INT8_MAX_ROWS:
+        if self.int8 is not None and (self.int8_all_rows or hidden.shape[0] <= INT8_MAX_ROWS):
             local = self.int8.matmul(hidden)
         elif self.packed is not None:
             local = torch.ops.mkldnn._linear_pointwise(hidden, self.packed, None, "none", [], "")

@@ -16,6 +16,7 @@ from torch import nn
 from minisgl.distributed import all_reduce, get_tp_info
 from minisgl.layers.quant import WeightBlocks, BlockWeight, block_weight
 from minisgl.layers.shard import copy_into, read_all, read_cols, read_rows
+from minisgl.layers.w8a8 import Int8ChannelWeight, fits_int8
 
 
 def divide(total: int, parts: int, what: str) -> int:
@@ -43,6 +44,13 @@ class _Linear(nn.Module):
     def finish_blocks(self, dtype: torch.dtype) -> None:
         self.quantized = block_weight(self.weight, dtype)
         self.weight = None
+
+    def quantize_int8(self) -> None:
+        """--quantization w8a8_int8: the loaded weight becomes int8 per output feature
+        (layers.w8a8) and is released; a shape the kernel does not take stays dense."""
+        if fits_int8(self.weight):
+            self.quantized = Int8ChannelWeight(self.weight.data)
+            self.weight = None
 
     def prepack_for_cpu(self) -> None:
         """Reorder the weight into oneDNN's blocked layout (after loading), which bf16 GEMMs on

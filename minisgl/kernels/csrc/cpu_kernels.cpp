@@ -5,7 +5,8 @@
 // - residual add + RMSNorm in one pass per row (float32 math, one rounding);
 // - silu(gate) * up over a merged [rows, 2 * d] projection, one pass (float32 math);
 // - rotary embedding ("rotate half") of q and k in place, one pass (float32 math);
-// - 4- and 8-bit block-quantized weight matmuls (quant_matmul.cpp).
+// - 4- and 8-bit block-quantized weight matmuls (quant_matmul.cpp) and the W8A8 int8 one
+//   (int8_matmul.cpp).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -249,6 +250,9 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
 bool vnni_available();
 torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor dm);
 torch::Tensor quant_dequantize_t(torch::Tensor codes, torch::Tensor dm);
+// int8_matmul.cpp
+torch::Tensor int8_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+                          int64_t group);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention (CPU)",
@@ -264,5 +268,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_dequantize_t", &quant_dequantize_t, "a quant_matmul weight as bf16 [k, n]",
         py::call_guard<py::gil_scoped_release>());
   m.def("quant_matmul", &quant_matmul, "4/8-bit block weights x bfloat16 activations (CPU)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("int8_matmul", &int8_matmul, "int8 weights x per-row int8 activations (CPU, W8A8)",
         py::call_guard<py::gil_scoped_release>());
 }

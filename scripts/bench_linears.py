@@ -1,0 +1,88 @@
+"""The linear layers alone, per weight form: ms per pass over the 30 layers' four linears of the
+bundled model's shapes (random weights, so the weights stream from memory as in a step).
+
+    python scripts/bench_linears.py                      # rows 1 8 64 512 2048
+    python scripts/bench_linears.py --rows 64 --rounds 3
+
+Forms: `bf16` (the prepacked oneDNN GEMM, `--quantization none`), `gguf-4bit` (4-bit blocks
+through quant_matmul, dequantized for a GEMM past VNNI_MAX_ROWS), `w8a8` (int8_matmul, an
+activation scale per 32 inputs, as `--quantization w8a8_int8` runs), `w8a8-per-token` (one
+activation scale per row, as SGLang's w8a8_int8 quantizes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Callable
+
+import torch
+
+from minisgl.layers.linear import pack_weight
+from minisgl.layers.quant import VnniWeight, WeightBlocks, vnni_kernels
+from minisgl.layers.w8a8 import Int8ChannelWeight
+
+LAYERS = 30
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down: [out, in]
+
+
+def random_4bit(out_features: int, in_features: int) -> VnniWeight:
+    groups = in_features // 32
+    scales = torch.rand(out_features, groups) * 0.01
+    blocks = WeightBlocks(torch.randint(0, 16, (out_features, in_features), dtype=torch.uint8),
+                          scales, -8 * scales)
+    return VnniWeight(blocks.codes, blocks.scales, blocks.zeros - 8 * blocks.scales, bits=4)
+
+
+def forms() -> dict[str, list[Callable[[torch.Tensor], torch.Tensor]]]:
+    """Per form, one matmul per (layer, linear)."""
+    out: dict[str, list] = {"bf16": [], "gguf-4bit": [], "w8a8": [], "w8a8-per-token": []}
+    kernels = vnni_kernels()
+    for _ in range(LAYERS):
+        for out_features, in_features in SHAPES:
+            dense = torch.randn(out_features, in_features) * 0.05
+            packed = pack_weight(dense.to(torch.bfloat16))
+            out["bf16"].append(lambda x, p=packed: torch.ops.mkldnn._linear_pointwise(
+                x, p, None, "none", [], ""))
+            out["gguf-4bit"].append(random_4bit(out_features, in_features).matmul)
+            int8 = Int8ChannelWeight(dense)
+            out["w8a8"].append(int8.matmul)
+            out["w8a8-per-token"].append(lambda x, w=int8: kernels.int8_matmul(
+                x, w.codes, w.scales, w.in_features))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 512, 2048])
+    parser.add_argument("--repeats", type=int, default=5, help="passes per figure (the best)")
+    parser.add_argument("--rounds", type=int, default=1, help="the whole table this many times")
+    args = parser.parse_args()
+    if vnni_kernels() is None:
+        raise SystemExit("the VNNI kernels are not built here (AVX-512 VNNI and BF16 needed)")
+    torch.manual_seed(0)
+    matmuls = forms()
+    print("| rows | " + " | ".join(matmuls) + " | bf16 / w8a8 |")
+    print("|---|" + "---|" * (len(matmuls) + 1))
+    for _ in range(args.rounds):
+        for rows in args.rows:
+            inputs = {k: torch.randn(rows, k).to(torch.bfloat16) for k in {s[1] for s in SHAPES}}
+            ms = {}
+            for name, calls in matmuls.items():
+                def one_pass() -> None:
+                    for call, (_, in_features) in zip(calls, SHAPES * LAYERS):
+                        call(inputs[in_features])
+                one_pass()
+                best = float("inf")
+                for _ in range(args.repeats):
+                    started = time.perf_counter()
+                    one_pass()
+                    best = min(best, time.perf_counter() - started)
+                ms[name] = best * 1e3
+            print(f"| {rows} | " + " | ".join(f"{v:.2f}" for v in ms.values())
+                  + f" | {ms['bf16'] / ms['w8a8']:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
