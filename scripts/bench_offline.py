@@ -7,6 +7,10 @@ decode step time and the achieved weight-read bandwidth.
 
     python scripts/bench_offline.py --concurrency 32 64 --num-prompts 64 \
         --input-len 64 --output-len 128 --compare-hf
+    python scripts/bench_offline.py --concurrency 64 --temperature 1.0 --no-overlap-baseline
+
+Greedy by default; `--temperature` samples (top_p / top_k at their defaults), `--quantization`
+picks the weight form.
 """
 
 from __future__ import annotations
@@ -43,9 +47,11 @@ def output_lens(args: argparse.Namespace, count: int) -> list[int]:
 def run_minisgl(prompts: list[list[int]], lens: list[int], concurrency: int, overlap: bool,
                 args: argparse.Namespace) -> dict:
     with LLM(dtype=args.dtype, max_running_requests=concurrency, tp_size=args.tp_size,
-             disable_overlap_schedule=not overlap, max_total_tokens=args.max_total_tokens) as llm:
+             disable_overlap_schedule=not overlap, max_total_tokens=args.max_total_tokens,
+             quantization=args.quantization) as llm:
         engine = llm.runtime.engine
-        params = [{"max_new_tokens": n, "ignore_eos": True, "temperature": 0} for n in lens]
+        params = [{"max_new_tokens": n, "ignore_eos": True, "temperature": args.temperature,
+                   "top_p": 1.0, "top_k": -1} for n in lens]
         llm.generate(input_ids=prompts[:2], sampling_params=params[:2])  # warm-up
         busy0, steps0 = engine.busy_seconds, dict(engine.phase_steps)
         decode0, prefill0 = engine.phase_seconds["decode"], engine.phase_seconds["prefill"]
@@ -102,6 +108,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--max-total-tokens", type=int, default=65536)
     parser.add_argument("--tp-size", type=int, default=1)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--quantization", default=None, choices=["gguf", "w8a8_int8", "none"])
     parser.add_argument("--compare-hf", action="store_true")
     parser.add_argument("--no-overlap-baseline", dest="overlap_baseline", action="store_false")
     parser.add_argument("--seed", type=int, default=0)

@@ -5,8 +5,10 @@
 the argmax or samples after temperature / top-k / top-p / min-p, and gathers logprobs of the
 raw logits.
 Everything is vectorized over the batch and vocabulary; the only Python loop is over requests
-with their own seeded generator. Sampling uses the exponential race: argmax(p / E), E ~ Exp(1),
-picks token i with probability p_i, so every row can bring its own noise.
+with their own seeded generator. Sampling inverts the CDF: one uniform draw per row u, the first
+token whose running sum of probabilities exceeds u * total, so every row can bring its own draw
+(one per row, where the exponential race argmax(p / E) drew one per vocabulary entry: on CPU
+that was ~40% of a 64-row decode step, BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -185,13 +187,19 @@ class Sampler:
             probs = probs.masked_fill(probs < threshold, 0.0)
         return probs
 
-    def _noise(self, probs: torch.Tensor, args: SamplingArgs) -> torch.Tensor:
-        """Exp(1) noise: one draw from the shared generator, then seeded rows overwritten."""
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+    def _draw(self, probs: torch.Tensor, args: SamplingArgs) -> torch.Tensor:
+        """A token per row with probability proportional to `probs` (rows with mass): a uniform
+        per row from the shared generator, seeded rows' from their own, against the CDF."""
+        uniform = torch.rand(probs.shape[0], 1, generator=self.generator, device=probs.device)
         for row, gen in args.seeded:
-            own = torch.empty(probs.shape[1], device=gen.device).exponential_(generator=gen)
-            noise[row] = own.to(probs.device)
-        return noise.clamp_min_(torch.finfo(torch.float32).tiny)  # p / 0 would be inf or nan
+            uniform[row] = torch.rand(1, generator=gen, device=gen.device).to(probs.device)
+        # NOTE: non-decreasing (probs >= 0; on CPU the sum accumulates in float64, each entry
+        # rounded once), so the first entry above the target has a nonzero probability; the
+        # target stays below the total even where u * total rounds up to it.
+        cdf = probs.cumsum(dim=-1)
+        total = cdf[:, -1:]
+        target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
+        return torch.searchsorted(cdf, target, right=True).squeeze(1)
 
     def sample(self, logits: torch.Tensor, args: SamplingArgs, token_pool: torch.Tensor,
                grammar: tuple[torch.Tensor, torch.Tensor] | None = None) -> SampleOutput:
@@ -208,7 +216,7 @@ class Sampler:
         else:
             assert args.greedy is not None and args.temperatures is not None
             probs = self._filter(torch.softmax(logits / args.temperatures, dim=-1), args)
-            sampled = (probs / self._noise(probs, args)).argmax(dim=-1)
+            sampled = self._draw(probs, args)
             next_tokens = torch.where(args.greedy, logits.argmax(dim=-1), sampled)
 
         out = SampleOutput(next_tokens=next_tokens.to(torch.int32))
