@@ -2,8 +2,9 @@
 multiplied by activations quantized to int8 as they arrive (SGLang's w8a8_int8: per-channel
 weights, dynamic activations), through kernels/csrc/int8_matmul.cpp. The activations get a
 scale per token and group of 32 inputs rather than SGLang's one per token: on the bundled model
-that halves the logit error for ~12% of the kernel's time (BENCHMARKS.md). Integer dot products
-(vpdpbusd) run ~1.5-1.6x the prepacked bf16 GEMM at every batch size, decode and prefill alike.
+that halves the logit error for 10-20% more kernel time (BENCHMARKS.md). Integer dot products
+(vpdpbusd) run 1.5-1.7x as fast as the prepacked bf16 GEMM from 64 rows up, decode and prefill
+alike, and 2-3x at a few rows.
 """
 
 from __future__ import annotations
