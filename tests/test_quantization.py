@@ -94,14 +94,17 @@ def test_gguf_perplexity_matches(logits, prompts):
         assert abs(got - want) / want < PERPLEXITY_REL_BOUND, (method, got, want)
 
 
-def test_gguf_greedy_agrees_with_the_reference():
+def assert_greedy_agrees(quantization: str, margin_bound: float) -> None:
+    """Greedy tokens (4 prompts x 24, through the server loop with decode batches) of the
+    bfloat16 model with `quantization` equal the float32 model's until a token where the
+    reference's top-2 margin is below `margin_bound`."""
     prompts = [ref.prompt_ids(p) for p in ref.PLAIN_PROMPTS[:4]]
     params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
     with LLM(dtype="float32", **ENGINE_ARGS) as llm:
         reference = [o["output_ids"] for o in llm.generate(input_ids=prompts,
                                                           sampling_params=params)]
-    with LLM(dtype="bfloat16", quantization="gguf", **ENGINE_ARGS) as llm:
-        assert llm.runtime.engine.quantization == "gguf"
+    with LLM(dtype="bfloat16", quantization=quantization, **ENGINE_ARGS) as llm:
+        assert llm.runtime.engine.quantization == quantization
         ours = [o["output_ids"] for o in llm.generate(input_ids=prompts, sampling_params=params)]
         llm.check_integrity()
     for prompt, a, b in zip(prompts, ours, reference):
@@ -109,7 +112,11 @@ def test_gguf_greedy_agrees_with_the_reference():
             continue
         at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         margin = ref.top2_margin(prompt + b[:at])
-        assert margin < TOP2_MARGIN_BF16, (at, margin)
+        assert margin < margin_bound, (quantization, at, margin)
+
+
+def test_gguf_greedy_agrees_with_the_reference():
+    assert_greedy_agrees("gguf", TOP2_MARGIN_BF16)
 
 
 def vnni_int4(blocks: WeightBlocks, dtype: torch.dtype) -> VnniWeight:
@@ -186,15 +193,20 @@ def test_8bit_vnni_weight_is_q8_0_of_the_dense_one():
         assert relative_error(weight.matmul(x.to(torch.bfloat16)), want) < 1e-2, rows
 
 
-def test_tp3_gguf_matches_tp1(prompts):
-    """Row- and column-sharded 4-bit blocks (each rank cuts at multiples of 32 inputs)."""
+def tp3_vs_tp1_error(quantization: str, ids: list[int]) -> float:
+    """Relative distance of TP 3's prefill logits of `ids` from TP 1's (bfloat16)."""
     results = []
     for tp in (1, 3):
-        engine = Engine(EngineConfig(dtype="bfloat16", quantization="gguf", tp_size=tp,
+        engine = Engine(EngineConfig(dtype="bfloat16", quantization=quantization, tp_size=tp,
                                      **ENGINE_ARGS))
-        results.append(prefill_logits(engine, prompts["short"]))
+        results.append(prefill_logits(engine, ids))
         engine.shutdown()
-    assert relative_error(results[1], results[0]) < LOGIT_REL_BOUND
+    return relative_error(results[1], results[0])
+
+
+def test_tp3_gguf_matches_tp1(prompts):
+    """Row- and column-sharded 4-bit blocks (each rank cuts at multiples of 32 inputs)."""
+    assert tp3_vs_tp1_error("gguf", prompts["short"]) < LOGIT_REL_BOUND
 
 
 @pytest.mark.parametrize("config", ["llama-3.1-8b", "qwen3-0.6b"])

@@ -22,7 +22,14 @@ from minisgl.layers.quant import vnni_kernels
 from minisgl.layers.w8a8 import Int8ChannelWeight
 from tests import reference as ref
 from tests.engine_probe import prefill_logits
-from tests.test_quantization import ENGINE_ARGS, TEXT, perplexity, relative_error
+from tests.test_quantization import (
+    ENGINE_ARGS,
+    TEXT,
+    assert_greedy_agrees,
+    perplexity,
+    relative_error,
+    tp3_vs_tp1_error,
+)
 
 pytestmark = pytest.mark.skipif(vnni_kernels() is None, reason="no AVX-512 VNNI here")
 
@@ -102,34 +109,13 @@ def test_w8a8_perplexity_matches(logits, prompts):
 
 
 def test_w8a8_greedy_agrees_with_the_reference():
-    """Greedy tokens (4 prompts x 24, through the server loop with decode batches) equal the
-    float32 model's until a token where the reference's top-2 margin is small."""
-    prompts = [ref.prompt_ids(p) for p in ref.PLAIN_PROMPTS[:4]]
-    params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
-    with LLM(dtype="float32", **ENGINE_ARGS) as llm:
-        reference = [o["output_ids"] for o in llm.generate(input_ids=prompts,
-                                                          sampling_params=params)]
-    with LLM(dtype="bfloat16", quantization="w8a8_int8", **ENGINE_ARGS) as llm:
-        ours = [o["output_ids"] for o in llm.generate(input_ids=prompts, sampling_params=params)]
-        llm.check_integrity()
-    for prompt, a, b in zip(prompts, ours, reference):
-        if a == b:
-            continue
-        at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        margin = ref.top2_margin(prompt + b[:at])
-        assert margin < TOP2_MARGIN, (at, margin)
+    assert_greedy_agrees("w8a8_int8", TOP2_MARGIN)
 
 
 def test_tp3_w8a8_matches_tp1(prompts):
     """Each rank quantizes its own shard (row-parallel shards: scales over their inputs only),
     so TP 3 is not bit-equal to TP 1, only as close as the method is to float32."""
-    results = []
-    for tp in (1, 3):
-        engine = Engine(EngineConfig(dtype="bfloat16", quantization="w8a8_int8", tp_size=tp,
-                                     **ENGINE_ARGS))
-        results.append(prefill_logits(engine, prompts["short"]))
-        engine.shutdown()
-    assert relative_error(results[1], results[0]) < LOGIT_REL_BOUND
+    assert tp3_vs_tp1_error("w8a8_int8", prompts["short"]) < LOGIT_REL_BOUND
 
 
 def test_dummy_w8a8_weights_build_for_a_shipped_shape():

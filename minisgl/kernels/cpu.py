@@ -15,8 +15,9 @@ from minisgl.env import cache_root, cpu_kernels_disabled
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / name
-           for name in ("cpu_kernels.cpp", "quant_matmul.cpp", "int8_matmul.cpp")]
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / name for name in ("cpu_kernels.cpp", "quant_matmul.cpp", "int8_matmul.cpp")]
+HEADERS = sorted(CSRC.glob("*.h"))
 NAME = "minisgl_cpu_kernels"
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 STALE_LOCK_S = 300.0  # a build lock this old was left by a killed build
@@ -31,7 +32,7 @@ def cpu_kernels() -> Any | None:
 
         # NOTE: one build folder per source and flags: checkouts of the same source share a
         # build, and two different ones never rebuild over each other.
-        digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES)
+        digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS)
                                 + " ".join(CFLAGS).encode()).hexdigest()
         build = cache_root() / "kernels" / digest[:16]
         build.mkdir(parents=True, exist_ok=True)

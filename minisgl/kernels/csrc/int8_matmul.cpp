@@ -18,11 +18,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && \
-    defined(__AVX512BF16__)
-#define MINISGL_VNNI 1
-#include <immintrin.h>
-#endif
+#include "vnni.h"
 
 namespace {
 
@@ -34,11 +30,6 @@ constexpr int kTileBlocks = 3;
 constexpr int64_t kRowBlock = 64;  // rows per task: a task's weight codes stay in L1 / L2
 
 #ifdef MINISGL_VNNI
-
-inline __m512 load_bf16(const at::BFloat16* p) {
-  __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
 
 // Per group of `group` inputs, x ~ scale * q with scale = max |x| / 127; `offset` = 128 *
 // sum over groups of scale * sum of q (what the codes' +128 adds).

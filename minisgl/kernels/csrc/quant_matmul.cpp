@@ -23,11 +23,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && \
-    defined(__AVX512BF16__)
-#define MINISGL_VNNI 1
-#include <immintrin.h>
-#endif
+#include "vnni.h"
 
 namespace {
 
@@ -36,11 +32,6 @@ constexpr int64_t kLanes = 16;
 constexpr int kMaxTileRows = 4;
 
 #ifdef MINISGL_VNNI
-
-inline __m512 load_bf16(const at::BFloat16* p) {
-  __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
 
 // One row: per group, the two int8 terms q and r, the scale s and the exact float sum.
 void quantize_row(const at::BFloat16* x, int64_t k, int8_t* q, int8_t* r, float* scale,

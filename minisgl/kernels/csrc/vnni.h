@@ -1,0 +1,17 @@
+// What the AVX-512 VNNI kernels (quant_matmul.cpp, int8_matmul.cpp) share: MINISGL_VNNI is
+// defined where the compiler targets AVX-512 F / BW / VNNI / BF16 (-march=native on such a CPU).
+#pragma once
+
+#include <torch/extension.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && \
+    defined(__AVX512BF16__)
+#define MINISGL_VNNI 1
+#include <immintrin.h>
+
+// 16 bfloat16 values widened to float32 (a bfloat16 is the top half of a float32).
+inline __m512 load_bf16(const at::BFloat16* p) {
+  __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+#endif
