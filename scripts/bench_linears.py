@@ -19,19 +19,17 @@ from typing import Callable
 import torch
 
 from minisgl.layers.linear import pack_weight
-from minisgl.layers.quant import VnniWeight, WeightBlocks, vnni_kernels
+from minisgl.layers.quant import BlockWeight, WeightBlocks, block_weight, vnni_kernels
 from minisgl.layers.w8a8 import Int8ChannelWeight
 
 LAYERS = 30
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down: [out, in]
 
 
-def random_4bit(out_features: int, in_features: int) -> VnniWeight:
-    groups = in_features // 32
-    scales = torch.rand(out_features, groups) * 0.01
-    blocks = WeightBlocks(torch.randint(0, 16, (out_features, in_features), dtype=torch.uint8),
-                          scales, -8 * scales)
-    return VnniWeight(blocks.codes, blocks.scales, blocks.zeros - 8 * blocks.scales, bits=4)
+def random_4bit(out_features: int, in_features: int) -> BlockWeight:
+    scales = torch.rand(out_features, in_features // 32) * 0.01
+    codes = torch.randint(0, 16, (out_features, in_features), dtype=torch.uint8)
+    return block_weight(WeightBlocks(codes, scales, torch.zeros_like(scales)), torch.bfloat16)
 
 
 def forms() -> dict[str, list[Callable[[torch.Tensor], torch.Tensor]]]:

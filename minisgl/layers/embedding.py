@@ -50,7 +50,11 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.weight = tied_to.weight
         self.packed: torch.Tensor | None = None
         self.int8: VnniWeight | Int8ChannelWeight | None = None
-        self.int8_all_rows = False  # else only batches of at most INT8_MAX_ROWS read it
+
+    @property
+    def int8_all_rows(self) -> bool:
+        """Every batch reads the int8 copy (w8a8's per-channel one), not only small ones."""
+        return isinstance(self.int8, Int8ChannelWeight)
 
     def add_int8_copy(self, per_channel: bool = False) -> None:
         """An 8-bit copy of this shard, where the VNNI kernel is built. By default
@@ -62,7 +66,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         if vnni_kernels() is None or self.weight.dtype != torch.bfloat16:
             return
         if per_channel and fits_int8(self.weight):
-            self.int8, self.int8_all_rows = Int8ChannelWeight(self.weight.data), True
+            self.int8 = Int8ChannelWeight(self.weight.data)
         elif self.weight.shape[0] % 16 == 0 and self.weight.shape[1] % 32 == 0:
             self.int8 = int8_weight(self.weight.data)
 
