@@ -101,9 +101,11 @@ class ServerArgs:
         None, "Weights kept compact: gguf (a GGUF model's Q4_0 / Q4_1 linear weights run "
         "4-bit, as in the file, on CPU in bfloat16; the default for a GGUF model served so "
         "where the AVX-512 VNNI kernel is built), w8a8_int8 (linear weights int8 per output "
-        "feature, activations int8 per token: for high-batch throughput on CPU in bfloat16) "
+        "feature, activations int8 per token: for high-batch throughput on CPU in bfloat16), "
+        "fp8 (linear weights float8 per output feature, weight-only: for decode speed on "
+        "CUDA GPUs of compute capability 8.9+) "
         "or none (every weight dequantized to --dtype; the default otherwise).",
-        choices=["gguf", "w8a8_int8", "none"])
+        choices=["gguf", "w8a8_int8", "fp8", "none"])
     disable_radix_cache: bool = _flag(False, "Use no prefix cache.")
     disable_overlap_schedule: bool = _flag(
         False, "Process each batch's results before launching the next one.")
@@ -154,7 +156,7 @@ class ServerArgs:
         for name, choices in (("dtype", DTYPE_CHOICES), ("device", ("auto", "cuda", "cpu")),
                               ("load_format", ("auto", "dummy")),
                               ("schedule_policy", ("fcfs", "lpm", "lof", "random")),
-                              ("quantization", (None, "gguf", "w8a8_int8", "none")),
+                              ("quantization", (None, "gguf", "w8a8_int8", "fp8", "none")),
                               ("sampling_defaults", ("model", "openai")),
                               ("grammar_backend", ("xgrammar", "none")),
                               ("tool_call_parser", ("hermes", "llama3")),

@@ -1,6 +1,8 @@
 """GPU benchmarks (CUDA only), all on dummy weights from the shipped shape-only configs.
 
     python scripts/bench_gpu.py decode   # bs=1 decode tok/s and memory-bandwidth utilisation
+    python scripts/bench_gpu.py decode --quantization none fp8   # one row per method
+    python scripts/bench_gpu.py linears  # the Llama-3.1-8B linears alone: bf16 vs fp8 kernel
     python scripts/bench_gpu.py offline  # nano-vllm's offline workload through minisgl.LLM
     python scripts/bench_gpu.py idle     # GPU idle between decode steps, overlap on vs off
     python scripts/bench_gpu.py events   # awaiting copy-done: waiter thread vs polling
@@ -16,6 +18,11 @@ MBU = bytes per step / step time / the device's peak (H100 SXM 3.35 TB/s, H200 4
 
 offline: 256 requests, input and output lengths uniform in [100, 1024], random token ids,
 ignore_eos, temperature 0.6 (nano-vllm's bench.py) on `qwen3-0.6b`; output tokens / wall time.
+
+linears: each linear shape of Llama-3.1-8B at several row counts (triton.testing.do_bench:
+median, L2 flushed before each run): cuBLAS on bf16 weights, and both fp8 paths (layers.fp8:
+the Triton kernel, used up to its row limit; the weight widened in one pass + cuBLAS, used
+above); speedup = bf16 over the path fp8 takes; GB/s = weight bytes / time.
 
 idle: CUDA events at the start and end of every Engine.forward on the engine stream. A gap is
 end of step k -> start of step k+1 on the GPU; the idle fraction is the sum of gaps between
@@ -99,6 +106,8 @@ class StepTimer:
 def weight_bytes_per_step(engine: Any) -> int:
     model = engine.model
     total = sum(p.numel() * p.element_size() for p in model.parameters())
+    total += sum(m.quantized.nbytes for m in model.modules()
+                 if getattr(m, "quantized", None) is not None)
     embed = model.embed_tokens.weight
     if not engine.arch.tie_word_embeddings:  # only the prompt's rows of the table are read
         total -= embed.numel() * embed.element_size()
@@ -109,9 +118,10 @@ def random_ids(rng: random.Random, n: int, vocab: int = 10000) -> list[int]:
     return [rng.randrange(vocab) for _ in range(n)]
 
 
-def common_llm_args(args: argparse.Namespace) -> dict[str, Any]:
+def common_llm_args(args: argparse.Namespace, quantization: str = "none") -> dict[str, Any]:
     extra: dict[str, Any] = {"load_format": args.load_format, "device": "cuda",
-                             "disable_cuda_graph": args.disable_cuda_graph}
+                             "disable_cuda_graph": args.disable_cuda_graph,
+                             "quantization": quantization}
     if args.attention_backend:
         extra["attention_backend"] = args.attention_backend
     return extra
@@ -119,13 +129,13 @@ def common_llm_args(args: argparse.Namespace) -> dict[str, Any]:
 
 # ---- decode ----------------------------------------------------------------------------------
 
-def bench_decode(args: argparse.Namespace) -> dict[str, Any]:
+def bench_decode(args: argparse.Namespace, quantization: str) -> dict[str, Any]:
     peak, peak_source = peak_bandwidth(args.peak_tbps)
     rng = random.Random(args.seed)
     prompt = random_ids(rng, args.input_len)
     ctx = args.input_len + args.output_len + 8
     with LLM(model=args.model, dtype=args.dtype, max_running_requests=4, context_length=ctx,
-             **common_llm_args(args)) as llm:
+             **common_llm_args(args, quantization)) as llm:
         engine = llm.runtime.engine
         timer = StepTimer(engine)
 
@@ -149,7 +159,8 @@ def bench_decode(args: argparse.Namespace) -> dict[str, Any]:
             engine.dtype) * (args.input_len + args.output_len / 2)
         step_bytes = weights + kv
     return {"bench": "decode", "model": args.model, "device": torch.cuda.get_device_name(),
-            "batch_size": 1, "input_len": args.input_len, "output_len": args.output_len,
+            "quantization": quantization, "batch_size": 1, "input_len": args.input_len,
+            "output_len": args.output_len,
             "tok_s": 1 / wall_s, "step_ms": wall_s * 1e3, "gpu_step_ms": gpu_s * 1e3,
             "bytes_per_step_GB": step_bytes / 1e9, "achieved_TBps": step_bytes / wall_s / 1e12,
             "mbu": step_bytes / wall_s / peak, "mbu_gpu_time": step_bytes / gpu_s / peak,
@@ -169,21 +180,83 @@ def nano_vllm_workload(args: argparse.Namespace) -> tuple[list[list[int]], list[
     return prompts, params
 
 
-def bench_offline(args: argparse.Namespace) -> list[dict[str, Any]]:
+def fp8_kernel_max_rows(quantization: str) -> int | None:
+    from minisgl.layers import fp8
+    return fp8.KERNEL_MAX_ROWS if quantization == "fp8" else None
+
+
+def bench_offline(args: argparse.Namespace, quantization: str) -> list[dict[str, Any]]:
     prompts, params = nano_vllm_workload(args)
     rows = []
     for overlap in (True, False) if args.compare_overlap else (True,):
         with LLM(model=args.offline_model, dtype=args.dtype,
-                 disable_overlap_schedule=not overlap, **common_llm_args(args)) as llm:
+                 disable_overlap_schedule=not overlap,
+                 **common_llm_args(args, quantization)) as llm:
             llm.generate(input_ids=prompts[:1], sampling_params=params[:1])  # warm-up
             started = time.perf_counter()
             outs = llm.generate(input_ids=prompts, sampling_params=params)
             wall = time.perf_counter() - started
             tokens = sum(len(o["output_ids"]) for o in outs)
-            rows.append({"bench": "offline", "model": args.offline_model, "overlap": overlap,
+            rows.append({"bench": "offline", "model": args.offline_model,
+                         "quantization": quantization, "overlap": overlap,
+                         "fp8_kernel_max_rows": fp8_kernel_max_rows(quantization),
                          "requests": len(prompts), "prompt_tokens": sum(map(len, prompts)),
                          "output_tokens": tokens, "wall_s": wall, "output_tok_s": tokens / wall,
                          "device": torch.cuda.get_device_name()})
+    return rows
+
+
+# ---- linears ---------------------------------------------------------------------------------
+
+LLAMA_8B_LINEARS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+                    "down": (4096, 14336)}  # (out, in)
+
+
+def w8a8_scaled_mm(x: torch.Tensor, weight: Any) -> torch.Tensor:
+    """For comparison only (not a minisgl path): activations quantized to float8 per token,
+    cuBLAS's float8 GEMM with row-wise scales, as SGLang's fp8 runs."""
+    scale = x.abs().amax(dim=1, keepdim=True).float().clamp_min(1e-12) / 448.0
+    xq = (x / scale).to(torch.float8_e4m3fn)
+    return torch._scaled_mm(xq, weight.codes.t(), scale_a=scale, scale_b=weight.scales[None, :],
+                            out_dtype=x.dtype)
+
+
+def bench_linears(args: argparse.Namespace) -> list[dict[str, Any]]:
+    import triton.testing
+
+    from minisgl.layers import fp8
+
+    def timed(fn: Any) -> float:
+        fn()  # autotuning and compilation first
+        torch.cuda.synchronize()  # do_bench flushes L2 before each run, as a decode step's
+        return triton.testing.do_bench(fn, return_mode="median") * 1e3  # weights arrive: us
+
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(args.seed)
+    for name, (n, k) in LLAMA_8B_LINEARS.items():
+        dense = torch.randn(n, k, device="cuda", generator=gen).mul_(0.02).to(torch.bfloat16)
+        weight = fp8.Fp8ChannelWeight(dense)
+        kernels = fp8._kernels()
+        dequantize_us = timed(lambda: weight.widened(torch.bfloat16))
+        for m in args.rows:
+            x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+            bf16_us = timed(lambda: torch.nn.functional.linear(x, dense))
+            kernel_us = timed(lambda: kernels.fp8_matmul(x, weight.codes, weight.scales))
+            widen_us = timed(lambda: torch.nn.functional.linear(x, weight.widened(x.dtype)))
+            fp8_us = kernel_us if m <= fp8.KERNEL_MAX_ROWS else widen_us
+            try:
+                w8a8_us = timed(lambda: w8a8_scaled_mm(x, weight))
+            except RuntimeError as exc:  # a torch without row-wise float8 scaling
+                print(f"w8a8 comparison skipped: {exc}", file=sys.stderr)
+                w8a8_us = None
+            rows.append({"bench": "linears", "layer": name, "rows": m, "bf16_us": bf16_us,
+                         "fp8_kernel_us": kernel_us, "fp8_widen_us": widen_us,
+                         "dequantize_us": dequantize_us, "w8a8_us": w8a8_us,
+                         "bf16_GBps": dense.nbytes / bf16_us / 1e3,
+                         "fp8_kernel_GBps": weight.nbytes / kernel_us / 1e3,
+                         "speedup": bf16_us / fp8_us,
+                         "w8a8_speedup": w8a8_us and bf16_us / w8a8_us})
+        del dense, weight
     return rows
 
 
@@ -248,13 +321,21 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["decode", "offline", "idle", "events", "all"])
+    parser.add_argument("what", choices=["decode", "offline", "idle", "events", "linears",
+                                         "all"])
     parser.add_argument("--model", default="llama-3.1-8b", help="decode bench model")
     parser.add_argument("--offline-model", default="qwen3-0.6b", help="offline/idle model")
     parser.add_argument("--load-format", default="dummy", choices=["auto", "dummy"])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--attention-backend", choices=["torch", "flashinfer"])
     parser.add_argument("--disable-cuda-graph", action="store_true")
+    parser.add_argument("--quantization", nargs="+", default=["none"],
+                        choices=["none", "fp8"], help="decode / offline: one row per method")
+    parser.add_argument("--fp8-kernel-max-rows", type=int,
+                        help="override layers.fp8.KERNEL_MAX_ROWS (the kernel / widen switch)")
+    parser.add_argument("--rows", type=int, nargs="+",
+                        default=[1, 2, 4, 8, 16, 32, 64, 128, 160, 256, 512, 2048, 8192],
+                        help="linears: row counts")
     parser.add_argument("--peak-tbps", type=float, help="device peak memory bandwidth, TB/s")
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=256)
@@ -281,11 +362,17 @@ def main() -> None:
         raise SystemExit("bench_gpu.py needs a CUDA device (only `events --device cpu` runs "
                          "without one)")
 
+    if args.fp8_kernel_max_rows is not None:
+        from minisgl.layers import fp8
+        fp8.KERNEL_MAX_ROWS = args.fp8_kernel_max_rows
     rows: list[dict[str, Any]] = []
-    if args.what in ("decode", "all"):
-        rows.append(bench_decode(args))
-    if args.what in ("offline", "all"):
-        rows += bench_offline(args)
+    for method in args.quantization:
+        if args.what in ("decode", "all"):
+            rows.append(bench_decode(args, method))
+        if args.what in ("offline", "all"):
+            rows += bench_offline(args, method)
+    if args.what in ("linears", "all"):
+        rows += bench_linears(args)
     if args.what in ("idle", "all"):
         rows += bench_idle(args)
     if args.what in ("events", "all"):

@@ -236,7 +236,9 @@ def test_overlap_loop_equals_plain_loop(flashinfer, real_model) -> None:
 
 
 # bfloat16 prefill vs decode kernels: logprobs of the same token may differ by this much
-LOGPROB_BF16_BOUND = 0.1
+# (first run on an H100: 0.117 at most over 6 prompts x 15 tokens; a scoring bug such as a
+# shifted position moves logprobs by whole units)
+LOGPROB_BF16_BOUND = 0.25
 
 
 def test_input_logprobs_and_logit_bias_on_cuda(flashinfer, real_model) -> None:

@@ -10,7 +10,8 @@ class EngineConfig:
     model_path: str | None = None  # None: the bundled SmolLM2
     json_model_override_args: str | None = None
     load_format: str = "auto"  # auto | dummy
-    quantization: str | None = None  # gguf | w8a8_int8 | none; None: engine.quantization's default
+    # gguf | w8a8_int8 | fp8 | none; None: engine.quantization's default
+    quantization: str | None = None
     dtype: str = "auto"
     device: str = "auto"
     tp_size: int = 1

@@ -51,6 +51,8 @@ def release_cuda_memory(device: torch.device, tensors: list[torch.Tensor | None]
         tensors = [*tensors, *model.parameters(), *model.buffers()]
         tensors += [value for module in model.modules() for value in vars(module).values()
                     if isinstance(value, torch.Tensor)]  # caches such as RoPE's cos_sin
+        tensors += [t for module in model.modules()  # compact weights (layers.fp8)
+                    for t in getattr(getattr(module, "quantized", None), "tensors", list)()]
     for tensor in tensors:
         if tensor is not None and tensor.device.type == "cuda":
             tensor.untyped_storage().resize_(0)

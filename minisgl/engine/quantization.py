@@ -13,9 +13,15 @@
   checkpoint loads dense (its peak memory is the bf16 model's), then each layer's weight is
   quantized and released; the LM head gets an int8 copy (a scale per vocabulary row) for every
   batch, its bf16 table staying for the embedding.
+- `fp8`: any model's linear weights float8 e4m3 per output feature (layers.fp8), on CUDA
+  (compute capability 8.9+, Triton); activations stay in the serving dtype. A bs=1 decode step
+  of the 8B shape reads 8.1 GB instead of 15.1 (1.43-1.49x tok/s on an H100; slower than bf16
+  from ~32 rows: BENCHMARKS.md, "GPU, second session"). As SGLang quantizes a bf16 checkpoint
+  online: it loads dense, then each layer's weight is quantized and released; the LM head and
+  the embedding stay in the serving dtype.
 - `none`: every weight dequantized to the serving dtype.
 With `--load-format dummy`, `gguf` makes the linear weights random 4-bit blocks (large shapes
-in a quarter of the memory); `w8a8_int8` quantizes random dense weights layer by layer.
+in a quarter of the memory); `w8a8_int8` and `fp8` quantize random dense weights layer by layer.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from pathlib import Path
 import torch
 
 from minisgl.engine.config import EngineConfig
+from minisgl.layers.fp8 import fp8_unavailable
 from minisgl.layers.quant import WeightBlocks, vnni_kernels
 from minisgl.models import ModelArch, load_dummy, load_safetensors
 from minisgl.models.gguf_blocks import stage_block_linears
@@ -57,6 +64,12 @@ def resolve_quantization(method: str | None, model: str | None, device: torch.de
         if device.type != "cpu" or dtype != torch.bfloat16 or vnni_kernels() is None:
             raise ValueError("--quantization w8a8_int8 runs on CPU in bfloat16 where the "
                              "AVX-512 VNNI kernel is built; use --quantization none here")
+    if method == "fp8":
+        if dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError("--quantization fp8 runs with --dtype bfloat16 or float16")
+        why = fp8_unavailable(device)
+        if why is not None:
+            raise ValueError(f"--quantization fp8: {why}; use --quantization none here")
     return method
 
 
@@ -83,8 +96,12 @@ def load_weights(model: torch.nn.Module, config: EngineConfig, folder: Path, arc
             module.finish_blocks(dtype)
         elif method == "w8a8_int8" and hasattr(module, "quantize_int8"):
             module.quantize_int8()
+        elif method == "fp8" and hasattr(module, "quantize_fp8"):
+            module.quantize_fp8()
         if method in ("gguf", "w8a8_int8") and hasattr(module, "add_int8_copy"):  # LM head
             module.add_int8_copy(per_channel=method == "w8a8_int8")
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the released dense weights: the KV pool is sized next
 
 
 def log_weight_memory(model: torch.nn.Module, method: str) -> None:

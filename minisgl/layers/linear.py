@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.distributed import all_reduce, get_tp_info
+from minisgl.layers.fp8 import Fp8ChannelWeight
 from minisgl.layers.quant import WeightBlocks, BlockWeight, block_weight
 from minisgl.layers.shard import copy_into, read_all, read_cols, read_rows
 from minisgl.layers.w8a8 import Int8ChannelWeight, fits_int8
@@ -31,7 +32,7 @@ class _Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None
-        self.quantized: BlockWeight | None = None
+        self.quantized: BlockWeight | None = None  # any compact form (layers.quant, w8a8, fp8)
 
     def expect_blocks(self, bits: int = 4) -> None:
         """The checkpoint gives this layer 4- or 8-bit blocks (layers.quant): load them in
@@ -51,6 +52,12 @@ class _Linear(nn.Module):
         if fits_int8(self.weight):
             self.quantized = Int8ChannelWeight(self.weight.data)
             self.weight = None
+
+    def quantize_fp8(self) -> None:
+        """--quantization fp8 (CUDA): the loaded weight becomes float8 per output feature
+        (layers.fp8) and is released."""
+        self.quantized = Fp8ChannelWeight(self.weight.data)
+        self.weight = None
 
     def prepack_for_cpu(self) -> None:
         """Reorder the weight into oneDNN's blocked layout (after loading), which bf16 GEMMs on

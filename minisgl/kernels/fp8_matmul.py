@@ -1,0 +1,133 @@
+"""x @ (codes * scales).T for float8 (e4m3) weights with one float32 scale per output feature
+(`--quantization fp8`, layers.fp8), in Triton: the weight is read as 1 byte per value and
+widened in registers, so a decode step moves half the bytes of bfloat16 weights.
+
+One matmul kernel, two inner loops chosen per launch by the autotuner (keyed on the output and input
+widths and the row count rounded up to a power of two):
+- `DOT`: tiles of 16 rows through tensor cores (tl.dot on the widened weight tile), for any
+  row count (the layer sends it at most KERNEL_MAX_ROWS: larger tiles measured slower than
+  cuBLAS on bf16 weights, BENCHMARKS.md "GPU, second session");
+- a GEMV, one row per program: each keeps a [BLOCK_N, BLOCK_K] float32 partial product and
+  reduces it once at the end, without padding the row to a 16-row tile.
+The float32 accumulator is scaled per output feature once, after the K loop. Above the
+layer's row limit (prefill), `fp8_dequantize` widens the weight for cuBLAS in one pass.
+
+Imports triton at the top: import this module only on a CUDA device (layers.fp8 does). The
+interpreter (TRITON_INTERPRET=1) runs it on CPU tensors for tests.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import triton
+import triton.language as tl
+import triton.testing
+
+MAX_TUNED_ROWS = 256  # row counts above this share one autotuning key
+
+
+def _configs() -> list[triton.Config]:
+    gemv = ((4, 1024, 4, 4), (8, 512, 4, 3), (8, 1024, 4, 3), (16, 256, 4, 4), (16, 512, 4, 3),
+            (16, 512, 8, 4), (32, 256, 4, 3), (32, 512, 8, 3), (64, 256, 8, 3))
+    tiles = ((32, 256, 4, 4), (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 3))
+    return ([triton.Config({"BLOCK_M": 1, "BLOCK_N": n, "BLOCK_K": k, "DOT": False},
+                           num_warps=w, num_stages=s) for n, k, w, s in gemv]
+            + [triton.Config({"BLOCK_M": 16, "BLOCK_N": n, "BLOCK_K": k, "DOT": True},
+                             num_warps=w, num_stages=s) for n, k, w, s in tiles])
+
+
+def _prune(configs: list[triton.Config], named_args: dict, **_: object) -> list[triton.Config]:
+    """The GEMV (one row per program) competes for up to 4 rows; 16-row tensor-core tiles for
+    any count (the row tiles of one weight tile run side by side and share it through L2)."""
+    return [c for c in configs if c.kwargs["DOT"] or named_args["M_BUCKET"] <= 4]
+
+
+def _bench(fn: Callable[[], object], quantiles: list[float]) -> list[float]:
+    """Shorter than Triton's default (25 / 100 ms): every key is tuned at engine start."""
+    return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
+
+
+@triton.autotune(configs=_configs(), key=["N", "K", "M_BUCKET"],
+                 prune_configs_by={"early_config_prune": _prune}, do_bench=_bench)
+@triton.jit
+def _fp8_matmul_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, M, N, K, M_BUCKET,
+                       stride_xm, stride_wn, stride_om,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       DOT: tl.constexpr):
+    pid_m = tl.program_id(0)  # NOTE: fastest: the row tiles of one weight tile run together
+    pid_n = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    scale = tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)
+    if DOT:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < M
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+        w_ptrs = w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_mask = offs_k < K - k0
+            x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=n_mask[None, :] & k_mask[:, None], other=0.0)
+            acc = tl.dot(x, w.to(x.dtype), acc)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        out = acc * scale[None, :]
+        out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty),
+                 mask=m_mask[:, None] & n_mask[None, :])
+    else:
+        x_ptrs = x_ptr + pid_m * stride_xm + offs_k
+        w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_mask = offs_k < K - k0
+            x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            acc += w.to(tl.float32) * x[None, :]
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        out = tl.sum(acc, axis=1) * scale
+        tl.store(out_ptr + pid_m * stride_om + offs_n, out.to(out_ptr.dtype.element_ty),
+                 mask=n_mask)
+
+
+def fp8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (bfloat16 / float16, rows contiguous) @ codes [N, K] (float8_e4m3fn).T, each
+    output column times its float32 scale: [M, N] in x's dtype."""
+    m, k = x.shape
+    n = codes.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    bucket = min(triton.next_power_of_2(m), MAX_TUNED_ROWS)
+
+    def grid(meta: dict) -> tuple[int, int]:
+        return triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"])
+
+    _fp8_matmul_kernel[grid](x, codes, scales, out, m, n, k, bucket,
+                             x.stride(0), codes.stride(0), out.stride(0))
+    return out
+
+
+@triton.jit
+def _fp8_dequantize_kernel(w_ptr, scale_ptr, out_ptr, K, BLOCK_K: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = offs < K
+    scale = tl.load(scale_ptr + row)
+    w = tl.load(w_ptr + row * K + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + row * K + offs, (w.to(tl.float32) * scale).to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+def fp8_dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
+                   ) -> torch.Tensor:
+    """codes [N, K] (contiguous) * scales[:, None] in `dtype`, one pass (torch's float8
+    conversion alone runs at a third of the bandwidth)."""
+    n, k = codes.shape
+    out = torch.empty((n, k), dtype=dtype, device=codes.device)
+    block = 2048
+    _fp8_dequantize_kernel[(n, triton.cdiv(k, block))](codes, scales, out, k, BLOCK_K=block)
+    return out
