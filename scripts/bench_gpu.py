@@ -233,10 +233,10 @@ def bench_linears(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
+    kernels = fp8._kernels()
     for name, (n, k) in LLAMA_8B_LINEARS.items():
         dense = torch.randn(n, k, device="cuda", generator=gen).mul_(0.02).to(torch.bfloat16)
         weight = fp8.Fp8ChannelWeight(dense)
-        kernels = fp8._kernels()
         dequantize_us = timed(lambda: weight.widened(torch.bfloat16))
         for m in args.rows:
             x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)

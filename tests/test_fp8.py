@@ -4,9 +4,10 @@ KERNEL_MAX_ROWS rows and widen + cuBLAS above. The kernel is checked against flo
 the same fp8 weights (what is left is bfloat16 rounding); the method, against the float32 model
 on the original weights, with bounds of its own beside what was measured on an H100 (bundled
 SmolLM2; BENCHMARKS.md, "GPU, second session"): logits relative error 0.073-0.076 /
-0.103-0.111 (long / short prompt, two runs; dense bf16 0.016 / 0.026); perplexity of the paragraph twice 4.188-4.205 (fp32
-4.105, bf16 4.089): e4m3 keeps 3 mantissa bits, so it costs a 135M model 2-2.4% of perplexity
-(w8a8_int8, int8 weights per feature and int8 activations, costs 0.2%).
+0.103-0.111 (long / short prompt, two runs; dense bf16 0.016 / 0.026); perplexity of the
+paragraph twice 4.188-4.205 (fp32 4.105, bf16 4.089): e4m3 keeps 3 mantissa bits, so it costs
+a 135M model 2-2.4% of perplexity (w8a8_int8, int8 weights per feature and int8 activations,
+costs 0.2%).
 
 Needs a CUDA GPU of compute capability 8.9+ (skipped elsewhere), except the quantization's
 rounding, the one-line refusal on CPU, and the kernels' indexing under Triton's interpreter
@@ -23,6 +24,7 @@ import pytest
 import torch
 
 from minisgl.layers.fp8 import FP8_MAX, KERNEL_MAX_ROWS, Fp8ChannelWeight, fp8_unavailable
+from tests.test_quantization import relative_error
 
 needs_fp8_gpu = pytest.mark.skipif(
     not torch.cuda.is_available() or fp8_unavailable(torch.device("cuda")) is not None,
@@ -32,10 +34,6 @@ LOGIT_REL_BOUND = 0.15  # measured 0.111 at most (above)
 PERPLEXITY_REL_BOUND = 0.04  # measured +2.4% at most
 TOP2_MARGIN = 0.5  # logit units: where an fp8 greedy run may leave the fp32 one
 KERNEL_REL_BOUND = 1e-2  # bf16 activations and output against float64 on the same weights
-
-
-def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
-    return float((ours.double() - reference.double()).norm() / reference.double().norm())
 
 
 def test_fp8_weight_is_per_channel_e4m3_rounding_of_the_dense_one():

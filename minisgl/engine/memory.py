@@ -51,8 +51,9 @@ def release_cuda_memory(device: torch.device, tensors: list[torch.Tensor | None]
         tensors = [*tensors, *model.parameters(), *model.buffers()]
         tensors += [value for module in model.modules() for value in vars(module).values()
                     if isinstance(value, torch.Tensor)]  # caches such as RoPE's cos_sin
-        tensors += [t for module in model.modules()  # compact weights (layers.fp8)
-                    for t in getattr(getattr(module, "quantized", None), "tensors", list)()]
+        compact = [getattr(module, "quantized", None) for module in model.modules()]
+        tensors += [value for weight in compact if weight is not None  # e.g. layers.fp8's
+                    for value in vars(weight).values() if isinstance(value, torch.Tensor)]
     for tensor in tensors:
         if tensor is not None and tensor.device.type == "cuda":
             tensor.untyped_storage().resize_(0)

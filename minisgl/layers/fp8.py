@@ -60,9 +60,6 @@ class Fp8ChannelWeight:
     def nbytes(self) -> int:
         return self.codes.numel() + self.scales.numel() * self.scales.element_size()
 
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.codes, self.scales]
-
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if rows.stride(-1) != 1:
