@@ -11,19 +11,44 @@ from minisgl.core import Batch
 from minisgl.kvcache import KVPool
 
 
-@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_kernel_matches_torch_decode(dtype: torch.dtype, tolerance: float) -> None:
+def float64_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   page_table: torch.Tensor, seq_lens: list[int], scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale) v per request and query head, in float64."""
+    group = q.shape[1] // k_cache.shape[0]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for row, length in enumerate(seq_lens):
+        where = page_table[row, :length].long()
+        k = k_cache[:, where].double().repeat_interleave(group, 0)  # [heads, length, dim]
+        v = v_cache[:, where].double().repeat_interleave(group, 0)
+        weights = (torch.einsum("hd,htd->ht", q[row].double(), k) * scale).softmax(-1)
+        out[row] = torch.einsum("ht,htd->hd", weights, v)
+    return out
+
+
+# NOTE: the bfloat16 bound is the output's own rounding (8 bits: |out| < 4 here, so < 2 ** -6)
+# plus float32 sums; the float32 one is float32 sums over <= 80 tokens.
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 1.6e-2)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [
+    (9, 3, 64),    # SmolLM2 (bfloat16: the vectorised path)
+    (14, 2, 64),   # a group of 7: two chunks of query heads in the value pass
+    (6, 6, 64),    # no grouping
+    (16, 2, 128),  # Llama / Qwen head dim
+    (12, 4, 96),   # a head dim with no vectorised path: the generic loop
+])
+def test_kernel_matches_float64_decode(dtype: torch.dtype, tolerance: float, heads: int,
+                                       kv_heads: int, dim: int) -> None:
     if cpu_kernels() is None:
         pytest.skip("no C++ compiler here: the kernel falls back to torch ops")
     gen = torch.Generator().manual_seed(0)
-    heads, kv_heads, dim, batch, context = 9, 3, 64, 6, 80
-    pool = KVPool(1, num_pages=600, page_size=1, num_kv_heads=kv_heads, head_dim=dim,
+    batch, context, locations = 7, 80, 600
+    pool = KVPool(1, num_pages=locations, page_size=1, num_kv_heads=kv_heads, head_dim=dim,
                   dtype=dtype, device=torch.device("cpu"))
-    pool.buffer[:, :, :, :600].copy_(torch.randn(2, 1, kv_heads, 600, dim, generator=gen))
+    pool.buffer[:, :, :, :locations].copy_(
+        torch.randn(2, 1, kv_heads, locations, dim, generator=gen))
     page_table = torch.zeros(batch + 1, context, dtype=torch.int32)
-    seq_lens = [1, 5, 17, 80, 33, 64]
+    seq_lens = [1, 5, 16, 17, 80, 33, 64]  # around the 16-token score tiles
     for row, length in enumerate(seq_lens):  # scattered, shuffled locations
-        page_table[row, :length] = torch.randperm(600, generator=gen)[:length].int()
+        page_table[row, :length] = torch.randperm(locations, generator=gen)[:length].int()
     batch_ = Batch("decode", batch, table_rows=list(range(batch)),
                    cached_lens=[n - 1 for n in seq_lens], seq_lens=seq_lens,
                    extend_lens=[1] * batch)
@@ -35,7 +60,10 @@ def test_kernel_matches_torch_decode(dtype: torch.dtype, tolerance: float) -> No
     k_cache, v_cache = pool.layer(0)
     fast = with_kernel._decode(q, k_cache, v_cache, batch_.attn_metadata)
     slow = without._decode(q, k_cache, v_cache, batch_.attn_metadata)
-    assert (fast.float() - slow.float()).abs().max().item() < tolerance
+    exact = float64_decode(q, k_cache, v_cache, page_table, seq_lens, dim ** -0.5)
+    exact = exact.view(fast.shape)
+    assert (fast.double() - exact).abs().max().item() < tolerance
+    assert (slow.double() - exact).abs().max().item() < 2 * tolerance  # the torch path too
 
 
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])

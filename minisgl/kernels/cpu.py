@@ -16,7 +16,8 @@ from minisgl.env import cache_root, cpu_kernels_disabled
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("cpu_kernels.cpp", "quant_matmul.cpp", "int8_matmul.cpp")]
+SOURCES = [CSRC / name for name in ("cpu_kernels.cpp", "decode_bf16.cpp", "quant_matmul.cpp",
+                                        "int8_matmul.cpp")]
 HEADERS = sorted(CSRC.glob("*.h"))
 NAME = "minisgl_cpu_kernels"
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]

@@ -1,7 +1,8 @@
 // CPU kernels where torch's composite ops cost several passes over memory:
 // - paged decode attention over the head-major KV pool ([kv_heads, locations, dim]): one pass
 //   over each request's K and V, read in place through its location row (no gathered copy, no
-//   padded batch matmuls), parallel over (request, kv head) pairs;
+//   padded batch matmuls), parallel over (request, kv head) pairs; bfloat16 at head dims 64 and
+//   128 takes decode_bf16.cpp's AVX-512 BF16 path instead;
 // - residual add + RMSNorm in one pass per row (float32 math, one rounding);
 // - silu(gate) * up over a merged [rows, 2 * d] projection, one pass (float32 math);
 // - rotary embedding ("rotate half") of q and k in place, one pass (float32 math);
@@ -228,6 +229,11 @@ std::vector<torch::Tensor> rms_norm(torch::Tensor x, c10::optional<torch::Tensor
   return {out, carry};
 }
 
+// decode_bf16.cpp
+bool decode_attention_bf16(const torch::Tensor& q, const torch::Tensor& k_cache,
+                           const torch::Tensor& v_cache, const torch::Tensor& locations,
+                           const torch::Tensor& seq_lens, torch::Tensor& out, double scale);
+
 // q: [batch, heads, dim]; k_cache/v_cache: [kv_heads, pool, dim]; locations: [batch, max_len]
 // int64 (entries past seq_len are not read); seq_lens: [batch] int64, each >= 1.
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -235,6 +241,9 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
   TORCH_CHECK(locations.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong);
   auto out = torch::empty_like(q);
+  if (decode_attention_bf16(q, k_cache, v_cache, locations.contiguous(), seq_lens.contiguous(),
+                            out, scale))
+    return out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention",
                                   [&] {
     decode<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),

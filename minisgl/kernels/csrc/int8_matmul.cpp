@@ -82,7 +82,7 @@ void tile(const Rows& a, const uint8_t* codes, const float* weight_scale, at::BF
         int32_t quad;
         std::memcpy(&quad, a.q + r * a.k + 4 * v, sizeof(quad));
         const __m512i x = _mm512_set1_epi32(quad);
-        for (int b = 0; b < BLOCKS; ++b) dot[r][b] = _mm512_dpbusd_epi32(dot[r][b], w[b], x);
+        for (int b = 0; b < BLOCKS; ++b) dpbusd(dot[r][b], w[b], x);
       }
     }
     for (int r = 0; r < ROWS; ++r) {

@@ -1,0 +1,193 @@
+// Paged decode attention in bfloat16 (the dtype minisgl serves in on CPU) with AVX-512 BF16,
+// for head dims 64 and 128; cpu_kernels.cpp's generic loop takes every other case.
+//
+// Scores: tiles of 16 tokens. Per query head each token's q.k is one float vector of partial
+// sums (vdpbf16ps: 32 bfloat16 products per instruction, exact products, float32 sums); one
+// transposing reduction turns the tile's 16 vectors into one vector of 16 scores (45 shuffles
+// and adds, where a horizontal sum per token costs ~8 each and stalls on its own chain).
+// Values: each V row is widened once and added into every query head's float32 accumulators,
+// which stay in registers for the whole sequence.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "vnni.h"
+
+namespace {
+
+#ifdef MINISGL_VNNI
+
+constexpr int kTile = 16;
+constexpr int kValueAccumulators = 16;  // float vectors per V pass chunk (of 32 registers)
+
+// acc += pairwise bfloat16 dot products of a and b per float lane, in place (see dpbusd).
+inline void dpbf16(__m512& acc, __m512i a, __m512i b) {
+  asm("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+}
+
+// Lane j of the result is the sum of the 16 lanes of v[s] for s = kSlot[j].
+inline __m512 transpose_sum(const __m512 (&v)[kTile]) {
+  __m512 s[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i)
+    s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(u[2 * i], u[2 * i + 1]),
+                         _mm512_unpackhi_ps(u[2 * i], u[2 * i + 1]));
+  return _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x44), _mm512_shuffle_ps(w[0], w[1], 0xEE));
+}
+
+// The reduction above leaves slot s's sum in lane (s % 4) * 4 + s / 4 (a 4 x 4 transpose, its
+// own inverse): slot s scores token kSlot[s] of the tile, so token j lands in lane j.
+constexpr int kSlot[kTile] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+
+using bf16 = at::BFloat16;
+
+struct Task {
+  const bf16* q;   // [group, dim]: the query heads of one KV head
+  const bf16* k;   // this KV head's rows of the pool, [pool, dim]
+  const bf16* v;
+  const int64_t* loc;
+  int64_t len, group;
+  float scale;
+  float* probs;    // [group, stride]
+  int64_t stride;  // len rounded up to kTile
+  bf16* out;       // [group, dim]
+};
+
+// probs[g][t] = scale * q_g . k_t, lanes past len set to -inf; returns each head's maximum.
+template <int DIM>
+void scores(const Task& a, std::vector<float>& maxima) {
+  constexpr int kVectors = DIM / 32;  // bfloat16 vectors per row
+  std::fill(maxima.begin(), maxima.end(), -std::numeric_limits<float>::infinity());
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 scale = _mm512_set1_ps(a.scale);
+  for (int64_t start = 0; start < a.len; start += kTile) {
+    const bf16* rows[kTile];
+    for (int s = 0; s < kTile; ++s)  // past the end: the last row again (read, then masked)
+      rows[s] = a.k + a.loc[std::min(start + kSlot[s], a.len - 1)] * DIM;
+    for (int64_t t = start + kTile; t < std::min(start + 2 * kTile, a.len); ++t)
+      for (int offset = 0; offset < DIM * 2; offset += 64)
+        __builtin_prefetch(reinterpret_cast<const char*>(a.k + a.loc[t] * DIM) + offset);
+    const __mmask16 valid = a.len - start >= kTile ? 0xFFFF : (1u << (a.len - start)) - 1;
+    for (int64_t g = 0; g < a.group; ++g) {
+      __m512i q[kVectors];
+      for (int n = 0; n < kVectors; ++n) q[n] = _mm512_loadu_si512(a.q + g * DIM + 32 * n);
+      __m512 dot[kTile];
+      for (int s = 0; s < kTile; ++s) {
+        dot[s] = _mm512_setzero_ps();
+        for (int n = 0; n < kVectors; ++n) dpbf16(dot[s], q[n], _mm512_loadu_si512(rows[s] + 32 * n));
+      }
+      const __m512 tile = _mm512_mask_blend_ps(valid, minus_inf,
+                                               _mm512_mul_ps(transpose_sum(dot), scale));
+      _mm512_storeu_ps(a.probs + g * a.stride + start, tile);
+      maxima[g] = std::max(maxima[g], _mm512_reduce_max_ps(tile));
+    }
+  }
+}
+
+// out[g0 + h] = sum_t probs[g0 + h][t] * v_t / sums[g0 + h] for HEADS query heads.
+template <int DIM, int HEADS>
+void values(const Task& a, int64_t g0, const std::vector<float>& sums) {
+  constexpr int kVectors = DIM / 16;  // float vectors per row
+  __m512 acc[HEADS][kVectors];
+  for (int h = 0; h < HEADS; ++h)
+    for (int n = 0; n < kVectors; ++n) acc[h][n] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < a.len; ++t) {
+    const bf16* row = a.v + a.loc[t] * DIM;
+    if (t + kTile < a.len)
+      for (int offset = 0; offset < DIM * 2; offset += 64)
+        __builtin_prefetch(reinterpret_cast<const char*>(a.v + a.loc[t + kTile] * DIM) + offset);
+    __m512 v[kVectors];
+    for (int n = 0; n < kVectors; ++n) v[n] = load_bf16(row + 16 * n);
+    for (int h = 0; h < HEADS; ++h) {
+      const __m512 p = _mm512_set1_ps(a.probs[(g0 + h) * a.stride + t]);
+      for (int n = 0; n < kVectors; ++n) acc[h][n] = _mm512_fmadd_ps(p, v[n], acc[h][n]);
+    }
+  }
+  for (int h = 0; h < HEADS; ++h) {
+    const __m512 inv = _mm512_set1_ps(1.0f / sums[g0 + h]);
+    for (int n = 0; n < kVectors; ++n)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.out + (g0 + h) * DIM + 16 * n),
+                          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(
+                              _mm512_mul_ps(acc[h][n], inv))));
+  }
+}
+
+template <int DIM>
+void values_chunk(const Task& a, int64_t g0, int heads, const std::vector<float>& sums) {
+  constexpr int kMostHeads = kValueAccumulators / (DIM / 16);  // 4 at dim 64, 2 at 128
+  static_assert(kMostHeads == 4 || kMostHeads == 2);
+  switch (heads) {
+    case 1: return values<DIM, 1>(a, g0, sums);
+    case 2: return values<DIM, 2>(a, g0, sums);
+    case 3: if constexpr (kMostHeads >= 3) return values<DIM, 3>(a, g0, sums); break;
+    case 4: if constexpr (kMostHeads >= 4) return values<DIM, 4>(a, g0, sums); break;
+  }
+}
+
+template <int DIM>
+void attend(const Task& a, std::vector<float>& maxima, std::vector<float>& sums) {
+  scores<DIM>(a, maxima);
+  for (int64_t g = 0; g < a.group; ++g) {
+    float* p = a.probs + g * a.stride;
+    const float m = maxima[g];
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < a.len; ++t) {
+      p[t] = std::exp(p[t] - m);
+      sum += p[t];
+    }
+    sums[g] = sum;
+  }
+  constexpr int kMostHeads = kValueAccumulators / (DIM / 16);
+  for (int64_t g0 = 0; g0 < a.group; g0 += kMostHeads)
+    values_chunk<DIM>(a, g0, static_cast<int>(std::min<int64_t>(kMostHeads, a.group - g0)), sums);
+}
+
+#endif  // MINISGL_VNNI
+
+}  // namespace
+
+// The shapes of cpu_kernels.cpp's decode_attention. Returns false (and writes nothing) where
+// this path does not apply: not bfloat16, a head dim other than 64 / 128, no AVX-512 BF16.
+bool decode_attention_bf16(const torch::Tensor& q, const torch::Tensor& k_cache,
+                           const torch::Tensor& v_cache, const torch::Tensor& locations,
+                           const torch::Tensor& seq_lens, torch::Tensor& out, double scale) {
+#ifdef MINISGL_VNNI
+  const int64_t dim = q.size(2);
+  if (q.scalar_type() != at::kBFloat16 || (dim != 64 && dim != 128)) return false;
+  const int64_t batch = q.size(0), heads = q.size(1), kv_heads = k_cache.size(0);
+  const int64_t pool = k_cache.size(1), max_len = locations.size(1), group = heads / kv_heads;
+  const bf16* qp = q.data_ptr<bf16>();
+  const bf16* kp = k_cache.data_ptr<bf16>();
+  const bf16* vp = v_cache.data_ptr<bf16>();
+  const int64_t* loc = locations.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  bf16* op = out.data_ptr<bf16>();
+  const int64_t stride = (max_len + kTile - 1) / kTile * kTile;
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> probs(group * stride), maxima(group), sums(group);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / kv_heads, h = task % kv_heads;
+      const int64_t first = (b * heads + h * group) * dim;
+      Task a{qp + first, kp + h * pool * dim, vp + h * pool * dim, loc + b * max_len, lens[b],
+             group, static_cast<float>(scale), probs.data(), stride, op + first};
+      if (dim == 64)
+        attend<64>(a, maxima, sums);
+      else
+        attend<128>(a, maxima, sums);
+    }
+  });
+  return true;
+#else
+  return false;
+#endif
+}
