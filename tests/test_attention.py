@@ -84,3 +84,25 @@ def test_rms_norm_kernel_matches_torch(dtype: torch.dtype, tolerance: float) -> 
     assert same is x or torch.equal(same, x)
     reference = torch.nn.functional.rms_norm(x.float(), (576,), weight.float(), 1e-5)
     assert (plain.float() - reference).abs().max().item() < tolerance
+
+
+@pytest.mark.parametrize("tokens", [1, 64, 700])  # 700: split across threads
+def test_store_kv_kernel_matches_pool_store(tokens: int) -> None:
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("no C++ compiler here: the pool's index_copy_ stores K and V")
+    gen = torch.Generator().manual_seed(0)
+    kv_heads, dim = 3, 64
+    pools = [KVPool(2, num_pages=1000, page_size=1, num_kv_heads=kv_heads, head_dim=dim,
+                    dtype=torch.bfloat16, device=torch.device("cpu")) for _ in range(2)]
+    for pool in pools:
+        pool.buffer.zero_()
+    qkv = torch.randn(tokens, (9 + 2 * kv_heads) * dim, generator=gen).bfloat16()
+    k = qkv[:, 9 * dim:12 * dim].view(tokens, kv_heads, dim)  # strided views, as in the model
+    v = qkv[:, 12 * dim:].view(tokens, kv_heads, dim)
+    locations = torch.randperm(1000, generator=gen)[:tokens]
+    pools[0].store(1, locations, k, v)
+    kernels.store_kv_(*pools[1].layer(1), locations, k, v)
+    assert torch.equal(pools[0].buffer, pools[1].buffer)
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels.store_kv_(*pools[1].layer(1), torch.full((tokens,), 1001), k, v)

@@ -109,7 +109,11 @@ class TorchBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: Batch) -> torch.Tensor:
-        k_cache, v_cache = self.kv_pool.store(layer_id, batch.out_loc, k, v)
+        if self.kernels is not None:
+            k_cache, v_cache = self.kv_pool.layer(layer_id)
+            self.kernels.store_kv_(k_cache, v_cache, batch.out_loc, k, v)
+        else:
+            k_cache, v_cache = self.kv_pool.store(layer_id, batch.out_loc, k, v)
         meta = batch.attn_metadata
         if batch.is_decode:
             return self._decode(q, k_cache, v_cache, meta)

@@ -196,6 +196,34 @@ void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor positions, torch::T
   }
 }
 
+// k / v: [tokens, kv_heads, dim], contiguous rows (views into the fused QKV output);
+// k_cache / v_cache: [kv_heads, locations, dim]; locations: [tokens]. One row copy per
+// (token, head), where index_copy_ of the transposed views costs ~16 us per call.
+void store_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor locations,
+               torch::Tensor k, torch::Tensor v) {
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous());
+  const auto where = locations.to(at::kLong).contiguous();
+  const int64_t tokens = where.numel(), pool = k_cache.size(1);
+  const int64_t* loc = where.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(loc[t] >= 0 && loc[t] < pool, "KV location out of range");
+  for (const auto& [cache, x] : {std::pair{k_cache, k}, std::pair{v_cache, v}}) {
+    TORCH_CHECK(x.dim() == 3 && x.size(0) == tokens && x.stride(2) == 1 &&
+                x.size(1) == cache.size(0) &&
+                x.size(2) == cache.size(2) && x.scalar_type() == cache.scalar_type());
+    const int64_t heads = x.size(1), row = x.size(2) * x.element_size();
+    const char* src = static_cast<const char*>(x.data_ptr());
+    char* dst = static_cast<char*>(cache.data_ptr());
+    at::parallel_for(0, tokens, 256, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        for (int64_t h = 0; h < heads; ++h)
+          std::memcpy(dst + (h * pool + loc[t]) * row,
+                      src + (t * x.stride(0) + h * x.stride(1)) * x.element_size(), row);
+      }
+    });
+  }
+}
+
 torch::Tensor silu_and_mul(torch::Tensor x) {
   TORCH_CHECK(x.is_contiguous() && x.size(-1) % 2 == 0);
   const int64_t d = x.size(-1) / 2;
@@ -269,6 +297,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "residual add + RMSNorm (CPU)",
         py::call_guard<py::gil_scoped_release>());
   m.def("rotary_", &rotary_, "rotary embedding of q and k, in place (CPU)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("store_kv_", &store_kv_, "new tokens' K and V into the head-major pool (CPU)",
         py::call_guard<py::gil_scoped_release>());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a merged projection (CPU)",
         py::call_guard<py::gil_scoped_release>());
