@@ -106,3 +106,47 @@ def test_store_kv_kernel_matches_pool_store(tokens: int) -> None:
     assert torch.equal(pools[0].buffer, pools[1].buffer)
     with pytest.raises(RuntimeError, match="out of range"):
         kernels.store_kv_(*pools[1].layer(1), torch.full((tokens,), 1001), k, v)
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 1.6e-2)])
+def test_kernel_prefill_and_mixed_batch_match_float64(dtype: torch.dtype,
+                                                      tolerance: float) -> None:
+    """A mixed batch through the kernel (one call: each token over its row's first position + 1
+    locations): a prompt, a prompt after a cached prefix, a long prompt, one decode row."""
+    if cpu_kernels() is None:
+        pytest.skip("no C++ compiler here: SDPA runs prefill")
+    gen = torch.Generator().manual_seed(1)
+    heads, kv_heads, dim, locations = 9, 3, 64, 900
+    pool = KVPool(1, num_pages=locations, page_size=1, num_kv_heads=kv_heads, head_dim=dim,
+                  dtype=dtype, device=torch.device("cpu"))
+    pool.buffer[:, :, :, :locations].copy_(
+        torch.randn(2, 1, kv_heads, locations, dim, generator=gen))
+    cached, new = [0, 13, 0, 40], [20, 7, 300, 1]  # the last row decodes
+    seq_lens = [c + n for c, n in zip(cached, new)]
+    page_table = torch.zeros(len(new) + 1, max(seq_lens), dtype=torch.int32)
+    scattered = torch.randperm(locations, generator=gen)
+    start = 0
+    for row, length in enumerate(seq_lens):
+        page_table[row, :length] = scattered[start:start + length].int()
+        start += length
+    tokens = sum(new)
+    positions = torch.cat([torch.arange(c, c + n) for c, n in zip(cached, new)])
+    out_loc = torch.cat([page_table[row, c:c + n].long()
+                         for row, (c, n) in enumerate(zip(cached, new))])
+    batch = Batch("prefill", len(new), table_rows=list(range(len(new))), cached_lens=cached,
+                  seq_lens=seq_lens, extend_lens=new, input_positions=positions,
+                  out_loc=out_loc, decode_rows=1)
+    backend = TorchBackend(pool, page_table, dim ** -0.5)
+    backend.prepare_metadata(batch)
+    q = torch.randn(tokens, heads, dim, generator=gen).to(dtype)
+    k = torch.randn(tokens, kv_heads, dim, generator=gen).to(dtype)
+    v = torch.randn(tokens, kv_heads, dim, generator=gen).to(dtype)
+    out = backend.forward(q, k, v, 0, batch).view(tokens, heads, dim)
+    k_cache, v_cache = pool.layer(0)
+    token = 0
+    for row, (c, n) in enumerate(zip(cached, new)):
+        for i in range(n):  # causality: the row's first c + i + 1 locations
+            exact = float64_decode(q[token:token + 1], k_cache, v_cache,
+                                   page_table[row:row + 1], [c + i + 1], dim ** -0.5)
+            assert (out[token].double() - exact[0]).abs().max().item() < tolerance
+            token += 1

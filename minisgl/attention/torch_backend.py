@@ -1,10 +1,13 @@
-"""Torch paged attention: SDPA per request for prefill; for decode a compiled CPU kernel that
-reads K/V in place, or (without a compiler, or on CUDA) grouped matmuls over gathered K/V. A
+"""Torch paged attention. On CPU with the compiled kernels, every batch is one kernel call that
+reads K/V in place: each token attends to the first position + 1 locations of its request's
+page-table row (a decode token is the case of one token per request), 2-4x faster than SDPA's
+fused CPU kernel on prefill too (BENCHMARKS.md). Otherwise (no compiler, or CUDA without
+FlashInfer): SDPA per request for prefill, grouped matmuls over gathered K/V for decode, and a
 mixed batch runs both: its prefill tokens, then its decode tokens.
 
 On CPU, SDPA with a single query token is slower than two batched matmuls, and the gather in
 front of those matmuls moves about as many bytes as the weights at large batches, which the
-kernel avoids (BENCHMARKS.md).
+kernel avoids.
 """
 
 from __future__ import annotations
@@ -35,6 +38,22 @@ class DecodeMetadata:
             self.seq_lens[:, None]
         self.locations = page_table[self.rows, : self.max_len].masked_fill(padding, dummy_loc).long()
         self.padding = padding[None, :, None, :]
+
+
+@dataclass
+class ExtendMetadata:
+    """A prefill or mixed batch for the CPU kernel: token i attends to the first
+    token_lens[i] (its position + 1) locations of page-table row rows[token_rows[i]]."""
+
+    rows: torch.Tensor  # [requests] page-table rows
+    token_rows: torch.Tensor  # [tokens] int64, an index into rows
+    token_lens: torch.Tensor  # [tokens] int64
+    max_len: int
+    locations: torch.Tensor | None = None  # [requests, max_len] int64, read up to each length
+
+    def materialize(self, page_table: torch.Tensor) -> None:
+        """On the engine thread, by the first layer (see DecodeMetadata.materialize)."""
+        self.locations = page_table[self.rows, : self.max_len].long()
 
 
 @dataclass
@@ -74,6 +93,12 @@ class TorchBackend(AttentionBackend):
                        if on_cpu else None)
 
     def prepare_metadata(self, batch: Batch) -> None:
+        if self.kernels is not None and not batch.is_decode:
+            batch.attn_metadata = ExtendMetadata(
+                torch.tensor(batch.table_rows),
+                torch.repeat_interleave(torch.arange(batch.size), torch.tensor(batch.extend_lens)),
+                batch.input_positions.long() + 1, max(batch.seq_lens))
+            return
         if batch.is_decode:
             batch.attn_metadata = self._decode_metadata(batch.table_rows, batch.seq_lens)
             return
@@ -115,6 +140,12 @@ class TorchBackend(AttentionBackend):
         else:
             k_cache, v_cache = self.kv_pool.store(layer_id, batch.out_loc, k, v)
         meta = batch.attn_metadata
+        if isinstance(meta, ExtendMetadata):
+            if meta.locations is None:
+                meta.materialize(self.page_table)
+            out = self.kernels.decode_attention(q.contiguous(), k_cache, v_cache, meta.locations,
+                                                meta.token_lens, self.scale, meta.token_rows)
+            return out.view(q.shape[0], -1)
         if batch.is_decode:
             return self._decode(q, k_cache, v_cache, meta)
         if not isinstance(meta, MixedMetadata):

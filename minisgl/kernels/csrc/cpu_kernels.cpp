@@ -17,6 +17,10 @@
 #include <limits>
 #include <vector>
 
+// Tokens in the order 0, n - 1, 1, n - 2, ...: a parallel loop's contiguous halves then get
+// equal work when a prompt's tokens attend to ever more keys.
+int64_t balanced_token(int64_t i, int64_t n) { return i % 2 == 0 ? i / 2 : n - 1 - i / 2; }
+
 namespace {
 
 template <typename T>
@@ -56,15 +60,17 @@ inline void store<at::BFloat16>(at::BFloat16* p, int64_t i, float v) {
 
 template <typename T>
 void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* locations,
-            const int64_t* seq_lens, T* out, int64_t batch, int64_t heads, int64_t kv_heads,
-            int64_t pool, int64_t dim, int64_t max_len, float scale) {
+            const int64_t* seq_lens, const int64_t* token_rows, T* out, int64_t batch,
+            int64_t heads, int64_t kv_heads, int64_t pool, int64_t dim, int64_t max_len,
+            float scale) {
   const int64_t group = heads / kv_heads;
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * dim), probs(group * max_len), acc(group * dim);
     std::vector<float> maxs(group), sums(group);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / kv_heads, h = task % kv_heads, len = seq_lens[b];
-      const int64_t* loc = locations + b * max_len;
+      const int64_t b = balanced_token(task / kv_heads, batch), h = task % kv_heads;
+      const int64_t len = seq_lens[b];
+      const int64_t* loc = locations + (token_rows ? token_rows[b] : b) * max_len;
       const T* qh = q + (b * heads + h * group) * dim;
       for (int64_t i = 0; i < group * dim; ++i) qf[i] = load(qh, i) * scale;
       std::fill(maxs.begin(), maxs.end(), -std::numeric_limits<float>::infinity());
@@ -260,25 +266,34 @@ std::vector<torch::Tensor> rms_norm(torch::Tensor x, c10::optional<torch::Tensor
 // decode_bf16.cpp
 bool decode_attention_bf16(const torch::Tensor& q, const torch::Tensor& k_cache,
                            const torch::Tensor& v_cache, const torch::Tensor& locations,
-                           const torch::Tensor& seq_lens, torch::Tensor& out, double scale);
+                           const torch::Tensor& seq_lens, const int64_t* token_rows,
+                           torch::Tensor& out, double scale);
 
-// q: [batch, heads, dim]; k_cache/v_cache: [kv_heads, pool, dim]; locations: [batch, max_len]
-// int64 (entries past seq_len are not read); seq_lens: [batch] int64, each >= 1.
+// q: [tokens, heads, dim]; k_cache/v_cache: [kv_heads, pool, dim]; locations: [rows, max_len]
+// int64 (entries past a token's length are not read); seq_lens: [tokens] int64, each >= 1: the
+// keys token i attends to are the first seq_lens[i] of its row, token_rows[i] (by default row
+// i: a decode batch; a prefill or mixed batch passes each token's request row, and its position
+// + 1 as its length, so causality comes from the lengths).
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                               torch::Tensor locations, torch::Tensor seq_lens, double scale) {
+                               torch::Tensor locations, torch::Tensor seq_lens, double scale,
+                               c10::optional<torch::Tensor> token_rows) {
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
   TORCH_CHECK(locations.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong);
+  TORCH_CHECK(seq_lens.numel() == q.size(0));
+  const auto where = locations.contiguous(), lens = seq_lens.contiguous();
+  const auto rows = token_rows.has_value() ? token_rows->to(at::kLong).contiguous()
+                                           : torch::Tensor();
+  TORCH_CHECK(!rows.defined() || rows.numel() == q.size(0));
+  const int64_t* row_of = rows.defined() ? rows.data_ptr<int64_t>() : nullptr;
   auto out = torch::empty_like(q);
-  if (decode_attention_bf16(q, k_cache, v_cache, locations.contiguous(), seq_lens.contiguous(),
-                            out, scale))
-    return out;
+  if (decode_attention_bf16(q, k_cache, v_cache, where, lens, row_of, out, scale)) return out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention",
                                   [&] {
     decode<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
-                     v_cache.data_ptr<scalar_t>(), locations.contiguous().data_ptr<int64_t>(),
-                     seq_lens.contiguous().data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
-                     q.size(0), q.size(1), k_cache.size(0), k_cache.size(1), q.size(2),
-                     locations.size(1), static_cast<float>(scale));
+                     v_cache.data_ptr<scalar_t>(), where.data_ptr<int64_t>(),
+                     lens.data_ptr<int64_t>(), row_of, out.data_ptr<scalar_t>(), q.size(0),
+                     q.size(1), k_cache.size(0), k_cache.size(1), q.size(2), where.size(1),
+                     static_cast<float>(scale));
   });
   return out;
 }
@@ -292,7 +307,10 @@ torch::Tensor int8_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
                           int64_t group);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "paged decode attention (CPU)",
+  m.def("decode_attention", &decode_attention,
+        "paged attention of tokens over their requests' cached K/V (CPU)", py::arg("q"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("locations"), py::arg("seq_lens"),
+        py::arg("scale"), py::arg("token_rows") = py::none(),
         py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "residual add + RMSNorm (CPU)",
         py::call_guard<py::gil_scoped_release>());

@@ -1,5 +1,7 @@
-// Paged decode attention in bfloat16 (the dtype minisgl serves in on CPU) with AVX-512 BF16,
-// for head dims 64 and 128; cpu_kernels.cpp's generic loop takes every other case.
+// Paged attention in bfloat16 (the dtype minisgl serves in on CPU) with AVX-512 BF16, for head
+// dims 64 and 128; cpu_kernels.cpp's generic loop takes every other case. One task is one
+// token and KV head over the first `len` locations of the token's row: a decode token, or a
+// prefill token (len = position + 1 gives causality), 2-4x SDPA's fused CPU kernel there.
 //
 // Scores: tiles of 16 tokens. Per query head each token's q.k is one float vector of partial
 // sums (vdpbf16ps: 32 bfloat16 products per instruction, exact products, float32 sums); one
@@ -156,11 +158,14 @@ void attend(const Task& a, std::vector<float>& maxima, std::vector<float>& sums)
 
 }  // namespace
 
+int64_t balanced_token(int64_t i, int64_t n);  // cpu_kernels.cpp
+
 // The shapes of cpu_kernels.cpp's decode_attention. Returns false (and writes nothing) where
 // this path does not apply: not bfloat16, a head dim other than 64 / 128, no AVX-512 BF16.
 bool decode_attention_bf16(const torch::Tensor& q, const torch::Tensor& k_cache,
                            const torch::Tensor& v_cache, const torch::Tensor& locations,
-                           const torch::Tensor& seq_lens, torch::Tensor& out, double scale) {
+                           const torch::Tensor& seq_lens, const int64_t* token_rows,
+                           torch::Tensor& out, double scale) {
 #ifdef MINISGL_VNNI
   const int64_t dim = q.size(2);
   if (q.scalar_type() != at::kBFloat16 || (dim != 64 && dim != 128)) return false;
@@ -176,9 +181,10 @@ bool decode_attention_bf16(const torch::Tensor& q, const torch::Tensor& k_cache,
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> probs(group * stride), maxima(group), sums(group);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / kv_heads, h = task % kv_heads;
+      const int64_t b = balanced_token(task / kv_heads, batch), h = task % kv_heads;
       const int64_t first = (b * heads + h * group) * dim;
-      Task a{qp + first, kp + h * pool * dim, vp + h * pool * dim, loc + b * max_len, lens[b],
+      const int64_t* row = loc + (token_rows ? token_rows[b] : b) * max_len;
+      Task a{qp + first, kp + h * pool * dim, vp + h * pool * dim, row, lens[b],
              group, static_cast<float>(scale), probs.data(), stride, op + first};
       if (dim == 64)
         attend<64>(a, maxima, sums);
