@@ -5,6 +5,8 @@ decode step and the bandwidth that implies (bytes / TPOT).
     python scripts/bench_quantization.py                  # 1 8 32 64 streams
     python scripts/bench_quantization.py --concurrency 1 --skip-llama-cpp
     python scripts/bench_quantization.py --methods none w8a8_int8 --concurrency 64
+    git worktree add /tmp/baseline e1856bb^     # the code when issue 18 was filed
+    python scripts/bench_quantization.py --baseline /tmp/baseline --skip-llama-cpp
 
 Same client (scripts/bench_serving.py through `/v1/completions`, ignore_eos, greedy) and the
 same prompts for every server; llama-server is built once by scripts/compare.py.
@@ -13,6 +15,7 @@ same prompts for every server; llama-server is built once by scripts/compare.py.
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 from pathlib import Path
 
@@ -27,7 +30,8 @@ from minisgl.models.weights import bundled_gguf  # noqa: E402
 # the token embedding's unused rows, i.e. the file less its metadata); gguf's LM head reads its
 # 8-bit copy (32 MB with its scales) instead of bfloat16 (57 MB) for up to INT8_MAX_ROWS rows;
 # w8a8_int8 reads 107 MB of int8 linears and a 28 MB int8 head at every batch size
-STEP_BYTES = {"none": 269e6, "gguf": 123e6, "w8a8_int8": 135e6, "llama.cpp": 98e6}
+STEP_BYTES = {"none": 269e6, "gguf": 123e6, "w8a8_int8": 135e6, "llama.cpp": 98e6,
+              "baseline": 269e6}
 SMALL_BATCH_BYTES = {"gguf": 98e6}
 LABELS = {"none": "minisgl --quantization none", "gguf": "minisgl --quantization gguf",
           "w8a8_int8": "minisgl --quantization w8a8_int8", "llama.cpp": "llama-server"}
@@ -38,6 +42,8 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     compare.add_serving_arguments(parser)
     parser.add_argument("--skip-llama-cpp", action="store_true")
+    parser.add_argument("--baseline", type=Path,
+                        help="a checkout of an earlier commit: its bf16 path served alongside")
     parser.add_argument("--methods", nargs="+", default=["none", "gguf", "w8a8_int8"],
                         choices=["none", "gguf", "w8a8_int8"])
     args = parser.parse_args()
@@ -50,6 +56,17 @@ def main() -> None:
             for c in args.concurrency:
                 compare.log(f"{server.name}: {c} streams")
                 rows.setdefault(method, {})[c] = compare.bench(server, c, args)
+        finally:
+            server.stop()
+    if args.baseline is not None:
+        rev = subprocess.run(["git", "-C", str(args.baseline), "rev-parse", "--short", "HEAD"],
+                             capture_output=True, text=True).stdout.strip() or "baseline"
+        LABELS["baseline"] = f"minisgl bf16 at {rev}"
+        server = compare.start_minisgl(True, most, pool, checkout=args.baseline)
+        try:
+            for c in args.concurrency:
+                compare.log(f"{LABELS['baseline']}: {c} streams")
+                rows.setdefault("baseline", {})[c] = compare.bench(server, c, args)
         finally:
             server.stop()
     llama, note = (None, "skipped") if args.skip_llama_cpp else compare.build_llama_server()

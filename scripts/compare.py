@@ -125,13 +125,14 @@ def _collect(server: Server, ready: threading.Event) -> None:
 
 
 def start_minisgl(overlap: bool, max_running: int, max_total_tokens: int,
-                  extra: tuple[str, ...] = ()) -> Server:
+                  extra: tuple[str, ...] = (), checkout: Path = REPO) -> Server:
+    """`checkout`: the minisgl source tree to serve (another commit's, for a baseline)."""
     cmd = [sys.executable, "-m", "minisgl", "serve", "--port", "0", "--log-level", "warning",
            "--max-running-requests", str(max_running), "--max-total-tokens",
            str(max_total_tokens), *extra]
     if not overlap:
         cmd.append("--disable-overlap-schedule")
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(cmd, cwd=checkout, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     server = Server(" ".join(["minisgl", *extra] + ([] if overlap else
                                                     ["--disable-overlap-schedule"])), proc)
