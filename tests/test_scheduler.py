@@ -271,3 +271,18 @@ def test_abort_fuzz_keeps_every_page_accounted_for() -> None:
     # SmolLM2 is ~3x cheaper and still lands ~90 aborts (the real model: ~97).
     aborted, _ = abort_fuzz(ServerArgs(**FUZZ_ARGS))
     assert aborted > 50, f"only {aborted} aborts landed on live requests"
+
+
+def test_default_chunk_keeps_cpu_activations_under_the_allocator_limit() -> None:
+    from minisgl.scheduler.config import CPU_ALLOCATION_LIMIT, default_chunk
+
+    gate_up = 2 * 1536  # the bundled model's merged gate/up width
+    assert default_chunk("cuda", False, gate_up * 2) == 8192
+    assert default_chunk("cpu", True, gate_up * 2) == 256  # mixed: the stall bound wins
+    bf16, fp32 = default_chunk("cpu", False, gate_up * 2), default_chunk("cpu", False, gate_up * 4)
+    assert (bf16, fp32) == (4096, 2048)
+    for chunk, row in ((bf16, gate_up * 2), (fp32, gate_up * 4)):
+        assert chunk * row <= CPU_ALLOCATION_LIMIT < 2 * chunk * row
+    assert default_chunk("cpu", False, 1 << 20) == 1024  # never below the floor
+    with LLM(dtype="bfloat16", load_format="dummy", max_total_tokens=4096) as llm:
+        assert llm.runtime.scheduler.config.chunked_prefill_size == 4096

@@ -10,10 +10,25 @@ DEFAULT_CHUNK = 8192
 # cuts the p99 4-5x for ~3% output tok/s. Unmixed, prefill runs first anyway and a small chunk
 # would only add per-step overhead.
 CPU_MIXED_CHUNK = 256
+# NOTE: glibc serves an allocation above 32 MiB (its largest mmap threshold) with a fresh
+# mapping, so a prefill step whose activations are wider page-faults them in anew at every
+# layer: 8192-row gate/up projections of the bundled model (50 MB out) measured 1.8x (int8)
+# and 1.4x (bf16) slower per row than 4096-row ones (BENCHMARKS.md). On CPU the default chunk
+# keeps the widest activation, the merged gate/up output, under that size.
+CPU_ALLOCATION_LIMIT = 32 << 20
+CPU_SMALLEST_CHUNK = 1024
 
 
-def default_chunk(device_type: str, mixed: bool) -> int:
-    return CPU_MIXED_CHUNK if device_type == "cpu" and mixed else DEFAULT_CHUNK
+def default_chunk(device_type: str, mixed: bool, widest_row_bytes: int) -> int:
+    """`widest_row_bytes`: one token's widest activation (gate/up output) on this rank."""
+    if device_type != "cpu":
+        return DEFAULT_CHUNK
+    if mixed:
+        return CPU_MIXED_CHUNK
+    chunk = DEFAULT_CHUNK
+    while chunk > CPU_SMALLEST_CHUNK and chunk * widest_row_bytes > CPU_ALLOCATION_LIMIT:
+        chunk //= 2
+    return chunk
 
 
 @dataclass(frozen=True)

@@ -45,8 +45,9 @@ OutputSink = Callable[[list[ReqOutput]], None]
 class Scheduler:
     def __init__(self, engine: Engine, config: SchedulerConfig, sink: OutputSink) -> None:
         if config.chunked_prefill_size is None:
+            widest = 2 * engine.arch.intermediate_size // engine.tp.size * engine.dtype.itemsize
             config = replace(config, chunked_prefill_size=default_chunk(
-                engine.device.type, config.enable_mixed_chunk))
+                engine.device.type, config.enable_mixed_chunk, widest))
         self.engine, self.config, self.sink = engine, config, sink
         ps = engine.page_size
         prefix_cache = NaiveCache(ps) if config.disable_radix_cache else RadixCache(ps)
