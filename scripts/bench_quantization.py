@@ -50,6 +50,7 @@ def main() -> None:
     most = max(args.concurrency)
     pool = most * (args.input_len + args.output_len + 16)
     rows: dict[str, dict[int, dict]] = {}
+    labels = dict(LABELS)
     for method in args.methods:
         server = compare.start_minisgl(True, most, pool, ("--quantization", method))
         try:
@@ -61,11 +62,11 @@ def main() -> None:
     if args.baseline is not None:
         rev = subprocess.run(["git", "-C", str(args.baseline), "rev-parse", "--short", "HEAD"],
                              capture_output=True, text=True).stdout.strip() or "baseline"
-        LABELS["baseline"] = f"minisgl bf16 at {rev}"
+        labels["baseline"] = f"minisgl bf16 at {rev}"
         server = compare.start_minisgl(True, most, pool, checkout=args.baseline)
         try:
             for c in args.concurrency:
-                compare.log(f"{LABELS['baseline']}: {c} streams")
+                compare.log(f"{labels['baseline']}: {c} streams")
                 rows.setdefault("baseline", {})[c] = compare.bench(server, c, args)
         finally:
             server.stop()
@@ -83,7 +84,7 @@ def main() -> None:
     print("| streams | server | output tok/s | TPOT p50 ms | weights read per step | GB/s |")
     print("|---|---|---|---|---|---|")
     for c in args.concurrency:
-        for name, label in LABELS.items():
+        for name, label in labels.items():
             result = rows.get(name, {}).get(c)
             if result is None:
                 continue

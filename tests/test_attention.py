@@ -49,17 +49,22 @@ def test_kernel_matches_float64_decode(dtype: torch.dtype, tolerance: float, hea
     seq_lens = [1, 5, 16, 17, 80, 33, 64]  # around the 16-token score tiles
     for row, length in enumerate(seq_lens):  # scattered, shuffled locations
         page_table[row, :length] = torch.randperm(locations, generator=gen)[:length].int()
-    batch_ = Batch("decode", batch, table_rows=list(range(batch)),
-                   cached_lens=[n - 1 for n in seq_lens], seq_lens=seq_lens,
-                   extend_lens=[1] * batch)
-    with_kernel = TorchBackend(pool, page_table, dim ** -0.5)
-    without = TorchBackend(pool, page_table, dim ** -0.5)
-    without.kernels = None
-    with_kernel.prepare_metadata(batch_)
-    q = torch.randn(batch, heads, dim, generator=gen).to(dtype)
+    last = torch.tensor([page_table[row, n - 1].item() for row, n in enumerate(seq_lens)])
     k_cache, v_cache = pool.layer(0)
-    fast = with_kernel._decode(q, k_cache, v_cache, batch_.attn_metadata)
-    slow = without._decode(q, k_cache, v_cache, batch_.attn_metadata)
+    # the step's own k / v are what the pool holds at its last location (stored again as is)
+    k, v = k_cache[:, last].transpose(0, 1), v_cache[:, last].transpose(0, 1)
+    q = torch.randn(batch, heads, dim, generator=gen).to(dtype)
+    outputs = []
+    for kernels in (cpu_kernels(), None):
+        backend = TorchBackend(pool, page_table, dim ** -0.5)
+        backend.kernels = kernels
+        batch_ = Batch("decode", batch, table_rows=list(range(batch)),
+                       cached_lens=[n - 1 for n in seq_lens], seq_lens=seq_lens,
+                       extend_lens=[1] * batch, input_positions=torch.tensor(seq_lens) - 1,
+                       out_loc=last)
+        backend.prepare_metadata(batch_)
+        outputs.append(backend.forward(q, k, v, 0, batch_))
+    fast, slow = outputs
     exact = float64_decode(q, k_cache, v_cache, page_table, seq_lens, dim ** -0.5)
     exact = exact.view(fast.shape)
     assert (fast.double() - exact).abs().max().item() < tolerance

@@ -41,19 +41,24 @@ class DecodeMetadata:
 
 
 @dataclass
-class ExtendMetadata:
-    """A prefill or mixed batch for the CPU kernel: token i attends to the first
-    token_lens[i] (its position + 1) locations of page-table row rows[token_rows[i]]."""
+class KernelMetadata:
+    """Any batch for the CPU kernel: each token attends to the first position + 1 locations of
+    its request's page-table row (a decode batch: one token per row)."""
 
-    rows: torch.Tensor  # [requests] page-table rows
-    token_rows: torch.Tensor  # [tokens] int64, an index into rows
-    token_lens: torch.Tensor  # [tokens] int64
+    rows: list[int]  # per request, its page-table row
+    extend_lens: list[int]  # per request, its new tokens
+    positions: torch.Tensor  # [tokens]
     max_len: int
     locations: torch.Tensor | None = None  # [requests, max_len] int64, read up to each length
+    token_rows: torch.Tensor | None = None  # [tokens] int64, an index into rows
+    token_lens: torch.Tensor | None = None  # [tokens] int64: position + 1
 
     def materialize(self, page_table: torch.Tensor) -> None:
         """On the engine thread, by the first layer (see DecodeMetadata.materialize)."""
         self.locations = page_table[self.rows, : self.max_len].long()
+        self.token_rows = torch.repeat_interleave(torch.arange(len(self.rows)),
+                                                  torch.tensor(self.extend_lens))
+        self.token_lens = self.positions.long() + 1
 
 
 @dataclass
@@ -93,11 +98,9 @@ class TorchBackend(AttentionBackend):
                        if on_cpu else None)
 
     def prepare_metadata(self, batch: Batch) -> None:
-        if self.kernels is not None and not batch.is_decode:
-            batch.attn_metadata = ExtendMetadata(
-                torch.tensor(batch.table_rows),
-                torch.repeat_interleave(torch.arange(batch.size), torch.tensor(batch.extend_lens)),
-                batch.input_positions.long() + 1, max(batch.seq_lens))
+        if self.kernels is not None:
+            batch.attn_metadata = KernelMetadata(batch.table_rows, batch.extend_lens,
+                                                 batch.input_positions, max(batch.seq_lens))
             return
         if batch.is_decode:
             batch.attn_metadata = self._decode_metadata(batch.table_rows, batch.seq_lens)
@@ -134,18 +137,16 @@ class TorchBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: Batch) -> torch.Tensor:
-        if self.kernels is not None:
+        meta = batch.attn_metadata
+        if isinstance(meta, KernelMetadata):
             k_cache, v_cache = self.kv_pool.layer(layer_id)
             self.kernels.store_kv_(k_cache, v_cache, batch.out_loc, k, v)
-        else:
-            k_cache, v_cache = self.kv_pool.store(layer_id, batch.out_loc, k, v)
-        meta = batch.attn_metadata
-        if isinstance(meta, ExtendMetadata):
             if meta.locations is None:
                 meta.materialize(self.page_table)
             out = self.kernels.decode_attention(q.contiguous(), k_cache, v_cache, meta.locations,
                                                 meta.token_lens, self.scale, meta.token_rows)
             return out.view(q.shape[0], -1)
+        k_cache, v_cache = self.kv_pool.store(layer_id, batch.out_loc, k, v)
         if batch.is_decode:
             return self._decode(q, k_cache, v_cache, meta)
         if not isinstance(meta, MixedMetadata):
@@ -159,10 +160,6 @@ class TorchBackend(AttentionBackend):
                 meta: DecodeMetadata) -> torch.Tensor:
         if meta.locations is None:
             meta.materialize(self.page_table, self.kv_pool.dummy_loc)
-        if self.kernels is not None:
-            out = self.kernels.decode_attention(q.contiguous(), k_cache, v_cache, meta.locations,
-                                                meta.seq_lens, self.scale)
-            return out.view(q.shape[0], -1)
         bs, max_len = meta.locations.shape
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv = k_cache.shape[0]
