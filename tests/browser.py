@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import os
+import signal
 import shutil
 import subprocess
 import tempfile
@@ -32,7 +33,9 @@ class Browser:
     def __init__(self, executable: str, nice: int = 0) -> None:
         """`nice`: the browser's CPU priority below this process's (benchmarks)."""
         self.executable, self.nice = executable, nice
-        self.profile = tempfile.TemporaryDirectory(prefix="minisgl-chromium-")
+        # NOTE: a helper process may still write there as the profile is removed
+        self.profile = tempfile.TemporaryDirectory(prefix="minisgl-chromium-",
+                                                   ignore_cleanup_errors=True)
         self.proc: subprocess.Popen | None = None
         self.session: aiohttp.ClientSession | None = None
         self.port = 0
@@ -44,6 +47,7 @@ class Browser:
              "--disable-dev-shm-usage", "--no-first-run", "--no-default-browser-check",
              "--remote-debugging-port=0", f"--user-data-dir={self.profile.name}",
              "about:blank"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True,  # its helper processes share a group: stopped together
             preexec_fn=(lambda: os.nice(self.nice)) if self.nice else None)
         active = Path(self.profile.name) / "DevToolsActivePort"
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -59,13 +63,20 @@ class Browser:
         if self.session is not None:
             await self.session.close()
         if self.proc is not None:
-            self.proc.terminate()
+            self._signal_group(signal.SIGTERM)
             try:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+                pass
+            self._signal_group(signal.SIGKILL)  # the helpers the browser left, if any
+            self.proc.wait()
         self.profile.cleanup()
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
 
     async def page(self) -> Page:
         async with self.session.put(f"http://127.0.0.1:{self.port}/json/new?about:blank") as r:
