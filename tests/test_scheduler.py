@@ -243,7 +243,9 @@ def abort_fuzz(args: ServerArgs, priorities: tuple[int, ...] = (0,)) -> tuple[in
             for _ in range(rng.randint(0, 2)):
                 await asyncio.sleep(rng.random() * 0.02)
             if rng.random() < 0.4:
-                victim = rng.choice(handles)
+                # Mostly recent requests, so that most aborts land on live ones (waiting,
+                # prefilling or decoding) however fast this machine finishes the rest.
+                victim = rng.choice(handles[-8:] if rng.random() < 0.8 else handles)
                 aborted += manager.abort(victim.rid, "fuzz")
         results = await asyncio.gather(*(manager.wait(h) for h in handles))
         scheduler = runtime.scheduler
@@ -268,7 +270,7 @@ def abort_fuzz(args: ServerArgs, priorities: tuple[int, ...] = (0,)) -> tuple[in
 
 def test_abort_fuzz_keeps_every_page_accounted_for() -> None:
     # NOTE: the bookkeeping under test does not depend on the weights. A 4-layer dummy-weight
-    # SmolLM2 is ~3x cheaper and still lands ~90 aborts (the real model: ~97).
+    # SmolLM2 is ~3x cheaper; ~97 of ~120 aborts land (on a Zen 5 core, 2026-11).
     aborted, _ = abort_fuzz(ServerArgs(**FUZZ_ARGS))
     assert aborted > 50, f"only {aborted} aborts landed on live requests"
 
