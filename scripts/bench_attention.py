@@ -1,8 +1,10 @@
-"""The CPU attention kernel alone, per layer: decode over scattered 16-token pages, and prefill
+"""The CPU attention kernel alone, per layer: decode over scattered pages (16 tokens unless
+--page says otherwise), and prefill
 against SDPA's fused CPU kernel (GQA heads repeated, as the torch backend ran it before).
 
     python scripts/bench_attention.py                       # SmolLM2's heads, bfloat16
     python scripts/bench_attention.py --heads 32 --kv-heads 8 --head-dim 128
+    python scripts/bench_attention.py --decode-only --page 16 64   # page sizes side by side
 
 Decode is timed two ways: one layer repeated (its KV stays in L3) and 30 layers in turn (the
 KV comes from DRAM, as in serving).
@@ -22,9 +24,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from minisgl.kernels import cpu_kernels  # noqa: E402 (this checkout's)
 
-PAGE = 16
-
-
 def per_call_ms(fn: Callable[[], object], calls: int) -> float:
     for _ in range(2):
         fn()
@@ -42,6 +41,8 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--context", type=int, default=192)
+    parser.add_argument("--page", type=int, nargs="+", default=[16],
+                        help="KV page sizes for decode, timed in turn")
     parser.add_argument("--decode-only", action="store_true",
                         help="skip prefill (a kernel from before prefill went through it)")
     args = parser.parse_args()
@@ -51,22 +52,25 @@ def main() -> None:
     heads, kv_heads, dim, scale = args.heads, args.kv_heads, args.head_dim, args.head_dim ** -0.5
     layers, pool = 30, 65536
     kv = torch.randn(2, layers, kv_heads, pool, dim).bfloat16()
-    pages = torch.randperm(pool // PAGE)[: args.batch * args.context // PAGE]
-    locations = (pages.view(args.batch, -1)[:, :, None] * PAGE + torch.arange(PAGE)).view(
-        args.batch, -1)
-    lens = torch.full((args.batch,), args.context)
     q = torch.randn(args.batch, heads, dim).bfloat16()
-    one = per_call_ms(lambda: kernels.decode_attention(q, kv[0, 0], kv[1, 0], locations, lens,
-                                                       scale), 100)
-    turn = iter(range(10 ** 9))
+    lens = torch.full((args.batch,), args.context)
+    for page in args.page:
+        pages = torch.randperm(pool // page)[: args.batch * args.context // page]
+        locations = (pages.view(args.batch, -1)[:, :, None] * page + torch.arange(page)).view(
+            args.batch, -1)
+        one = per_call_ms(lambda: kernels.decode_attention(q, kv[0, 0], kv[1, 0], locations,
+                                                           lens, scale), 100)
+        turn = iter(range(10 ** 9))
 
-    def next_layer() -> object:
-        layer = next(turn) % layers
-        return kernels.decode_attention(q, kv[0, layer], kv[1, layer], locations, lens, scale)
+        def next_layer() -> object:
+            layer = next(turn) % layers
+            return kernels.decode_attention(q, kv[0, layer], kv[1, layer], locations, lens,
+                                            scale)
 
-    cycled = per_call_ms(next_layer, 150)
-    print(f"decode, {args.batch} x {args.context} tokens, {heads}/{kv_heads} heads x {dim}: "
-          f"{one:.3f} ms per layer (one layer repeated), {cycled:.3f} ms (30 layers in turn)")
+        cycled = per_call_ms(next_layer, 150)
+        print(f"decode, {args.batch} x {args.context} tokens in {page}-token pages, "
+              f"{heads}/{kv_heads} heads x {dim}: {one:.3f} ms per layer (one layer repeated), "
+              f"{cycled:.3f} ms (30 layers in turn)")
 
     if args.decode_only:
         return

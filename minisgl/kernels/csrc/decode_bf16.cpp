@@ -62,7 +62,36 @@ struct Task {
   float* probs;    // [group, stride]
   int64_t stride;  // len rounded up to kTile
   bf16* out;       // [group, dim]
+  const bf16* next_k = nullptr;  // the K rows of this thread's next task, if any
+  const int64_t* next_loc = nullptr;
+  int64_t next_len = 0;
 };
+
+// The rows a task reads, in order, continued into the next task's: K rows [0, len), V rows
+// [len, 2 len), the next task's K rows [2 len, 2 len + next_len). Prefetching a fixed distance
+// ahead along it keeps misses in flight across the K -> V and task boundaries, where a
+// request's pages (2 KiB runs per head at 16 tokens) start cold. The distance: 1-4 tiles were
+// measured (scripts/bench_attention.py), 3 was best.
+constexpr int64_t kAhead = 3 * kTile;
+
+// NOTE: inlined by force: a call in the value pass spills its register accumulators (every
+// zmm register is caller-saved), which made the pass ~2x slower.
+template <int DIM>
+[[gnu::always_inline]] inline void prefetch_stream(const Task& a, int64_t from, int64_t to) {
+  for (int64_t i = from; i < to; ++i) {
+    const bf16* row;
+    if (i < a.len)
+      row = a.k + a.loc[i] * DIM;
+    else if (i < 2 * a.len)
+      row = a.v + a.loc[i - a.len] * DIM;
+    else if (i < 2 * a.len + a.next_len)
+      row = a.next_k + a.next_loc[i - 2 * a.len] * DIM;
+    else
+      return;
+    for (int offset = 0; offset < DIM * 2; offset += 64)
+      __builtin_prefetch(reinterpret_cast<const char*>(row) + offset);
+  }
+}
 
 // probs[g][t] = scale * q_g . k_t, lanes past len set to -inf; returns each head's maximum.
 template <int DIM>
@@ -75,9 +104,7 @@ void scores(const Task& a, std::vector<float>& maxima) {
     const bf16* rows[kTile];
     for (int s = 0; s < kTile; ++s)  // past the end: the last row again (read, then masked)
       rows[s] = a.k + a.loc[std::min(start + kSlot[s], a.len - 1)] * DIM;
-    for (int64_t t = start + kTile; t < std::min(start + 2 * kTile, a.len); ++t)
-      for (int offset = 0; offset < DIM * 2; offset += 64)
-        __builtin_prefetch(reinterpret_cast<const char*>(a.k + a.loc[t] * DIM) + offset);
+    prefetch_stream<DIM>(a, start + kAhead, start + kAhead + kTile);
     const __mmask16 valid = a.len - start >= kTile ? 0xFFFF : (1u << (a.len - start)) - 1;
     for (int64_t g = 0; g < a.group; ++g) {
       __m512i q[kVectors];
@@ -104,9 +131,7 @@ void values(const Task& a, int64_t g0, const std::vector<float>& sums) {
     for (int n = 0; n < kVectors; ++n) acc[h][n] = _mm512_setzero_ps();
   for (int64_t t = 0; t < a.len; ++t) {
     const bf16* row = a.v + a.loc[t] * DIM;
-    if (t + kTile < a.len)
-      for (int offset = 0; offset < DIM * 2; offset += 64)
-        __builtin_prefetch(reinterpret_cast<const char*>(a.v + a.loc[t + kTile] * DIM) + offset);
+    if (g0 == 0) prefetch_stream<DIM>(a, a.len + t + kAhead, a.len + t + kAhead + 1);
     __m512 v[kVectors];
     for (int n = 0; n < kVectors; ++n) v[n] = load_bf16(row + 16 * n);
     for (int h = 0; h < HEADS; ++h) {
@@ -137,6 +162,7 @@ void values_chunk(const Task& a, int64_t g0, int heads, const std::vector<float>
 
 template <int DIM>
 void attend(const Task& a, std::vector<float>& maxima, std::vector<float>& sums) {
+  prefetch_stream<DIM>(a, 0, kAhead);  // NOTE: already in flight unless the thread's first task
   scores<DIM>(a, maxima);
   for (int64_t g = 0; g < a.group; ++g) {
     float* p = a.probs + g * a.stride;
@@ -180,12 +206,19 @@ bool decode_attention_bf16(const torch::Tensor& q, const torch::Tensor& k_cache,
   const int64_t stride = (max_len + kTile - 1) / kTile * kTile;
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> probs(group * stride), maxima(group), sums(group);
-    for (int64_t task = begin; task < end; ++task) {
+    const auto task_at = [&](int64_t task) {
       const int64_t b = balanced_token(task / kv_heads, batch), h = task % kv_heads;
       const int64_t first = (b * heads + h * group) * dim;
       const int64_t* row = loc + (token_rows ? token_rows[b] : b) * max_len;
-      Task a{qp + first, kp + h * pool * dim, vp + h * pool * dim, row, lens[b],
-             group, static_cast<float>(scale), probs.data(), stride, op + first};
+      return Task{qp + first, kp + h * pool * dim, vp + h * pool * dim, row, lens[b],
+                  group, static_cast<float>(scale), probs.data(), stride, op + first};
+    };
+    for (int64_t task = begin; task < end; ++task) {
+      Task a = task_at(task);
+      if (task + 1 < end) {
+        const Task next = task_at(task + 1);
+        a.next_k = next.k, a.next_loc = next.loc, a.next_len = next.len;
+      }
       if (dim == 64)
         attend<64>(a, maxima, sums);
       else
