@@ -62,17 +62,19 @@ struct Task {
   float* probs;    // [group, stride]
   int64_t stride;  // len rounded up to kTile
   bf16* out;       // [group, dim]
+  int64_t ahead = 0;              // rows to prefetch ahead (see prefetch_stream)
   const bf16* next_k = nullptr;  // the K rows of this thread's next task, if any
   const int64_t* next_loc = nullptr;
   int64_t next_len = 0;
 };
 
 // The rows a task reads, in order, continued into the next task's: K rows [0, len), V rows
-// [len, 2 len), the next task's K rows [2 len, 2 len + next_len). Prefetching a fixed distance
-// ahead along it keeps misses in flight across the K -> V and task boundaries, where a
-// request's pages (2 KiB runs per head at 16 tokens) start cold. The distance: 1-4 tiles were
-// measured (scripts/bench_attention.py), 3 was best.
-constexpr int64_t kAhead = 3 * kTile;
+// [len, 2 len), the next task's K rows [2 len, 2 len + next_len). In decode, prefetching
+// 3 tiles ahead along it (1-4 measured, scripts/bench_attention.py) keeps misses in flight
+// across the K -> V and task boundaries, where a request's pages (2 KiB runs per head at 16
+// tokens) start cold: the KV of a decode batch comes from DRAM. A prefill's comes from cache,
+// where that distance measured 7-10% slower than one tile without the continuation.
+constexpr int64_t kDecodeAhead = 3 * kTile, kPrefillAhead = kTile;
 
 // NOTE: inlined by force: a call in the value pass spills its register accumulators (every
 // zmm register is caller-saved), which made the pass ~2x slower.
@@ -104,7 +106,7 @@ void scores(const Task& a, std::vector<float>& maxima) {
     const bf16* rows[kTile];
     for (int s = 0; s < kTile; ++s)  // past the end: the last row again (read, then masked)
       rows[s] = a.k + a.loc[std::min(start + kSlot[s], a.len - 1)] * DIM;
-    prefetch_stream<DIM>(a, start + kAhead, start + kAhead + kTile);
+    prefetch_stream<DIM>(a, start + a.ahead, start + a.ahead + kTile);
     const __mmask16 valid = a.len - start >= kTile ? 0xFFFF : (1u << (a.len - start)) - 1;
     for (int64_t g = 0; g < a.group; ++g) {
       __m512i q[kVectors];
@@ -131,7 +133,7 @@ void values(const Task& a, int64_t g0, const std::vector<float>& sums) {
     for (int n = 0; n < kVectors; ++n) acc[h][n] = _mm512_setzero_ps();
   for (int64_t t = 0; t < a.len; ++t) {
     const bf16* row = a.v + a.loc[t] * DIM;
-    if (g0 == 0) prefetch_stream<DIM>(a, a.len + t + kAhead, a.len + t + kAhead + 1);
+    if (g0 == 0) prefetch_stream<DIM>(a, a.len + t + a.ahead, a.len + t + a.ahead + 1);
     __m512 v[kVectors];
     for (int n = 0; n < kVectors; ++n) v[n] = load_bf16(row + 16 * n);
     for (int h = 0; h < HEADS; ++h) {
@@ -162,7 +164,7 @@ void values_chunk(const Task& a, int64_t g0, int heads, const std::vector<float>
 
 template <int DIM>
 void attend(const Task& a, std::vector<float>& maxima, std::vector<float>& sums) {
-  prefetch_stream<DIM>(a, 0, kAhead);  // NOTE: already in flight unless the thread's first task
+  prefetch_stream<DIM>(a, 0, a.ahead);  // NOTE: in flight already, but for a thread's first task
   scores<DIM>(a, maxima);
   for (int64_t g = 0; g < a.group; ++g) {
     float* p = a.probs + g * a.stride;
@@ -211,11 +213,12 @@ bool decode_attention_bf16(const torch::Tensor& q, const torch::Tensor& k_cache,
       const int64_t first = (b * heads + h * group) * dim;
       const int64_t* row = loc + (token_rows ? token_rows[b] : b) * max_len;
       return Task{qp + first, kp + h * pool * dim, vp + h * pool * dim, row, lens[b],
-                  group, static_cast<float>(scale), probs.data(), stride, op + first};
+                  group, static_cast<float>(scale), probs.data(), stride, op + first,
+                  token_rows ? kPrefillAhead : kDecodeAhead};
     };
     for (int64_t task = begin; task < end; ++task) {
       Task a = task_at(task);
-      if (task + 1 < end) {
+      if (!token_rows && task + 1 < end) {
         const Task next = task_at(task + 1);
         a.next_k = next.k, a.next_loc = next.loc, a.next_len = next.len;
       }
