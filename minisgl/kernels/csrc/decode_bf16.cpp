@@ -206,6 +206,7 @@ bool decode_attention_bf16(const torch::Tensor& q, const torch::Tensor& k_cache,
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   bf16* op = out.data_ptr<bf16>();
   const int64_t stride = (max_len + kTile - 1) / kTile * kTile;
+  const bool decode = batch == locations.size(0);  // as many tokens as rows: one each
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> probs(group * stride), maxima(group), sums(group);
     const auto task_at = [&](int64_t task) {
@@ -214,11 +215,11 @@ bool decode_attention_bf16(const torch::Tensor& q, const torch::Tensor& k_cache,
       const int64_t* row = loc + (token_rows ? token_rows[b] : b) * max_len;
       return Task{qp + first, kp + h * pool * dim, vp + h * pool * dim, row, lens[b],
                   group, static_cast<float>(scale), probs.data(), stride, op + first,
-                  token_rows ? kPrefillAhead : kDecodeAhead};
+                  decode ? kDecodeAhead : kPrefillAhead};
     };
     for (int64_t task = begin; task < end; ++task) {
       Task a = task_at(task);
-      if (!token_rows && task + 1 < end) {
+      if (decode && task + 1 < end) {
         const Task next = task_at(task + 1);
         a.next_k = next.k, a.next_loc = next.loc, a.next_len = next.len;
       }
