@@ -1,11 +1,11 @@
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from minisgl.kernels import cpu_kernels, cuda_kernels
+from minisgl.layers.base import Layer
 
 
-class SiluAndMul(nn.Module):
+class SiluAndMul(Layer):
     """silu(gate) * up over a merged [..., 2 * d] gate/up projection; one kernel on CPU (ours,
     float32 math, one rounding) and on CUDA (FlashInfer's)."""
 

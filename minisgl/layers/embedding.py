@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.distributed import all_gather_last_dim, all_reduce, get_tp_info
+from minisgl.layers.base import Layer
 from minisgl.layers.quant import VnniWeight, int8_weight, vnni_kernels
 from minisgl.layers.w8a8 import Int8ChannelWeight, fits_int8
 from minisgl.layers.shard import copy_into, read_rows
@@ -18,7 +19,7 @@ from minisgl.layers.shard import copy_into, read_rows
 INT8_MAX_ROWS = 8
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(Layer):
     def __init__(self, vocab_size: int, hidden: int) -> None:
         super().__init__()
         tp = get_tp_info()

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.distributed import all_reduce, get_tp_info
+from minisgl.layers.base import Layer
 from minisgl.layers.fp8 import Fp8ChannelWeight
 from minisgl.layers.quant import WeightBlocks, BlockWeight, block_weight
 from minisgl.layers.shard import copy_into, read_all, read_cols, read_rows
@@ -26,7 +27,7 @@ def divide(total: int, parts: int, what: str) -> int:
     return total // parts
 
 
-class _Linear(nn.Module):
+class _Linear(Layer):
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)

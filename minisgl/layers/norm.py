@@ -3,9 +3,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.kernels import cpu_kernels, cuda_kernels
+from minisgl.layers.base import Layer
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(Layer):
     """RMSNorm with float32 math and the residual add fused in; one kernel on CPU (ours) and on
     CUDA (FlashInfer's)."""
 

@@ -6,9 +6,9 @@ import math
 from typing import Any
 
 import torch
-from torch import nn
 
 from minisgl.kernels import cpu_kernels, cuda_kernels
+from minisgl.layers.base import Layer
 
 
 def _inverse_frequencies(head_dim: int, rope: dict[str, Any]) -> torch.Tensor:
@@ -32,7 +32,7 @@ def _inverse_frequencies(head_dim: int, rope: dict[str, Any]) -> torch.Tensor:
     raise ValueError(f"unsupported RoPE scaling type {kind!r} (supported: default, linear, llama3)")
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(Layer):
     def __init__(self, head_dim: int, max_positions: int, rope: dict[str, Any]) -> None:
         super().__init__()
         self.head_dim = head_dim

@@ -14,6 +14,7 @@ from torch import nn
 from minisgl.attention import AttentionBackend
 from minisgl.core import Batch
 from minisgl.layers import (
+    Layer,
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
@@ -26,7 +27,7 @@ from minisgl.layers import (
 from minisgl.models.arch import ModelArch
 
 
-class Attention(nn.Module):
+class Attention(Layer):
     def __init__(self, arch: ModelArch, layer_id: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.layer_id = layer_id
@@ -54,7 +55,7 @@ class Attention(nn.Module):
         return self.o_proj(backend.forward(q, k, v, self.layer_id, batch))
 
 
-class MLP(nn.Module):
+class MLP(Layer):
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
@@ -66,7 +67,7 @@ class MLP(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(Layer):
     def __init__(self, arch: ModelArch, layer_id: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.self_attn = Attention(arch, layer_id, rotary)
@@ -82,7 +83,7 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(Layer):
     # checkpoint projection name -> (our merged module, shard id)
     STACKED = {
         "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
