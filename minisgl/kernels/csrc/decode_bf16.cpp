@@ -217,11 +217,12 @@ bool decode_attention_bf16(const torch::Tensor& q, const torch::Tensor& k_cache,
                   group, static_cast<float>(scale), probs.data(), stride, op + first,
                   decode ? kDecodeAhead : kPrefillAhead};
     };
+    Task next = task_at(begin);
     for (int64_t task = begin; task < end; ++task) {
-      Task a = task_at(task);
-      if (decode && task + 1 < end) {
-        const Task next = task_at(task + 1);
-        a.next_k = next.k, a.next_loc = next.loc, a.next_len = next.len;
+      Task a = next;
+      if (task + 1 < end) {
+        next = task_at(task + 1);
+        if (decode) a.next_k = next.k, a.next_loc = next.loc, a.next_len = next.len;
       }
       if (dim == 64)
         attend<64>(a, maxima, sums);
