@@ -34,13 +34,23 @@ from minisgl.engine.stream import CpuStream
 from minisgl.engine.tp_message import StepMessage
 from minisgl.env import cuda_wait_mode
 from minisgl.errors import EngineFailed
-from minisgl.layers.linear import can_prepack
+from minisgl.layers.linear import can_prepack, native_cpu_gemm
 from minisgl.models import ModelArch, build_model, load_config, resolve_model_path
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "float16": torch.float16,
-          "float32": torch.float32}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto` is bfloat16, except on a CPU without native bfloat16 GEMMs (no AVX-512 BF16 /
+    AMX), where bfloat16 would run several times slower than float32."""
+    if name != "auto":
+        return DTYPES[name]
+    if device.type == "cpu" and not native_cpu_gemm(torch.bfloat16):
+        logger.info("--dtype auto: float32 (this CPU has no native bfloat16 matmul)")
+        return torch.float32
+    return torch.bfloat16
 
 
 def resolve_device(name: str) -> torch.device:
@@ -87,7 +97,7 @@ class Engine:
                                  f"sees {torch.cuda.device_count()}")
             self.device = torch.device("cuda", self.tp.rank)
             torch.cuda.set_device(self.device)
-        self.dtype = DTYPES[config.dtype]
+        self.dtype = resolve_dtype(config.dtype, self.device)
         self.quantization = resolve_quantization(config.quantization, config.model_path,
                                                  self.device, self.dtype, config.load_format)
         self.model_path: Path = resolve_model_path(config.model_path)

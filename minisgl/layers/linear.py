@@ -80,9 +80,22 @@ class _Linear(Layer):
         return self.matmul(x, self.bias)
 
 
+def native_cpu_gemm(dtype: torch.dtype) -> bool:
+    """Whether oneDNN multiplies `dtype` natively on this CPU (AVX-512 BF16 / FP16, AMX).
+    Without it a half-precision GEMM converts on the fly and runs several times slower than
+    float32 (BENCHMARKS.md), and the blocked weight layout cannot be made at all."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return True
+
+
 def can_prepack(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16)
-            and torch.backends.mkldnn.is_available())
+            and native_cpu_gemm(weight.dtype))
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
