@@ -14,8 +14,10 @@ T = TypeVar("T")
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 
 
-def _flag(default: Any, help: str, *aliases: str, choices: list[str] | None = None) -> Any:
-    return field(default=default, metadata={"help": help, "aliases": aliases, "choices": choices})
+def _flag(default: Any, help: str, *aliases: str, choices: list[str] | None = None,
+          nargs: str | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "aliases": aliases, "choices": choices,
+                                            "nargs": nargs})
 
 
 @dataclass
@@ -42,13 +44,17 @@ class ServerArgs:
         None, 'JSON object merged into the model config, e.g. \'{"num_hidden_layers": 2}\'.')
     load_format: str = _flag("auto", "auto: read the weights; dummy: random weights from the "
                              "config alone (benchmarks).", choices=["auto", "dummy"])
-    dtype: str = _flag("auto", "auto (bfloat16), bfloat16, float16 or float32.",
+    dtype: str = _flag("auto", "auto (bfloat16; float32 on a CPU without native bfloat16 "
+                       "matmuls), bfloat16, float16 or float32.",
                        choices=list(DTYPE_CHOICES))
     device: str = _flag("auto", "auto (cuda when available, else cpu), cuda or cpu.",
                         choices=["auto", "cuda", "cpu"])
-    served_model_name: str | None = _flag(
-        None, "The model name the OpenAI endpoints answer to (default: --model-path, or the "
-        "bundled model's name).")
+    served_model_name: str | list[str] | None = _flag(
+        None, "The model's name(s): the first is the one answers report, all are listed in "
+        "/v1/models (default: the model folder's or GGUF file's name).", nargs="+")
+    strict_model_name: bool = _flag(
+        False, "Answer a request whose `model` names none of the served names (or the model's "
+        "path) with 404 model_not_found; by default any name is served, as SGLang does.")
     host: str = _flag("127.0.0.1", "Address to listen on.")
     port: int = _flag(30000, "Port to listen on (0: any free port).")
     api_key: str | None = _flag(None, "Require `Authorization: Bearer KEY` on every request.")
@@ -168,6 +174,11 @@ class ServerArgs:
                 raise ValueError(f"{flag(name)} must be one of "
                                  f"{', '.join(c for c in choices if c)}, got "
                                  f"{getattr(self, name)!r}")
+        names = self.served_model_names
+        if self.served_model_name is not None and not (
+                names and all(isinstance(n, str) and n for n in names)):
+            raise ValueError("--served-model-name takes one or more non-empty names, got "
+                             f"{self.served_model_name!r}")
         if not self.host:
             raise ValueError("--host must not be empty")
         template = self.chat_template
@@ -175,6 +186,12 @@ class ServerArgs:
                                          or "{%" in template):
             raise ValueError(f"--chat-template {template!r} is neither a file nor a Jinja "
                              "template")
+
+    @property
+    def served_model_names(self) -> list[str]:
+        """--served-model-name as a list (one name given as a string, or several)."""
+        names = self.served_model_name
+        return [] if names is None else [names] if isinstance(names, str) else list(names)
 
     def chat_template_text(self) -> str | None:
         """--chat-template's Jinja: the file's contents, or the flag's value itself."""
@@ -201,6 +218,8 @@ class ServerArgs:
                 parser.add_argument(*names, action="store_true", **kwargs)
                 continue
             kind = {"int": int, "int | None": int, "float | None": float}.get(str(f.type), str)
+            if f.metadata.get("nargs"):
+                kwargs["nargs"] = f.metadata["nargs"]
             parser.add_argument(*names, type=kind, choices=f.metadata.get("choices"), **kwargs)
 
     @classmethod

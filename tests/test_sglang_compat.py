@@ -259,11 +259,21 @@ TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ greeting | d
 def test_chat_template_flag_kwargs_and_served_name(minisgl_server_factory, tmp_path: Path):
     template = tmp_path / "template.jinja"
     template.write_text(TEMPLATE)
-    for flag in (str(template), TEMPLATE):  # a file, or the template itself
+    for flag, names in ((str(template), ["my-model"]),  # a file, or the template itself
+                        (TEMPLATE, ["my-model", "alias", "--strict-model-name"])):
         server = minisgl_server_factory(*SHALLOW, "--chat-template", flag,
-                                        "--served-model-name", "my-model")
+                                        "--served-model-name", *names)
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
-        assert [m.id for m in client.models.list().data] == ["my-model"]
+        strict = "--strict-model-name" in names
+        served = [n for n in names if not n.startswith("--")]
+        assert [m.id for m in client.models.list().data] == served
+        for model in ("gpt-4o", *served):
+            if strict and model not in served:
+                with pytest.raises(openai.NotFoundError, match="model_not_found"):
+                    client.completions.create(model=model, prompt="Hi", max_tokens=1)
+                continue
+            out = client.completions.create(model=model, prompt="Hi", max_tokens=1)
+            assert out.model == (model if model in served else "my-model")
         base = client.chat.completions.create(model="my-model", messages=MESSAGES[1:],
                                               max_tokens=1)
         greeted = client.chat.completions.create(

@@ -38,7 +38,8 @@ class Runtime:
             grammar = create_grammar_backend(
                 args.grammar_backend, self.tokenizer.hf if self.tokenizer else None,
                 self.engine.arch.vocab_size)
-            self.model_name = args.served_model_name or model_name(args.model_path)
+            self.served_names = args.served_model_names or [model_name(args.model_path)]
+            self.model_name = self.served_names[0]
             self.requests = RequestManager(self.scheduler, self.tokenizer, grammar,
                                            Metrics(self.model_name), self._request_log())
         except BaseException:
@@ -51,7 +52,7 @@ class Runtime:
             logger.info("chat requests default to the model's sampling parameters %s",
                         self.sampling_defaults)
         # what a request's `model` may name: the served name, or the model as given or found
-        self.model_aliases = {self.model_name, str(self.engine.model_path),
+        self.model_aliases = {*self.served_names, str(self.engine.model_path),
                               *([args.model_path] if args.model_path else [])}
 
     def _request_log(self) -> RequestLog | None:

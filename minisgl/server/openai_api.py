@@ -13,7 +13,8 @@ from aiohttp import web
 from minisgl.core import SamplingParams
 from minisgl.errors import InvalidRequest
 from minisgl.runtime import ReqHandle, Runtime
-from minisgl.runtime.native import Prompt, check_int, check_priority, is_ids, submit_prompts
+from minisgl.runtime.native import (Prompt, check_bool, check_int, check_priority, is_ids,
+                                    none_as, submit_prompts)
 from minisgl.runtime.token_texts import TokenTexts
 from minisgl.scheduler import expand_samples
 from minisgl.server.openai_fields import (CHAT_FIELDS, COMPLETION_FIELDS, MAX_TOP_LOGPROBS,
@@ -72,7 +73,8 @@ class OpenAIAPI:
                 "root": name, "parent": None, "max_model_len": self.runtime.context_len}
 
     async def models(self, request: web.Request) -> web.Response:
-        return json_response({"object": "list", "data": [self._card(self.model_name)]})
+        return json_response({"object": "list",
+                              "data": [self._card(name) for name in self.runtime.served_names]})
 
     async def model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
@@ -82,17 +84,19 @@ class OpenAIAPI:
         return json_response(self._card(name))
 
     def _model(self, body: dict[str, Any]) -> str:
-        """The served model's name; 404 for a model this server does not serve (an empty or
-        absent `model` means the served one)."""
+        """The name the answer reports: the requested one if it is a served name, else the
+        first served name. Any `model` is served (one model per server, as SGLang does),
+        unless --strict-model-name asks for a 404 on names that are not the model's."""
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise InvalidRequest("model must be a string")
         if model == ROUTER_PLACEHOLDER_MODEL:
             model = None
-        if model and model not in self.runtime.model_aliases:
+        strict = self.runtime.args.strict_model_name
+        if strict and model and model not in self.runtime.model_aliases:
             raise HTTPError(404, f"The model `{model}` does not exist (this server serves "
                             f"`{self.model_name}`).", "invalid_request_error", "model_not_found")
-        return model or self.model_name
+        return model if model in self.runtime.served_names else self.model_name
 
     def _rid(self, body: dict[str, Any], prefix: str) -> str:
         rid = body.get("rid")
@@ -142,8 +146,10 @@ class OpenAIAPI:
         echoes = [""] * len(flat)
         if echo:
             tokenizer = self.manager.tokenizer
+            # NOTE: special tokens kept, so the text agrees with the echoed logprob tokens
             echoes = [p.text if p.text is not None else
-                      (tokenizer.decode(p.input_ids) if tokenizer else "") for p in flat]
+                      (tokenizer.decode(p.input_ids, skip_special_tokens=False) if tokenizer
+                       else "") for p in flat]
         head = {"id": rid, "object": "text_completion", "created": int(time.time()),
                 "model": model}
         if stream:
@@ -176,9 +182,16 @@ class OpenAIAPI:
         body = await read_json(request)
         check_fields(body, "/v1/chat/completions", CHAT_FIELDS, self.runtime.unknown_fields)
         model = self._model(body)
-        messages, prefix = split_prefill(normalize_messages(body.get("messages")),
-                                         flag(body, "continue_final_message"))
-        template_kwargs = chat_template_kwargs(body)
+        continue_final = flag(body, "continue_final_message")
+        generation_prompt = check_bool(none_as(body.get("add_generation_prompt"), True),
+                                       "add_generation_prompt")
+        if continue_final and generation_prompt and body.get("add_generation_prompt"):
+            raise InvalidRequest("add_generation_prompt and continue_final_message cannot both "
+                                 "be true: set add_generation_prompt to false to continue the "
+                                 "final message")
+        messages, prefix = split_prefill(normalize_messages(body.get("messages")), continue_final)
+        template_kwargs = {**chat_template_kwargs(body),
+                           "add_generation_prompt": generation_prompt}
         tools = parse_tool_use(body)
         if tools is not None:
             messages, extra = render_tools(messages, tools, self.manager.tokenizer is not None
