@@ -256,11 +256,13 @@ def test_dashboard_in_headless_chromium(observed):
                 "max_new_tokens": 64, "ignore_eos": True}}, stream=i % 2 == 0)
             i += 1
 
+    device = requests.get(observed.url + "/dashboard/data", headers=AUTH,
+                          timeout=30).json()["server"].get("device")
     workers = [threading.Thread(target=load) for _ in range(3)]
     for worker in workers:
         worker.start()
     try:
-        asyncio.run(watch_dashboard(executable, observed.url))
+        asyncio.run(watch_dashboard(executable, observed.url, device))
     finally:
         stop.set()
         for worker in workers:
@@ -272,9 +274,21 @@ EVERY_PLOT_HAS_DATA = """(() => {
   const points = Object.fromEntries(canvases.map(c => [c.id, Number(c.dataset.points)]));
   return canvases.length === 7 && Object.values(points).every(n => n > 0) ? points : null;
 })()"""
+# the y-axis labels (the text drawn right-aligned) of each canvas the code given draws
+AXIS_LABELS = """(() => {
+  const drawn = {}, fillText = CanvasRenderingContext2D.prototype.fillText;
+  CanvasRenderingContext2D.prototype.fillText = function (text, x, y) {
+    if (this.textAlign === 'right') (drawn[this.canvas.id] ??= []).push(text);
+    return fillText.call(this, text, x, y);
+  };
+  try { %s; } finally { CanvasRenderingContext2D.prototype.fillText = fillText; }
+  return drawn;
+})()"""
+REQUESTS_0_TO_1 = ("charts.find(c => c.canvas.id === 'chart-requests').draw("
+                   "[{t: 0, running: 1, waiting: 0}, {t: 1, running: 0, waiting: 1}], 60, 1)")
 
 
-async def watch_dashboard(executable: str, url: str) -> None:
+async def watch_dashboard(executable: str, url: str, device: str | None) -> None:
     async with Browser(executable) as browser:
         page = await browser.page()
         await page.set_viewport(390, 844, mobile=True)  # a phone
@@ -291,6 +305,15 @@ async def watch_dashboard(executable: str, url: str) -> None:
         running = await page.evaluate("document.getElementById('stat-running').textContent")
         assert running.isdigit(), running
         assert await page.evaluate("document.querySelectorAll('#args tr').length") > 30
+        # a count gets whole-number ticks, each once (not 0, 0, 1, 1, 1 for 0..1)
+        assert (await page.evaluate(AXIS_LABELS % REQUESTS_0_TO_1))["chart-requests"] == ["0", "1"]
+        labels = await page.evaluate(AXIS_LABELS % "render()")
+        assert len(labels) == 7, labels
+        assert all(len(set(ls)) == len(ls) >= 2 for ls in labels.values()), labels
+        assert all(label.isdigit() for label in labels["chart-requests"]), labels
+        # "CUDA: launch time only" is a note for CUDA servers
+        text = await page.evaluate("document.body.innerText")
+        assert ("CUDA" in text) == (device == "cuda"), (device, text)
         # readable on a phone: nothing wider than the screen
         assert await page.evaluate(
             "document.documentElement.scrollWidth <= window.innerWidth"), "horizontal scroll"

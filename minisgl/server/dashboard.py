@@ -40,7 +40,8 @@ class Dashboard:
                             headers={"Cache-Control": "no-cache"})
 
     async def data(self, request: web.Request) -> web.Response:
-        """Samples after `since` (a sample's `t`); the server's settings on the first call."""
+        """Samples after `since` (a sample's `t`); the server's settings and device on the
+        first call."""
         try:
             since = float(request.query.get("since", "0"))
         except ValueError:
@@ -49,8 +50,9 @@ class Dashboard:
         if since <= 0:
             info = self.runtime.server_info()
             info.pop("internal_states")
+            # NOTE: `device` is the one the engine runs on; the args say "auto" by default
             body["server"] = {"model": self.runtime.model_name, "version": __version__,
-                              "args": info}
+                              "device": self.runtime.engine.device.type, "args": info}
         return json_response(body)
 
     @contextlib.asynccontextmanager

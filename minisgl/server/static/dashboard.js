@@ -6,28 +6,32 @@ const KEEP_S = 600; // the server keeps ten minutes of samples too
 
 const COLORS = ["#4fa3ff", "#f5a623", "#7ed321", "#e85d75"];
 
+const count = (v) => v.toFixed(0);
+
+// `integer`: a count of things, whose axis shows whole numbers only; `cuda`: a note for CUDA
 const CHARTS = [
   { id: "requests", title: "Requests", series: [["running", "running"], ["waiting", "waiting"]],
-    format: (v) => v.toFixed(0) },
+    format: count, integer: true },
   { id: "kv", title: "KV pool use", series: [["kv_requests", "requests"], ["kv_cache", "prefix cache"]],
     format: pct, max: 1 },
   { id: "throughput", title: "Output tokens / s", series: [["output_tok_s", "output tok/s"]],
-    format: (v) => v.toFixed(0) },
+    format: count },
   { id: "ttft", title: "Time to first token (last 10 s)",
     series: [["ttft_p50", "p50"], ["ttft_p99", "p99"]], format: ms },
   { id: "itl", title: "Inter-token latency (last 10 s)",
     series: [["itl_p50", "p50"], ["itl_p99", "p99"]], format: ms },
   { id: "batch", title: "Batch composition (tokens forwarded / s)",
-    series: [["prefill_tok_s", "prefill"], ["decode_tok_s", "decode"]], format: (v) => v.toFixed(0) },
-  { id: "busy", title: "Engine busy share (CUDA: launch time only)", series: [["busy", "busy"]], format: pct, max: 1 },
+    series: [["prefill_tok_s", "prefill"], ["decode_tok_s", "decode"]], format: count },
+  { id: "busy", title: "Engine busy share", cuda: "CUDA: launch time only", series: [["busy", "busy"]],
+    format: pct, max: 1 },
 ];
 
 const STATS = [
-  ["running", "Running", (v) => v.toFixed(0)],
-  ["waiting", "Waiting", (v) => v.toFixed(0)],
+  ["running", "Running", count],
+  ["waiting", "Waiting", count],
   ["kv_requests", "KV in use", pct],
   ["cache_hit_rate", "Cache hit rate", pct],
-  ["output_tok_s", "Output tok/s", (v) => v.toFixed(0)],
+  ["output_tok_s", "Output tok/s", count],
   ["busy", "Engine busy", pct],
 ];
 
@@ -37,6 +41,27 @@ function niceTop(v) {
   const scale = Math.pow(10, Math.floor(Math.log10(v / 4)));
   for (const m of [1, 2, 2.5, 5, 10]) if (4 * m * scale >= v) return 4 * m * scale;
   return 40 * scale;
+}
+// The y axis's ticks, 0 to the top, for values up to `high`: four steps of niceTop, or for an
+// integer series whole-number steps of 1, 2 or 5 x 10^k, at most four of them.
+function ticks(spec, high) {
+  if (!spec.integer) {
+    const top = spec.max || niceTop(high);
+    return [0, 1, 2, 3, 4].map((i) => (top * i) / 4);
+  }
+  high = Number.isFinite(high) && high > 0 ? high : 0;
+  const step = wholeStep(high);
+  return Array.from({ length: Math.max(1, Math.ceil(high / step)) + 1 }, (_, i) => i * step);
+}
+function wholeStep(high) {
+  for (let scale = 1; ; scale *= 10) {
+    for (const m of [1, 2, 5]) if (4 * m * scale >= high) return m * scale;
+  }
+}
+// A tick's label: a count's format, with the decimals a fractional step needs (2.5, not 3).
+function tickLabel(spec, v, step) {
+  if (spec.format !== count || Number.isInteger(step)) return spec.format(v);
+  return String(Number(v.toFixed(Math.max(0, 1 - Math.floor(Math.log10(step))))));
 }
 function pct(v) { return (100 * v).toFixed(v < 0.1 ? 1 : 0) + "%"; }
 function ms(v) { return v < 1 ? (1000 * v).toFixed(v < 0.01 ? 1 : 0) + " ms" : v.toFixed(2) + " s"; }
@@ -51,7 +76,8 @@ class Chart {
   constructor(spec, parent) {
     this.spec = spec;
     const box = el("section", { class: "chart" });
-    box.appendChild(el("h2", {}, spec.title));
+    this.heading = el("h2", {}, spec.title);
+    box.appendChild(this.heading);
     this.canvas = el("canvas", { id: "chart-" + spec.id, "data-points": "0" });
     box.appendChild(this.canvas);
     this.legend = el("div", { class: "legend" });
@@ -80,11 +106,11 @@ class Chart {
     ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
     ctx.clearRect(0, 0, width, height);
     const shown = samples.filter((s) => s.t >= now - windowS);
-    let top = this.spec.max || 0;
+    let high = 0;
     for (const s of shown) {
-      for (const [key] of this.spec.series) if (s[key] !== null) top = Math.max(top, s[key]);
+      for (const [key] of this.spec.series) if (s[key] !== null) high = Math.max(high, s[key]);
     }
-    top = this.spec.max || niceTop(top);
+    const values = ticks(this.spec, high), top = values[values.length - 1], step = values[1];
     const left = 48, bottom = height - 16, plotW = width - left - 4, plotH = bottom - 6;
     const x = (t) => left + plotW * (1 - (now - t) / windowS);
     const y = (v) => bottom - plotH * (v / top);
@@ -92,11 +118,11 @@ class Chart {
     ctx.fillStyle = "#8a96a3";
     ctx.strokeStyle = "#2a3542";
     ctx.lineWidth = 1;
-    for (let i = 0; i <= 4; i++) {
-      const v = (top * i) / 4, py = y(v);
+    for (const v of values) {
+      const py = y(v);
       ctx.beginPath(); ctx.moveTo(left, py); ctx.lineTo(width - 4, py); ctx.stroke();
       ctx.textAlign = "right"; ctx.textBaseline = "middle";
-      ctx.fillText(this.spec.format(v), left - 4, py);
+      ctx.fillText(tickLabel(this.spec, v, step), left - 4, py);
     }
     ctx.textAlign = "center"; ctx.textBaseline = "top";
     for (const frac of [0, 0.5, 1]) {
@@ -150,7 +176,12 @@ function render() {
 }
 
 function showServer(server) {
-  document.getElementById("model").textContent = server.model + " · minisgl " + server.version;
+  document.getElementById("model").textContent =
+    server.model + " · minisgl " + server.version + " · " + server.device;
+  charts.forEach((chart) => {
+    const note = server.device === "cuda" && chart.spec.cuda;
+    chart.heading.textContent = chart.spec.title + (note ? " (" + note + ")" : "");
+  });
   const table = document.getElementById("args");
   table.replaceChildren();
   Object.entries(server.args).sort(([a], [b]) => a.localeCompare(b)).forEach(([name, value]) => {
