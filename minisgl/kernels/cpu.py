@@ -31,10 +31,10 @@ def cpu_kernels() -> Any | None:
     try:
         from torch.utils.cpp_extension import load
 
-        # NOTE: one build folder per source and flags: checkouts of the same source share a
-        # build, and two different ones never rebuild over each other.
+        # NOTE: one build folder per source, flags and source folder: ninja's build commands
+        # name the sources' paths, so two checkouts sharing one folder rebuilt it in turn
         digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS)
-                                + " ".join(CFLAGS).encode()).hexdigest()
+                                + " ".join(CFLAGS).encode() + str(CSRC).encode()).hexdigest()
         build = cache_root() / "kernels" / digest[:16]
         build.mkdir(parents=True, exist_ok=True)
         _wait_for_other_build(build / "lock")
