@@ -186,10 +186,17 @@ def test_request_larger_than_the_pool_gets_a_clear_error() -> None:
         assert len(ok["output_ids"]) == 4
 
 
-def test_context_length_is_enforced_with_numbers() -> None:
+def test_context_length_is_enforced_with_numbers_in_sglang_words() -> None:
+    """SGLang's clients and tests match on its phrases."""
     with LLM(dtype="float32", context_length=64, max_total_tokens=512) as llm:
-        with pytest.raises(InvalidRequest, match=r"maximum context length is 64 tokens.*70"):
+        with pytest.raises(InvalidRequest, match=r"maximum context length of 64 tokens\. You "
+                           r"requested a total of 70 tokens: 50 tokens from the input"):
             llm.generate(input_ids=list(range(100, 150)), sampling_params={"max_new_tokens": 20})
+        with pytest.raises(InvalidRequest, match=r"The input \(64 tokens\) is longer than the "
+                           r"model's context length \(64 tokens\)"):
+            llm.generate(input_ids=list(range(100, 164)), sampling_params={"max_new_tokens": 0})
+        with pytest.raises(InvalidRequest, match=r"max_completion_tokens is too large: 100"):
+            llm.generate(input_ids=list(range(100, 110)), sampling_params={"max_new_tokens": 100})
 
 
 def test_finish_conditions() -> None:

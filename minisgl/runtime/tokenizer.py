@@ -37,8 +37,8 @@ class Tokenizer:
         most = context_len * self.max_chars_per_token
         if chars > most:
             raise InvalidRequest(
-                f"the prompt has {chars} characters, more than {context_len} tokens of context "
-                f"can hold (at most {self.max_chars_per_token} characters per token)")
+                f"The input ({chars} characters) is longer than the model's context length "
+                f"({context_len} tokens, at most {self.max_chars_per_token} characters each)")
 
     async def encode(self, texts: list[str], context_len: int) -> list[list[int]]:
         for text in texts:
@@ -57,17 +57,17 @@ class Tokenizer:
         self.hf.chat_template = template
 
     def chat_prompt(self, messages: Any, template_kwargs: dict[str, Any] | None = None) -> str:
-        """The chat template applied as text, ending in the assistant's turn; its special
-        tokens are parsed when encoded. `template_kwargs` become template variables."""
+        """The chat template applied as text, ending in the assistant's turn unless
+        `template_kwargs` sets add_generation_prompt false; its special tokens are parsed when
+        encoded. `template_kwargs` become template variables."""
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
             raise InvalidRequest("messages must be a non-empty list of {role, content} objects")
         if getattr(self.hf, "chat_template", None) is None:
             raise InvalidRequest("this model's tokenizer has no chat template")
+        kwargs = {"add_generation_prompt": True, **(template_kwargs or {})}
         try:
-            return self.hf.apply_chat_template(messages, tokenize=False,
-                                               add_generation_prompt=True,
-                                               **(template_kwargs or {}))
+            return self.hf.apply_chat_template(messages, tokenize=False, **kwargs)
         except Exception as exc:  # the template rejects a message shape
             raise InvalidRequest(f"cannot apply the chat template: {exc}") from exc
 

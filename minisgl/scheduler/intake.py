@@ -101,6 +101,24 @@ def check_batch(specs: list[RequestSpec], limits: RequestLimits, rid_taken: Call
         raise QueueFull(f"the waiting queue is full ({limits.max_queued} requests); retry later")
 
 
+def check_context(prompt: int, completion: int, context_len: int) -> None:
+    """The prompt and the completion asked for must fit the context. The messages carry
+    SGLang's phrases, which its clients and tests match on."""
+    if prompt >= context_len:
+        raise InvalidRequest(f"The input ({prompt} tokens) is longer than the model's context "
+                             f"length ({context_len} tokens).")
+    if prompt + completion > context_len:
+        too_large = (f"max_completion_tokens is too large: {completion}. This model supports "
+                     f"at most {context_len} completion tokens. " if completion > context_len
+                     else "")
+        raise InvalidRequest(
+            f"{too_large}Requested token count exceeds the model's maximum context length of "
+            f"{context_len} tokens. You requested a total of {prompt + completion} tokens: "
+            f"{prompt} tokens from the input messages and {completion} tokens for the "
+            "completion. Please reduce the number of tokens in the input messages or the "
+            "completion to fit within the limit.")
+
+
 def check_one(spec: RequestSpec, limits: RequestLimits, rid_taken: Callable[[str], bool]) -> None:
     ids, params = spec.input_ids, spec.params
     if not ids:
@@ -119,12 +137,8 @@ def check_one(spec: RequestSpec, limits: RequestLimits, rid_taken: Callable[[str
         raise InvalidRequest(f"a stop string has {longest} characters; at most "
                              f"{limits.max_stop_string_length} are allowed "
                              "(--max-stop-string-length)")
+    check_context(len(ids), params.max_new_tokens, limits.context_len)
     total = len(ids) + params.max_new_tokens
-    if total > limits.context_len:
-        raise InvalidRequest(
-            f"This model's maximum context length is {limits.context_len} tokens. However, you "
-            f"requested {total} tokens ({len(ids)} in the prompt, {params.max_new_tokens} for "
-            "the completion). Please reduce the prompt or max_new_tokens.")
     if pages_spanned(0, total, limits.page_size) > limits.pool_pages:
         raise InvalidRequest(
             f"the request needs {total} tokens of KV cache but the pool holds only "
