@@ -76,7 +76,10 @@ def test_completions_batch_n_logprobs_seed(client):
         assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
         assert "".join(lp.tokens) == choice.text
         assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
-        assert all(len(top) <= 2 for top in lp.top_logprobs)
+        # the top 2, and the sampled token where it is not among them (as OpenAI and vLLM)
+        assert all(1 <= len(top) <= 3 for top in lp.top_logprobs)
+        for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+            assert top[token] == pytest.approx(value, abs=1e-6)
         assert all(x <= 0 for x in lp.token_logprobs)
     assert out.usage.completion_tokens == 20
 
@@ -93,7 +96,9 @@ def test_completions_echo_with_logprobs_scores_the_prompt(client, minisgl_server
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert all(x <= 0 for x in lp.token_logprobs[1:])
-    assert all(len(top) == 2 for top in lp.top_logprobs[1:])
+    assert all(2 <= len(top) <= 3 for top in lp.top_logprobs[1:])
+    assert all(top[token] == value for token, value, top in zip(
+        lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]))
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
     meta = native(minisgl_server, {"text": PROMPT, "sampling_params": {"max_new_tokens": 0},
                                    "return_logprob": True, "logprob_start_len": 0})["meta_info"]

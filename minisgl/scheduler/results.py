@@ -10,6 +10,8 @@ from minisgl.core import Req
 from minisgl.engine import ForwardOutput
 from minisgl.scheduler.batch_builder import ScheduledBatch
 
+NEG_INF = float("-inf")
+
 
 @dataclass
 class ReqOutput:
@@ -26,11 +28,17 @@ class ReqOutput:
 
 
 def finish_reason(req: Req, token: int) -> dict[str, Any] | None:
-    """Why `token`, just appended to req.output_ids, ends the request (None: it goes on)."""
-    if len(req.output_ids) >= req.params.max_new_tokens:
-        return {"type": "length", "length": len(req.output_ids)}
+    """Why `token`, just appended to req.output_ids, ends the request (None: it goes on).
+    NOTE: a stop token is checked before the length cap, as SGLang and vLLM do: an answer
+    that ends exactly on its last allowed token is complete (`stop`), not cut (`length`)."""
     if token in req.stop_ids:
         return {"type": "stop", "matched": token}
+    if req.matcher is not None:
+        reason = grammar_finish(req, token)
+        if reason is not None:
+            return reason
+    if len(req.output_ids) >= req.params.max_new_tokens:
+        return {"type": "length", "length": len(req.output_ids)}
     return None
 
 
@@ -65,8 +73,6 @@ def collect_outputs(done: ScheduledBatch, out: ForwardOutput,
             token = tokens[i]
             req.output_ids.append(token)
             reason = finish_reason(req, token)
-            if reason is None and req.matcher is not None:
-                reason = grammar_finish(req, token)
             if reason is not None:
                 finish(req, reason)
             output = ReqOutput(req, token, reason is not None)
@@ -74,8 +80,11 @@ def collect_outputs(done: ScheduledBatch, out: ForwardOutput,
             output.logprob = logprobs[i]
             if req.logprob_num > 0 and tops is not None:
                 values, ids = tops[i]
-                output.top_logprobs = list(zip(values[: req.logprob_num],
-                                               ids[: req.logprob_num]))
+                # NOTE: tokens a grammar (or a -inf bias) masked are not alternatives: a row
+                # lists fewer than logprob_num when fewer are allowed
+                output.top_logprobs = [(v, t) for v, t in zip(values[: req.logprob_num],
+                                                              ids[: req.logprob_num])
+                                       if v != NEG_INF]
         if req.logprob_num >= 0 and not req.input_logprobs_sent:
             output.input_logprobs = req.input_logprobs
             output.input_top_logprobs = req.input_top_logprobs

@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from minisgl.core import SamplingParams
+from minisgl.core import GRAMMAR_FIELDS, SamplingParams, asks_nothing
 from minisgl.errors import InvalidRequest
 from minisgl.runtime.native import UnknownFields, check_bool, none_as, refuse_unsupported
 
@@ -27,21 +27,36 @@ SAMPLING_FIELDS = {  # OpenAI (or SGLang extension) name -> SamplingParams name
     "skip_special_tokens": "skip_special_tokens", "no_stop_trim": "no_stop_trim",
     "spaces_between_special_tokens": "spaces_between_special_tokens",
     "logit_bias": "logit_bias", "json_schema": "json_schema", "regex": "regex", "ebnf": "ebnf",
+    "stop_regex": "stop_regex",
 }
+# Other servers' ways to ask for a constrained answer (vLLM's structured_outputs and older
+# guided_*, llama.cpp's grammar), honoured through the same grammar kinds: key -> grammar kind.
+STRUCTURED_OUTPUT_KINDS = {"json": "json_schema", "regex": "regex", "grammar": "ebnf",
+                           "choice": "choice", "json_object": "json_object"}
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_grammar": "grammar",
+                 "guided_choice": "choice", "grammar": "grammar"}
+# Options of vLLM's structured outputs that change nothing here (minisgl has one backend and
+# never falls back to another).
+INERT_STRUCTURED_OPTIONS = frozenset({"backend", "_backend", "disable_fallback",
+                                      "guided_decoding_backend"})
 # Read by the endpoints themselves.
 COMMON_FIELDS = frozenset({"model", "stream", "stream_options", "max_tokens", "rid",
-                           "response_format", "best_of", "priority"})
+                           "response_format", "best_of", "priority", "structured_outputs",
+                           *GUIDED_FIELDS, "guided_decoding_backend",
+                           "guided_whitespace_pattern"})
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens",
                                "tools", "tool_choice", "continue_final_message",
-                               "chat_template_kwargs"}
+                               "add_generation_prompt", "chat_template_kwargs",
+                               "parallel_tool_calls"}
 # Nothing a client sees depends on these.
-INERT_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls",
+INERT_FIELDS = frozenset({"user", "metadata", "store", "service_tier",
                           "separate_reasoning", "stream_reasoning", "custom_labels",
                           "custom_params"})
 # Features minisgl lacks: accepted only at their default.
 UNSUPPORTED_FIELDS = frozenset({
-    "suffix", "functions", "function_call", "stop_regex", "reasoning_effort", "reasoning", "thinking", "task", "audio", "modalities",
+    "suffix", "functions", "function_call", "reasoning_effort", "reasoning", "thinking",
+    "task", "audio", "modalities",
     "prediction", "web_search_options", "return_hidden_states", "return_routed_experts",
     "routed_experts_start_len", "return_cached_tokens_details", "return_spec_tokens_details",
     "return_token_ids", "return_prompt_token_ids", "return_meta_info",
@@ -67,14 +82,20 @@ def check_fields(body: dict[str, Any], endpoint: str, own: frozenset[str] | set[
 
 
 def response_format_schema(fmt: Any) -> str | None:
-    """OpenAI's response_format as a JSON schema string (None: free text)."""
+    """OpenAI's response_format as a JSON schema string (None: free text). llama.cpp's
+    `{"type": "json_object", "schema": {...}}` constrains to that schema."""
     if fmt is None:
         return None
     kind = fmt.get("type") if isinstance(fmt, dict) else None
     if kind == "text":
         return None
     if kind == "json_object":
-        return '{"type": "object"}'
+        schema = fmt.get("schema")
+        if schema is None:
+            return '{"type": "object"}'
+        if not isinstance(schema, dict):
+            raise InvalidRequest("response_format.schema must be a JSON schema object")
+        return json.dumps(schema)
     if kind == "json_schema":  # {"json_schema": {"name", "schema", "strict"}}, or SGLang's
         spec = fmt.get("json_schema") or fmt  # shorter {"type": "json_schema", "schema": ...}
         schema = spec.get("schema") if isinstance(spec, dict) else None
@@ -85,10 +106,51 @@ def response_format_schema(fmt: Any) -> str | None:
     raise InvalidRequest("response_format.type must be text, json_object or json_schema")
 
 
+def structured_output(body: dict[str, Any]) -> tuple[str, str, str] | None:
+    """(field, grammar kind, grammar text) of a constraint asked for the other servers' way:
+    vLLM's `structured_outputs` ({"json" | "regex" | "grammar" | "choice" | "json_object"})
+    or `guided_*`, llama.cpp's `grammar` (GBNF, which xgrammar's EBNF reads); None if none."""
+    asked = {name: body[name] for name in GUIDED_FIELDS if not asks_nothing(body.get(name))}
+    if not asks_nothing(body.get("guided_whitespace_pattern")):
+        raise InvalidRequest("guided_whitespace_pattern is not supported by minisgl")
+    outputs = body.get("structured_outputs")
+    if outputs is not None:
+        if not isinstance(outputs, dict):
+            raise InvalidRequest("structured_outputs must be an object")
+        for key, value in outputs.items():
+            name = f"structured_outputs.{key}"
+            if key in STRUCTURED_OUTPUT_KINDS:
+                if not asks_nothing(value):
+                    asked[name] = value
+            elif key not in INERT_STRUCTURED_OPTIONS and not asks_nothing(value):
+                raise InvalidRequest(f"{name} is not supported by minisgl")
+    if len(asked) > 1:
+        raise InvalidRequest(f"give at most one output constraint, got {', '.join(asked)}")
+    if not asked:
+        return None
+    (name, value), = asked.items()
+    key = GUIDED_FIELDS.get(name, name.removeprefix("structured_outputs."))
+    kind = STRUCTURED_OUTPUT_KINDS[key]
+    if kind == "json_object":
+        return name, "json_schema", '{"type": "object"}'
+    if kind == "json_schema" and isinstance(value, dict):
+        return name, kind, json.dumps(value)
+    if kind == "choice":
+        if not (isinstance(value, list) and value and all(isinstance(c, str) for c in value)):
+            raise InvalidRequest(f"{name} must be a non-empty list of strings")
+        # EBNF string literals take JSON's escapes
+        return name, "ebnf", "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False)
+                                                       for c in dict.fromkeys(value))
+    if not isinstance(value, str):
+        raise InvalidRequest(f"{name} must be a string")
+    return name, kind, value
+
+
 def sampling_params(body: dict[str, Any], max_new_tokens: Any,
                     defaults: dict[str, Any] | None = None) -> SamplingParams:
     """`defaults` (the model's generation_config, --sampling-defaults model) fill the
-    sampling fields the request leaves out; response_format becomes a json_schema."""
+    sampling fields the request leaves out; response_format, structured_outputs, guided_* and
+    grammar become the grammar field they ask for (at most one constraint per request)."""
     values = {ours: body[theirs] for theirs, ours in SAMPLING_FIELDS.items()
               if body.get(theirs) is not None}
     schema = response_format_schema(body.get("response_format"))
@@ -96,6 +158,14 @@ def sampling_params(body: dict[str, Any], max_new_tokens: Any,
         if values.get("json_schema") not in (None, schema):
             raise InvalidRequest("give either response_format or json_schema, not both")
         values["json_schema"] = schema
+    constraint = structured_output(body)
+    if constraint is not None:
+        name, kind, text = constraint
+        given = [field for field in GRAMMAR_FIELDS if values.get(field) not in (None, "")]
+        if given:
+            raise InvalidRequest(f"give at most one output constraint, got {name} and "
+                                 f"{'response_format' if schema is not None else given[0]}")
+        values[kind] = text
     for name, value in (defaults or {}).items():
         values.setdefault(name, value)
     values["max_new_tokens"] = max_new_tokens

@@ -42,6 +42,10 @@ def completion_logprobs(tokens: TokenTexts, h: ReqHandle, cursor: Cursor) -> dic
         values = [None, *h.input_logprobs, *values]
         ids = [*h.prompt_ids[: scored + 1], *ids]
         steps = [None, *h.input_top_logprobs, *steps]
+    # NOTE: as OpenAI and vLLM: each top_logprobs dict holds the chosen token too (so up to
+    # logprobs + 1 entries, and one with logprobs 0)
+    steps = [None if step is None or value is None else [(value, token), *step]
+             for value, token, step in zip(values, ids, steps)]
     texts = tokens.texts(ids)
     top_texts = tokens.texts([t for step in steps if step for _, t in step])
     offsets = []
