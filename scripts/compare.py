@@ -201,17 +201,28 @@ def bench(server: Server, concurrency: int, args: argparse.Namespace, probe: boo
 
 # ---- the run -------------------------------------------------------------------------------
 
+def baseline_name(checkout: Path) -> str:
+    rev = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"],
+                         capture_output=True, text=True).stdout.strip()
+    return f"minisgl at {rev or checkout}"
+
+
 def run_serving(args: argparse.Namespace, llama: Path | None) -> dict[str, dict[int, dict]]:
     results: dict[str, dict[int, dict]] = {}
     most = max(args.concurrency)
     pool = most * (args.input_len + args.output_len + 16)
-    for overlap in (True, False) if args.overlap_baseline else (True,):
-        server = start_minisgl(overlap, most, pool)
+    extra = tuple(args.server_args.split())
+    runs = [(True, REPO, None)] + ([(False, REPO, None)] if args.overlap_baseline else [])
+    if args.baseline is not None:  # another checkout, same workload, right after this one
+        runs.append((True, args.baseline, baseline_name(args.baseline)))
+    for overlap, checkout, name in runs:
+        server = start_minisgl(overlap, most, pool, extra, checkout)
+        server.name = name or server.name.replace(" " + " ".join(extra), "")
         try:
             for c in args.concurrency:
                 log(f"{server.name}: {c} streams")
                 results.setdefault(server.name, {})[c] = bench(
-                    server, c, args, probe=args.probe_health and overlap)
+                    server, c, args, probe=args.probe_health and overlap and name is None)
         finally:
             server.stop()
     if llama is not None:
@@ -276,9 +287,10 @@ def report(args: argparse.Namespace, serving: dict[str, dict[int, dict]],
     lines = [f"## Peer comparison ({date.today().isoformat()}, `scripts/compare.py`)", "",
              f"`{command}`", "",
              f"Machine: {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
-             f"{torch.get_num_threads()} torch threads. minisgl serves SmolLM2-135M-Instruct in "
-             f"bf16 (269 MB of weights read per decode step); llama.cpp: {llama_note}, on the "
-             f"bundled Q4_1 GGUF (98 MB per step).", ""]
+             f"{torch.get_num_threads()} torch threads. minisgl serves SmolLM2-135M-Instruct "
+             f"with {args.server_args or 'its default flags'} (bf16 reads 269 MB of weights per "
+             f"decode step); llama.cpp: {llama_note}, on the bundled Q4_1 GGUF (98 MB per "
+             "step).", ""]
     if serving:
         ours = serving.get("minisgl", {})
         off = serving.get("minisgl --disable-overlap-schedule", {})
@@ -304,6 +316,16 @@ def report(args: argparse.Namespace, serving: dict[str, dict[int, dict]],
                 f"{tok(p)} | {ms(p, 'tpot_ms')} | {ms(p, 'ttft_ms')} | "
                 f"{ratio(a and a['output_tok_s'], p and p['output_tok_s'])} | "
                 f"{ratio(a and a['output_tok_s'], b and b['output_tok_s'])} |")
+        if args.baseline is not None:
+            base = serving.get(baseline_name(args.baseline), {})
+            lines += ["", f"Beside {baseline_name(args.baseline)} (`--baseline`), served next:",
+                      "", "| streams | this tok/s | TPOT p50 | baseline tok/s | TPOT p50 | "
+                      "this / baseline |", "|---|---|---|---|---|---|"]
+            for c in args.concurrency:
+                a, b = ours.get(c), base.get(c)
+                lines.append(f"| {c} | {a['output_tok_s']:.0f} | {a['tpot_ms']['median']:.1f} ms"
+                             f" | {b['output_tok_s']:.0f} | {b['tpot_ms']['median']:.1f} ms | "
+                             f"{ratio(a['output_tok_s'], b['output_tok_s'])} |")
         health = [(c, r["health_ms"]) for c, r in ours.items() if r.get("health_ms")]
         if health:
             lines += ["", "minisgl `/health` while serving: " + "; ".join(
@@ -360,6 +382,11 @@ def main() -> None:
     parser.add_argument("--no-overlap-baseline", dest="overlap_baseline", action="store_false")
     parser.add_argument("--no-probe-health", dest="probe_health", action="store_false")
     parser.add_argument("--llama-server", type=Path, help="use this binary instead of building")
+    parser.add_argument("--baseline", type=Path,
+                        help="another minisgl checkout (git worktree add /tmp/baseline REV) "
+                        "served with the same workload right after this one")
+    parser.add_argument("--server-args", default="",
+                        help="extra flags for every minisgl server, e.g. '--dtype float32'")
     parser.add_argument("--append", type=Path, default=REPO / "BENCHMARKS.md")
     parser.add_argument("--no-append", dest="append", action="store_const", const=None)
     args = parser.parse_args()
