@@ -286,9 +286,12 @@ def test_logprobs(minisgl_server):
     assert inputs[0][0] is None and input_tops[0] is None
     assert all(lp <= 0 and len(top) == 3 for (lp, _, _), top in zip(inputs[1:], input_tops[1:]))
     assert "".join(t[2] for t in inputs) == PROMPT
-    default = generate(minisgl_server, {"text": PROMPT, "sampling_params": GREEDY,
-                                        "return_logprob": True})["meta_info"]
-    assert default["input_token_logprobs"] == [[None, inputs[-1][1], None]]  # last token only
+    # -1 (the default) starts at the end of the prompt: no prompt entries, as in SGLang
+    for start in ({}, {"logprob_start_len": -1}):
+        default = generate(minisgl_server, {"text": PROMPT, "sampling_params": GREEDY,
+                                            "return_logprob": True, **start})["meta_info"]
+        assert default["input_token_logprobs"] == default["input_top_logprobs"] == []
+        assert [t[1] for t in default["output_token_logprobs"]] == [t[1] for t in tokens]
     plain = generate(minisgl_server, {"text": PROMPT, "sampling_params": GREEDY})
     assert "output_token_logprobs" not in plain["meta_info"]
 

@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 class ReqHandle:
     rid: str
     prompt_ids: list[int]
-    detok: DecodeState  # the detokenizer's state: text so far, stop strings
+    detok: DecodeState  # the detokenizer's state: text so far, stop strings and regexes
     logprob_num: int
     params: SamplingParams | None = None
     streaming: bool = False  # the client reads it as a stream (metrics' is_streaming label)
@@ -42,7 +42,7 @@ class ReqHandle:
     finished_at: float | None = None
     token_logprobs: list[tuple[float, int]] = field(default_factory=list)
     top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
-    logprob_start_len: int = -1  # first prompt position of input_token_logprobs
+    logprob_start_len: int = -1  # first prompt position of input_token_logprobs (-1: none)
     input_logprobs: list[float] = field(default_factory=list)
     input_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -70,12 +70,15 @@ class ReqHandle:
             meta["output_top_logprobs"] = [[[lp, tid, None] for lp, tid in step]
                                            for step in self.top_logprobs]
             # SGLang's layout: the token at logprob_start_len gets None (nothing before it
-            # was scored), each later prompt token its logprob given everything before it
-            scored = self.prompt_ids[self.logprob_start_len:]
-            meta["input_token_logprobs"] = [
-                [lp, tid, None] for lp, tid in zip([None, *self.input_logprobs], scored)]
-            meta["input_top_logprobs"] = [None] + [[[lp, tid, None] for lp, tid in step]
-                                                   for step in self.input_top_logprobs]
+            # was scored), each later prompt token its logprob given everything before it;
+            # -1 (the default) starts at the end of the prompt: no entries
+            meta["input_token_logprobs"], meta["input_top_logprobs"] = [], []
+            if self.logprob_start_len >= 0:
+                scored = self.prompt_ids[self.logprob_start_len:]
+                meta["input_token_logprobs"] = [
+                    [lp, tid, None] for lp, tid in zip([None, *self.input_logprobs], scored)]
+                meta["input_top_logprobs"] = [None] + [[[lp, tid, None] for lp, tid in step]
+                                                       for step in self.input_top_logprobs]
         return meta
 
     def result(self) -> dict[str, Any]:
@@ -150,15 +153,17 @@ class RequestManager:
         (raises InvalidRequest, QueueFull or EngineFailed)."""
         if self.scheduler.engine_failed is not None:
             raise EngineFailed(self.scheduler.engine_failed)
-        if self.detokenizer is None and any(s.params.stop_strings for s in specs):
-            raise InvalidRequest("stop strings need a tokenizer, and this model has none")
+        if self.detokenizer is None and any(s.params.stop_strings or s.params.stop_regexes
+                                            for s in specs):
+            raise InvalidRequest("stop strings and stop_regex need a tokenizer, and this model "
+                                 "has none")
         reqs = self.scheduler.add_requests(specs, rid_taken=self.handles.__contains__)
         handles = []
-        for req in reqs:
+        for spec, req in zip(specs, reqs):  # NOTE: one request per spec, in order
             handle = ReqHandle(req.rid, req.prompt_ids, DecodeState.start(req.prompt_ids,
                                                                          req.params),
                                req.logprob_num, req.params, streaming,
-                               logprob_start_len=req.logprob_start_len)
+                               logprob_start_len=spec.logprob_start_len)
             self.handles[req.rid] = handle
             self.metrics.on_submit()
             handles.append(handle)
@@ -259,7 +264,7 @@ class RequestManager:
                 [(h.detok, o.token, o.finished) for h, o in updates])
             for state in stopped:
                 handle = next(h for h, _ in updates if h.detok is state)
-                reason = {"type": "stop", "matched": state.stop_hit}
+                reason = state.finish_reason
                 self.scheduler.finish(handle.rid, reason)
                 self._close(handle, reason, now)
         else:

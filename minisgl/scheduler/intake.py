@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Callable, TypeVar
 
-from minisgl.core import SamplingParams, check_logprob_start_len
+from minisgl.core import SamplingParams, check_logprob_start_len, compile_stop_regex
 from minisgl.errors import InvalidRequest, QueueFull
 from minisgl.scheduler.cache import pages_spanned
 
@@ -128,15 +128,18 @@ def check_one(spec: RequestSpec, limits: RequestLimits, rid_taken: Callable[[str
         raise InvalidRequest(f"input_ids must be token ids in [0, {vocab})")
     if params.logit_bias and max(params.logit_bias) >= vocab:
         raise InvalidRequest(f"logit_bias keys must be token ids in [0, {vocab})")
-    stops = params.stop_strings
-    if len(stops) > limits.max_stop_strings:
-        raise InvalidRequest(f"stop has {len(stops)} strings; at most {limits.max_stop_strings} "
-                             "are allowed (--max-stop-strings)")
-    longest = max(map(len, stops), default=0)
-    if longest > limits.max_stop_string_length:
-        raise InvalidRequest(f"a stop string has {longest} characters; at most "
-                             f"{limits.max_stop_string_length} are allowed "
-                             "(--max-stop-string-length)")
+    for name, stops, what in (("stop", params.stop_strings, "string"),
+                              ("stop_regex", params.stop_regexes, "pattern")):
+        if len(stops) > limits.max_stop_strings:
+            raise InvalidRequest(f"{name} has {len(stops)} {what}s; at most "
+                                 f"{limits.max_stop_strings} are allowed (--max-stop-strings)")
+        longest = max(map(len, stops), default=0)
+        if longest > limits.max_stop_string_length:
+            raise InvalidRequest(f"a {name} {what} has {longest} characters; "
+                                 f"at most {limits.max_stop_string_length} are allowed "
+                                 "(--max-stop-string-length)")
+    for pattern in params.stop_regexes:  # NOTE: compiled only once its size is known small
+        compile_stop_regex(pattern)
     check_context(len(ids), params.max_new_tokens, limits.context_len)
     total = len(ids) + params.max_new_tokens
     if pages_spanned(0, total, limits.page_size) > limits.pool_pages:
