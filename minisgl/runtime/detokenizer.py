@@ -61,13 +61,13 @@ class IncrementalDetokenizer:
     def step(self, updates: list[tuple[DecodeState, int | None, bool]]) -> list[DecodeState]:
         """Apply one step's new token (or None) to each state; `finished` flushes held-back
         text. Returns the states that a stop string or regex finished in this step."""
-        pending = []
+        pending: dict[int, DecodeState] = {}
         for state, token, _ in updates:
             if token is not None and state.finish_reason is None:
                 state.ids.append(token)
                 state.output_ids.append(token)
-                pending.append(state)
-        self._decode(pending)
+                pending[id(state)] = state  # NOTE: once, though coalesced steps repeat it
+        self._decode(list(pending.values()))
         stopped = []
         for state, _, finished in updates:
             if state.finish_reason is None and self._match_stop(state):
