@@ -183,19 +183,21 @@ def test_tool_calls_streamed_and_round_trip(client):
         tools=[WEATHER], tool_choice="required", max_tokens=160, temperature=0, stream=True))
     calls = [tc for c in chunks if c.choices and c.choices[0].delta.tool_calls
              for tc in c.choices[0].delta.tool_calls]
+    # the first delta of a call has its id and name, its arguments come in pieces after it
     assert calls and calls[0].index == 0 and calls[0].function.name == "get_weather"
-    jsonschema.validate(json.loads(calls[0].function.arguments),
-                        WEATHER["function"]["parameters"])
+    arguments = "".join(tc.function.arguments or "" for tc in calls if tc.index == 0)
+    jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
     messages = [{"role": "user", "content": "What is the weather in Rome?"},
                 {"role": "assistant", "content": None, "tool_calls": [{
                     "id": calls[0].id, "type": "function",
-                    "function": {"name": "get_weather",
-                                 "arguments": calls[0].function.arguments}}]},
+                    "function": {"name": "get_weather", "arguments": arguments}}]},
                 {"role": "tool", "tool_call_id": calls[0].id, "content": "21 C and sunny"}]
     out = client.chat.completions.create(model="", messages=messages, tools=[WEATHER],
                                          max_tokens=24, temperature=0)
-    assert out.choices[0].message.content  # the model answers from the tool's result
+    # NOTE: the conversation is taken; SmolLM2 may answer or call again (a call cut by
+    # max_tokens is a call with its arguments so far, finish_reason "length")
+    assert out.choices[0].message.content or out.choices[0].message.tool_calls
 
 
 def test_tool_call_parsers():

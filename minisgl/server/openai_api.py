@@ -22,6 +22,7 @@ from minisgl.server.openai_fields import (CHAT_FIELDS, COMPLETION_FIELDS, MAX_TO
                                           flag, normalize_messages, sampling_params,
                                           split_prefill, stream_options)
 from minisgl.server.openai_logprobs import Cursor, chat_logprobs, completion_logprobs
+from minisgl.server.openai_tool_parser import ToolCallParser
 from minisgl.server.openai_tools import ToolUse, parse_tool_use, render_tools
 from minisgl.server.protocol import HTTPError, json_response, read_json
 from minisgl.server.sse import stream_response, wait_all
@@ -227,7 +228,8 @@ class OpenAIAPI:
                 "model": model}
         if stream:
             head["object"] = "chat.completion.chunk"
-            delta = self._chat_delta if tools is None else partial(self._tool_delta, tools)
+            delta = (self._chat_delta if tools is None
+                     else partial(self._tool_delta, tools, {}))  # a parser per choice
             return await self._stream(request, head, groups, handles, options, delta, None)
         await wait_all(self.manager, handles)
         choices = []
@@ -242,34 +244,44 @@ class OpenAIAPI:
 
     def _message(self, h: ReqHandle, tools: ToolUse | None
                  ) -> tuple[dict[str, Any], str | None]:
-        """A finished choice's message and finish_reason ("tool_calls" when it calls)."""
+        """A finished choice's message and finish_reason ("tool_calls" when it called and
+        stopped by itself), read by the same parser a stream uses."""
         if tools is None:
             return {"role": "assistant", "content": h.text}, finish_reason(h.finish_reason)
-        try:
-            content, calls = tools.calls(h.text, self.runtime.args.tool_call_parser)
-        except (ValueError, KeyError, TypeError):  # a constrained call cut short by max_tokens
-            content, calls = h.text, []
+        parser = tools.parser(self.runtime.args.tool_call_parser)
+        content, calls = parser.parse(h.text)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = calls
-        return message, "tool_calls" if calls else finish_reason(h.finish_reason)
+        return message, parser.finish_reason(finish_reason(h.finish_reason))
 
-    def _tool_delta(self, tools: ToolUse, k: int, h: ReqHandle, cursor: Cursor
-                    ) -> dict[str, Any] | None:
-        """With tools the answer is sent whole once finished (a call cannot be told from text
-        before): its content and OpenAI's delta.tool_calls, each call with its index."""
-        if not h.finished:
-            return None
-        message, reason = self._message(h, tools)
-        delta = {key: value for key, value in message.items()
-                 if key != "role" and value is not None}
-        if "tool_calls" in delta:
-            delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(delta["tool_calls"])]
+    def _tool_delta(self, tools: ToolUse, parsers: dict[int, ToolCallParser], k: int,
+                    h: ReqHandle, cursor: Cursor) -> dict[str, Any] | None:
+        """What choice k's text adds, as OpenAI streams calls: content as it comes; for call
+        i a delta.tool_calls entry with its index, id, type and name, then its arguments in
+        pieces (openai_tool_parser)."""
+        if k not in parsers:
+            parsers[k] = tools.parser(self.runtime.args.tool_call_parser)
+        parser = parsers[k]
+        new = parser.feed(h.text)
+        if h.finished:
+            new += parser.finish()
         cursor.chars = len(h.text)
-        return {"index": k, "delta": delta, "finish_reason": reason,
-                "matched_stop": matched_stop(h.finish_reason),
-                "logprobs": chat_logprobs(self.tokens, h, cursor) if h.logprob_num >= 0
-                else None}
+        delta: dict[str, Any] = {}
+        if new.content:
+            delta["content"] = new.content
+        if new.tool_calls:
+            delta["tool_calls"] = new.tool_calls
+        logprobs = chat_logprobs(self.tokens, h, cursor) if h.logprob_num >= 0 else None
+        if not delta and not h.finished and not (logprobs and logprobs["content"]):
+            return None  # held back (what may be a call's start), no new token either
+        choice: dict[str, Any] = {
+            "index": k, "delta": delta, "logprobs": logprobs,
+            "finish_reason": (parser.finish_reason(finish_reason(h.finish_reason))
+                              if h.finished else None)}
+        if h.finished:
+            choice["matched_stop"] = matched_stop(h.finish_reason)
+        return choice
 
     def _chat_delta(self, k: int, h: ReqHandle, cursor: Cursor) -> dict[str, Any]:
         text = h.text

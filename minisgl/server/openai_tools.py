@@ -1,6 +1,8 @@
 """Tool calls on /v1/chat/completions: the tools go into the prompt, `required` and a named
 function are grammar-constrained (the call always parses and its arguments follow the
-function's schema), and `auto` output is parsed (`--tool-call-parser`).
+function's schema), and `auto` output is parsed (`--tool-call-parser`), as it streams, by
+openai_tool_parser. `parallel_tool_calls: false` bounds `required` to one call and keeps only
+the first call of an `auto` answer.
 
 Prompt: a chat template that takes `tools` gets them. Otherwise a system message lists them
 and asks for calls in the hermes style, which the default parser reads:
@@ -12,15 +14,14 @@ and asks for calls in the hermes style, which the default parser reads:
 from __future__ import annotations
 
 import json
-import re
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from minisgl.errors import InvalidRequest
+from minisgl.runtime.native import check_bool, none_as
+from minisgl.server.openai_tool_parser import ToolCallParser
 
 PARSERS = ("hermes", "llama3")
-HERMES_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*(?:</tool_call>|$)", re.DOTALL)
 DEFAULT_PROMPT = (
     "You can call functions. Here they are, as JSON schemas:\n{tools}\n"
     "To call one, answer with\n<tool_call>\n"
@@ -30,7 +31,8 @@ DEFAULT_PROMPT = (
 @dataclass
 class ToolUse:
     tools: list[dict[str, Any]]  # OpenAI's {"type": "function", "function": {...}}
-    choice: str | None  # "auto", "required", or the one function's name; None: "none"
+    choice: str  # "auto", "required", or the one function's name
+    parallel: bool = True  # parallel_tool_calls: false allows one call
 
     @property
     def names(self) -> list[str]:
@@ -38,10 +40,11 @@ class ToolUse:
 
     def grammar(self) -> str | None:
         """The JSON schema the answer must follow: one call's arguments for a named function,
-        a non-empty list of calls for `required`; None for `auto` (free text, parsed)."""
+        a non-empty list of calls for `required` (one at most without parallel calls); None
+        for `auto` (free text, parsed)."""
         schemas = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"}
                    for t in self.tools}
-        if self.choice in (None, "auto"):
+        if self.choice == "auto":
             return None
         if self.choice != "required":
             return json.dumps(schemas[self.choice])
@@ -49,43 +52,25 @@ class ToolUse:
                                                    "arguments": schema},
                   "required": ["name", "arguments"], "additionalProperties": False}
                  for name, schema in schemas.items()]
-        return json.dumps({"type": "array", "minItems": 1, "items": {"anyOf": calls}})
+        array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if not self.parallel:
+            array["maxItems"] = 1
+        return json.dumps(array)
 
-    def calls(self, text: str, parser: str) -> tuple[str | None, list[dict[str, Any]]]:
-        """(content, OpenAI tool_calls) of a finished answer."""
-        if self.choice not in (None, "auto", "required"):
-            return None, [_call(self.choice, json.loads(text))]
+    def parser(self, parser: str) -> ToolCallParser:
+        """A fresh parser for one choice: `parser` (--tool-call-parser) reads `auto` text."""
+        names = set(self.names)
+        if self.choice == "auto":
+            return ToolCallParser(parser, names, one_call=not self.parallel)
         if self.choice == "required":
-            return None, [_call(c["name"], c["arguments"]) for c in json.loads(text)]
-        if self.choice is None:
-            return text, []
-        return parse_calls(text, parser, set(self.names))
-
-
-def _call(name: str, arguments: Any) -> dict[str, Any]:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": json.dumps(arguments)}}
+            return ToolCallParser("array", names, one_call=not self.parallel)
+        return ToolCallParser("named", names, named=self.choice)
 
 
 def parse_calls(text: str, parser: str, names: set[str]
                 ) -> tuple[str | None, list[dict[str, Any]]]:
-    """Calls of known functions in free text; what is not a call stays content."""
-    found: list[tuple[str, Any]] = []
-    if parser == "hermes":
-        for match in HERMES_CALL.finditer(text):
-            call = _load(match.group(1))
-            if call is not None and call.get("name") in names:
-                found.append((call["name"], call.get("arguments", {})))
-        content = HERMES_CALL.sub("", text).strip() if found else text
-    else:  # llama3: the whole answer is the call(s), JSON, optionally after <|python_tag|>
-        body = text.strip().removeprefix("<|python_tag|>")
-        for part in body.split(";"):
-            call = _load(part.strip())
-            if call is None or call.get("name") not in names:
-                return text, []
-            found.append((call["name"], call.get("parameters", call.get("arguments", {}))))
-        content = ""
-    return (content or None), [_call(name, arguments) for name, arguments in found]
+    """(content, tool_calls) of a finished free text; what is not a call stays content."""
+    return ToolCallParser(parser, names).parse(text)
 
 
 def _load(text: str) -> dict[str, Any] | None:
@@ -97,8 +82,10 @@ def _load(text: str) -> dict[str, Any] | None:
 
 
 def parse_tool_use(body: dict[str, Any]) -> ToolUse | None:
-    """The request's tools and tool_choice, checked; None when no tool may be called."""
+    """The request's tools, tool_choice and parallel_tool_calls, checked; None when no tool
+    may be called."""
     tools, choice = body.get("tools"), body.get("tool_choice")
+    parallel = check_bool(none_as(body.get("parallel_tool_calls"), True), "parallel_tool_calls")
     if tools is None or tools == []:
         if choice not in (None, "none", "auto"):
             raise InvalidRequest("tool_choice needs tools")
@@ -117,13 +104,13 @@ def parse_tool_use(body: dict[str, Any]) -> ToolUse | None:
                                  "JSON schema object")
     names = [t["function"]["name"] for t in tools]
     if choice in (None, "auto", "none", "required"):
-        return None if choice == "none" else ToolUse(tools, choice or "auto")
+        return None if choice == "none" else ToolUse(tools, choice or "auto", parallel)
     if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
         if name not in names:
             raise InvalidRequest(f"tool_choice names {name!r}, which is not among the tools "
                                  f"({', '.join(names)})")
-        return ToolUse(tools, name)
+        return ToolUse(tools, name, parallel)
     raise InvalidRequest("tool_choice must be none, auto, required or "
                          "{\"type\": \"function\", \"function\": {\"name\": ...}}")
 
