@@ -10,6 +10,7 @@ Q8_0 = fp16 d, 32 int8 values q, w = q * d.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -62,11 +63,12 @@ def unpermute_rows(blocks: WeightBlocks, heads: int) -> WeightBlocks:
     return blocks[inverse]
 
 
-def read_block_linears(path: Path, heads: dict[str, int]) -> tuple[dict[str, WeightBlocks],
-                                                                   dict[str, str]]:
+def read_block_linears(path: Path, heads: dict[str, int], skips: Callable[[str], bool]
+                       ) -> tuple[dict[str, WeightBlocks], dict[str, str]]:
     """(the Q4_0 / Q4_1 / Q8_0 linear weights by HF name, {HF name: GGUF type} of the other
-    linear weights, which stay dense). `heads`: num_heads and num_kv_heads. Q8_0 needs the VNNI
-    kernel (torch has no kernel for such blocks): without it, those stay dense."""
+    linear weights, which stay dense), leaving out the names `skips` (the model's: layers past
+    a layer-count override). `heads`: num_heads and num_kv_heads. Q8_0 needs the VNNI kernel
+    (torch has no kernel for such blocks): without it, those stay dense."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))
@@ -75,7 +77,7 @@ def read_block_linears(path: Path, heads: dict[str, int]) -> tuple[dict[str, Wei
     blocks, dense = {}, {}
     for tensor in reader.tensors:
         name = hf_name(tensor.name)
-        if name is None:
+        if name is None or skips(name):
             continue
         kind = tensor.tensor_type.name
         in_features, out_features = (int(n) for n in tensor.shape[:2])
@@ -94,8 +96,8 @@ def stage_block_linears(model: torch.nn.Module, path: Path, heads: dict[str, int
     """Prepare every linear layer whose checkpoint tensors are all blocks of one width to take
     them (`expect_blocks`); returns those tensors by HF name, and the GGUF types of the linear
     weights that stay dense (a layer with any of them, or with mixed widths, stays dense
-    whole)."""
-    blocks, dense = read_block_linears(path, heads)
+    whole). Any GGUF type loads: the dense ones come dequantized from the converted folder."""
+    blocks, dense = read_block_linears(path, heads, model.skips)
     names_by_module: dict[torch.nn.Module, list[str]] = {}
     for name in [*blocks, *dense]:
         names_by_module.setdefault(model.weight_target(name)[0], []).append(name)
@@ -106,6 +108,6 @@ def stage_block_linears(model: torch.nn.Module, path: Path, heads: dict[str, int
             module.expect_blocks(widths.pop())
             staged.update((name, blocks[name]) for name in names)
         else:
-            kept.update((name, dense.get(name, f"{blocks[name].bits}-bit blocks beside others"))
-                        for name in names)
+            kept.update((name, dense[name] if name in dense else
+                         f"{blocks[name].bits}-bit blocks beside others") for name in names)
     return staged, kept

@@ -6,6 +6,7 @@ paged KV pool through the attention backend, which knows where each request's to
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -25,6 +26,8 @@ from minisgl.layers import (
     VocabParallelEmbedding,
 )
 from minisgl.models.arch import ModelArch
+
+LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 
 
 class Attention(Layer):
@@ -115,11 +118,15 @@ class LlamaForCausalLM(Layer):
         x, _ = self.norm(x, residual)
         return x if rows is None else x.index_select(0, rows)
 
-    def _not_loaded(self, name: str) -> bool:
-        """Checkpoint tensors that are ours but have no place: a tied head, rotary buffers."""
+    def skips(self, name: str) -> bool:
+        """Checkpoint tensors (HF naming) that are ours but have no place here: a tied head,
+        rotary buffers, and the layers past num_layers. Every loader asks this one place, so a
+        layer-count override (`{"num_hidden_layers": 2}`) serves the checkpoint's first
+        layers whatever the format."""
         name = name.removeprefix("model.")
+        layer = LAYER_INDEX.match(name)
         return (name == "lm_head.weight" and self.arch.tie_word_embeddings) or \
-            "rotary_emb" in name
+            "rotary_emb" in name or (layer is not None and int(layer[1]) >= self.arch.num_layers)
 
     def weight_target(self, name: str) -> tuple[nn.Module, str, Any] | None:
         """(module, parameter name, shard id) a checkpoint tensor (HF naming) loads into, or
@@ -137,7 +144,7 @@ class LlamaForCausalLM(Layer):
 
     def load_weight(self, name: str, source: Any) -> bool:
         """Copy one checkpoint tensor (HF naming) into its shard; False if it is not ours."""
-        if self._not_loaded(name):
+        if self.skips(name):
             return True
         target = self.weight_target(name)
         if target is None:
