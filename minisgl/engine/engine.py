@@ -48,7 +48,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name != "auto":
         return DTYPES[name]
     if device.type == "cpu" and not native_cpu_gemm(torch.bfloat16):
-        logger.info("--dtype auto: float32 (this CPU has no native bfloat16 matmul)")
         return torch.float32
     return torch.bfloat16
 
@@ -194,7 +193,7 @@ class Engine:
                 if hasattr(module, "prepack_for_cpu"):
                     module.prepack_for_cpu()
         if self.tp.is_primary:
-            log_weight_memory(model, self.quantization)
+            log_weight_memory(model, self.quantization, self.dtype)
         return model.eval()
 
     @property

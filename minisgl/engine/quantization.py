@@ -104,7 +104,7 @@ def load_weights(model: torch.nn.Module, config: EngineConfig, folder: Path, arc
         torch.cuda.empty_cache()  # the released dense weights: the KV pool is sized next
 
 
-def log_weight_memory(model: torch.nn.Module, method: str) -> None:
+def log_weight_memory(model: torch.nn.Module, method: str, dtype: torch.dtype) -> None:
     """The weights' resident size (after CPU prepacking, which may keep a second copy)."""
     modules = list(model.modules())
     compact = sum(weight.nbytes for m in modules for weight in (getattr(m, "quantized", None),
@@ -113,6 +113,7 @@ def log_weight_memory(model: torch.nn.Module, method: str) -> None:
     dense = sum(p.numel() * p.element_size() for p in model.parameters())
     packed = sum(m.packed.numel() * m.packed.element_size() for m in modules
                  if getattr(m, "packed", None) is not None)
-    logger.info("weights: %.0f MB resident (quantization %s: %.0f MB quantized, %.0f MB dense, "
-                "%.0f MB prepacked)", (compact + dense + packed) / 1e6, method, compact / 1e6,
-                dense / 1e6, packed / 1e6)
+    logger.info("weights: %.0f MB resident (%s, quantization %s: %.0f MB quantized, %.0f MB "
+                "dense, %.0f MB prepacked)", (compact + dense + packed) / 1e6,
+                str(dtype).removeprefix("torch."), method, compact / 1e6, dense / 1e6,
+                packed / 1e6)
