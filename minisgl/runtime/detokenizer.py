@@ -8,7 +8,7 @@ cumulative text; while a request runs, the last (longest stop - 1) characters ar
 so that the text a client sees only ever grows.
 
 Stop regexes (SGLang's `stop_regex`) are searched in the same text each step, from the first
-position where a new match can still start (`core.StopRegex.reach`), with a timeout: this runs
+position where a new match can still start (`stop_regex.StopRegex.reach`), with a timeout: this runs
 on the server's one event loop. A match is kept in the text, which ends at the match's end
 (SGLang keeps it too). As in SGLang, a pattern is searched in the text generated so far, so
 `\\bthe\\b` matches a "the" at the end of it even if the next token would have made it
@@ -21,7 +21,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from minisgl.core import SamplingParams, StopRegex, compile_stop_regex
+from minisgl.core import SamplingParams
+from minisgl.stop_regex import StopRegex, compile_stop_regex
 
 CONTEXT_TOKENS = 4  # prompt tokens decoded in front of the output, for leading spaces/merges
 # Time all of one request's stop regexes may take in one step; past it the request is aborted.

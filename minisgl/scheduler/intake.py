@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Callable, TypeVar
 
-from minisgl.core import SamplingParams, check_logprob_start_len, compile_stop_regex
+from minisgl.core import SamplingParams, check_logprob_start_len
+from minisgl.stop_regex import compile_stop_regex
 from minisgl.errors import InvalidRequest, QueueFull
 from minisgl.scheduler.cache import pages_spanned
 
