@@ -65,11 +65,11 @@ def resolve_quantization(method: str | None, model: str | None, device: torch.de
             raise ValueError("--quantization w8a8_int8 runs on CPU in bfloat16 where the "
                              "AVX-512 VNNI kernel is built; use --quantization none here")
     if method == "fp8":
-        if dtype not in (torch.bfloat16, torch.float16):
-            raise ValueError("--quantization fp8 runs with --dtype bfloat16 or float16")
         why = fp8_unavailable(device)
         if why is not None:
             raise ValueError(f"--quantization fp8: {why}; use --quantization none here")
+        if dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError("--quantization fp8 runs with --dtype bfloat16 or float16")
     return method
 
 
