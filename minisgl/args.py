@@ -32,6 +32,10 @@ class ServerArgs:
     grammar_backend: str = _flag(
         "xgrammar", "Backend of json_schema / regex / ebnf / response_format constraints: "
         "xgrammar, or none (such requests get 400).", choices=["xgrammar", "none"])
+    constrained_json_disable_any_whitespace: bool = _flag(
+        False, "JSON schemas (json_schema, response_format, tool calls) allow one-line JSON "
+        "only, json.dumps's form ({\"a\": 1, \"b\": 2}); by default the model may put any "
+        "whitespace between tokens, as in SGLang.")
     tool_call_parser: str = _flag(
         "hermes", "How tool calls are read from a chat answer under tool_choice auto: hermes "
         "(<tool_call>{...}</tool_call>, Qwen2.5/3 style) or llama3 (a JSON object).",

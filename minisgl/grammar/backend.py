@@ -46,22 +46,29 @@ class GrammarBackend:
 
 
 class XGrammarBackend(GrammarBackend):
+    """`any_whitespace` (SGLang's default; off with --constrained-json-disable-any-whitespace):
+    a JSON schema lets the model put any whitespace between tokens (`{"a": 1}`, `{"a":1}`,
+    indented, ...); off, only one line in json.dumps's form, `{"a": 1, "b": 2}` (xgrammar's
+    default separators, as SGLang compiles it). Fixed per backend, so the cache of compiled
+    grammars never mixes the two."""
+
     name = "xgrammar"
 
-    def __init__(self, hf_tokenizer: Any, vocab_size: int) -> None:
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, any_whitespace: bool = True) -> None:
         import xgrammar
 
         super().__init__()
         self._xgr = xgrammar
+        self.any_whitespace = any_whitespace
         info = xgrammar.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size)
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
 
     def _compile(self, kind: str, text: str) -> Any:
         if kind == "json_schema":
-            # NOTE: compact JSON (no free whitespace): a small model must not be able to
-            # wander off into endless newlines inside an object
-            return self._compiler.compile_json_schema(text, any_whitespace=False)
+            # NOTE: as SGLang, no cap on the whitespace between tokens (its
+            # --constrained-json-max-whitespace-cnt is unset by default)
+            return self._compiler.compile_json_schema(text, any_whitespace=self.any_whitespace)
         if kind == "regex":
             return self._compiler.compile_regex(text)
         if kind == "ebnf":
@@ -92,15 +99,15 @@ class XGrammarBackend(GrammarBackend):
         return self._xgr.GrammarMatcher(compiled)
 
 
-def create_grammar_backend(name: str, hf_tokenizer: Any | None,
-                           vocab_size: int) -> GrammarBackend:
+def create_grammar_backend(name: str, hf_tokenizer: Any | None, vocab_size: int,
+                           any_whitespace: bool = True) -> GrammarBackend:
     if name == "none":
         return GrammarBackend()
     if hf_tokenizer is None:
         return GrammarBackend("grammar-constrained decoding needs a tokenizer; this model has "
                               "none")
     try:
-        return XGrammarBackend(hf_tokenizer, vocab_size)
+        return XGrammarBackend(hf_tokenizer, vocab_size, any_whitespace)
     except ImportError:
         logger.warning("xgrammar is not installed: requests with a grammar will be refused")
         return GrammarBackend("xgrammar is not installed (pip install xgrammar)")

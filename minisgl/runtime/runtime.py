@@ -37,7 +37,8 @@ class Runtime:
                                        lambda outputs: self.requests.deliver(outputs))
             grammar = create_grammar_backend(
                 args.grammar_backend, self.tokenizer.hf if self.tokenizer else None,
-                self.engine.arch.vocab_size)
+                self.engine.arch.vocab_size,
+                any_whitespace=not args.constrained_json_disable_any_whitespace)
             self.served_names = args.served_model_names or [model_name(args.model_path)]
             self.model_name = self.served_names[0]
             self.requests = RequestManager(self.scheduler, self.tokenizer, grammar,
