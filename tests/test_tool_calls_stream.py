@@ -17,18 +17,9 @@ import pytest
 
 from minisgl.server.openai_tool_parser import ToolCallParser
 from minisgl.server.openai_tools import ToolUse
+from tests.test_grammar import TIME, WEATHER
 
 NAMES = {"get_weather", "get_time"}
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "maxLength": 30},
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-        "required": ["city", "unit"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "description": "The time in a time zone",
-    "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 30}},
-                   "required": ["zone"], "additionalProperties": False}}}
 SCHEMAS = {"get_weather": WEATHER["function"]["parameters"],
            "get_time": TIME["function"]["parameters"]}
 
