@@ -12,7 +12,7 @@ from minisgl.core import SamplingParams
 from minisgl.env import no_openmp_on_this_thread
 from minisgl.errors import InvalidRequest
 from minisgl.runtime import Runtime
-from minisgl.runtime.native import KNOWN_FIELDS, generate_result, parse_generate, submit_prompts
+from minisgl.runtime.native import KNOWN_FIELDS, generate_result, parse_generate
 from minisgl.runtime.token_texts import TokenTexts
 
 
@@ -64,7 +64,7 @@ class LLM:
     async def _generate(self, body: dict[str, Any]) -> Any:
         requests = self.runtime.requests
         req = parse_generate(body, requests.max_sequences)
-        handles = await submit_prompts(requests, req.prompts)
+        handles = await requests.submit_prompts(req.prompts)
         done = await asyncio.gather(*(requests.wait(h) for h in handles))
         tokens = TokenTexts(self.runtime.tokenizer) if req.text_in_logprobs else None
         results = [generate_result(h, tokens, req.prompt_ids_wanted) for h in done]

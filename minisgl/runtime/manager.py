@@ -26,6 +26,13 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
+class Prompt(RequestSpec):
+    """A request to submit; a text prompt gets its input_ids on submission."""
+
+    text: str | None = None
+
+
+@dataclass
 class ReqHandle:
     rid: str
     prompt_ids: list[int]
@@ -168,6 +175,22 @@ class RequestManager:
             self.metrics.on_submit()
             handles.append(handle)
         return handles
+
+    async def submit_prompts(self, prompts: list[Prompt], streaming: bool = False
+                             ) -> list[ReqHandle]:
+        """Tokenize the text prompts (one batched call), compile their grammars, then queue the
+        batch, all or nothing."""
+        texts = [p for p in prompts if p.text is not None]
+        for p in texts:
+            if not p.text:
+                raise InvalidRequest("the prompt is empty")
+        if texts:
+            unique = list(dict.fromkeys(p.text for p in texts))  # n > 1 repeats a text n times
+            ids = dict(zip(unique, await self.encode(unique)))
+            for p in texts:
+                p.input_ids = ids[p.text]
+        await self.attach_grammars(prompts)
+        return self.submit(list(prompts), streaming)
 
     async def attach_grammars(self, specs: list[RequestSpec]) -> None:
         """Compile each grammar the batch asks for (off the event loop, cached) and give each

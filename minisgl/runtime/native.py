@@ -19,9 +19,9 @@ from typing import Any, Callable
 
 from minisgl.core import SamplingParams, asks_nothing
 from minisgl.errors import InvalidRequest
-from minisgl.runtime.manager import ReqHandle, RequestManager
+from minisgl.runtime.manager import Prompt, ReqHandle
 from minisgl.runtime.token_texts import TokenTexts
-from minisgl.scheduler import RequestSpec, expand_samples
+from minisgl.scheduler import expand_samples
 
 logger = logging.getLogger(__name__)
 
@@ -120,29 +120,6 @@ def per_item(value: Any, count: int, name: str, check: Callable[[Any], Any],
 
 
 # ---- /generate ---------------------------------------------------------------------------------
-
-@dataclass
-class Prompt(RequestSpec):
-    """A request to submit; a text prompt gets its input_ids on submission."""
-
-    text: str | None = None
-
-
-async def submit_prompts(manager: RequestManager, prompts: list[Prompt], streaming: bool = False
-                         ) -> list[ReqHandle]:
-    """Tokenize the text prompts (one batched call), then queue the batch, all or nothing."""
-    texts = [p for p in prompts if p.text is not None]
-    for p in texts:
-        if not p.text:
-            raise InvalidRequest("the prompt is empty")
-    if texts:
-        unique = list(dict.fromkeys(p.text for p in texts))  # n > 1 repeats a text n times
-        ids = dict(zip(unique, await manager.encode(unique)))
-        for p in texts:
-            p.input_ids = ids[p.text]
-    await manager.attach_grammars(prompts)
-    return manager.submit(list(prompts), streaming)
-
 
 @dataclass
 class GenerateRequest:

@@ -21,8 +21,7 @@ from minisgl.server.dashboard import OPEN_PATHS as DASHBOARD_OPEN_PATHS
 from minisgl.server.dashboard import Dashboard
 from minisgl.server.guard import Guard, Handler
 from minisgl.server.openai_api import OpenAIAPI
-from minisgl.runtime.native import (check_bool, generate_result, none_as, parse_generate,
-                                    submit_prompts)
+from minisgl.runtime.native import check_bool, generate_result, none_as, parse_generate
 from minisgl.runtime.token_texts import TokenTexts
 from minisgl.server.protocol import (MAX_BODY, HTTPError, error_response, json_response,
                                      read_json, too_large)
@@ -115,7 +114,7 @@ class Server:
         req = parse_generate(await read_json(request), self.manager.max_sequences,
                              self.runtime.unknown_fields)
         tokens = self.tokens if req.text_in_logprobs else None
-        handles = await submit_prompts(self.manager, req.prompts, req.stream)
+        handles = await self.manager.submit_prompts(req.prompts, req.stream)
         if not req.stream:
             await wait_all(self.manager, handles)
             results = [generate_result(h, tokens, req.prompt_ids_wanted) for h in handles]

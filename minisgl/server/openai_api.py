@@ -13,8 +13,8 @@ from aiohttp import web
 from minisgl.core import SamplingParams
 from minisgl.errors import InvalidRequest
 from minisgl.runtime import ReqHandle, Runtime
-from minisgl.runtime.native import (Prompt, check_bool, check_int, check_priority, is_ids,
-                                    none_as, submit_prompts)
+from minisgl.runtime.manager import Prompt
+from minisgl.runtime.native import check_bool, check_int, check_priority, is_ids, none_as
 from minisgl.runtime.token_texts import TokenTexts
 from minisgl.scheduler import expand_samples
 from minisgl.server.openai_fields import (CHAT_FIELDS, COMPLETION_FIELDS, MAX_TOP_LOGPROBS,
@@ -143,7 +143,7 @@ class OpenAIAPI:
         flat = [p for g in groups for p in g]
         for k, p in enumerate(flat):
             p.rid = f"{rid}-{k}"
-        handles = await submit_prompts(self.manager, flat, stream)
+        handles = await self.manager.submit_prompts(flat, stream)
         echoes = [""] * len(flat)
         if echo:
             tokenizer = self.manager.tokenizer
@@ -223,7 +223,7 @@ class OpenAIAPI:
         flat = groups[0]
         for k, p in enumerate(flat):
             p.rid = f"{rid}-{k}"
-        handles = await submit_prompts(self.manager, flat, stream)
+        handles = await self.manager.submit_prompts(flat, stream)
         head = {"id": rid, "object": "chat.completion", "created": int(time.time()),
                 "model": model}
         if stream:
