@@ -10,8 +10,21 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
+# Flags whose default (None in ServerArgs) depends on the device the engine runs on.
+DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "max_running_requests": {"cuda": 256, "cpu": 128},
+    "mem_fraction_static": {"cuda": 0.85, "cpu": 0.25},
+    "page_size": {"cuda": 1, "cpu": 16},
+}
+# --chunked-prefill-size's default; on CPU the engine may pick a smaller one (see
+# engine.chunking), with --enable-mixed-chunk CPU_MIXED_CHUNK.
+DEFAULT_CHUNK = 8192
+CPU_MIXED_CHUNK = 256
 
-DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
+
+def device_default(name: str, device_type: str) -> Any:
+    """The default of flag `name` (a key of DEVICE_DEFAULTS) on a `device_type` device."""
+    return DEVICE_DEFAULTS[name]["cuda" if device_type == "cuda" else "cpu"]
 
 
 def _flag(default: Any, help: str, *aliases: str, choices: list[str] | None = None,
@@ -50,7 +63,7 @@ class ServerArgs:
                              "config alone (benchmarks).", choices=["auto", "dummy"])
     dtype: str = _flag("auto", "auto (bfloat16; float32 on a CPU without native bfloat16 "
                        "matmuls), bfloat16, float16 or float32.",
-                       choices=list(DTYPE_CHOICES))
+                       choices=["auto", "bfloat16", "float16", "float32"])
     device: str = _flag("auto", "auto (cuda when available, else cpu), cuda or cpu.",
                         choices=["auto", "cuda", "cpu"])
     served_model_name: str | list[str] | None = _flag(
@@ -77,22 +90,28 @@ class ServerArgs:
     context_length: int | None = _flag(
         None, "Longest sequence (prompt + output); default: the model's.")
     max_running_requests: int | None = _flag(
-        None, "Requests decoded together at most (default 256 on GPU, 128 on CPU).")
+        None, "Requests decoded together at most (default "
+        f"{DEVICE_DEFAULTS['max_running_requests']['cuda']} on GPU, "
+        f"{DEVICE_DEFAULTS['max_running_requests']['cpu']} on CPU).")
     max_total_tokens: int | None = _flag(
         None, "Tokens the KV pool holds (default: from --mem-fraction-static).")
     mem_fraction_static: float | None = _flag(
-        None, "Share of device memory for weights + KV pool (GPU, default 0.85) or of free RAM "
-        "for the KV pool (CPU, default 0.25).")
+        None, "Share of device memory for weights + KV pool (GPU, default "
+        f"{DEVICE_DEFAULTS['mem_fraction_static']['cuda']}) or of free RAM for the KV pool "
+        f"(CPU, default {DEVICE_DEFAULTS['mem_fraction_static']['cpu']}).")
     max_queued_requests: int | None = _flag(
         None, "Waiting requests at most; beyond it new ones get HTTP 503.")
     chunked_prefill_size: int | None = _flag(
         None, "Most prompt tokens in one prefill batch; longer prompts are chunked (default "
-        "8192; on CPU at most what keeps one layer's gate/up output under 32 MiB, e.g. 4096 "
-        "for the bundled model in bf16, and 256 with --enable-mixed-chunk, where the chunk "
-        "bounds the running streams' inter-token stall).")
+        f"{DEFAULT_CHUNK}; on CPU at most what keeps one layer's gate/up output under 32 MiB, "
+        f"e.g. 4096 for the bundled model in bf16, and {CPU_MIXED_CHUNK} with "
+        "--enable-mixed-chunk, where the chunk bounds the running streams' inter-token "
+        "stall).")
     page_size: int | None = _flag(
-        None, "Tokens per KV page (default: 1 on GPU; 16 on CPU, where reading a request's KV "
-        "in runs of a page is much faster than from scattered tokens).")
+        None, "Tokens per KV page (default: "
+        f"{DEVICE_DEFAULTS['page_size']['cuda']} on GPU; {DEVICE_DEFAULTS['page_size']['cpu']} "
+        "on CPU, where reading a request's KV in runs of a page is much faster than from "
+        "scattered tokens).")
     schedule_policy: str = _flag(
         "fcfs", "Order of the waiting queue: fcfs, lpm (longest cached prefix first), lof "
         "(longest output first) or random.", choices=["fcfs", "lpm", "lof", "random"])
@@ -126,7 +145,11 @@ class ServerArgs:
         choices=["torch", "flashinfer"])
     cuda_graph_max_bs: int = _flag(160, "Largest decode batch captured in a CUDA graph.")
     disable_cuda_graph: bool = _flag(False, "Run decode eagerly on CUDA.")
-    seed: int = _flag(0, "Seed of the sampler for requests without a sampling_seed.")
+    seed: int = _flag(
+        0, "Seed of sampling for requests without a sampling_seed (they draw from one "
+        "generator seeded with it, so two servers started with the same seed sample the same "
+        "outputs for the same requests run in the same batches), of --schedule-policy random "
+        "and of --load-format dummy's weights.", "--random-seed")
     log_level: str = _flag("info", "Logging level.", choices=["debug", "info", "warning", "error"])
     log_requests: bool = _flag(
         False, "Log one line per finished request: rid, lengths, cached tokens, TTFT, "
@@ -151,10 +174,6 @@ class ServerArgs:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{flag(name)} must be an integer >= 1, got {value!r}")
-        if self.log_requests_level not in (0, 1, 2, 3) or isinstance(self.log_requests_level,
-                                                                       bool):
-            raise ValueError("--log-requests-level must be 0, 1, 2 or 3, got "
-                             f"{self.log_requests_level!r}")
         threshold = self.priority_scheduling_preemption_threshold
         if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
             raise ValueError("--priority-scheduling-preemption-threshold must be an integer "
@@ -164,20 +183,14 @@ class ServerArgs:
         fraction = self.mem_fraction_static
         if fraction is not None and not 0 < fraction <= 1:
             raise ValueError(f"--mem-fraction-static must be in (0, 1], got {fraction}")
-        for name, choices in (("dtype", DTYPE_CHOICES), ("device", ("auto", "cuda", "cpu")),
-                              ("load_format", ("auto", "dummy")),
-                              ("schedule_policy", ("fcfs", "lpm", "lof", "random")),
-                              ("quantization", (None, "gguf", "w8a8_int8", "fp8", "none")),
-                              ("sampling_defaults", ("model", "openai")),
-                              ("grammar_backend", ("xgrammar", "none")),
-                              ("tool_call_parser", ("hermes", "llama3")),
-                              ("log_requests_format", ("text", "json")),
-                              ("attention_backend", (None, "torch", "flashinfer")),
-                              ("log_level", ("debug", "info", "warning", "error"))):
-            if getattr(self, name) not in choices:
-                raise ValueError(f"{flag(name)} must be one of "
-                                 f"{', '.join(c for c in choices if c)}, got "
-                                 f"{getattr(self, name)!r}")
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            value = getattr(self, f.name)
+            if choices is None or (value is None and f.default is None):
+                continue
+            if value not in choices or (isinstance(value, bool) and f.type != "bool"):
+                raise ValueError(f"{flag(f.name)} must be one of "
+                                 f"{', '.join(str(c) for c in choices)}, got {value!r}")
         names = self.served_model_names
         if self.served_model_name is not None and not (
                 names and all(isinstance(n, str) and n for n in names)):
@@ -232,7 +245,8 @@ class ServerArgs:
         return cls(**{k: v for k, v in vars(namespace).items() if k in names})
 
     def pick(self, config_type: type[T]) -> T:
-        """The fields of a layer's config dataclass (EngineConfig, SchedulerConfig)."""
+        """A layer's config (EngineConfig, SchedulerConfig: see `flag_config`) filled from
+        these flags."""
         return config_type(**{f.name: getattr(self, f.name)
                               for f in dataclasses.fields(config_type)})
 
@@ -241,3 +255,19 @@ class ServerArgs:
         if values.get("api_key"):
             values["api_key"] = "<set>"
         return values
+
+
+def flag_config(cls: type[T]) -> type[T]:
+    """Make `cls` a frozen dataclass of the flags its annotations name: each field defaults to
+    its ServerArgs default, so a layer's config holds no default of its own. An annotation that
+    names no flag, or disagrees with the flag's type, is a TypeError at import."""
+    flags = {f.name: f for f in dataclasses.fields(ServerArgs)}
+    for name, annotation in cls.__dict__.get("__annotations__", {}).items():
+        flag = flags.get(name)
+        if flag is None or str(annotation) != str(flag.type):
+            raise TypeError(f"{cls.__name__}.{name}: {annotation} is no ServerArgs field of "
+                            "that type")
+        if name in cls.__dict__:
+            raise TypeError(f"{cls.__name__}.{name}: the default belongs to ServerArgs")
+        setattr(cls, name, flag.default)
+    return dataclass(frozen=True)(cls)

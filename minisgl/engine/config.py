@@ -1,27 +1,27 @@
-"""What an engine is built from: the model, its precision and device, memory and parallelism."""
+"""What an engine is built from: the model, its precision and device, memory and parallelism.
+Each field is the flag of the same name (defaults and meaning: minisgl.args.ServerArgs)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from minisgl.args import flag_config
 
 
-@dataclass(frozen=True)
+@flag_config
 class EngineConfig:
-    model_path: str | None = None  # None: the bundled SmolLM2
-    json_model_override_args: str | None = None
-    load_format: str = "auto"  # auto | dummy
-    # gguf | w8a8_int8 | fp8 | none; None: engine.quantization's default
-    quantization: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    tp_size: int = 1
-    context_length: int | None = None
-    max_running_requests: int | None = None
-    max_total_tokens: int | None = None
-    mem_fraction_static: float | None = None
-    page_size: int | None = None
-    attention_backend: str | None = None
-    cuda_graph_max_bs: int = 160
-    disable_cuda_graph: bool = False
-    seed: int = 0  # dummy weights
-    log_level: str = "info"  # of the tensor-parallel worker processes
+    model_path: str | None  # None: the bundled SmolLM2
+    json_model_override_args: str | None
+    load_format: str
+    quantization: str | None  # None: engine.quantization's default
+    dtype: str
+    device: str
+    tp_size: int
+    context_length: int | None
+    max_running_requests: int | None
+    max_total_tokens: int | None
+    mem_fraction_static: float | None
+    page_size: int | None
+    attention_backend: str | None
+    cuda_graph_max_bs: int
+    disable_cuda_graph: bool
+    seed: int  # sampling and dummy weights
+    log_level: str  # of the tensor-parallel worker processes

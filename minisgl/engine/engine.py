@@ -17,17 +17,19 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from minisgl.args import device_default
 from minisgl.attention import create_attention_backend, default_attention_backend
 from minisgl.core import Batch
 from minisgl.distributed.context import TPInfo, bind_thread, create_group, tp_context
 from minisgl.distributed.shm_queue import QueueClosed
 from minisgl.distributed.worker import GLOO_TIMEOUT_S, TPWorkers, cpu_threads
+from minisgl.engine.chunking import default_chunk
 from minisgl.engine.completion import Completion
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.forward import ForwardInput, ForwardOutput
 from minisgl.engine.graph import GraphRunner, supports_graphs
 from minisgl.engine.memory import allocate_kv_pool, release_cuda_memory
-from minisgl.engine.quantization import load_weights, log_weight_memory, resolve_quantization
+from minisgl.engine.quantization import resolve_quantization
 from minisgl.engine.runner import ModelRunner
 from minisgl.engine.sampler import Sampler
 from minisgl.engine.stream import CpuStream
@@ -35,7 +37,14 @@ from minisgl.engine.tp_message import StepMessage
 from minisgl.env import cuda_wait_mode
 from minisgl.errors import EngineFailed
 from minisgl.layers.linear import can_prepack, native_cpu_gemm
-from minisgl.models import ModelArch, build_model, load_config, resolve_model_path
+from minisgl.models import (
+    ModelArch,
+    build_model,
+    load_config,
+    load_weights,
+    log_weight_memory,
+    resolve_model_path,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -136,14 +145,14 @@ class Engine:
                                       GLOO_TIMEOUT_S)
         with tp_context(self.tp, self.group):
             self.model = self._build_model()
-            self.max_running = config.max_running_requests or (
-                256 if self.device.type == "cuda" else 128)
-            self.page_size = config.page_size or (1 if self.device.type == "cuda" else 16)
+            device_type = self.device.type
+            self.max_running = (config.max_running_requests
+                                or device_default("max_running_requests", device_type))
+            self.page_size = config.page_size or device_default("page_size", device_type)
             kv_heads = self.model.layers[0].self_attn.qkv_proj.num_kv_heads
             self.kv_pool = allocate_kv_pool(config, self.arch, kv_heads, self.page_size,
                                             self.dtype, self.device, self.tp.size)
-        rows = self.max_running + 1  # the last row is the dummy row (CUDA graph padding)
-        self.dummy_row = self.max_running
+        rows = self.max_running + 1  # the request rows, then the dummy row
         self.page_table = torch.zeros(rows, self.context_len, dtype=torch.int32, device=self.device)
         self.token_pool = torch.zeros(rows, self.context_len, dtype=torch.int32, device=self.device)
         self.page_table[self.dummy_row].fill_(self.kv_pool.dummy_loc)
@@ -151,7 +160,8 @@ class Engine:
             config.attention_backend or default_attention_backend(self.device, self.dtype),
             self.kv_pool, self.page_table, self.arch.head_dim ** -0.5,
             num_qo_heads=self.model.layers[0].self_attn.qkv_proj.num_heads)  # flashinfer only
-        self.sampler = Sampler(self.arch.vocab_size, self.device, list(self.arch.eos_token_ids))
+        self.sampler = Sampler(self.arch.vocab_size, self.device, list(self.arch.eos_token_ids),
+                               seed=config.seed)
         graph_runner = None
         if (self.device.type == "cuda" and not config.disable_cuda_graph
                 and supports_graphs(self.attn_backend)):
@@ -186,8 +196,10 @@ class Engine:
                 model = build_model(self.arch)
         finally:
             torch.set_default_dtype(default_dtype)
-        load_weights(model, self.config, self.model_path, self.arch, self.quantization,
-                     self.dtype, self.device)
+        config = self.config
+        load_weights(model, self.model_path, self.arch, self.quantization, self.dtype,
+                     self.device, load_format=config.load_format, seed=config.seed,
+                     model_path=config.model_path)
         if can_prepack(next(model.parameters())):
             for module in model.modules():
                 if hasattr(module, "prepack_for_cpu"):
@@ -205,6 +217,20 @@ class Engine:
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         return self.arch.eos_token_ids
+
+    @property
+    def dummy_row(self) -> int:
+        """The row of page_table / token_pool that pads a batch (CUDA graphs): the last one,
+        after the max_running request rows; its pages are the KV pool's dummy page."""
+        return self.max_running
+
+    def default_chunked_prefill_size(self, mixed: bool) -> int:
+        """Prompt tokens per prefill step when --chunked-prefill-size is not given; `mixed`:
+        with --enable-mixed-chunk. On CPU it keeps one layer's gate/up output (this rank's
+        share) within what the allocator serves without fresh mappings."""
+        widest_row_bytes = (2 * self.arch.intermediate_size // self.tp.size
+                            * self.dtype.itemsize)
+        return default_chunk(self.device.type, mixed, widest_row_bytes)
 
     @property
     def waits_for_masks(self) -> bool:

@@ -7,15 +7,13 @@ import logging
 import psutil
 import torch
 
+from minisgl.args import device_default
 from minisgl.distributed.context import all_reduce_min
 from minisgl.engine.config import EngineConfig
 from minisgl.kvcache import KVPool
 from minisgl.models import ModelArch
 
 logger = logging.getLogger(__name__)
-
-GPU_MEM_FRACTION = 0.85  # of device memory for weights + KV pool
-CPU_MEM_FRACTION = 0.25  # of free RAM for the KV pool
 
 
 def allocate_kv_pool(config: EngineConfig, arch: ModelArch, kv_heads: int, page_size: int,
@@ -24,13 +22,13 @@ def allocate_kv_pool(config: EngineConfig, arch: ModelArch, kv_heads: int, page_
     loaded); every rank takes the smallest count, so a page id means one slot everywhere."""
     per_token = KVPool.bytes_per_token(arch.num_layers, kv_heads, arch.head_dim, dtype)
     tokens = config.max_total_tokens
+    fraction = config.mem_fraction_static or device_default("mem_fraction_static", device.type)
     if tokens is None:
         if device.type == "cuda":
             free, total = torch.cuda.mem_get_info(device)
-            budget = free - total * (1 - (config.mem_fraction_static or GPU_MEM_FRACTION))
+            budget = free - total * (1 - fraction)  # of device memory for weights + KV pool
         else:  # the ranks share the host's memory
-            budget = (psutil.virtual_memory().available
-                      * (config.mem_fraction_static or CPU_MEM_FRACTION) / tp_size)
+            budget = psutil.virtual_memory().available * fraction / tp_size  # for the KV pool
         tokens = int(budget // per_token)
     tokens = all_reduce_min(tokens, device)
     num_pages = tokens // page_size

@@ -7,8 +7,7 @@ raw logits.
 Everything is vectorized over the batch and vocabulary; the only Python loop is over requests
 with their own seeded generator. Sampling inverts the CDF: one uniform draw per row u, the first
 token whose running sum of probabilities exceeds u * total, so every row can bring its own draw
-(one per row, where the exponential race argmax(p / E) drew one per vocabulary entry: on CPU
-that was ~40% of a 64-row decode step, BENCHMARKS.md).
+and a step draws one number per row, not one per vocabulary entry.
 """
 
 from __future__ import annotations
@@ -65,12 +64,18 @@ class SampleOutput:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, device: torch.device, eos_token_ids: list[int]) -> None:
+    def __init__(self, vocab_size: int, device: torch.device, eos_token_ids: list[int],
+                 seed: int | None = None) -> None:
+        """`seed`: of the generator every row without its own (no sampling_seed) draws from,
+        so the same requests in the same batches sample the same tokens; None: a random one."""
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.eos_token_ids = list(eos_token_ids)
         self.generator = torch.Generator(device=self.device)  # for unseeded rows
-        self.generator.seed()
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed % 2**64)
 
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         host = torch.tensor(values, dtype=dtype)

@@ -2,6 +2,7 @@
 
 from minisgl.models.arch import ModelArch
 from minisgl.models.dummy_weights import load_dummy
+from minisgl.models.loader import load_weights, log_weight_memory
 from minisgl.models.registry import UnsupportedModel, build_model
 from minisgl.models.weights import (
     ModelNotFound,
@@ -14,4 +15,5 @@ from minisgl.models.weights import (
 
 __all__ = ["ModelArch", "ModelNotFound", "UnsupportedModel", "build_model",
            "generation_defaults", "load_config",
-           "load_dummy", "load_safetensors", "model_name", "resolve_model_path"]
+           "load_dummy", "load_safetensors", "load_weights", "log_weight_memory", "model_name",
+           "resolve_model_path"]

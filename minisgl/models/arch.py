@@ -5,6 +5,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+# What sets a family apart from the Llama decoder, whatever its config says; a config matches
+# a family by its model_type or by its architectures entry.
+FAMILY_TRAITS: dict[tuple[str, str], dict[str, bool]] = {
+    ("qwen2", "Qwen2ForCausalLM"): {"attention_bias": True},  # a bias on the q/k/v projections
+    # a per-head RMSNorm on queries and keys before RoPE
+    ("qwen3", "Qwen3ForCausalLM"): {"qk_norm": True},
+}
+
+
+def family_traits(model_type: str, architecture: str) -> dict[str, bool]:
+    traits: dict[str, bool] = {}
+    for (family_type, family_architecture), family in FAMILY_TRAITS.items():
+        if model_type == family_type or architecture == family_architecture:
+            traits.update(family)
+    return traits
+
 
 @dataclass(frozen=True)
 class ModelArch:
@@ -34,6 +50,7 @@ class ModelArch:
         rope.setdefault("rope_theta", config.get("rope_theta", 10000.0))
         eos = config.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        traits = family_traits(model_type, archs[0])
         return cls(
             architecture=archs[0],
             model_type=model_type,
@@ -48,7 +65,8 @@ class ModelArch:
             max_position_embeddings=config.get("max_position_embeddings", 4096),
             rope=rope,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            attention_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
+            attention_bias=traits.get("attention_bias",
+                                      bool(config.get("attention_bias", False))),
+            qk_norm=traits.get("qk_norm", False),
             eos_token_ids=eos_ids,
         )

@@ -43,7 +43,7 @@ def checkpoint_shapes(arch: Any) -> dict[str, tuple[int, ...]]:
         if arch.attention_bias:
             shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                            p + "self_attn.v_proj.bias": (kv,)})
-        if arch.qk_norm or arch.architecture == "Qwen3ForCausalLM":
+        if arch.qk_norm:
             shapes.update({p + "self_attn.q_norm.weight": (head_dim,),
                            p + "self_attn.k_norm.weight": (head_dim,)})
     shapes["model.norm.weight"] = (hidden,)

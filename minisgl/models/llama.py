@@ -1,4 +1,4 @@
-"""The Llama family decoder (Llama 2/3, SmolLM2), also the base of Qwen2 and Qwen3.
+"""The Llama family decoder (Llama 2/3, SmolLM2), also Qwen2 and Qwen3 (their traits: ModelArch).
 
 Runs over a flat batch of tokens: input_ids [T], positions [T]; attention reads and writes the
 paged KV pool through the attention backend, which knows where each request's tokens live.

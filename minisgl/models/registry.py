@@ -1,4 +1,5 @@
-"""Which of our model classes serves a Hugging Face `architectures` entry."""
+"""Which of our model classes serves a Hugging Face `architectures` entry. Qwen2 and Qwen3 are
+the Llama decoder with the traits ModelArch gives them (models.arch.FAMILY_TRAITS)."""
 
 from __future__ import annotations
 
@@ -6,14 +7,12 @@ from torch import nn
 
 from minisgl.models.arch import ModelArch
 from minisgl.models.llama import LlamaForCausalLM
-from minisgl.models.qwen2 import Qwen2ForCausalLM
-from minisgl.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
 }
 
 

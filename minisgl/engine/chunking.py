@@ -1,0 +1,29 @@
+"""The default chunked-prefill size: how many prompt tokens one prefill step takes when
+--chunked-prefill-size is not given."""
+
+from __future__ import annotations
+
+from minisgl.args import CPU_MIXED_CHUNK, DEFAULT_CHUNK
+
+# NOTE: glibc serves an allocation above 32 MiB (its largest mmap threshold) with a fresh
+# mapping, so a prefill step whose activations are wider page-faults them in anew at every
+# layer, which costs more per row than a narrower step (BENCHMARKS.md). On CPU the default
+# chunk keeps the widest activation, the merged gate/up output, under that size.
+CPU_ALLOCATION_LIMIT = 32 << 20
+CPU_SMALLEST_CHUNK = 1024
+
+
+def default_chunk(device_type: str, mixed: bool, widest_row_bytes: int) -> int:
+    """`widest_row_bytes`: one token's widest activation (gate/up output) on this rank.
+
+    On CPU with mixed chunks a step costs about as much as its prefill chunk, so the small
+    CPU_MIXED_CHUNK bounds the running streams' inter-token stall; unmixed, prefill runs first
+    anyway and a small chunk would only add per-step overhead."""
+    if device_type != "cpu":
+        return DEFAULT_CHUNK
+    if mixed:
+        return CPU_MIXED_CHUNK
+    chunk = DEFAULT_CHUNK
+    while chunk > CPU_SMALLEST_CHUNK and chunk * widest_row_bytes > CPU_ALLOCATION_LIMIT:
+        chunk //= 2
+    return chunk

@@ -1,0 +1,66 @@
+"""Filling a built model with its weights: random ones (--load-format dummy) or the
+checkpoint's, then each linear weight brought into the form --quantization asks for."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from minisgl.layers.quant import WeightBlocks
+from minisgl.models.arch import ModelArch
+from minisgl.models.dummy_weights import load_dummy
+from minisgl.models.gguf_blocks import stage_block_linears
+from minisgl.models.weights import gguf_file, load_safetensors
+
+logger = logging.getLogger(__name__)
+
+
+def load_weights(model: torch.nn.Module, folder: Path, arch: ModelArch, method: str,
+                 dtype: torch.dtype, device: torch.device, *, load_format: str, seed: int,
+                 model_path: str | None) -> None:
+    """Fill `model`: random weights (`load_format` dummy, drawn from `seed`), or the converted
+    checkpoint `folder`; with `method` gguf, its 4-bit linear weights come from the GGUF file
+    of `model_path` instead (never read dense). Then w8a8_int8 / fp8 quantize each layer's
+    dense weight and release it."""
+    if load_format == "dummy":
+        load_dummy(model, arch, seed, device, dtype, int4=method == "gguf")
+    else:
+        staged: dict[str, WeightBlocks] = {}
+        if method == "gguf":
+            heads = {"num_heads": arch.num_heads, "num_kv_heads": arch.num_kv_heads}
+            staged, kept = stage_block_linears(model, gguf_file(model_path), heads)
+            if kept:
+                logger.warning("--quantization gguf: %d linear weights (%s) have no block "
+                               "kernel here and run dequantized", len(kept),
+                               ", ".join(sorted(set(kept.values()))))
+        load_safetensors(model, folder, skip=set(staged))
+        for name, blocks in staged.items():
+            model.load_weight(name, blocks)
+    for module in model.modules():
+        if isinstance(getattr(module, "weight", None), WeightBlocks):
+            module.finish_blocks(dtype)
+        elif method == "w8a8_int8" and hasattr(module, "quantize_int8"):
+            module.quantize_int8()
+        elif method == "fp8" and hasattr(module, "quantize_fp8"):
+            module.quantize_fp8()
+        if method in ("gguf", "w8a8_int8") and hasattr(module, "add_int8_copy"):  # LM head
+            module.add_int8_copy(per_channel=method == "w8a8_int8")
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the released dense weights: the KV pool is sized next
+
+
+def log_weight_memory(model: torch.nn.Module, method: str, dtype: torch.dtype) -> None:
+    """The weights' resident size (after CPU prepacking, which may keep a second copy)."""
+    modules = list(model.modules())
+    compact = sum(weight.nbytes for m in modules for weight in (getattr(m, "quantized", None),
+                                                                  getattr(m, "int8", None))
+                  if weight is not None)
+    dense = sum(p.numel() * p.element_size() for p in model.parameters())
+    packed = sum(m.packed.numel() * m.packed.element_size() for m in modules
+                 if getattr(m, "packed", None) is not None)
+    logger.info("weights: %.0f MB resident (%s, quantization %s: %.0f MB quantized, %.0f MB "
+                "dense, %.0f MB prepacked)", (compact + dense + packed) / 1e6,
+                str(dtype).removeprefix("torch."), method, compact / 1e6, dense / 1e6,
+                packed / 1e6)
