@@ -8,6 +8,7 @@ ends with a broadcast of the sampled ids (only rank 0 samples).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from functools import partial
@@ -25,6 +26,7 @@ from minisgl.distributed.shm_queue import QueueClosed
 from minisgl.distributed.worker import GLOO_TIMEOUT_S, TPWorkers, cpu_threads
 from minisgl.engine.chunking import default_chunk
 from minisgl.engine.completion import Completion
+from minisgl.engine.failure import FailureWatch
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.forward import ForwardInput, ForwardOutput
 from minisgl.engine.graph import GraphRunner, supports_graphs
@@ -97,6 +99,7 @@ class Engine:
         self.workers: TPWorkers | None = None
         self.stream: Any = None
         self._failure: str | None = None  # kept after shutdown
+        self._failure_watch: FailureWatch | None = None
         self._saved_threads: int | None = None
         self.device = resolve_device(config.device)
         if self.device.type == "cuda":
@@ -301,8 +304,26 @@ class Engine:
 
     @property
     def failed(self) -> str | None:
-        """Why this engine cannot run any more (a tensor-parallel rank died), else None."""
+        """Why this engine cannot run any more (a tensor-parallel rank died), else None: the
+        one place to read it."""
         return self.workers.failed if self.workers is not None else self._failure
+
+    def failure(self) -> asyncio.Future[str]:
+        """The one way to await a failure: a future of the running loop that completes with
+        `failed`'s message when the engine fails (at once if it already has; on tp 1 never).
+        Every caller on the same loop gets the same future. Call on the loop."""
+        loop = asyncio.get_running_loop()
+        watch = self._failure_watch
+        if watch is None or watch.loop is not loop:
+            if watch is not None:
+                watch.close()
+            if self.workers is None and self._failure is not None:  # failed, then shut down
+                future: asyncio.Future[str] = loop.create_future()
+                future.set_result(self._failure)
+                return future
+            watch = self._failure_watch = FailureWatch(self.add_failure_listener,
+                                                       self.remove_failure_listener)
+        return watch.future
 
     def add_failure_listener(self, callback: Callable[[str], None]) -> None:
         """`callback(message)` once, from a monitor thread, when the engine fails (tp > 1)."""
@@ -317,6 +338,9 @@ class Engine:
         """Stop the engine thread and, tp > 1, every worker; removes our shared memory. On
         CUDA the device memory is freed at once."""
         failed = self.failed
+        if self._failure_watch is not None:
+            self._failure_watch.close()
+            self._failure_watch = None
         if self.stream is not None:
             # NOTE: after a failure the engine thread may sit in a broken collective: no join
             self.stream.close(wait=failed is None)
