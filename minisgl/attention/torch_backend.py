@@ -1,6 +1,6 @@
 """Torch paged attention. On CPU with the compiled kernels, every batch is one kernel call that
 reads K/V in place: each token attends to the first position + 1 locations of its request's
-page-table row (a decode token is the case of one token per request), 2-4x faster than SDPA's
+page-table row (a decode token is the case of one token per request), which beats SDPA's
 fused CPU kernel on prefill too (BENCHMARKS.md). Otherwise (no compiler, or CUDA without
 FlashInfer): SDPA per request for prefill, grouped matmuls over gathered K/V for decode, and a
 mixed batch runs both: its prefill tokens, then its decode tokens.

@@ -32,7 +32,7 @@ def cpu_kernels() -> Any | None:
         from torch.utils.cpp_extension import load
 
         # NOTE: one build folder per source, flags and source folder: ninja's build commands
-        # name the sources' paths, so two checkouts sharing one folder rebuilt it in turn
+        # name the sources' paths, so two checkouts sharing one folder would rebuild it in turn
         digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS)
                                 + " ".join(CFLAGS).encode() + str(CSRC).encode()).hexdigest()
         build = cache_root() / "kernels" / digest[:16]

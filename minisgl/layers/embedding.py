@@ -14,8 +14,8 @@ from minisgl.layers.quant import VnniWeight, int8_weight, vnni_kernels
 from minisgl.layers.w8a8 import Int8ChannelWeight, fits_int8
 from minisgl.layers.shard import copy_into, read_rows
 
-# NOTE: measured on the project's CPU (BENCHMARKS.md, "Quantized weights"): the 8-bit VNNI
-# kernel beats the bf16 GEMM on the 49152 x 576 head up to 8 rows, not from 16.
+# NOTE: the 8-bit VNNI kernel is used on the LM head only while it beats the bf16 GEMM there,
+# at a few rows (the crossover: BENCHMARKS.md, "Quantized weights").
 INT8_MAX_ROWS = 8
 
 

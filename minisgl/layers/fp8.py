@@ -4,11 +4,10 @@ weights once they are loaded; activations stay in the serving dtype (weight-only
 rounding added is the weights' (3 mantissa bits, relative error at most 1/16 per value).
 
 Decode batches of up to KERNEL_MAX_ROWS rows run kernels/fp8_matmul (Triton), which reads 1 byte
-per weight instead of 2: at a few rows a step is bound by those bytes (1.4-1.7x cuBLAS on bf16
-weights per layer at one row on an H100). Larger batches widen the weight (scales applied) to
-the activations' dtype in one pass for cuBLAS, which beat the kernel from 256 rows. From ~32
-rows both lose to cuBLAS on bf16 weights: fp8 weight-only is for latency at few streams (and
-for memory), not for throughput at many.
+per weight instead of 2: at a few rows a step is bound by those bytes. Larger batches widen the
+weight (scales applied) to the activations' dtype in one pass for cuBLAS. At many rows both lose
+to cuBLAS on bf16 weights: fp8 weight-only is for latency at few streams (and for memory), not
+for throughput at many (figures: BENCHMARKS.md, "GPU, second session").
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import torch.nn.functional as F
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
-# above: widen + cuBLAS (measured on an H100: BENCHMARKS.md, "GPU, second session")
+# above: widen + cuBLAS, the faster of the two there
 KERNEL_MAX_ROWS = 64
 MIN_CAPABILITY = (8, 9)  # Ada / Hopper: float8 conversions in hardware (Triton needs them)
 

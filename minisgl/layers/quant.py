@@ -24,11 +24,11 @@ from minisgl.kernels import cpu_kernels
 
 GROUP = 32
 LANES = 16  # output features per block of the VNNI layout
-# NOTE: measured on the project's CPU (BENCHMARKS.md): past this many rows, dequantizing the
-# layer to bfloat16 and running the GEMM beats the integer dot products.
+# NOTE: past this many rows, dequantizing the layer to bfloat16 and running the GEMM beats the
+# integer dot products (the crossover on the project's CPU: BENCHMARKS.md).
 VNNI_MAX_ROWS = 384
-# NOTE: measured on the project's CPU (BENCHMARKS.md): past this many rows the int4 kernel's
-# per-row dequantization costs more than dequantizing the layer once and running the GEMM.
+# NOTE: past this many rows the int4 kernel's per-row dequantization costs more than
+# dequantizing the layer once and running the GEMM (the crossover: BENCHMARKS.md).
 KERNEL_MAX_ROWS = 192
 
 

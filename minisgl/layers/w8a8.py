@@ -1,10 +1,9 @@
 """`--quantization w8a8_int8` on CPU: int8 linear weights with one scale per output feature,
 multiplied by activations quantized to int8 as they arrive (SGLang's w8a8_int8: per-channel
 weights, dynamic activations), through kernels/csrc/int8_matmul.cpp. The activations get a
-scale per token and group of 32 inputs rather than SGLang's one per token: on the bundled model
-that halves the logit error for 10-20% more kernel time (BENCHMARKS.md). Integer dot products
-(vpdpbusd) run 1.5-1.7x as fast as the prepacked bf16 GEMM from 64 rows up, decode and prefill
-alike, and 2-3x at a few rows.
+scale per token and group of 32 inputs rather than SGLang's one per token, for a smaller logit
+error at a small kernel cost. Integer dot products (vpdpbusd) are there to beat the prepacked
+bf16 GEMM at every row count, decode and prefill alike (figures: BENCHMARKS.md, "W8A8").
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Random ("dummy") weights that do not depend on the tensor-parallel size.
 
-`--load-format dummy` used to draw each rank's shard from one generator in parameter order, so
-tp 1 and tp 2 ran different models. Here every checkpoint tensor (Hugging Face naming, Llama
+Every tensor parallel size must run the same model. So every checkpoint tensor (Hugging Face
+naming, Llama
 family: Llama, Mistral, Qwen2, Qwen3) is drawn whole from a generator seeded by its name and
 `--seed`, then handed to `model.load_weight` like a real checkpoint tensor, so each rank keeps
 exactly its shard of the same model. Norm weights are 1, everything else N(0, 0.02); with

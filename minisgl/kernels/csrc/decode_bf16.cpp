@@ -1,7 +1,7 @@
 // Paged attention in bfloat16 (the dtype minisgl serves in on CPU) with AVX-512 BF16, for head
 // dims 64 and 128; cpu_kernels.cpp's generic loop takes every other case. One task is one
 // token and KV head over the first `len` locations of the token's row: a decode token, or a
-// prefill token (len = position + 1 gives causality), 2-4x SDPA's fused CPU kernel there.
+// prefill token (len = position + 1 gives causality), to beat SDPA's fused CPU kernel there.
 //
 // Scores: tiles of 16 tokens. Per query head each token's q.k is one float vector of partial
 // sums (vdpbf16ps: 32 bfloat16 products per instruction, exact products, float32 sums); one
@@ -70,14 +70,14 @@ struct Task {
 
 // The rows a task reads, in order, continued into the next task's: K rows [0, len), V rows
 // [len, 2 len), the next task's K rows [2 len, 2 len + next_len). In decode, prefetching
-// 3 tiles ahead along it (1-4 measured, scripts/bench_attention.py) keeps misses in flight
-// across the K -> V and task boundaries, where a request's pages (2 KiB runs per head at 16
-// tokens) start cold: the KV of a decode batch comes from DRAM. A prefill's comes from cache,
-// where that distance measured 7-10% slower than one tile without the continuation.
+// a few tiles ahead along it (the distance: scripts/bench_attention.py) keeps misses in
+// flight across the K -> V and task boundaries, where a request's pages (2 KiB runs per head
+// at 16 tokens) start cold: the KV of a decode batch comes from DRAM. A prefill's comes from
+// cache, where one tile without the continuation is the faster distance.
 constexpr int64_t kDecodeAhead = 3 * kTile, kPrefillAhead = kTile;
 
-// NOTE: inlined by force: a call in the value pass spills its register accumulators (every
-// zmm register is caller-saved), which made the pass ~2x slower.
+// NOTE: inlined by force: a call in the value pass would spill its register accumulators
+// (every zmm register is caller-saved).
 template <int DIM>
 [[gnu::always_inline]] inline void prefetch_stream(const Task& a, int64_t from, int64_t to) {
   for (int64_t i = from; i < to; ++i) {

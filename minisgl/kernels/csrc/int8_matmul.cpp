@@ -1,7 +1,7 @@
 // W8A8: int8 weights with a scale per output feature x bfloat16 activations quantized to int8
 // as they arrive, per row and group of `group` inputs (SGLang's w8a8_int8 quantizes per row;
-// minisgl's layers pass groups of 32, as llama.cpp's Q8 activations: BENCHMARKS.md measured the
-// bundled model's logits 2x closer to float32 for 10-20% more time), on AVX-512 VNNI.
+// minisgl's layers pass groups of 32, as llama.cpp's Q8 activations, for logits closer to
+// float32 at a small cost in time: BENCHMARKS.md), on AVX-512 VNNI.
 // Per group the dot product is an integer one (vpdpbusd: 64 multiply-adds per instruction,
 // twice a bfloat16 dot product's 32), added to a float sum with the group's activation scale;
 // the weight scale is applied once at the end.
