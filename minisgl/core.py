@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -218,60 +218,80 @@ def check_logprob_start_len(start: int, prompt_len: int) -> None:
                              f"tokens ({prompt_len})")
 
 
-@dataclass
 class Req:
-    """One sequence being served.
+    """One sequence being scheduled.
 
-    Positions [0, kv_len) have K/V computed (or being computed by a launched batch), of which
-    [0, shared_len) are pages the prefix cache holds for it (lent at admission, or its own
-    prefilled pages handed over: see scheduler.prefill); tokens
-    [0, device_len) are known on the device (`token_pool`). `host_ids` holds the tokens the
-    host has seen: the prompt plus every processed output token. `cached_tokens` is what the
-    client is told: prompt tokens the prefix cache served at the first admission.
+    `host_ids` is append-only: the prompt (its first `prompt_len` tokens), then every processed
+    output token. Positions [0, kv_len) have K/V computed (or being computed by a launched
+    batch), of which [0, shared_len) are pages the prefix cache holds for it (lent at admission,
+    or its own prefilled pages handed over: see scheduler.prefill); tokens [0, device_len) are
+    known on the device (`token_pool`).
     """
 
-    uid: int
-    rid: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    max_device_len: int
-    stop_ids: frozenset[int] = frozenset()  # sampled ids that finish it (EOS unless ignored)
-    output_ids: list[int] = field(default_factory=list)
-    table_idx: int = -1
-    kv_len: int = 0
-    device_len: int = 0
-    shared_len: int = 0
-    tail_loc: int = -1  # KV location of position kv_len - 1 (for partly filled pages)
-    cache_handle: Any = None  # locks the shared prefix in the prefix cache
-    finish_reason: dict[str, Any] | None = None
-    generator: torch.Generator | None = None
-    admitted_at: int = 0  # admission order; retraction takes the newest first
-    logprob_num: int = -1  # -1: no logprobs; 0: the sampled token's; k: also the top k
-    logprob_start_len: int = -1  # input logprobs from this prompt position (-1: none)
-    input_logprobs: list[float] = field(default_factory=list)  # of prompt_ids[start + 1 + i]
-    input_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
-    input_logprobs_sent: bool = False  # delivered with the first output token
-    cached_tokens: int = 0
-    matcher: Any = None  # the grammar's state (grammar.backend.Matcher), or None
-    priority: int = 0  # with priority scheduling: higher first (see scheduler.policy)
+    __slots__ = ("uid", "rid", "priority", "host_ids", "prompt_len", "max_device_len", "params",
+                 "stop_ids", "generator", "matcher", "logprob_num", "logprob_start_len",
+                 "input_logprobs", "input_top_logprobs", "table_idx", "kv_len", "device_len",
+                 "shared_len", "tail_loc", "cache_handle", "admitted_at", "cached_tokens",
+                 "finish_reason")
+
+    def __init__(self, uid: int, rid: str, prompt_ids: list[int], params: SamplingParams,
+                 max_device_len: int, stop_ids: frozenset[int] = frozenset(),
+                 logprob_num: int = -1, logprob_start_len: int = -1, matcher: Any = None,
+                 generator: torch.Generator | None = None, priority: int = 0) -> None:
+        self.uid, self.rid = uid, rid
+        self.priority = priority  # with priority scheduling: higher first (scheduler.policy)
+        self.host_ids = list(prompt_ids)
+        self.prompt_len = len(self.host_ids)
+        self.max_device_len = max_device_len
+        # sampling: the parameters, and the state the sampler and the finish checks keep
+        self.params = params
+        self.stop_ids = stop_ids  # sampled ids that finish it (EOS unless ignored)
+        self.generator = generator  # its own, when sampling_seed is set
+        self.matcher = matcher  # the grammar's state (grammar.backend.Matcher), or None
+        self.logprob_num = logprob_num  # -1: no logprobs; 0: the sampled token's; k: top k too
+        self.logprob_start_len = logprob_start_len  # input logprobs from here (-1: none)
+        # NOTE: a prompt's scored positions may span several prefill chunks; their logprobs
+        # are gathered here and handed over once, with the first output.
+        self.input_logprobs: list[float] = []  # of host_ids[logprob_start_len + 1 + i]
+        self.input_top_logprobs: list[list[tuple[float, int]]] = []
+        self.table_idx = -1
+        self.kv_len = self.device_len = self.shared_len = 0
+        self.tail_loc = -1  # KV location of position kv_len - 1 (for partly filled pages)
+        self.cache_handle: Any = None  # locks the shared prefix in the prefix cache
+        self.admitted_at = 0  # admission order; retraction takes the newest first
+        self.cached_tokens = 0  # prompt tokens the prefix cache served at the first admission
+        self.finish_reason: dict[str, Any] | None = None
+
+    def __repr__(self) -> str:
+        return (f"Req(uid={self.uid}, rid={self.rid!r}, tokens={len(self.host_ids)}, "
+                f"kv_len={self.kv_len}, finish_reason={self.finish_reason})")
 
     @property
-    def host_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def prompt_ids(self) -> list[int]:
+        return self.host_ids[: self.prompt_len]
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.host_ids[self.prompt_len:]
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.host_ids) - self.prompt_len
 
     @property
     def scored_positions(self) -> range:
         """Prompt positions whose logits give an input logprob: position p scores
-        prompt_ids[p + 1]. (SGLang's layout: the token at logprob_start_len itself gets None,
+        host_ids[p + 1]. (SGLang's layout: the token at logprob_start_len itself gets None,
         and the last prompt position's logits are the first output's.)"""
         if self.logprob_start_len < 0:
             return range(0)
-        return range(self.logprob_start_len, len(self.prompt_ids) - 1)
+        return range(self.logprob_start_len, self.prompt_len - 1)
 
     @property
     def input_logprob_positions(self) -> range:
-        """The scored positions still to deliver."""
-        return range(0) if self.input_logprobs_sent else self.scored_positions
+        """The scored positions still to deliver: none once an output was produced (they
+        went with it)."""
+        return range(0) if self.num_outputs else self.scored_positions
 
     @property
     def scores_only(self) -> bool:
@@ -285,12 +305,6 @@ class Req:
     @property
     def is_finished(self) -> bool:
         return self.finish_reason is not None
-
-    def __hash__(self) -> int:
-        return self.uid
-
-    def __eq__(self, other: object) -> bool:
-        return self is other
 
 
 # A mixed batch (--enable-mixed-chunk) is a prefill whose last `decode_rows` rows are running

@@ -31,8 +31,10 @@ STOP_REGEX_TIMEOUT_S = 0.05
 
 @dataclass
 class DecodeState:
+    """One request's detokenization. Offsets index its tokens: `context`, then `output_ids`."""
+
     params: SamplingParams
-    ids: list[int]  # context tokens, then every output token
+    context: list[int]  # the prompt's last tokens, decoded in front of the output
     surr_offset: int = 0
     read_offset: int = 0
     text: str = ""  # all the text decoded so far
@@ -47,8 +49,19 @@ class DecodeState:
     @classmethod
     def start(cls, prompt_ids: list[int], params: SamplingParams) -> DecodeState:
         context = prompt_ids[-CONTEXT_TOKENS:]
-        return cls(params=params, ids=list(context), surr_offset=0, read_offset=len(context),
+        return cls(params=params, context=context, surr_offset=0, read_offset=len(context),
                    regexes=[compile_stop_regex(p) for p in params.stop_regexes])
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.context) + len(self.output_ids)
+
+    def tokens(self, start: int, end: int | None = None) -> list[int]:
+        """Tokens [start, end) of context + output_ids."""
+        skip = len(self.context)
+        if start >= skip:
+            return self.output_ids[start - skip: None if end is None else end - skip]
+        return (self.context + self.output_ids)[start:end]
 
     @property
     def visible_text(self) -> str:
@@ -65,7 +78,6 @@ class IncrementalDetokenizer:
         pending: dict[int, DecodeState] = {}
         for state, token, _ in updates:
             if token is not None and state.finish_reason is None:
-                state.ids.append(token)
                 state.output_ids.append(token)
                 pending[id(state)] = state  # NOTE: once, though coalesced steps repeat it
         self._decode(list(pending.values()))
@@ -89,13 +101,14 @@ class IncrementalDetokenizer:
             kwargs = {"skip_special_tokens": skip,
                       "spaces_between_special_tokens": group[0].params.spaces_between_special_tokens}
             surr = self.tokenizer.batch_decode(
-                [s.ids[s.surr_offset:s.read_offset] for s in group], **kwargs)
-            full = self.tokenizer.batch_decode([s.ids[s.surr_offset:] for s in group], **kwargs)
+                [s.tokens(s.surr_offset, s.read_offset) for s in group], **kwargs)
+            full = self.tokenizer.batch_decode([s.tokens(s.surr_offset) for s in group],
+                                               **kwargs)
             for state, before, now in zip(group, surr, full):
                 if now.endswith("\ufffd") or len(now) <= len(before):
                     continue  # an incomplete UTF-8 sequence: wait for the next token
                 state.text += now[len(before):]
-                state.surr_offset, state.read_offset = state.read_offset, len(state.ids)
+                state.surr_offset, state.read_offset = state.read_offset, state.num_tokens
 
     @staticmethod
     def _match_stop(state: DecodeState) -> bool:

@@ -20,7 +20,7 @@ from minisgl.runtime.detokenizer import DecodeState, IncrementalDetokenizer
 from minisgl.runtime.metrics import Metrics
 from minisgl.runtime.request_log import RequestLog
 from minisgl.runtime.tokenizer import Tokenizer
-from minisgl.scheduler import ReqOutput, RequestSpec, Scheduler
+from minisgl.scheduler import Queued, ReqEvent, RequestSpec, Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +34,8 @@ class Prompt(RequestSpec):
 
 @dataclass
 class ReqHandle:
+    """One request as its client sees it: the state grows as events arrive."""
+
     rid: str
     prompt_ids: list[int]
     detok: DecodeState  # the detokenizer's state: text so far, stop strings and regexes
@@ -54,6 +56,13 @@ class ReqHandle:
     input_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
+    @classmethod
+    def open(cls, spec: RequestSpec, queued: Queued, streaming: bool) -> ReqHandle:
+        """The handle of `spec`, as the scheduler queued it."""
+        return cls(queued.rid, spec.input_ids, DecodeState.start(spec.input_ids, queued.params),
+                   spec.logprob_num, queued.params, streaming,
+                   logprob_start_len=spec.logprob_start_len)
+
     @property
     def text(self) -> str:
         return self.detok.visible_text
@@ -61,36 +70,6 @@ class ReqHandle:
     @property
     def output_ids(self) -> list[int]:
         return self.detok.output_ids
-
-    def meta_info(self) -> dict[str, Any]:
-        end = self.finished_at or time.perf_counter()
-        meta: dict[str, Any] = {
-            "id": self.rid,
-            "finish_reason": self.finish_reason,
-            "prompt_tokens": len(self.prompt_ids),
-            "completion_tokens": len(self.output_ids),
-            "cached_tokens": self.cached_tokens,
-            "e2e_latency": end - self.created,
-        }
-        if self.logprob_num >= 0:
-            meta["output_token_logprobs"] = [[lp, tid, None] for lp, tid in self.token_logprobs]
-            meta["output_top_logprobs"] = [[[lp, tid, None] for lp, tid in step]
-                                           for step in self.top_logprobs]
-            # SGLang's layout: the token at logprob_start_len gets None (nothing before it
-            # was scored), each later prompt token its logprob given everything before it;
-            # -1 (the default) starts at the end of the prompt: no entries
-            meta["input_token_logprobs"], meta["input_top_logprobs"] = [], []
-            if self.logprob_start_len >= 0:
-                scored = self.prompt_ids[self.logprob_start_len:]
-                meta["input_token_logprobs"] = [
-                    [lp, tid, None] for lp, tid in zip([None, *self.input_logprobs], scored)]
-                meta["input_top_logprobs"] = [None] + [[[lp, tid, None] for lp, tid in step]
-                                                       for step in self.input_top_logprobs]
-        return meta
-
-    def result(self) -> dict[str, Any]:
-        return {"text": self.text, "output_ids": list(self.output_ids),
-                "meta_info": self.meta_info()}
 
 
 class RequestManager:
@@ -103,7 +82,7 @@ class RequestManager:
         self.metrics = metrics or Metrics()
         self.request_log = request_log
         self.handles: dict[str, ReqHandle] = {}
-        self._outbox: asyncio.Queue[list[ReqOutput]] | None = None
+        self._outbox: asyncio.Queue[list[ReqEvent]] | None = None
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
 
@@ -164,14 +143,11 @@ class RequestManager:
                                             for s in specs):
             raise InvalidRequest("stop strings and stop_regex need a tokenizer, and this model "
                                  "has none")
-        reqs = self.scheduler.add_requests(specs, rid_taken=self.handles.__contains__)
+        queued = self.scheduler.add_requests(specs, rid_taken=self.handles.__contains__)
         handles = []
-        for spec, req in zip(specs, reqs):  # NOTE: one request per spec, in order
-            handle = ReqHandle(req.rid, req.prompt_ids, DecodeState.start(req.prompt_ids,
-                                                                         req.params),
-                               req.logprob_num, req.params, streaming,
-                               logprob_start_len=spec.logprob_start_len)
-            self.handles[req.rid] = handle
+        for spec, accepted in zip(specs, queued):  # NOTE: one per spec, in order
+            handle = ReqHandle.open(spec, accepted, streaming)
+            self.handles[handle.rid] = handle
             self.metrics.on_submit()
             handles.append(handle)
         return handles
@@ -181,14 +157,12 @@ class RequestManager:
         """Tokenize the text prompts (one batched call), compile their grammars, then queue the
         batch, all or nothing."""
         texts = [p for p in prompts if p.text is not None]
+        # NOTE: an empty text is not tokenized (that could add a BOS): its empty input_ids are
+        # refused by the scheduler's intake, as an empty list of ids is
+        unique = list(dict.fromkeys(p.text for p in texts if p.text))  # n > 1 repeats a text
+        ids = dict(zip(unique, await self.encode(unique))) if unique else {}
         for p in texts:
-            if not p.text:
-                raise InvalidRequest("the prompt is empty")
-        if texts:
-            unique = list(dict.fromkeys(p.text for p in texts))  # n > 1 repeats a text n times
-            ids = dict(zip(unique, await self.encode(unique)))
-            for p in texts:
-                p.input_ids = ids[p.text]
+            p.input_ids = ids.get(p.text, [])
         await self.attach_grammars(prompts)
         return self.submit(list(prompts), streaming)
 
@@ -245,28 +219,28 @@ class RequestManager:
 
     # ---- outputs -----------------------------------------------------------------------------
 
-    def deliver(self, outputs: list[ReqOutput]) -> None:
-        """The scheduler's sink: one step's outputs, detokenized on the next loop turn."""
+    def deliver(self, events: list[ReqEvent]) -> None:
+        """The scheduler's sink: one step's events, detokenized on the next loop turn."""
         assert self._outbox is not None
-        self._outbox.put_nowait(outputs)
+        self._outbox.put_nowait(events)
 
     async def _detokenize_loop(self) -> None:
         assert self._outbox is not None
         while True:
-            outputs = await self._outbox.get()
+            events = await self._outbox.get()
             while not self._outbox.empty():  # coalesce steps that queued up meanwhile
-                outputs += self._outbox.get_nowait()
-            self._apply(outputs)
+                events += self._outbox.get_nowait()
+            self._apply(events)
 
-    def _apply(self, outputs: list[ReqOutput]) -> None:
+    def _apply(self, events: list[ReqEvent]) -> None:
         now = time.perf_counter()
         updates = []
-        for out in outputs:
-            handle = self.handles.get(out.req.rid)
+        for event in events:
+            handle = self.handles.get(event.rid)
             if handle is None or handle.finished:
                 continue
-            handle.cached_tokens = out.req.cached_tokens
-            if out.token is not None:
+            handle.cached_tokens = event.cached_tokens
+            if event.token is not None:
                 if handle.first_token_at is None:
                     self.metrics.on_first_token(handle.streaming, now - handle.created,
                                                 len(handle.prompt_ids), handle.cached_tokens, now)
@@ -275,28 +249,28 @@ class RequestManager:
                     self.metrics.on_next_token(handle.streaming, now - handle.last_token_at,
                                                now)
                 handle.last_token_at = now
-                if out.logprob is not None:
-                    handle.token_logprobs.append((out.logprob, out.token))
-                    handle.top_logprobs.append(out.top_logprobs or [])
-            if out.input_logprobs is not None:  # with the first token, or alone (scoring)
-                handle.input_logprobs = out.input_logprobs
-                handle.input_top_logprobs = out.input_top_logprobs or []
-            updates.append((handle, out))
+                if event.logprob is not None:
+                    handle.token_logprobs.append((event.logprob, event.token))
+                    handle.top_logprobs.append(event.top_logprobs or [])
+            if event.input_logprobs is not None:  # with the first token, or alone (scoring)
+                handle.input_logprobs = event.input_logprobs
+                handle.input_top_logprobs = event.input_top_logprobs or []
+            updates.append((handle, event))
         if self.detokenizer is not None:
             stopped = self.detokenizer.step(
-                [(h.detok, o.token, o.finished) for h, o in updates])
+                [(h.detok, e.token, e.finished) for h, e in updates])
             for state in stopped:
                 handle = next(h for h, _ in updates if h.detok is state)
                 reason = state.finish_reason
                 self.scheduler.finish(handle.rid, reason)
                 self._close(handle, reason, now)
         else:
-            for handle, out in updates:
-                if out.token is not None:
-                    handle.detok.output_ids.append(out.token)
-        for handle, out in updates:
-            if out.finished and not handle.finished:
-                self._close(handle, out.req.finish_reason, now)
+            for handle, event in updates:
+                if event.token is not None:
+                    handle.detok.output_ids.append(event.token)
+        for handle, event in updates:
+            if event.finished and not handle.finished:
+                self._close(handle, event.finish_reason, now)
             handle.changed.set()
 
     def _close(self, handle: ReqHandle, reason: dict[str, Any] | None, now: float) -> None:

@@ -149,7 +149,7 @@ class BatchBuilder:
             first, end = max(start, wanted.start), min(start + count, wanted.stop)
             if first < end:
                 rows += range(offset + first - start, offset + end - start)
-                targets += req.prompt_ids[first + 1:end + 1]
+                targets += req.host_ids[first + 1:end + 1]
                 spans.append((i, end - first))
             offset += count
         if not spans:

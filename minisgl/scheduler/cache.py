@@ -22,6 +22,7 @@ class CacheManager:
         # torch op here would start a second OpenMP pool (see engine.stream.CpuStream).
         self._free = torch.from_numpy(np.arange(num_pages, dtype=np.int64))  # [0, num_free) free
         self.num_free = num_pages
+        self.evictions = 0  # bumped whenever cached pages are dropped: older matches are stale
 
     @property
     def available_pages(self) -> int:
@@ -52,9 +53,13 @@ class CacheManager:
     def unlock(self, handle: CacheHandle) -> None:
         self.prefix_cache.unlock(handle)
 
-    def match(self, token_ids: list[int]) -> tuple[CacheHandle, torch.Tensor]:
-        # NOTE: the last token is never matched: its forward must run to give the first logits.
-        return self.prefix_cache.match_prefix(token_ids[:-1])
+    def match(self, token_ids: list[int], length: int | None = None
+              ) -> tuple[CacheHandle, torch.Tensor]:
+        """The longest cached prefix of token_ids[:length] (all of them by default). NOTE: the
+        last of those tokens is never matched: its forward must run to give the logits that
+        follow it."""
+        end = len(token_ids) if length is None else length
+        return self.prefix_cache.match_prefix(token_ids[: end - 1])
 
     def allocate(self, num_pages: int) -> torch.Tensor | None:
         """Page ids, evicting from the prefix cache if needed; None (nothing taken) if short."""
@@ -63,6 +68,7 @@ class CacheManager:
             if shortfall > self.prefix_cache.evictable_size // self.page_size:
                 return None
             self.free_locations(self.prefix_cache.evict(shortfall * self.page_size))
+            self.evictions += 1
         self.num_free -= num_pages
         return self._free[self.num_free:self.num_free + num_pages].clone()
 
@@ -112,6 +118,7 @@ class CacheManager:
 
     def reset_cache(self) -> None:
         self.free_locations(self.prefix_cache.reset())
+        self.evictions += 1
 
 
 def pages_spanned(start: int, count: int, page_size: int) -> int:

@@ -81,13 +81,10 @@ def fill_max_new_tokens(spec: Spec, limits: RequestLimits) -> Spec:
 def check_batch(specs: list[RequestSpec], limits: RequestLimits, rid_taken: Callable[[str], bool],
                 waiting: int) -> None:
     """Raises InvalidRequest (naming the batch item) or QueueFull; queues nothing. `waiting`:
-    the queue's length, less what the batch may displace (priority scheduling)."""
+    the queue's length, less what the batch may displace (priority scheduling). The number of
+    sequences was capped when the batch was built (`expand_samples`)."""
     if not specs:
         raise InvalidRequest("the request holds no prompt")
-    if len(specs) > limits.max_sequences:
-        raise InvalidRequest(
-            f"the request asks for {len(specs)} sequences; at most {limits.max_sequences} are "
-            "allowed in one request (--max-sequences-per-request)")
     rids = [s.rid for s in specs if s.rid is not None]
     if len(set(rids)) != len(rids):
         raise InvalidRequest("rid values must be unique within a request")

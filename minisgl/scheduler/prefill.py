@@ -5,7 +5,9 @@ one admitted in the same round waits for the next round to hit it.
 
 A request is admitted when a slot is free and the pool can hold its next chunk plus a
 reservation for the decode tokens of everything running (SGLang's adaptive new-token ratio:
-optimistic while memory is plentiful, raised after each retraction).
+optimistic while memory is plentiful, raised after each retraction). The manager owns a
+request's slot and pages from admission on: `release` gives them back (a finished request) and
+`retract` sends a running request back to the queue (out of pages, or preempted).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from minisgl.core import Req
+from minisgl.kvcache import CacheHandle
 from minisgl.scheduler.cache import CacheManager, locations_for, pages_spanned
 from minisgl.scheduler.decode import DecodeManager
 from minisgl.scheduler.policy import WaitingOrder
@@ -75,17 +78,29 @@ class PrefillManager:
     def add(self, req: Req) -> None:
         self.waiting.append(req)
 
-    def requeue(self, req: Req, memory_short: bool = True) -> None:
-        """A retracted request (its KV released) goes first in line; it keeps its tokens and
-        prefills them again. If memory was short, assume more of each running request's
-        tokens are still to come."""
+    def retract(self, req: Req, memory_short: bool = True) -> None:
+        """Send an admitted request back to the waiting queue, first in line, keeping its
+        tokens: its KV goes to the prefix cache, so the re-prefill reuses what is not evicted
+        meanwhile. If memory was short, assume more of each running request's tokens are
+        still to come."""
+        self.decode.remove(req)
+        self.drop(req)
+        self.release(req)
         req.kv_len = req.device_len = req.shared_len = 0
-        if not req.input_logprobs_sent:  # its prefill starts over, and scores again
+        if not req.num_outputs:  # its prefill starts over, and scores again
             req.input_logprobs.clear()
             req.input_top_logprobs.clear()
         self.waiting.appendleft(req)
         if memory_short:
             self.ratio.after_retraction()
+
+    def release(self, req: Req) -> None:
+        """Give an admitted request's slot back, and its KV: whole pages to the prefix cache,
+        the rest to the free pages."""
+        locations = self.table.locations(req.table_idx, req.kv_len)
+        self.cache.release(req.host_ids, locations, req.shared_len, req.cache_handle)
+        self.table.free(req.table_idx)
+        req.table_idx, req.cache_handle = -1, None
 
     def on_decode_step(self) -> None:
         self.ratio.step()
@@ -110,20 +125,24 @@ class PrefillManager:
             if chunk.is_last:
                 self.chunked = None
         admitted: list[Req] = []
-        lengths: dict[Req, int] = {}  # cached prefix lengths, matched once this round
+        matches: dict[Req, tuple[CacheHandle, torch.Tensor, int]] = {}
 
-        def cached_len(req: Req) -> int:
-            if req not in lengths:
-                lengths[req] = self.cache.match(req.host_ids)[0].length
-            return lengths[req]
+        def match(req: Req) -> tuple[CacheHandle, torch.Tensor]:
+            """One prefix match per request and round, redone only once pages were evicted."""
+            found = matches.get(req)
+            if found is None or found[2] != self.cache.evictions:
+                found = (*self.cache.match(req.host_ids, self._matched_len(req)),
+                         self.cache.evictions)
+                matches[req] = found
+            return found[0], found[1]
 
-        for req in self.order.order(self.waiting, cached_len):
+        for req in self.order.order(self.waiting, lambda r: match(r)[0].length):
             if budget <= 0 or self.chunked is not None or self.table.num_free == 0:
                 break
-            if self.order.shares_in_batch and self._shares_uncached(req, cached_len(req),
+            if self.order.shares_in_batch and self._shares_uncached(req, match(req)[0].length,
                                                                     admitted):
                 continue  # NOTE: next round, once this round's pages are cached, it hits them
-            if not self._admit(req, budget):
+            if not self._admit(req, *match(req), budget):
                 break
             admitted.append(req)
             self.waiting.remove(req)
@@ -135,6 +154,13 @@ class PrefillManager:
             if not chunk.is_last:
                 self.chunked = req
         return chunks
+
+    @staticmethod
+    def _matched_len(req: Req) -> int:
+        """How much of host_ids the prefix cache may serve (up to the last token, see
+        CacheManager.match). NOTE: scored positions must run (their logits are wanted)."""
+        scored = req.input_logprob_positions
+        return scored.start + 1 if scored else len(req.host_ids)
 
     def _shares_uncached(self, req: Req, cached: int, admitted: list[Req]) -> bool:
         """Whether `req` (`cached` tokens of it cached) shares an uncached prefix of
@@ -153,12 +179,10 @@ class PrefillManager:
         if shared is not None:
             req.shared_len, req.cache_handle = shared
 
-    def _admit(self, req: Req, budget: int) -> bool:
+    def _admit(self, req: Req, handle: CacheHandle, prefix: torch.Tensor, budget: int) -> bool:
+        """Take a slot for `req`, with the cached prefix `handle` matched for it, if the pool
+        can hold its first chunk and the decode reservation."""
         ps = self.cache.page_size
-        scored = req.input_logprob_positions
-        # NOTE: scored positions must run (their logits are wanted): match before them only
-        handle, prefix = self.cache.match(req.host_ids[: scored.start + 1] if scored
-                                          else req.host_ids)
         input_len = len(req.host_ids)
         first_chunk = min(input_len - handle.length, budget)
         future = min(req.max_device_len - input_len, RESERVE_CLIP) * self.ratio.value

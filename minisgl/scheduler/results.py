@@ -1,34 +1,25 @@
 """A finished forward's results, request by request: the sampled token, whether it finishes
-the request, and the logprobs asked for."""
+the request, and the logprobs asked for, as plain events."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from minisgl.core import Req
 from minisgl.engine import ForwardOutput
 from minisgl.scheduler.batch_builder import ScheduledBatch
+from minisgl.scheduler.events import ReqEvent
 
 NEG_INF = float("-inf")
 
 
-@dataclass
-class ReqOutput:
-    """One step's news for one request: a new token, a finish, or both."""
-
-    req: Req
-    token: int | None
-    finished: bool
-    logprob: float | None = None
-    top_logprobs: list[tuple[float, int]] | None = None
-    # with the first token, when input logprobs were asked for: Req.input_logprobs (and tops)
-    input_logprobs: list[float] | None = None
-    input_top_logprobs: list[list[tuple[float, int]]] | None = None
+def finished_event(req: Req) -> ReqEvent:
+    """The event of a request finished without a new token."""
+    return ReqEvent(req.rid, None, req.finish_reason, req.cached_tokens)
 
 
 def finish_reason(req: Req, token: int) -> dict[str, Any] | None:
-    """Why `token`, just appended to req.output_ids, ends the request (None: it goes on).
+    """Why `token`, just appended to req.host_ids, ends the request (None: it goes on).
     NOTE: a stop token is checked before the length cap, as SGLang and vLLM do: an answer
     that ends exactly on its last allowed token is complete (`stop`), not cut (`length`)."""
     if token in req.stop_ids:
@@ -37,8 +28,8 @@ def finish_reason(req: Req, token: int) -> dict[str, Any] | None:
         reason = grammar_finish(req, token)
         if reason is not None:
             return reason
-    if len(req.output_ids) >= req.params.max_new_tokens:
-        return {"type": "length", "length": len(req.output_ids)}
+    if req.num_outputs >= req.params.max_new_tokens:
+        return {"type": "length", "length": req.num_outputs}
     return None
 
 
@@ -52,8 +43,8 @@ def grammar_finish(req: Req, token: int) -> dict[str, Any] | None:
     return None
 
 
-def collect_outputs(done: ScheduledBatch, out: ForwardOutput,
-                    finish: Callable[[Req, dict[str, Any]], None]) -> list[ReqOutput]:
+def collect_events(done: ScheduledBatch, out: ForwardOutput,
+                    finish: Callable[[Req, dict[str, Any]], None]) -> list[ReqEvent]:
     """Append each row's token to its request and call `finish` for the requests it ends."""
     tokens = out.token_ids.tolist()
     logprobs = out.logprobs.tolist() if out.logprobs is not None else None
@@ -62,35 +53,34 @@ def collect_outputs(done: ScheduledBatch, out: ForwardOutput,
         tops = list(zip(out.top_logprobs[0].tolist(), out.top_logprobs[1].tolist()))
     if out.input_logprobs is not None:
         store_input_logprobs(done, out)
-    outputs: list[ReqOutput] = []
+    events: list[ReqEvent] = []
     for i, req in enumerate(done.reqs):
         if not done.last_chunk[i] or req.is_finished:
             continue  # NOTE: a request finished in an earlier batch gets no extra token
+        # NOTE: input logprobs go out with the request's first event, read before it appends
+        first = req.logprob_num >= 0 and req.num_outputs == 0
+        token: int | None = None
+        logprob, top = None, None
         if req.scores_only:  # prefilled for its input logprobs; the sample is unused
             finish(req, {"type": "length", "length": 0})
-            output = ReqOutput(req, None, True)
         else:
             token = tokens[i]
-            req.output_ids.append(token)
+            req.host_ids.append(token)
             reason = finish_reason(req, token)
             if reason is not None:
                 finish(req, reason)
-            output = ReqOutput(req, token, reason is not None)
-        if req.logprob_num >= 0 and logprobs is not None and output.token is not None:
-            output.logprob = logprobs[i]
-            if req.logprob_num > 0 and tops is not None:
-                values, ids = tops[i]
-                # NOTE: tokens a grammar (or a -inf bias) masked are not alternatives: a row
-                # lists fewer than logprob_num when fewer are allowed
-                output.top_logprobs = [(v, t) for v, t in zip(values[: req.logprob_num],
-                                                              ids[: req.logprob_num])
-                                       if v != NEG_INF]
-        if req.logprob_num >= 0 and not req.input_logprobs_sent:
-            output.input_logprobs = req.input_logprobs
-            output.input_top_logprobs = req.input_top_logprobs
-            req.input_logprobs_sent = True
-        outputs.append(output)
-    return outputs
+            if req.logprob_num >= 0 and logprobs is not None:
+                logprob = logprobs[i]
+                if req.logprob_num > 0 and tops is not None:
+                    values, ids = tops[i]
+                    # NOTE: tokens a grammar (or a -inf bias) masked are not alternatives: a
+                    # row lists fewer than logprob_num when fewer are allowed
+                    top = [(v, t) for v, t in zip(values[: req.logprob_num],
+                                                  ids[: req.logprob_num]) if v != NEG_INF]
+        events.append(ReqEvent(
+            req.rid, token, req.finish_reason, req.cached_tokens, logprob, top,
+            req.input_logprobs if first else None, req.input_top_logprobs if first else None))
+    return events
 
 
 def store_input_logprobs(done: ScheduledBatch, out: ForwardOutput) -> None:

@@ -26,24 +26,25 @@ from minisgl.scheduler.batch_builder import BatchBuilder, ScheduledBatch
 from minisgl.scheduler.cache import CacheManager
 from minisgl.scheduler.config import SchedulerConfig, default_chunk
 from minisgl.scheduler.decode import DecodeManager
+from minisgl.scheduler.events import Queued, ReqEvent
 from minisgl.scheduler.failure import FailureBridge
 from minisgl.scheduler.intake import (RequestLimits, RequestSpec, check_batch,
                                      fill_max_new_tokens)
 from minisgl.scheduler.integrity import check_kv_integrity
 from minisgl.scheduler.policy import WaitingOrder
 from minisgl.scheduler.prefill import PrefillManager
-from minisgl.scheduler.selection import SETTLE, BatchSelector
-from minisgl.scheduler.results import ReqOutput, collect_outputs
+from minisgl.scheduler.results import collect_events, finished_event
+from minisgl.scheduler.selection import BatchSelector
 from minisgl.scheduler.stats import SchedulerStats, report
 from minisgl.scheduler.table import TableManager
 
 logger = logging.getLogger(__name__)
 
-OutputSink = Callable[[list[ReqOutput]], None]
+EventSink = Callable[[list[ReqEvent]], None]
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, config: SchedulerConfig, sink: OutputSink) -> None:
+    def __init__(self, engine: Engine, config: SchedulerConfig, sink: EventSink) -> None:
         if config.chunked_prefill_size is None:
             widest = 2 * engine.arch.intermediate_size // engine.tp.size * engine.dtype.itemsize
             config = replace(config, chunked_prefill_size=default_chunk(
@@ -62,7 +63,7 @@ class Scheduler:
         self.prefill = PrefillManager(self.cache, self.table, self.decode, self.order)
         self.builder = BatchBuilder(engine, self.table, ps)
         self.selector = BatchSelector(config, self.prefill, self.decode, self.cache, self.builder,
-                                      self.order, self.stats, self._release)
+                                      self.stats)
         self.context_len = engine.context_len
         self.eos_ids = frozenset(engine.eos_token_ids)
         self.limits = RequestLimits(
@@ -78,13 +79,13 @@ class Scheduler:
         self._uids = itertools.count()
         self._wake: asyncio.Event | None = None  # made by run(), on its loop
         self._stopping = False
-        self._in_flight: ScheduledBatch | None = None
+        self._in_flight: ScheduledBatch | None = None  # launched, its results not processed
         self._failure: FailureBridge | None = None
 
     # ---- requests in -------------------------------------------------------------------------
 
     def add_requests(self, specs: list[RequestSpec],
-                     rid_taken: Callable[[str], bool] | None = None) -> list[Req]:
+                     rid_taken: Callable[[str], bool] | None = None) -> list[Queued]:
         """Validate the whole batch (`intake.check_batch`), then queue every request; raises
         InvalidRequest or QueueFull with nothing queued. Loop thread only. `rid_taken` adds
         rids the caller still considers live."""
@@ -111,11 +112,11 @@ class Scheduler:
                                     [r for r in queued if not r.is_finished],
                                     waiting + len(specs) - limit) or []
 
-    def _queue(self, spec: RequestSpec) -> Req:
+    def _queue(self, spec: RequestSpec) -> Queued:
         params, prompt_len = spec.params, len(spec.input_ids)
         rid = spec.rid if spec.rid is not None else uuid.uuid4().hex
         start = spec.logprob_start_len
-        req = Req(uid=next(self._uids), rid=rid, prompt_ids=list(spec.input_ids), params=params,
+        req = Req(uid=next(self._uids), rid=rid, prompt_ids=spec.input_ids, params=params,
                   max_device_len=prompt_len + params.max_new_tokens,
                   stop_ids=frozenset(params.stop_token_ids or ()) | (
                       frozenset() if params.ignore_eos else self.eos_ids),
@@ -128,7 +129,7 @@ class Scheduler:
                 params.sampling_seed % 2**64)
         self.reqs[rid] = req
         self._post("new", req)
-        return req
+        return Queued(rid, params)
 
     def abort(self, rid: str, message: str = "aborted") -> None:
         self._post("finish", (rid, {"type": "abort", "message": message}))
@@ -153,7 +154,7 @@ class Scheduler:
         return sum(1 for kind, _ in self._inbox if kind == "new")
 
     def _take_inbox(self) -> None:
-        outputs: list[ReqOutput] = []
+        events: list[ReqEvent] = []
         while self._inbox:
             kind, payload = self._inbox.popleft()
             if kind == "new":
@@ -162,19 +163,19 @@ class Scheduler:
                     continue  # aborted before it was ever queued
                 if req.params.max_new_tokens == 0 and not req.scores_only:
                     self._finish(req, {"type": "length", "length": 0})
-                    outputs.append(ReqOutput(req, None, True))
+                    events.append(finished_event(req))
                     continue
-                self.stats.prompt_tokens += len(req.prompt_ids)
+                self.stats.prompt_tokens += req.prompt_len
                 self.prefill.add(req)
             else:
                 rid, reason = payload
                 req = self.reqs.get(rid)
                 if req is not None and not req.is_finished:
                     self._finish(req, reason)
-                    outputs.append(ReqOutput(req, None, True))
-        if outputs:
+                    events.append(finished_event(req))
+        if events:
             self._release_finished(self._in_flight)
-            self.sink(outputs)
+            self.sink(events)
 
     # ---- the loop ----------------------------------------------------------------------------
 
@@ -185,40 +186,47 @@ class Scheduler:
         self._wake = asyncio.Event()
         self._stopping = False
         failure = self.failure() if self.engine.tp.size > 1 else None
-        last: ScheduledBatch | None = None
+        ongoing: ScheduledBatch | None = None  # launched this step, before _in_flight is done
+        failed = False
         try:
-            while not self._stopping or last is not None:
+            while not self._stopping or self._in_flight is not None:
                 if failure is not None and failure.done():
                     raise EngineFailed(failure.result())
-                if last is None and not self.has_work():
+                if self._in_flight is None and not self.has_work():
                     await self._sleep_until_work()
                     continue
                 self._take_inbox()
-                batch, last = await self._schedule(last)
+                batch = await self._schedule()
                 if batch is not None and batch.fwd.grammar is not None:
-                    last = await self._ready_masks(batch, last)
+                    await self._ready_masks(batch)
                 ongoing = self._launch(batch) if batch is not None else None
-                if last is not None:
-                    self._process(last, await self._result(last), ongoing)
+                if self._in_flight is not None:
+                    done = self._in_flight
+                    self._process(done, await self._result(done), ongoing)
                     if ongoing is not None:
                         ongoing.fill_masks()  # its grammar rows' previous tokens are in
-                last = ongoing
-                if self.config.disable_overlap_schedule and last is not None:
-                    await self._settle(last)
-                    last = None
+                self._in_flight, ongoing = ongoing, None
+                if self.config.disable_overlap_schedule:
+                    await self._settle()
                 await asyncio.sleep(0)  # let handlers run between steps, even when saturated
         except EngineFailed as exc:
-            last = None  # NOTE: never wait for a forward that may sit in a broken collective
+            failed = True
             self._fail_all(str(exc))
             raise
         finally:
-            for batch in (self._in_flight, last):  # NOTE: an engine thread may wait on a mask
-                if batch is not None and batch.fwd.grammar is not None:
-                    batch.fwd.grammar.release(EngineFailed("the scheduler stopped"))
-            self._in_flight = None
-            if last is not None and last.completion is not None:
+            last, self._in_flight = self._in_flight, None
+            self._release_masks(last, ongoing)  # NOTE: an engine thread may wait on a mask
+            # NOTE: never wait for a forward that may sit in a broken collective
+            if last is not None and last.completion is not None and not failed:
                 with contextlib.suppress(Exception):  # the forward ends before we return
                     last.completion.result()
+
+    @staticmethod
+    def _release_masks(*batches: ScheduledBatch | None) -> None:
+        """Unblock an engine thread that waits on a grammar mask which will never be filled."""
+        for batch in batches:
+            if batch is not None and batch.fwd.grammar is not None:
+                batch.fwd.grammar.release(EngineFailed("the scheduler stopped"))
 
     def stop(self) -> None:
         """End the loop: every live request is aborted."""
@@ -248,23 +256,19 @@ class Scheduler:
         if not self.has_work() and not self._stopping:
             await self._wake.wait()
 
-    async def _ready_masks(self, batch: ScheduledBatch, last: ScheduledBatch | None
-                           ) -> ScheduledBatch | None:
+    async def _ready_masks(self, batch: ScheduledBatch) -> None:
         """Fill the grammar masks of `batch` now if its matchers are up to date (nothing in
         flight). Else, where a launched step cannot wait for its mask (CUDA), settle the batch
         in flight first; on the CPU engine thread the mask is filled after launching, once
-        `last` is processed (GrammarMask). Returns what is still in flight."""
-        if last is not None and not self.engine.waits_for_masks:
-            await self._settle(last)
-            last = None
-        if last is None:
+        the batch in flight is processed (GrammarMask)."""
+        if not self.engine.waits_for_masks:
+            await self._settle()
+        if self._in_flight is None:
             batch.fill_masks()
-        return last
 
     def _launch(self, batch: ScheduledBatch) -> ScheduledBatch:
         self.stats.batches += 1
         batch.completion = self.engine.launch(batch.fwd)
-        self._in_flight = batch
         return batch
 
     async def _result(self, batch: ScheduledBatch) -> ForwardOutput:
@@ -273,47 +277,47 @@ class Scheduler:
             return await batch.completion.wait()
         return await batch.completion.wait_unless(self._failure.future)
 
-    async def _settle(self, last: ScheduledBatch) -> None:
-        """Process the batch in flight before anything else is launched."""
-        self._process(last, await self._result(last), None)
+    async def _settle(self) -> None:
+        """Process the batch in flight (if any) before anything else is launched."""
+        done = self._in_flight
+        if done is not None:
+            self._process(done, await self._result(done), None)
+            self._in_flight = None
 
     def _fail_all(self, message: str) -> None:
         """The engine is gone: end every live request with an abort. Slots and pages are left
         as they are; nothing can run on this engine any more."""
         reason = {"type": "abort", "message": message}
-        outputs = []
+        events = []
         for req in list(self.reqs.values()):
             req.finish_reason = reason
-            outputs.append(ReqOutput(req, None, True))
+            events.append(finished_event(req))
         self.reqs.clear()
         self._inbox.clear()
-        if outputs:
-            self.sink(outputs)
+        if events:
+            self.sink(events)
 
     # ---- scheduling --------------------------------------------------------------------------
 
-    async def _schedule(self, last: ScheduledBatch | None
-                        ) -> tuple[ScheduledBatch | None, ScheduledBatch | None]:
-        """The next batch (BatchSelector), and what is still in flight: settled here when a
-        request must first give its pages or slot back."""
+    async def _schedule(self) -> ScheduledBatch | None:
+        """The next batch (BatchSelector), or None; the batch in flight is settled first when
+        a request must give its pages or slot back."""
         while True:
-            batch = self.selector.next_batch(in_flight=last is not None)
-            if batch is not SETTLE:
-                return batch, last
-            assert last is not None
-            await self._settle(last)
-            last = None
+            selection = self.selector.next_batch(in_flight=self._in_flight is not None)
+            if not selection.settle_first:
+                return selection.batch
+            await self._settle()
 
     # ---- results -----------------------------------------------------------------------------
 
     def _process(self, done: ScheduledBatch, out: ForwardOutput,
                  ongoing: ScheduledBatch | None) -> None:
-        self._in_flight = ongoing
-        outputs = collect_outputs(done, out, self._finish)
-        self.stats.tokens_generated += sum(o.token is not None for o in outputs)
+        """`done`'s results; `ongoing`: the batch launched after it, still in flight."""
+        events = collect_events(done, out, self._finish)
+        self.stats.tokens_generated += sum(e.token is not None for e in events)
         self._release_finished(ongoing)
-        if outputs:
-            self.sink(outputs)
+        if events:
+            self.sink(events)
 
     def _finish(self, req: Req, reason: dict[str, Any]) -> None:
         req.finish_reason = reason
@@ -330,14 +334,8 @@ class Scheduler:
             if req in busy:
                 keep.append(req)  # NOTE: freed once the batch that still uses it is processed
             else:
-                self._release(req)
+                self.prefill.release(req)
         self.to_release = keep
-
-    def _release(self, req: Req) -> None:
-        locations = self.table.locations(req.table_idx, req.kv_len)
-        self.cache.release(req.host_ids, locations, req.shared_len, req.cache_handle)
-        self.table.free(req.table_idx)
-        req.table_idx, req.cache_handle = -1, None
 
     # ---- bookkeeping -------------------------------------------------------------------------
 

@@ -2,13 +2,13 @@
 same forward under --enable-mixed-chunk), else one decode step for every running request.
 When a request must give its pages or slot back first (the pool is out of pages, or a more
 urgent request waits), the batch in flight may still use them: the selector then asks the loop
-to settle it (SETTLE) before it retracts anything.
+to settle it before it retracts anything.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -17,43 +17,52 @@ from minisgl.scheduler.batch_builder import BatchBuilder, ScheduledBatch
 from minisgl.scheduler.cache import CacheManager, locations_for, pages_spanned
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.decode import DecodeManager
-from minisgl.scheduler.policy import WaitingOrder
 from minisgl.scheduler.prefill import PrefillChunk, PrefillManager
 from minisgl.scheduler.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
-SETTLE = object()  # next_batch's answer: settle the batch in flight, then ask again
+
+@dataclass(frozen=True)
+class Selection:
+    """`next_batch`'s answer: the batch to launch (None: nothing to run), or `settle_first`:
+    process the batch in flight, then ask again."""
+
+    batch: ScheduledBatch | None = None
+    settle_first: bool = False
+
+
+IDLE = Selection()
+SETTLE = Selection(settle_first=True)
 
 
 class BatchSelector:
     def __init__(self, config: SchedulerConfig, prefill: PrefillManager, decode: DecodeManager,
-                 cache: CacheManager, builder: BatchBuilder, order: WaitingOrder,
-                 stats: SchedulerStats, release: Callable[[Req], None]) -> None:
+                 cache: CacheManager, builder: BatchBuilder, stats: SchedulerStats) -> None:
         self.config, self.prefill, self.decode, self.cache = config, prefill, decode, cache
-        self.builder, self.order, self.stats, self.release = builder, order, stats, release
+        self.builder, self.stats = builder, stats
 
-    def next_batch(self, in_flight: bool) -> ScheduledBatch | None | object:
-        """A batch, None (nothing to run), or SETTLE (only when `in_flight`)."""
+    def next_batch(self, in_flight: bool) -> Selection:
+        """SETTLE only when `in_flight`."""
         while True:
             if self.prefill.runnable:
                 chunks = self.prefill.schedule(self.config.chunked_prefill_size)
                 if chunks:
-                    return self._prefill_batch(chunks)
+                    return Selection(self._prefill_batch(chunks))
                 victim = self._preemption_victim()
                 if victim is not None:
                     if in_flight:  # NOTE: the victim may be in the batch in flight
                         return SETTLE
-                    self.retract(victim, memory_short=False)
+                    self.prefill.retract(victim, memory_short=False)
                     self.stats.preemptions += 1
                     continue
             reqs = self.decode.schedule()
             if not reqs:
-                return None
+                return IDLE
             locations = self._decode_locations(reqs)
             if locations is not None:
                 self.prefill.on_decode_step()
-                return self.builder.decode(reqs, locations)
+                return Selection(self.builder.decode(reqs, locations))
             if in_flight:  # out of pages even after eviction: settle first, then retract
                 return SETTLE
             self._retract_newest()
@@ -88,7 +97,7 @@ class BatchSelector:
         preempt, now that it could not be admitted."""
         if self.prefill.chunked is not None:
             return None
-        return self.order.preemption_victim(self.prefill.waiting, self.decode.running)
+        return self.prefill.order.preemption_victim(self.prefill.waiting, self.decode.running)
 
     def _retract_newest(self) -> None:
         """Out of pages: retract the newest admitted request (also a partly prefilled one)."""
@@ -98,13 +107,5 @@ class BatchSelector:
         victim = max(candidates, key=lambda r: r.admitted_at)
         if len(candidates) == 1 and self.cache.available_pages == 0:
             logger.warning("request %s cannot make progress; retracting it", victim.rid)
-        self.retract(victim)
+        self.prefill.retract(victim)
         self.stats.retractions += 1
-
-    def retract(self, victim: Req, memory_short: bool = True) -> None:
-        """Send a request back to the waiting queue, keeping its tokens; its KV goes to the
-        prefix cache so the re-prefill can reuse what is not evicted meanwhile."""
-        self.decode.remove(victim)
-        self.prefill.drop(victim)
-        self.release(victim)
-        self.prefill.requeue(victim, memory_short)
