@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import weakref
 from typing import Any
 
@@ -11,9 +10,10 @@ from minisgl.args import ServerArgs
 from minisgl.core import SamplingParams
 from minisgl.env import no_openmp_on_this_thread
 from minisgl.errors import InvalidRequest
+from minisgl.protocol.native import KNOWN_FIELDS, GenerateRequest, parse_generate
+from minisgl.protocol.native_results import generate_results
+from minisgl.protocol.token_texts import TokenTexts
 from minisgl.runtime import Runtime
-from minisgl.runtime.native import KNOWN_FIELDS, generate_result, parse_generate
-from minisgl.runtime.token_texts import TokenTexts
 
 
 class LLM:
@@ -30,6 +30,7 @@ class LLM:
         # dropped is shut down by the garbage collector, and one still alive at exit by atexit.
         self._finalizer = weakref.finalize(self, _shutdown, self._loop, self.runtime)
         _run(self._loop, self.runtime.start())
+        self._tokens = TokenTexts(self.runtime.tokenizer)  # logprob entries' texts, cached
 
     @property
     def tokenizer(self) -> Any:
@@ -54,21 +55,21 @@ class LLM:
             raise TypeError(f"LLM.generate() got unexpected keyword argument(s) {unknown}")
         if fields.get("stream"):
             raise InvalidRequest("stream is not supported by LLM.generate")
-        if isinstance(sampling_params, list):
-            sampling_params = [_as_dict(p) for p in sampling_params]
-        body = {"text": prompt, **fields, "input_ids": input_ids,
-                "sampling_params": _as_dict(sampling_params), "return_logprob": return_logprob,
-                "top_logprobs_num": top_logprobs_num, "logprob_start_len": logprob_start_len}
-        return _run(self._loop, self._generate(body))
+        # NOTE: the arguments are /generate's fields, checked by the same parser; SamplingParams
+        # objects are taken as they are (parse_generate validates a copy)
+        req = parse_generate({"text": prompt, **fields, "input_ids": input_ids,
+                              "sampling_params": sampling_params,
+                              "return_logprob": return_logprob,
+                              "top_logprobs_num": top_logprobs_num,
+                              "logprob_start_len": logprob_start_len},
+                             self.runtime.requests.max_sequences)
+        return _run(self._loop, self._generate(req))
 
-    async def _generate(self, body: dict[str, Any]) -> Any:
+    async def _generate(self, req: GenerateRequest) -> Any:
         requests = self.runtime.requests
-        req = parse_generate(body, requests.max_sequences)
         handles = await requests.submit_prompts(req.prompts)
-        done = await asyncio.gather(*(requests.wait(h) for h in handles))
-        tokens = TokenTexts(self.runtime.tokenizer) if req.text_in_logprobs else None
-        results = [generate_result(h, tokens, req.prompt_ids_wanted) for h in done]
-        return results[0] if req.single else results
+        await asyncio.gather(*(requests.wait(h) for h in handles))
+        return generate_results(req, handles, self._tokens)
 
     def check_integrity(self) -> None:
         self.runtime.check_integrity()
@@ -100,6 +101,3 @@ def _shutdown(loop: asyncio.AbstractEventLoop, runtime: Runtime) -> None:
     finally:
         loop.close()
 
-
-def _as_dict(params: dict | SamplingParams | None) -> dict | None:
-    return dataclasses.asdict(params) if isinstance(params, SamplingParams) else params

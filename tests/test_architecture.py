@@ -17,13 +17,18 @@ LAYERS: list[set[str]] = [
     {"kvcache", "kernels", "distributed"},
     {"attention"}, {"layers"}, {"models"}, {"engine"}, {"grammar"}, {"scheduler"},
     {"runtime"},
+    {"protocol"},
     {"server", "llm"},
     {"__main__", "__init__"},
 ]
-# Imports the layer order allows but the design rules out: the front ends reach the engine and
-# the KV cache only through the runtime and the scheduler.
-FORBIDDEN = {("server", "engine"), ("server", "kvcache"), ("llm", "engine"), ("llm", "kvcache")}
-THIRD_PARTY_FORBIDDEN = {"scheduler": {"aiohttp"}, "engine": {"aiohttp"}}
+# Imports the layer order allows but the design rules out: the front ends and the protocol reach
+# the engine and the KV cache only through the runtime and the scheduler.
+FORBIDDEN = {(front, low) for front in ("server", "llm", "protocol")
+             for low in ("engine", "kvcache")}
+# Of these components, others import only the package itself (what its __init__ exports).
+FACADES = {"protocol": {"scheduler"}}
+THIRD_PARTY_FORBIDDEN = {"scheduler": {"aiohttp"}, "engine": {"aiohttp"},
+                         "protocol": {"aiohttp"}}
 
 
 def module_name(path: Path) -> str:
@@ -109,6 +114,14 @@ def test_imports_point_down_the_layers():
     assert not wrong, "imports against DESIGN.md's layer order:\n" + "\n".join(sorted(wrong))
 
 
+def test_facades_are_not_bypassed():
+    wrong = [f"{name} imports {target}" for name, targets in graph().items()
+             for target in targets
+             if component(target) in FACADES.get(component(name), set())
+             and target != f"minisgl.{component(target)}"]
+    assert not wrong, "\n".join(sorted(wrong))
+
+
 def test_third_party_imports_stay_in_their_layer():
     modules = files()
     wrong = [f"{name} imports {package}" for name, path in modules.items()
@@ -121,3 +134,28 @@ def test_no_file_is_too_long():
     long = {name: n for name, path in files().items()
             if (n := len(path.read_text().splitlines())) > MAX_LINES}
     assert not long, f"files over {MAX_LINES} lines: {long}"
+
+
+def test_server_parses_no_request_body():
+    """Every body `read_json` returns goes straight into a function imported from
+    minisgl.protocol: no handler in server/ reads a field of it."""
+    wrong, seen = [], 0
+    for name, path in files().items():
+        if component(name) != "server":
+            continue
+        tree = ast.parse(path.read_text())
+        from_protocol = {alias.asname or alias.name for node in ast.walk(tree)
+                         if isinstance(node, ast.ImportFrom)
+                         and (node.module or "").startswith("minisgl.protocol")
+                         for alias in node.names}
+        parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "read_json"):
+                continue
+            seen += 1
+            read = parents[node]  # the Await around the call
+            call = parents.get(read)
+            if not (isinstance(read, ast.Await) and isinstance(call, ast.Call)
+                    and read in call.args and getattr(call.func, "id", None) in from_protocol):
+                wrong.append(f"{name}:{node.lineno}")
+    assert seen and not wrong, "request bodies read outside minisgl.protocol: " + ", ".join(wrong)

@@ -274,7 +274,7 @@ def test_tool_calls_streamed_and_round_trip(client):
 
 
 def test_tool_call_parsers():
-    from minisgl.server.openai_tools import parse_calls
+    from minisgl.protocol.openai_tools import parse_calls
     text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
     content, calls = parse_calls(text, "hermes", {"get_weather"})
     assert content == "Let me check." and json.loads(calls[0]["function"]["arguments"]) == {

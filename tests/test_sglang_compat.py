@@ -13,7 +13,7 @@ import openai
 import pytest
 import requests
 
-from minisgl.runtime.native import INERT_FIELDS, SUPPORTED_FIELDS, UNSUPPORTED_FIELDS
+from minisgl.protocol.native import INERT_FIELDS, SUPPORTED_FIELDS, UNSUPPORTED_FIELDS
 from tests.test_hardening import SHALLOW
 from tests.test_server import PROMPT, assert_error, generate, get, post, requests_total, stream
 

@@ -15,8 +15,8 @@ import jsonschema
 import openai
 import pytest
 
-from minisgl.server.openai_tool_parser import ToolCallParser
-from minisgl.server.openai_tools import ToolUse
+from minisgl.protocol.openai_tool_parser import ToolCallParser
+from minisgl.protocol.openai_tools import ToolUse
 from tests.test_grammar import TIME, WEATHER
 
 NAMES = {"get_weather", "get_time"}

@@ -4,7 +4,6 @@ HTTP server and the offline `LLM` hold this object and reach nothing below it.""
 from __future__ import annotations
 
 import asyncio
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -12,16 +11,12 @@ from minisgl.args import ServerArgs
 from minisgl.engine import Engine, EngineConfig
 from minisgl.env import quiet_tokenizer_threads
 from minisgl.grammar import create_grammar_backend
-from minisgl.models import generation_defaults, model_name
+from minisgl.models import model_name
 from minisgl.runtime.manager import RequestManager
 from minisgl.runtime.metrics import Metrics
 from minisgl.runtime.request_log import RequestLog
-from minisgl.runtime.native import UnknownFields
 from minisgl.runtime.tokenizer import Tokenizer
 from minisgl.scheduler import Scheduler, SchedulerConfig
-
-logger = logging.getLogger(__name__)
-
 
 class Runtime:
     def __init__(self, args: ServerArgs) -> None:
@@ -39,6 +34,7 @@ class Runtime:
                 args.grammar_backend, self.tokenizer.hf if self.tokenizer else None,
                 self.engine.arch.vocab_size,
                 any_whitespace=not args.constrained_json_disable_any_whitespace)
+            # the model's names: answers and metrics report the first
             self.served_names = args.served_model_names or [model_name(args.model_path)]
             self.model_name = self.served_names[0]
             self.requests = RequestManager(self.scheduler, self.tokenizer, grammar,
@@ -46,15 +42,6 @@ class Runtime:
         except BaseException:
             self.engine.shutdown()
             raise
-        self.unknown_fields = UnknownFields()
-        self.sampling_defaults = (generation_defaults(self.engine.model_path)
-                                  if args.sampling_defaults == "model" else {})
-        if self.sampling_defaults:
-            logger.info("chat requests default to the model's sampling parameters %s",
-                        self.sampling_defaults)
-        # what a request's `model` may name: the served name, or the model as given or found
-        self.model_aliases = {*self.served_names, str(self.engine.model_path),
-                              *([args.model_path] if args.model_path else [])}
 
     def _request_log(self) -> RequestLog | None:
         if not self.args.log_requests:

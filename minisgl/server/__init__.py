@@ -1,1 +1,3 @@
-"""The serving side: request manager, tokenizer/detokenizer, HTTP app."""
+"""The HTTP front end: routes, the guard (API key, Host, CORS), SSE transport, the dashboard.
+Request bodies are parsed and results shaped in minisgl.protocol; requests run on the
+runtime."""

@@ -7,25 +7,28 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 from aiohttp import web
 
 from minisgl.core import SamplingParams
 from minisgl.errors import InvalidRequest, QueueFull
-from minisgl.runtime import ReqHandle, Runtime
+from minisgl.protocol.fields import UnknownFields
+from minisgl.protocol.native import parse_abort, parse_generate
+from minisgl.protocol.native_results import GenerateStream, generate_results
+from minisgl.protocol.openai_models import UnknownModel
+from minisgl.protocol.token_texts import TokenTexts
+from minisgl.runtime import Runtime
 from minisgl.runtime.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from minisgl.runtime.timeline import Timeline
 from minisgl.scheduler import RequestSpec
 from minisgl.server.dashboard import OPEN_PATHS as DASHBOARD_OPEN_PATHS
 from minisgl.server.dashboard import Dashboard
 from minisgl.server.guard import Guard, Handler
+from minisgl.server.http import (MAX_BODY, HTTPError, error_response, json_response, read_json,
+                                 too_large)
 from minisgl.server.openai_api import OpenAIAPI
-from minisgl.runtime.native import check_bool, generate_result, none_as, parse_generate
-from minisgl.runtime.token_texts import TokenTexts
-from minisgl.server.protocol import (MAX_BODY, HTTPError, error_response, json_response,
-                                     read_json, too_large)
 from minisgl.server.sse import stream_response, wait_all
+from minisgl.server.timeline import Timeline
 from minisgl.version import __version__
 
 logger = logging.getLogger(__name__)
@@ -39,9 +42,9 @@ class Server:
         self.runtime, self.args, self.manager = runtime, runtime.args, runtime.requests
         args = self.args
         self.shutting_down = False
-        self.model_name = runtime.model_name
         self.tokens = TokenTexts(runtime.tokenizer)
-        self.openai = OpenAIAPI(runtime, self.tokens, self.ensure_ready)
+        self.unknown_fields = UnknownFields()  # shared by every endpoint: each name logged once
+        self.openai = OpenAIAPI(runtime, self.tokens, self.unknown_fields, self.ensure_ready)
         self.timeline = Timeline(runtime.state, self.manager.metrics)
         self.manager.metrics.watch_scheduler(runtime.state, self.timeline.gen_throughput)
         self.dashboard = Dashboard(runtime, self.timeline)
@@ -84,6 +87,8 @@ class Server:
             return await handler(request)
         except HTTPError as exc:
             return error_response(exc.status, exc.message, exc.type, exc.code)
+        except UnknownModel as exc:
+            return error_response(404, str(exc), "invalid_request_error", "model_not_found")
         except InvalidRequest as exc:
             return error_response(400, str(exc))
         except QueueFull as exc:
@@ -112,26 +117,13 @@ class Server:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         self.ensure_ready()
         req = parse_generate(await read_json(request), self.manager.max_sequences,
-                             self.runtime.unknown_fields)
-        tokens = self.tokens if req.text_in_logprobs else None
+                             self.unknown_fields)
         handles = await self.manager.submit_prompts(req.prompts, req.stream)
-        if not req.stream:
-            await wait_all(self.manager, handles)
-            results = [generate_result(h, tokens, req.prompt_ids_wanted) for h in handles]
-            return json_response(results[0] if req.single else results)
-        sent: dict[int, tuple[int, int, bool]] = {}
-
-        def chunk(i: int, h: ReqHandle) -> dict[str, Any] | None:
-            key = (len(h.output_ids), len(h.text), h.finished)
-            if sent.get(i) == key:
-                return None
-            sent[i] = key
-            result = generate_result(h, tokens, req.prompt_ids_wanted)
-            if not req.single:
-                result["index"] = i
-            return result
-
-        return await stream_response(request, self.manager, handles, chunk)
+        if req.stream:
+            chunks = GenerateStream(req, self.tokens)
+            return await stream_response(request, self.manager, handles, chunks.chunk)
+        await wait_all(self.manager, handles)
+        return json_response(generate_results(req, handles, self.tokens))
 
     # ---- operations --------------------------------------------------------------------------
 
@@ -169,16 +161,13 @@ class Server:
         return json_response({"success": True, "message": "cache flushed"})
 
     async def abort_request(self, request: web.Request) -> web.Response:
-        body = await read_json(request)
-        if check_bool(none_as(body.get("abort_all"), False), "abort_all"):
+        abort = parse_abort(await read_json(request))
+        if abort.rid is None:
             rids = list(self.manager.handles)
             self.manager.abort_all("aborted by /abort_request")
             return json_response({"success": True, "aborted": rids})
-        rid = body.get("rid")
-        if not isinstance(rid, str):
-            raise InvalidRequest("give rid (a string) or abort_all: true")
-        found = self.manager.abort(rid, "aborted by /abort_request")
-        return json_response({"success": found, "aborted": [rid] if found else []})
+        found = self.manager.abort(abort.rid, "aborted by /abort_request")
+        return json_response({"success": found, "aborted": [abort.rid] if found else []})
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.manager.metrics.render(),

@@ -4,7 +4,7 @@ A server on localhost without a key is still reachable by any page the operator 
 can post to it cross-site (simple requests need no preflight) or rebind its own DNS name to
 127.0.0.1. So the `Host` header must name this server, cross-site requests are refused unless
 their origin is listed in `--cors-origins`, and JSON bodies must say `application/json`
-(`protocol.read_json`), which no cross-site form or `fetch` without a preflight can send.
+(`http.read_json`), which no cross-site form or `fetch` without a preflight can send.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 from aiohttp import web
 
-from minisgl.server.protocol import HTTPError
+from minisgl.server.http import HTTPError
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

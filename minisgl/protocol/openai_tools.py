@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from minisgl.errors import InvalidRequest
-from minisgl.runtime.native import check_bool, none_as
-from minisgl.server.openai_tool_parser import ToolCallParser
+from minisgl.protocol.fields import check_bool, none_as
+from minisgl.protocol.openai_tool_parser import ToolCallParser
 
 PARSERS = ("hermes", "llama3")
 DEFAULT_PROMPT = (

@@ -39,7 +39,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from minisgl.server.openai_tool_scan import WS, CallScanner, decode
+from minisgl.protocol.openai_tool_scan import WS, CallScanner, decode
 
 HERMES_OPEN, HERMES_CLOSE, PYTHON_TAG = "<tool_call>", "</tool_call>", "<|python_tag|>"
 

@@ -1,6 +1,6 @@
 """The OpenAI endpoints' request fields (OpenAI's, plus SGLang's extensions as of 0.5.23).
 
-The same policy as `/generate` (runtime.native): a field minisgl acts on is checked and used;
+The same policy as `/generate` (protocol.fields): a field minisgl acts on is checked and used;
 an inert one is accepted with any value; one for a feature minisgl lacks is accepted at its
 default and refused with a 400 naming it otherwise; an unknown one is ignored and logged once.
 """
@@ -13,7 +13,7 @@ from typing import Any
 
 from minisgl.core import GRAMMAR_FIELDS, SamplingParams, asks_nothing
 from minisgl.errors import InvalidRequest
-from minisgl.runtime.native import UnknownFields, check_bool, none_as, refuse_unsupported
+from minisgl.protocol.fields import UnknownFields, check_bool, none_as, refuse_unsupported
 
 MAX_TOP_LOGPROBS = 20
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
@@ -170,11 +170,6 @@ def sampling_params(body: dict[str, Any], max_new_tokens: Any,
         values.setdefault(name, value)
     values["max_new_tokens"] = max_new_tokens
     return SamplingParams.from_dict(values)
-
-
-def flag(body: dict[str, Any], name: str) -> bool:
-    """A boolean field: true, false, or absent / null (false)."""
-    return check_bool(none_as(body.get(name), False), name)
 
 
 @dataclass

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from minisgl.protocol.token_texts import TokenTexts
 from minisgl.runtime import ReqHandle
-from minisgl.runtime.token_texts import TokenTexts
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """HTTP plumbing shared by the endpoints: errors as `{"error": {"message", "type", "code"}}`,
-JSON responses, and reading a JSON body (the request fields are parsed in runtime.native)."""
+JSON responses, and reading a JSON body (its fields are parsed in minisgl.protocol)."""
 
 from __future__ import annotations
 

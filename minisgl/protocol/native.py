@@ -1,0 +1,148 @@
+"""SGLang's native requests (`GenerateReqInput`, as of SGLang 0.5.23): a `/generate` body (or
+the offline `LLM.generate` arguments, named the same) and an `/abort_request` body.
+
+The field policy is protocol.fields'; inside `sampling_params` an unknown key is a 400, as in
+SGLang (core.SamplingParams). The results are shaped in protocol.native_results.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+from minisgl.core import SamplingParams
+from minisgl.errors import InvalidRequest
+from minisgl.protocol.fields import (UnknownFields, check_bool, check_int, check_priority, flag,
+                                     is_ids, none_as, per_item, refuse_unsupported)
+from minisgl.runtime import Prompt
+from minisgl.scheduler import expand_samples
+
+MAX_TOP_LOGPROBS = 100  # native API; the OpenAI endpoints allow 20, as OpenAI does
+
+SUPPORTED_FIELDS = frozenset({
+    "text", "input_ids", "sampling_params", "rid", "stream", "return_logprob",
+    "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs", "log_metrics",
+    "return_prompt_token_ids", "priority"})
+# Bookkeeping, routing and tracing hints: nothing of the output depends on them.
+INERT_FIELDS = frozenset({
+    "no_logs", "conversation_id", "custom_labels", "external_trace_header",
+    "received_time", "routing_key", "http_worker_ipc"})
+# Features minisgl does not have (multimodal, LoRA, sessions, hidden states, disaggregation,
+# data parallelism, custom logit processors, cache namespaces, extra logprob forms, ...).
+UNSUPPORTED_FIELDS = frozenset({
+    "input_embeds", "image_data", "video_data", "audio_data", "mm_hashes",
+    "mm_content_hashes", "use_audio_in_video", "video_config", "watermark", "token_ids_logprob",
+    "return_sampling_mask", "sampling_logprobs_mode", "return_flat_raw_top_logprobs",
+    "return_flat_raw_output_top_logprobs", "return_flat_raw_top_logprobs_b64",
+    "return_hidden_states", "return_routed_experts", "routed_experts_start_len",
+    "return_indexer_topk", "modalities", "session_id", "session_params", "lora_path", "lora_id",
+    "custom_logit_processor", "positional_embed_overrides", "bootstrap_host", "bootstrap_port",
+    "bootstrap_room", "bootstrap_pair_key", "decode_tp_size", "routed_dp_rank",
+    "data_parallel_rank", "disagg_prefill_dp_rank", "background", "require_reasoning",
+    "max_thinking_tokens", "extra_key", "cache_salt", "return_bytes", "return_entropy",
+    "need_wait_for_mm_inputs", "num_items_assigned", "encoder_urls", "max_dynamic_patch",
+    "min_dynamic_patch", "image_max_dynamic_patch", "video_max_dynamic_patch", "images_config",
+    "mm_processor_kwargs", "multi_item_delimiter_indices", "token_indices_to_pool", "kv_hints"})
+KNOWN_FIELDS = SUPPORTED_FIELDS | INERT_FIELDS | UNSUPPORTED_FIELDS
+
+
+# ---- /generate ---------------------------------------------------------------------------------
+
+@dataclass
+class GenerateRequest:
+    groups: list[list[Prompt]]  # per prompt, its n samples
+    single: bool  # answer one object (one prompt, n == 1) rather than a list
+    stream: bool
+    text_in_logprobs: bool
+    prompt_ids_wanted: bool  # return_prompt_token_ids
+
+    @property
+    def prompts(self) -> list[Prompt]:
+        return [p for group in self.groups for p in group]
+
+
+def parse_generate(body: dict[str, Any], max_sequences: int,
+                   unknown: UnknownFields | None = None) -> GenerateRequest:
+    """A `/generate` body, or `LLM.generate`'s arguments (whose `sampling_params` may also be
+    SamplingParams objects). Raises InvalidRequest; a batch with one bad element fails as a
+    whole."""
+    extra = set(body) - KNOWN_FIELDS
+    if extra and unknown is not None:
+        unknown.ignore("/generate", extra)
+    refuse_unsupported(body, UNSUPPORTED_FIELDS)
+    single, prompts = _prompts(body.get("text"), body.get("input_ids"))
+    count = len(prompts)
+
+    params = per_item(body.get("sampling_params"), count, "sampling_params", _sampling_params,
+                      single)
+    rid = body.get("rid")
+    if not single and isinstance(rid, str):  # as SGLang: one rid names a batch's items
+        rid = [f"{rid}_{i}" for i in range(count)]
+    rids = per_item(rid, count, "rid", _check_rid, single)
+    want = per_item(body.get("return_logprob"), count, "return_logprob",
+                    lambda v: check_bool(none_as(v, False), "return_logprob"), single)
+    tops = per_item(none_as(body.get("top_logprobs_num"), 0), count, "top_logprobs_num",
+                    lambda v: check_int(v, "top_logprobs_num", 0, MAX_TOP_LOGPROBS), single)
+    starts = per_item(body.get("logprob_start_len"), count, "logprob_start_len",
+                      lambda v: check_int(none_as(v, -1), "logprob_start_len", -1), single)
+    priorities = per_item(body.get("priority"), count, "priority", check_priority, single)
+    for p, sp, r, w, k, start, prio in zip(prompts, params, rids, want, tops, starts,
+                                           priorities):
+        p.params, p.rid, p.logprob_num, p.priority = sp, r, (k if w else -1), prio
+        p.logprob_start_len = start if w else -1
+
+    flag(body, "log_metrics", True)
+    groups = expand_samples(prompts, max_sequences)
+    return GenerateRequest(groups, single and len(groups[0]) == 1, flag(body, "stream"),
+                           flag(body, "return_text_in_logprobs"),
+                           flag(body, "return_prompt_token_ids"))
+
+
+def _prompts(text: Any, input_ids: Any) -> tuple[bool, list[Prompt]]:
+    """(one prompt rather than a list, the prompts) of `text` or `input_ids`."""
+    if text is None and input_ids is None:
+        raise InvalidRequest("give text or input_ids")
+    if text is not None:  # NOTE: as SGLang: text wins when both are given
+        if isinstance(text, str):
+            return True, [Prompt([], SamplingParams(), text=text)]
+        if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+            return False, [Prompt([], SamplingParams(), text=t) for t in text]
+        raise InvalidRequest("text must be a string or a non-empty list of strings")
+    if is_ids(input_ids) and input_ids:
+        return True, [Prompt(list(input_ids), SamplingParams())]
+    if isinstance(input_ids, list) and input_ids and all(is_ids(x) for x in input_ids):
+        return False, [Prompt(list(ids), SamplingParams()) for ids in input_ids]
+    raise InvalidRequest("input_ids must be a non-empty list of token ids or a non-empty list "
+                         "of such lists")
+
+
+def _sampling_params(value: Any) -> SamplingParams:
+    """A `sampling_params` object, or (offline) a SamplingParams, copied and checked alike."""
+    if isinstance(value, SamplingParams):
+        params = copy.deepcopy(value)  # NOTE: the caller's object stays as it was given
+        params.validate()
+        return params
+    return SamplingParams.from_dict(value)
+
+
+def _check_rid(rid: Any) -> str | None:
+    if rid is not None and (not isinstance(rid, str) or not rid):
+        raise InvalidRequest(f"rid must be a non-empty string, got {rid!r}")
+    return rid
+
+
+# ---- /abort_request ----------------------------------------------------------------------------
+
+@dataclass
+class AbortRequest:
+    rid: str | None  # None: abort every running request (abort_all)
+
+
+def parse_abort(body: dict[str, Any]) -> AbortRequest:
+    if flag(body, "abort_all"):
+        return AbortRequest(None)
+    rid = body.get("rid")
+    if not isinstance(rid, str):
+        raise InvalidRequest("give rid (a string) or abort_all: true")
+    return AbortRequest(rid)

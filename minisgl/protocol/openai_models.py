@@ -1,0 +1,74 @@
+"""What the OpenAI endpoints know of the served model: the names a request's `model` may use,
+the model cards of /v1/models, and the settings chat requests follow (--sampling-defaults,
+--tool-call-parser)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from minisgl.errors import InvalidRequest
+from minisgl.models import generation_defaults
+from minisgl.runtime import Runtime
+
+logger = logging.getLogger(__name__)
+
+# NOTE: sglang-router fills a chat request's missing `model` with this name
+ROUTER_PLACEHOLDER_MODEL = "unknown"
+
+
+class UnknownModel(InvalidRequest):
+    """A `model` this server does not serve (HTTP 404, code model_not_found)."""
+
+
+@dataclass
+class OpenAIModel:
+    names: list[str]  # the served names; answers report the first unless a request names one
+    aliases: set[str]  # what a request's `model` may name: a served name, the model's path
+    strict: bool  # --strict-model-name: any other name is a 404
+    context_len: int
+    sampling_defaults: dict[str, Any]  # what chat requests that leave a sampling field out get
+    tool_call_parser: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @classmethod
+    def of(cls, runtime: Runtime) -> OpenAIModel:
+        args = runtime.args
+        defaults = (generation_defaults(runtime.model_path)
+                    if args.sampling_defaults == "model" else {})
+        if defaults:
+            logger.info("chat requests default to the model's sampling parameters %s", defaults)
+        aliases = {*runtime.served_names, str(runtime.model_path),
+                   *([args.model_path] if args.model_path else [])}
+        return cls(list(runtime.served_names), aliases, args.strict_model_name,
+                   runtime.context_len, defaults, args.tool_call_parser)
+
+    def card(self, name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "minisgl",
+                "root": name, "parent": None, "max_model_len": self.context_len}
+
+    def listing(self) -> dict[str, Any]:
+        """/v1/models."""
+        return {"object": "list", "data": [self.card(name) for name in self.names]}
+
+    def named_card(self, name: str) -> dict[str, Any]:
+        """/v1/models/{name}: any name the model goes by."""
+        if name not in self.aliases:
+            raise UnknownModel(f"The model '{name}' does not exist")
+        return self.card(name)
+
+    def resolve(self, body: dict[str, Any]) -> str:
+        """The name an answer reports: the requested one if it is a served name, else the
+        first served name. Any `model` is served (one model per server, as SGLang does),
+        unless --strict-model-name asks for a 404 on names that are not the model's."""
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise InvalidRequest("model must be a string")
+        if model == ROUTER_PLACEHOLDER_MODEL:
+            model = None
+        if self.strict and model and model not in self.aliases:
+            raise UnknownModel(f"The model `{model}` does not exist (this server serves "
+                               f"`{self.names[0]}`).")
+        return model if model in self.names else self.names[0]

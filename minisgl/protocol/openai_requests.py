@@ -1,0 +1,156 @@
+"""The bodies of /v1/completions and /v1/chat/completions, parsed into prompts. Which fields are
+read, ignored or refused: openai_fields; the answers: openai_results."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from minisgl.core import SamplingParams
+from minisgl.errors import InvalidRequest
+from minisgl.protocol.fields import UnknownFields, check_int, check_priority, flag, is_ids
+from minisgl.protocol.openai_fields import (CHAT_FIELDS, COMPLETION_FIELDS, MAX_TOP_LOGPROBS,
+                                            StreamOptions, chat_template_kwargs, check_fields,
+                                            normalize_messages, sampling_params, split_prefill,
+                                            stream_options)
+from minisgl.protocol.openai_models import OpenAIModel
+from minisgl.protocol.openai_tools import ToolUse, parse_tool_use, render_tools
+from minisgl.runtime import Prompt
+from minisgl.scheduler import expand_samples
+
+
+def _rid(rid: Any, prefix: str) -> str:
+    if rid is None:
+        return f"{prefix}-{uuid.uuid4().hex}"
+    if not isinstance(rid, str) or not rid:
+        raise InvalidRequest("rid must be a non-empty string")
+    return rid
+
+
+def _name_samples(groups: list[list[Prompt]], rid: str) -> list[Prompt]:
+    """The sequences in order, the k-th named `{rid}-{k}`."""
+    flat = [p for g in groups for p in g]
+    for k, p in enumerate(flat):
+        p.rid = f"{rid}-{k}"
+    return flat
+
+
+# ---- /v1/completions ---------------------------------------------------------------------------
+
+@dataclass
+class CompletionRequest:
+    model: str  # the name the answer reports
+    rid: str
+    groups: list[list[Prompt]]  # per prompt, its n samples
+    prompts: list[Prompt]  # the sequences to submit, in answer order
+    stream: bool
+    options: StreamOptions
+    echo: bool  # the answer starts with the prompt
+    echo_logprobs: bool  # ... and its logprobs start with the prompt's
+
+
+def _completion_prompts(raw: Any) -> list[Prompt]:
+    if isinstance(raw, str):
+        return [Prompt([], SamplingParams(), text=raw)]
+    if isinstance(raw, list) and raw and all(isinstance(p, str) for p in raw):
+        return [Prompt([], SamplingParams(), text=p) for p in raw]
+    if is_ids(raw) and raw:
+        return [Prompt(list(raw), SamplingParams())]
+    if isinstance(raw, list) and raw and all(is_ids(p) for p in raw):
+        return [Prompt(list(p), SamplingParams()) for p in raw]
+    raise InvalidRequest("prompt must be a string, a list of strings, a list of token ids or a "
+                         "list of such lists (non-empty)")
+
+
+def parse_completion(body: dict[str, Any], model: OpenAIModel, max_sequences: int,
+                     unknown: UnknownFields) -> CompletionRequest:
+    check_fields(body, "/v1/completions", COMPLETION_FIELDS, unknown)
+    name = model.resolve(body)
+    prompts = _completion_prompts(body.get("prompt"))
+    max_tokens = body.get("max_tokens")
+    params = sampling_params(body, 16 if max_tokens is None else max_tokens)
+    logprobs = body.get("logprobs")
+    if logprobs is not None:
+        check_int(logprobs, "logprobs", 0, MAX_TOP_LOGPROBS)
+    echo = flag(body, "echo")
+    echo_logprobs = echo and logprobs is not None  # the prompt's logprobs come first
+    stream, options = flag(body, "stream"), stream_options(body)
+    priority = check_priority(body.get("priority"))
+    for p in prompts:
+        p.params, p.logprob_num = params, (-1 if logprobs is None else logprobs)
+        p.logprob_start_len, p.priority = (0 if echo_logprobs else -1), priority
+    rid = _rid(body.get("rid"), "cmpl")
+    groups = expand_samples(prompts, max_sequences)
+    return CompletionRequest(name, rid, groups, _name_samples(groups, rid), stream, options,
+                             echo, echo_logprobs)
+
+
+# ---- /v1/chat/completions ----------------------------------------------------------------------
+
+@dataclass
+class ChatRequest:
+    """A chat request up to its prompt: `messages` and `template_kwargs` go through the chat
+    template (with `prefix`, the start of the answer, after it), then `samples` makes the
+    sequences of the prompt's ids."""
+
+    model: str  # the name the answer reports
+    messages: list[dict[str, Any]]
+    template_kwargs: dict[str, Any]
+    prefix: str  # continue_final_message: the assistant text the answer continues
+    params: SamplingParams
+    logprob_num: int
+    tools: ToolUse | None
+    stream: bool
+    options: StreamOptions
+    rid: Any  # the fields `rid` and `priority`, as given: checked by `samples`
+    priority: Any
+
+    def samples(self, ids: list[int], max_sequences: int) -> tuple[str, list[list[Prompt]]]:
+        """(the request id, the prompt's n samples as one group).
+        NOTE: rid and priority are checked once the prompt is tokenized, so that a request
+        with several faults is refused for the same one as always."""
+        rid = _rid(self.rid, "chatcmpl")
+        prompt = Prompt(ids, self.params, logprob_num=self.logprob_num,
+                        priority=check_priority(self.priority))
+        groups = expand_samples([prompt], max_sequences)
+        _name_samples(groups, rid)
+        return rid, groups
+
+
+def parse_chat(body: dict[str, Any], model: OpenAIModel, template_takes_tools: bool,
+               unknown: UnknownFields) -> ChatRequest:
+    check_fields(body, "/v1/chat/completions", CHAT_FIELDS, unknown)
+    name = model.resolve(body)
+    continue_final = flag(body, "continue_final_message")
+    generation_prompt = flag(body, "add_generation_prompt", True)
+    if continue_final and generation_prompt and body.get("add_generation_prompt"):
+        raise InvalidRequest("add_generation_prompt and continue_final_message cannot both "
+                             "be true: set add_generation_prompt to false to continue the "
+                             "final message")
+    messages, prefix = split_prefill(normalize_messages(body.get("messages")), continue_final)
+    template_kwargs = {**chat_template_kwargs(body), "add_generation_prompt": generation_prompt}
+    tools = parse_tool_use(body)
+    if tools is not None:
+        messages, extra = render_tools(messages, tools, template_takes_tools)
+        template_kwargs = {**template_kwargs, **extra}
+    logprobs = flag(body, "logprobs")
+    top = body.get("top_logprobs")
+    if top is not None:
+        check_int(top, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+        if not logprobs:
+            raise InvalidRequest("top_logprobs needs logprobs set to true")
+    stream, options = flag(body, "stream"), stream_options(body)
+    max_tokens = body.get("max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = body.get("max_tokens")
+    # NOTE: None is OpenAI's default: whatever room the context leaves
+    params = sampling_params(body, max_tokens, model.sampling_defaults)
+    if tools is not None and tools.grammar() is not None:
+        if params.grammar is not None:
+            raise InvalidRequest("tool_choice required or a named function constrains the "
+                                 "answer already: drop response_format / regex / ebnf")
+        params.json_schema = tools.grammar()
+    return ChatRequest(name, messages, template_kwargs, prefix, params,
+                       (top or 0) if logprobs else -1, tools, stream, options,
+                       body.get("rid"), body.get("priority"))
