@@ -1,6 +1,6 @@
 """The live page at /dashboard: static HTML and JavaScript shipped in the package (no build
 step, no external assets), polling /dashboard/data once a second for the samples of the
-runtime's `Timeline` it has not seen yet."""
+server's `Timeline` it has not seen yet."""
 
 from __future__ import annotations
 
