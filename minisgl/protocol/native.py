@@ -14,7 +14,8 @@ from typing import Any
 from minisgl.core import SamplingParams
 from minisgl.errors import InvalidRequest
 from minisgl.protocol.fields import (UnknownFields, check_bool, check_int, check_priority, flag,
-                                     is_ids, none_as, per_item, refuse_unsupported)
+                                     none_as, per_item, refuse_unsupported)
+from minisgl.protocol.prompts import ids_prompts, text_prompts
 from minisgl.runtime import Prompt
 from minisgl.scheduler import expand_samples
 
@@ -104,17 +105,15 @@ def _prompts(text: Any, input_ids: Any) -> tuple[bool, list[Prompt]]:
     if text is None and input_ids is None:
         raise InvalidRequest("give text or input_ids")
     if text is not None:  # NOTE: as SGLang: text wins when both are given
-        if isinstance(text, str):
-            return True, [Prompt([], SamplingParams(), text=text)]
-        if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
-            return False, [Prompt([], SamplingParams(), text=t) for t in text]
-        raise InvalidRequest("text must be a string or a non-empty list of strings")
-    if is_ids(input_ids) and input_ids:
-        return True, [Prompt(list(input_ids), SamplingParams())]
-    if isinstance(input_ids, list) and input_ids and all(is_ids(x) for x in input_ids):
-        return False, [Prompt(list(ids), SamplingParams()) for ids in input_ids]
-    raise InvalidRequest("input_ids must be a non-empty list of token ids or a non-empty list "
-                         "of such lists")
+        prompts = text_prompts(text)
+        if prompts is None:
+            raise InvalidRequest("text must be a string or a non-empty list of strings")
+        return prompts
+    prompts = ids_prompts(input_ids)
+    if prompts is None:
+        raise InvalidRequest("input_ids must be a non-empty list of token ids or a non-empty "
+                             "list of such lists")
+    return prompts
 
 
 def _sampling_params(value: Any) -> SamplingParams:

@@ -9,13 +9,14 @@ from typing import Any
 
 from minisgl.core import SamplingParams
 from minisgl.errors import InvalidRequest
-from minisgl.protocol.fields import UnknownFields, check_int, check_priority, flag, is_ids
+from minisgl.protocol.fields import UnknownFields, check_int, check_priority, flag
 from minisgl.protocol.openai_fields import (CHAT_FIELDS, COMPLETION_FIELDS, MAX_TOP_LOGPROBS,
                                             StreamOptions, chat_template_kwargs, check_fields,
                                             normalize_messages, sampling_params, split_prefill,
                                             stream_options)
 from minisgl.protocol.openai_models import OpenAIModel
 from minisgl.protocol.openai_tools import ToolUse, parse_tool_use, render_tools
+from minisgl.protocol.prompts import ids_prompts, text_prompts
 from minisgl.runtime import Prompt
 from minisgl.scheduler import expand_samples
 
@@ -51,16 +52,11 @@ class CompletionRequest:
 
 
 def _completion_prompts(raw: Any) -> list[Prompt]:
-    if isinstance(raw, str):
-        return [Prompt([], SamplingParams(), text=raw)]
-    if isinstance(raw, list) and raw and all(isinstance(p, str) for p in raw):
-        return [Prompt([], SamplingParams(), text=p) for p in raw]
-    if is_ids(raw) and raw:
-        return [Prompt(list(raw), SamplingParams())]
-    if isinstance(raw, list) and raw and all(is_ids(p) for p in raw):
-        return [Prompt(list(p), SamplingParams()) for p in raw]
-    raise InvalidRequest("prompt must be a string, a list of strings, a list of token ids or a "
-                         "list of such lists (non-empty)")
+    prompts = text_prompts(raw) or ids_prompts(raw)
+    if prompts is None:
+        raise InvalidRequest("prompt must be a string, a list of strings, a list of token ids "
+                             "or a list of such lists (non-empty)")
+    return prompts[1]
 
 
 def parse_completion(body: dict[str, Any], model: OpenAIModel, max_sequences: int,
