@@ -65,12 +65,11 @@ class ResultShaper:
             return
         # SGLang's layout: the token at logprob_start_len gets None (nothing before it was
         # scored), each later prompt token its logprob given everything before it
-        scored = h.prompt_ids[h.logprob_start_len:]
-        known = min(len(scored), 1 + len(h.input_logprobs))
-        done = len(self.input_token_logprobs)
-        values = [None, *h.input_logprobs]
+        start, values = h.logprob_start_len, h.input_logprobs
+        known = min(len(h.prompt_ids) - start, 1 + len(values))
         self.input_token_logprobs += self._entries(
-            [(values[j], scored[j]) for j in range(done, known)])
+            [(values[j - 1] if j else None, h.prompt_ids[start + j])
+             for j in range(len(self.input_token_logprobs), known)])
         if not self.input_top_logprobs:
             self.input_top_logprobs.append(None)
         self.input_top_logprobs += self._steps(
