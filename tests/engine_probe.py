@@ -22,7 +22,7 @@ def prefill_logits(engine: Engine, ids: list[int], row: int = 0) -> torch.Tensor
     batch = Batch("prefill", 1, table_rows=[row], cached_lens=[0], seq_lens=[n],
                   extend_lens=[n], input_positions=positions.to(device),
                   out_loc=positions.to(device))
-    engine.prepare(batch)
+    engine.plan_batch(batch)
     write = torch.tensor([engine.dummy_row * ctx])
     message = StepMessage("prefill", 1, [row], [0], [n], [n], positions, positions, load, write,
                           None, logits_only=True, token_writes=[(row, token_ids)],

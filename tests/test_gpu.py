@@ -150,10 +150,10 @@ def _decode_forward_input(engine, reqs, spans, locations):
     from minisgl.engine import ForwardInput
     ctx = engine.context_len
     batch, positions = scenario.make_batch("decode", spans, locations, engine.device)
-    engine.prepare(batch)
+    engine.plan_batch(batch)
     load = torch.tensor([r * ctx + s for r, s, _ in spans])
     write = torch.tensor([r * ctx + s + 1 for r, s, _ in spans])
-    sample_args = engine.sampler.prepare(
+    sample_args = engine.sampler.sampling_args(
         reqs, prompt_lens=[s for _, s, _ in spans], output_counts=[0] * len(spans),
         table_rows=[r for r, _, _ in spans], seq_lens=[s + 1 for _, s, _ in spans])
     return ForwardInput(batch=batch, load_indices=load.to(engine.device, non_blocking=True),

@@ -25,19 +25,19 @@ def make_req(i: int, prompt: list[int] | None = None, seed: int | None = None,
     return req
 
 
-def prepare(sampler: Sampler, reqs: list[Req], output_counts: list[int] | None = None,
+def sampling_args(sampler: Sampler, reqs: list[Req], output_counts: list[int] | None = None,
             logprob_nums: list[int] | None = None) -> SamplingArgs:
     """Request i lives in token_pool row i and has produced nothing yet (unless told)."""
     lens = [len(r.prompt_ids) for r in reqs]
     counts = output_counts or [0] * len(reqs)
-    return sampler.prepare(reqs, lens, counts, list(range(len(reqs))), lens, logprob_nums)
+    return sampler.sampling_args(reqs, lens, counts, list(range(len(reqs))), lens, logprob_nums)
 
 
 def sample(sampler: Sampler, logits: torch.Tensor, reqs: list[Req], **kw: object) -> SampleOutput:
     pool = torch.zeros(len(reqs), 8, dtype=torch.int32)
     for i, r in enumerate(reqs):
         pool[i, : len(r.prompt_ids)] = torch.tensor(r.prompt_ids)
-    return sampler.sample(logits, prepare(sampler, reqs, **kw), pool)
+    return sampler.sample(logits, sampling_args(sampler, reqs, **kw), pool)
 
 
 def frequencies(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -55,7 +55,7 @@ def test_greedy_is_argmax() -> None:
     reqs = [make_req(i, temperature=0.0) for i in range(3)]
     reqs += [make_req(i, top_k=1, temperature=1.3) for i in range(3, 6)]
     sampler = seeded_sampler(32)
-    assert prepare(sampler, reqs).greedy_only
+    assert sampling_args(sampler, reqs).greedy_only
     out = sample(sampler, logits, reqs)
     assert out.next_tokens.dtype == torch.int32 and out.next_tokens.shape == (6,)
     assert torch.equal(out.next_tokens.long(), logits.float().argmax(-1))
@@ -63,7 +63,7 @@ def test_greedy_is_argmax() -> None:
     # greedy rows stay argmax in a batch that also samples
     mixed = reqs + [make_req(6, temperature=1.0)]
     logits7 = torch.cat([logits, logits[:1]])
-    args = prepare(sampler, mixed)
+    args = sampling_args(sampler, mixed)
     assert not args.greedy_only
     assert torch.equal(sample(sampler, logits7, mixed).next_tokens[:6].long(),
                        logits.float().argmax(-1))
@@ -130,7 +130,7 @@ def test_penalties_amounts() -> None:
     for row in table_rows:
         pool[row, :6] = torch.tensor(history)
     sampler = seeded_sampler(6)
-    args = sampler.prepare(reqs, [2] * 5, [3] * 5, table_rows, [5] * 5)
+    args = sampler.sampling_args(reqs, [2] * 5, [3] * 5, table_rows, [5] * 5)
     logits = base.expand(5, 6)
     got = sampler._adjust_logits(logits.float(), args, pool)
     expected = base.expand(5, 6).clone()
@@ -144,7 +144,7 @@ def test_penalties_amounts() -> None:
     # and through sampling: frequency penalty 2 makes token 3 (logit 0.5 - 4) lose to token 1
     greedy = [make_req(0, [1, 2], temperature=0.0, frequency_penalty=2.0,
                        repetition_penalty=1.0)]
-    args = sampler.prepare(greedy, [2], [3], [6], [5])
+    args = sampler.sampling_args(greedy, [2], [3], [6], [5])
     spiky = torch.tensor([[0.0, 1.0, 0.0, 4.0, 0.0, 0.0]])
     assert sampler.sample(spiky, args, pool).next_tokens.tolist() == [1]
 
@@ -300,7 +300,7 @@ def test_extreme_parameters_give_greedy_or_a_valid_sample(seeded: bool) -> None:
         for i, ((params, valid), token) in enumerate(zip(EXTREMES, out.next_tokens.tolist())):
             row = logits[i].to(torch.bfloat16).float()
             assert token in valid(row), (params, token, row)
-    assert prepare(sampler, [make_req(0, temperature=1e-320)]).greedy_only
+    assert sampling_args(sampler, [make_req(0, temperature=1e-320)]).greedy_only
 
 
 @pytest.mark.parametrize("name", ["temperature", "top_p", "min_p", "frequency_penalty",

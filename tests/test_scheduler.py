@@ -286,7 +286,7 @@ def test_abort_fuzz_keeps_every_page_accounted_for() -> None:
 
 
 def test_default_chunk_keeps_cpu_activations_under_the_allocator_limit() -> None:
-    from minisgl.scheduler.config import CPU_ALLOCATION_LIMIT, default_chunk
+    from minisgl.engine.chunking import CPU_ALLOCATION_LIMIT, default_chunk
 
     gate_up = 2 * 1536  # the bundled model's merged gate/up width
     assert default_chunk("cuda", False, gate_up * 2) == 8192

@@ -28,7 +28,7 @@ def test_samplers_with_one_seed_draw_the_same_tokens() -> None:
 
     def draws(seed: int) -> list[list[int]]:
         sampler = Sampler(vocab, torch.device("cpu"), [0], seed=seed)
-        args = sampler.prepare(reqs, [1] * 4, [0] * 4, list(range(4)), [1] * 4)
+        args = sampler.sampling_args(reqs, [1] * 4, [0] * 4, list(range(4)), [1] * 4)
         pool = torch.zeros(4, 8, dtype=torch.int32)
         return [sampler.sample(logits, args, pool).next_tokens.tolist() for _ in range(5)]
 

@@ -259,9 +259,9 @@ class Engine:
 
     # ---- running steps -----------------------------------------------------------------------
 
-    def prepare(self, batch: Batch) -> None:
+    def plan_batch(self, batch: Batch) -> None:
         """Host side of a scheduled batch: graph padding and attention metadata."""
-        self.runner.prepare(batch)
+        self.runner.plan_batch(batch)
 
     def forward(self, fwd: ForwardInput) -> ForwardOutput:
         """The step itself, on the calling thread and stream; `launch` queues it there."""
@@ -293,7 +293,7 @@ class Engine:
         message = StepMessage.unpack(arrays)
         message.replay_writes(self.token_pool, self.page_table)
         batch = message.batch(self.device)
-        self.runner.prepare(batch)
+        self.runner.plan_batch(batch)
         device = self.device
         self.runner.forward(ForwardInput(
             batch, message.load_indices.to(device), message.write_indices.to(device),

@@ -27,7 +27,7 @@ class ModelRunner:
         self.phase_steps = {phase: 0 for phase in PHASES}
         self.forwarded_tokens = {"prefill": 0, "decode": 0}  # mixed steps count in both
 
-    def prepare(self, batch: Batch) -> None:
+    def plan_batch(self, batch: Batch) -> None:
         """Host side, when the batch is scheduled: pad a decode batch to its graph size (dummy
         rows, dummy page), then build the attention metadata."""
         if self.graph_runner is not None:

@@ -1,6 +1,6 @@
 """Batched token sampling on the device.
 
-`Sampler.prepare` turns a batch's `SamplingParams` into device tensors on the host;
+`Sampler.sampling_args` turns a batch's `SamplingParams` into device tensors on the host;
 `Sampler.sample` applies penalties, logit_bias and min_new_tokens masking, then either takes
 the argmax or samples after temperature / top-k / top-p / min-p, and gathers logprobs of the
 raw logits.
@@ -83,9 +83,9 @@ class Sampler:
             return host.pin_memory().to(self.device, non_blocking=True)
         return host.to(self.device)
 
-    def prepare(self, reqs: list[Req], prompt_lens: list[int], output_counts: list[int],
-                table_rows: list[int], seq_lens: list[int],
-                logprob_nums: list[int] | None = None) -> SamplingArgs:
+    def sampling_args(self, reqs: list[Req], prompt_lens: list[int], output_counts: list[int],
+                      table_rows: list[int], seq_lens: list[int],
+                      logprob_nums: list[int] | None = None) -> SamplingArgs:
         params = [r.params for r in reqs]
         greedy = [p.is_greedy for p in params]
         args = SamplingArgs(greedy_only=all(greedy))

@@ -90,8 +90,8 @@ class BatchBuilder:
         batch = Batch(phase, len(reqs), table_rows=rows, cached_lens=starts, seq_lens=ends,
                       extend_lens=counts, input_positions=positions.to(device, non_blocking=True),
                       out_loc=locations.to(device, non_blocking=True), decode_rows=decode_rows)
-        self.engine.prepare(batch)
-        sample_args = self.engine.sampler.prepare(
+        self.engine.plan_batch(batch)
+        sample_args = self.engine.sampler.sampling_args(
             reqs, prompt_lens=[len(r.prompt_ids) for r in reqs],
             output_counts=[e - len(r.prompt_ids) for r, e in zip(reqs, ends)],
             table_rows=rows, seq_lens=ends, logprob_nums=[r.logprob_num for r in reqs])

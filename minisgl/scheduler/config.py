@@ -4,9 +4,6 @@ name (defaults and meaning: minisgl.args.ServerArgs)."""
 from __future__ import annotations
 
 from minisgl.args import flag_config
-from minisgl.engine.chunking import CPU_ALLOCATION_LIMIT, default_chunk
-
-__all__ = ["CPU_ALLOCATION_LIMIT", "SchedulerConfig", "default_chunk"]
 
 
 @flag_config

@@ -24,7 +24,7 @@ from minisgl.errors import EngineFailed, IntegrityError
 from minisgl.kvcache import NaiveCache, RadixCache
 from minisgl.scheduler.batch_builder import BatchBuilder, ScheduledBatch
 from minisgl.scheduler.cache import CacheManager
-from minisgl.scheduler.config import SchedulerConfig, default_chunk
+from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.decode import DecodeManager
 from minisgl.scheduler.events import Queued, ReqEvent
 from minisgl.scheduler.failure import FailureBridge
@@ -46,16 +46,15 @@ EventSink = Callable[[list[ReqEvent]], None]
 class Scheduler:
     def __init__(self, engine: Engine, config: SchedulerConfig, sink: EventSink) -> None:
         if config.chunked_prefill_size is None:
-            widest = 2 * engine.arch.intermediate_size // engine.tp.size * engine.dtype.itemsize
-            config = replace(config, chunked_prefill_size=default_chunk(
-                engine.device.type, config.enable_mixed_chunk, widest))
+            config = replace(config, chunked_prefill_size=engine.default_chunked_prefill_size(
+                config.enable_mixed_chunk))
         self.engine, self.config, self.sink = engine, config, sink
         ps = engine.page_size
         prefix_cache = NaiveCache(ps) if config.disable_radix_cache else RadixCache(ps)
         self.cache = CacheManager(engine.kv_pool.num_pages, ps, prefix_cache)
         self.stats = SchedulerStats()
-        self.table = TableManager(engine.max_running, engine.page_table, engine.token_pool,
-                                  mirror=engine.tp.size > 1)
+        self.table = TableManager(engine.max_running, engine.dummy_row, engine.page_table,
+                                  engine.token_pool, mirror=engine.tp.size > 1)
         self.decode = DecodeManager()
         self.order = WaitingOrder(config.schedule_policy, config.enable_priority_scheduling,
                                   config.schedule_low_priority_values_first,

@@ -15,13 +15,13 @@ import torch
 
 
 class TableManager:
-    def __init__(self, max_running: int, page_table: torch.Tensor, token_pool: torch.Tensor,
-                 mirror: bool = False) -> None:
+    def __init__(self, max_running: int, dummy_row: int, page_table: torch.Tensor,
+                 token_pool: torch.Tensor, mirror: bool = False) -> None:
         self.max_running = max_running
         self.page_table = page_table
         self.token_pool = token_pool
         self.context_len = page_table.shape[1]
-        self.dummy_row = max_running
+        self.dummy_row = dummy_row  # padding rows (CUDA graphs) point here, never at a request
         on_host = page_table.device.type == "cpu"
         self.host_page_table = page_table if on_host else torch.zeros_like(page_table, device="cpu")
         self._free_rows = list(range(max_running - 1, -1, -1))  # pop() hands out row 0 first
