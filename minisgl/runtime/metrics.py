@@ -34,8 +34,8 @@ LENGTH_BUCKETS = (100, 300, 500, 700, 1000, 1500, 2000, 3000, 4000, 5000, 6000, 
                   1100000)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 disable_created_metrics()  # NOTE: process-wide; SGLang's output has no *_created series
-RECENT_MAX = 20000  # latencies kept for the dashboard's percentiles (a busy GPU streams
-# thousands of tokens a second: the last seconds of them)
+# latencies kept for the dashboard's percentiles: the last seconds of a busy server's tokens
+RECENT_MAX = 20000
 
 # name: (help, key of the scheduler's state); read at scrape time
 PHASES = get_args(Phase)
@@ -101,8 +101,8 @@ class _SchedulerCollector(Collector):
 
 
 class BucketCounts:
-    """A histogram's counts, kept by hand for the per-token path (prometheus-client's
-    Histogram.observe takes a lock and costs ~1 us: a GPU streams >10k tokens a second)."""
+    """A histogram's counts, kept by hand: the per-token path runs once per generated token
+    and must stay cheap, without prometheus-client's per-observation lock."""
 
     def __init__(self, edges: tuple[float, ...]) -> None:
         self.edges, self.counts, self.total = edges, [0] * (len(edges) + 1), 0.0
