@@ -317,22 +317,8 @@ class Engine:
         if watch is None or watch.loop is not loop:
             if watch is not None:
                 watch.close()
-            if self.workers is None and self._failure is not None:  # failed, then shut down
-                future: asyncio.Future[str] = loop.create_future()
-                future.set_result(self._failure)
-                return future
-            watch = self._failure_watch = FailureWatch(self.add_failure_listener,
-                                                       self.remove_failure_listener)
+            watch = self._failure_watch = FailureWatch(self.workers, self._failure)
         return watch.future
-
-    def add_failure_listener(self, callback: Callable[[str], None]) -> None:
-        """`callback(message)` once, from a monitor thread, when the engine fails (tp > 1)."""
-        if self.workers is not None:
-            self.workers.add_listener(callback)
-
-    def remove_failure_listener(self, callback: Callable[[str], None]) -> None:
-        if self.workers is not None:
-            self.workers.remove_listener(callback)
 
     def shutdown(self) -> None:
         """Stop the engine thread and, tp > 1, every worker; removes our shared memory. On

@@ -8,19 +8,23 @@ scheduler, the server) awaits this one future.
 from __future__ import annotations
 
 import asyncio
-from typing import Callable
+from typing import TYPE_CHECKING
 
-Listener = Callable[[str], None]
+if TYPE_CHECKING:
+    from minisgl.distributed.worker import TPWorkers
 
 
 class FailureWatch:
-    def __init__(self, add_listener: Callable[[Listener], None],
-                 remove_listener: Callable[[Listener], None]) -> None:
-        """Call on the loop; `add_listener` calls its callback at once if already failed."""
+    def __init__(self, workers: TPWorkers | None, failed: str | None) -> None:
+        """Call on the loop. Without workers (tp 1, or after shutdown) the future completes at
+        once with `failed` if set, else never."""
         self.loop = asyncio.get_running_loop()
         self.future: asyncio.Future[str] = self.loop.create_future()
-        self._remove_listener = remove_listener
-        add_listener(self._on_failure)
+        self.workers = workers
+        if workers is not None:
+            workers.add_listener(self._on_failure)  # NOTE: calls back at once if already failed
+        elif failed is not None:
+            self.future.set_result(failed)
 
     def _on_failure(self, message: str) -> None:  # the monitor thread, or the caller's
         if not self.loop.is_closed():
@@ -31,4 +35,5 @@ class FailureWatch:
             self.future.set_result(message)
 
     def close(self) -> None:
-        self._remove_listener(self._on_failure)
+        if self.workers is not None:
+            self.workers.remove_listener(self._on_failure)

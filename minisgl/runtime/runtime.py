@@ -81,12 +81,12 @@ class Runtime:
     @property
     def failed(self) -> str | None:
         """Why the engine cannot serve any more (a tensor-parallel rank died), else None."""
-        return self.scheduler.engine_failed
+        return self.engine.failed
 
     async def wait_failed(self) -> str:
         """Returns the reason once the engine has failed (never on tp 1). The HTTP server
         races this against its stop signal, answers /health with 503, then exits."""
-        return await asyncio.shield(self.scheduler.failure())
+        return await asyncio.shield(self.engine.failure())
 
     @property
     def idle(self) -> bool:

@@ -27,7 +27,6 @@ from minisgl.scheduler.cache import CacheManager
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.decode import DecodeManager
 from minisgl.scheduler.events import Queued, ReqEvent
-from minisgl.scheduler.failure import FailureBridge
 from minisgl.scheduler.intake import (RequestLimits, RequestSpec, check_batch,
                                      fill_max_new_tokens)
 from minisgl.scheduler.integrity import check_kv_integrity
@@ -79,7 +78,6 @@ class Scheduler:
         self._wake: asyncio.Event | None = None  # made by run(), on its loop
         self._stopping = False
         self._in_flight: ScheduledBatch | None = None  # launched, its results not processed
-        self._failure: FailureBridge | None = None
 
     # ---- requests in -------------------------------------------------------------------------
 
@@ -184,7 +182,9 @@ class Scheduler:
     async def run(self) -> None:
         self._wake = asyncio.Event()
         self._stopping = False
-        failure = self.failure() if self.engine.tp.size > 1 else None
+        failure = self.engine.failure() if self.engine.tp.size > 1 else None
+        if failure is not None:
+            failure.add_done_callback(lambda _: self._wake_up())  # end an idle wait
         ongoing: ScheduledBatch | None = None  # launched this step, before _in_flight is done
         failed = False
         try:
@@ -232,21 +232,6 @@ class Scheduler:
         self.abort_all("the server is shutting down")
         self._stopping = True
         self._wake_up()
-        if self._failure is not None:
-            self._failure.close()
-            self._failure = None
-
-    @property
-    def engine_failed(self) -> str | None:
-        """Why the engine cannot run any more (a tensor-parallel rank died), else None."""
-        return self.engine.failed
-
-    def failure(self) -> asyncio.Future[str]:
-        """Completes with the reason when the engine fails (a tensor-parallel rank died); on
-        tp 1 it never does. Call on the loop."""
-        if self._failure is None:
-            self._failure = FailureBridge(self.engine, self._wake_up)
-        return self._failure.future
 
     async def _sleep_until_work(self) -> None:
         self._on_idle()
@@ -272,9 +257,9 @@ class Scheduler:
 
     async def _result(self, batch: ScheduledBatch) -> ForwardOutput:
         assert batch.completion is not None
-        if self._failure is None or self.engine.tp.size == 1:
+        if self.engine.tp.size == 1:
             return await batch.completion.wait()
-        return await batch.completion.wait_unless(self._failure.future)
+        return await batch.completion.wait_unless(self.engine.failure())
 
     async def _settle(self) -> None:
         """Process the batch in flight (if any) before anything else is launched."""
