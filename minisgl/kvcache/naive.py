@@ -25,6 +25,10 @@ class NaiveCache(PrefixCache):
         self._check_insert_args(token_ids, locations)
         return locations
 
+    def extend(self, handle: CacheHandle, token_ids: list[int], locations: torch.Tensor
+               ) -> CacheHandle | None:
+        return None
+
     def evict(self, num_tokens: int) -> torch.Tensor:
         return empty_locations()
 

@@ -50,6 +50,14 @@ class PrefixCache(ABC):
         did not take (where that prefix was already cached at other locations); the caller frees them."""
 
     @abstractmethod
+    def extend(self, handle: CacheHandle, token_ids: list[int], locations: torch.Tensor
+               ) -> CacheHandle | None:
+        """Cache a live sequence's pages past the path `handle` matched (token_ids[:handle.
+        length], which stays locked by the caller): token_ids (whole pages) at `locations`.
+        Returns the handle of the longer path, unlocked; None, with nothing changed, where a
+        page of that continuation is already cached (its own pages then stay the caller's)."""
+
+    @abstractmethod
     def evict(self, num_tokens: int) -> torch.Tensor:
         """Free at least num_tokens if possible from unlocked entries, least recently used first;
         returns the freed locations."""

@@ -113,6 +113,18 @@ class RadixCache(PrefixCache):
             self._evictable += len(leaf)
         return torch.cat(rejected) if rejected else empty_locations()
 
+    def extend(self, handle: CacheHandle, token_ids: list[int], locations: torch.Tensor
+               ) -> RadixHandle | None:
+        self._check_insert_args(token_ids, locations)
+        node, start = self._node_of(handle), handle.length
+        if start >= len(token_ids) or self._key(token_ids, start) in node.children:
+            return None
+        self._clock += 1
+        leaf = RadixNode(list(token_ids[start:]), locations[start:].clone(), node, self._clock)
+        node.children[self._key(leaf.token_ids)] = leaf
+        self._evictable += len(leaf)
+        return RadixHandle(length=len(token_ids), node=leaf)
+
     def evict(self, num_tokens: int) -> torch.Tensor:
         if num_tokens <= 0:
             return empty_locations()

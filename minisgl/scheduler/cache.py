@@ -103,12 +103,10 @@ class CacheManager:
         aligned = min(len(locations), len(token_ids)) // self.page_size * self.page_size
         if not self.prefix_cache.holds_prefixes or aligned <= shared_len:
             return None
-        found, _ = self.prefix_cache.match_prefix(token_ids[:aligned])
-        if found.length != shared_len:
+        assert handle.length == shared_len
+        new_handle = self.prefix_cache.extend(handle, token_ids[:aligned], locations[:aligned])
+        if new_handle is None:
             return None
-        rejected = self.prefix_cache.insert(token_ids[:aligned], locations[:aligned])
-        assert rejected.numel() == 0  # NOTE: [0, shared_len) are the cache's own locations
-        new_handle, _ = self.prefix_cache.match_prefix(token_ids[:aligned])
         self.prefix_cache.lock(new_handle)
         self.prefix_cache.unlock(handle)
         return aligned, new_handle
