@@ -7,7 +7,6 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from minisgl.core import SamplingParams
 from minisgl.errors import InvalidRequest
 from minisgl.protocol.fields import UnknownFields, check_int, check_priority, flag
 from minisgl.protocol.openai_fields import (CHAT_FIELDS, COMPLETION_FIELDS, MAX_TOP_LOGPROBS,
@@ -17,7 +16,7 @@ from minisgl.protocol.openai_fields import (CHAT_FIELDS, COMPLETION_FIELDS, MAX_
 from minisgl.protocol.openai_models import OpenAIModel
 from minisgl.protocol.openai_tools import ToolUse, parse_tool_use, render_tools
 from minisgl.protocol.prompts import ids_prompts, text_prompts
-from minisgl.runtime import Prompt
+from minisgl.runtime import ChatPrompt, Prompt
 from minisgl.scheduler import expand_samples
 
 
@@ -86,36 +85,17 @@ def parse_completion(body: dict[str, Any], model: OpenAIModel, max_sequences: in
 
 @dataclass
 class ChatRequest:
-    """A chat request up to its prompt: `messages` and `template_kwargs` go through the chat
-    template (with `prefix`, the start of the answer, after it), then `samples` makes the
-    sequences of the prompt's ids."""
-
     model: str  # the name the answer reports
-    messages: list[dict[str, Any]]
-    template_kwargs: dict[str, Any]
-    prefix: str  # continue_final_message: the assistant text the answer continues
-    params: SamplingParams
-    logprob_num: int
+    rid: str
+    groups: list[list[Prompt]]  # the prompt's n samples, one group
+    prompts: list[Prompt]  # the sequences to submit, in answer order
     tools: ToolUse | None
     stream: bool
     options: StreamOptions
-    rid: Any  # the fields `rid` and `priority`, as given: checked by `samples`
-    priority: Any
-
-    def samples(self, ids: list[int], max_sequences: int) -> tuple[str, list[list[Prompt]]]:
-        """(the request id, the prompt's n samples as one group).
-        NOTE: rid and priority are checked once the prompt is tokenized, so that a request
-        with several faults is refused for the same one as always."""
-        rid = _rid(self.rid, "chatcmpl")
-        prompt = Prompt(ids, self.params, logprob_num=self.logprob_num,
-                        priority=check_priority(self.priority))
-        groups = expand_samples([prompt], max_sequences)
-        _name_samples(groups, rid)
-        return rid, groups
 
 
 def parse_chat(body: dict[str, Any], model: OpenAIModel, template_takes_tools: bool,
-               unknown: UnknownFields) -> ChatRequest:
+               max_sequences: int, unknown: UnknownFields) -> ChatRequest:
     check_fields(body, "/v1/chat/completions", CHAT_FIELDS, unknown)
     name = model.resolve(body)
     continue_final = flag(body, "continue_final_message")
@@ -147,6 +127,9 @@ def parse_chat(body: dict[str, Any], model: OpenAIModel, template_takes_tools: b
             raise InvalidRequest("tool_choice required or a named function constrains the "
                                  "answer already: drop response_format / regex / ebnf")
         params.json_schema = tools.grammar()
-    return ChatRequest(name, messages, template_kwargs, prefix, params,
-                       (top or 0) if logprobs else -1, tools, stream, options,
-                       body.get("rid"), body.get("priority"))
+    chat = ChatPrompt(messages, template_kwargs, prefix)
+    prompt = Prompt([], params, logprob_num=(top or 0) if logprobs else -1,
+                    priority=check_priority(body.get("priority")), chat=chat)
+    rid = _rid(body.get("rid"), "chatcmpl")
+    groups = expand_samples([prompt], max_sequences)
+    return ChatRequest(name, rid, groups, _name_samples(groups, rid), tools, stream, options)

@@ -113,11 +113,11 @@ class CompletionAnswer(_Answer):
 
 
 class ChatAnswer(_Answer):
-    def __init__(self, req: ChatRequest, rid: str, groups: list[list[Prompt]],
-                 handles: list[ReqHandle], model: OpenAIModel, tokens: TokenTexts) -> None:
-        head = {"id": rid, "object": "chat.completion.chunk" if req.stream
+    def __init__(self, req: ChatRequest, handles: list[ReqHandle], model: OpenAIModel,
+                 tokens: TokenTexts) -> None:
+        head = {"id": req.rid, "object": "chat.completion.chunk" if req.stream
                 else "chat.completion", "created": int(time.time()), "model": req.model}
-        super().__init__(head, groups, handles, req.options, tokens)
+        super().__init__(head, req.groups, handles, req.options, tokens)
         self.tools, self.parser_name = req.tools, model.tool_call_parser
         self._parsers: dict[int, ToolCallParser] = {}  # a stream's tool-call parser per choice
 

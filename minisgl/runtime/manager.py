@@ -25,11 +25,23 @@ from minisgl.scheduler import Queued, ReqEvent, RequestSpec, Scheduler
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class ChatPrompt:
+    """Messages for the chat template (with its keyword arguments), then `prefix`: the start
+    of the answer, which the model continues."""
+
+    messages: list[dict[str, Any]]
+    template_kwargs: dict[str, Any]
+    prefix: str = ""
+
+
 @dataclass
 class Prompt(RequestSpec):
-    """A request to submit; a text prompt gets its input_ids on submission."""
+    """A request to submit; a text or chat prompt gets its input_ids on submission (samples
+    of one prompt share its text or chat object, which is tokenized once)."""
 
     text: str | None = None
+    chat: ChatPrompt | None = None
 
 
 @dataclass
@@ -89,7 +101,7 @@ class RequestManager:
     @property
     def running(self) -> bool:
         return (bool(self._tasks) and not any(t.done() for t in self._tasks)
-                and self.scheduler.engine_failed is None)
+                and self.scheduler.engine.failed is None)
 
     @property
     def max_sequences(self) -> int:
@@ -137,8 +149,8 @@ class RequestManager:
     def submit(self, specs: list[RequestSpec], streaming: bool = False) -> list[ReqHandle]:
         """Queue a batch, all or nothing: every request is validated before any is queued
         (raises InvalidRequest, QueueFull or EngineFailed)."""
-        if self.scheduler.engine_failed is not None:
-            raise EngineFailed(self.scheduler.engine_failed)
+        if self.scheduler.engine.failed is not None:
+            raise EngineFailed(self.scheduler.engine.failed)
         if self.detokenizer is None and any(s.params.stop_strings or s.params.stop_regexes
                                             for s in specs):
             raise InvalidRequest("stop strings and stop_regex need a tokenizer, and this model "
@@ -154,8 +166,8 @@ class RequestManager:
 
     async def submit_prompts(self, prompts: list[Prompt], streaming: bool = False
                              ) -> list[ReqHandle]:
-        """Tokenize the text prompts (one batched call), compile their grammars, then queue the
-        batch, all or nothing."""
+        """Tokenize the text prompts (one batched call) and apply the chat template to chat
+        prompts, compile their grammars, then queue the batch, all or nothing."""
         texts = [p for p in prompts if p.text is not None]
         # NOTE: an empty text is not tokenized (that could add a BOS): its empty input_ids are
         # refused by the scheduler's intake, as an empty list of ids is
@@ -163,6 +175,12 @@ class RequestManager:
         ids = dict(zip(unique, await self.encode(unique))) if unique else {}
         for p in texts:
             p.input_ids = ids.get(p.text, [])
+        chats: dict[int, list[int]] = {}
+        for p in prompts:
+            if p.chat is not None:
+                if id(p.chat) not in chats:
+                    chats[id(p.chat)] = await self._encode_chat(p.chat)
+                p.input_ids = chats[id(p.chat)]
         await self.attach_grammars(prompts)
         return self.submit(list(prompts), streaming)
 
@@ -181,12 +199,11 @@ class RequestManager:
             raise InvalidRequest("this model has no tokenizer: send input_ids instead of text")
         return await self.tokenizer.encode(texts, self.scheduler.context_len)
 
-    async def encode_chat(self, messages: Any, template_kwargs: dict[str, Any] | None = None,
-                          prefix: str = "") -> list[int]:
+    async def _encode_chat(self, chat: ChatPrompt) -> list[int]:
         if self.tokenizer is None:
             raise InvalidRequest("this model has no tokenizer, so no chat template")
-        return await self.tokenizer.encode_chat(messages, self.scheduler.context_len,
-                                                template_kwargs, prefix)
+        return await self.tokenizer.encode_chat(chat.messages, self.scheduler.context_len,
+                                                chat.template_kwargs, chat.prefix)
 
     async def updates(self, handle: ReqHandle) -> AsyncIterator[ReqHandle]:
         """Yields the handle each time its state changed, last when it finished. Abandoning the

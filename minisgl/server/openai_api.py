@@ -52,11 +52,10 @@ class OpenAIAPI:
         self.ensure_ready()
         tokenizer = self.manager.tokenizer
         req = parse_chat(await read_json(request), self.model,
-                         tokenizer is not None and tokenizer.takes_tools, self.unknown)
-        ids = await self.manager.encode_chat(req.messages, req.template_kwargs, req.prefix)
-        rid, groups = req.samples(ids, self.manager.max_sequences)
-        handles = await self.manager.submit_prompts(groups[0], req.stream)
-        answer = ChatAnswer(req, rid, groups, handles, self.model, self.tokens)
+                         tokenizer is not None and tokenizer.takes_tools,
+                         self.manager.max_sequences, self.unknown)
+        handles = await self.manager.submit_prompts(req.prompts, req.stream)
+        answer = ChatAnswer(req, handles, self.model, self.tokens)
         if req.stream:
             return await stream_response(request, self.manager, handles, answer.stream_chunk,
                                          answer.stream_first(), answer.stream_last)
