@@ -10,7 +10,7 @@ import torch
 
 from minisgl.core import Batch
 from minisgl.distributed.context import TPInfo, broadcast
-from minisgl.engine.forward import ForwardInput, ForwardOutput, to_host
+from minisgl.engine.forward import ForwardInput, ForwardOutput, InputLogprobs, to_host
 from minisgl.engine.graph import GraphRunner
 from minisgl.engine.sampler import Sampler
 from minisgl.engine.scoring import score_rows
@@ -37,39 +37,52 @@ class ModelRunner:
     def forward(self, fwd: ForwardInput) -> ForwardOutput:
         """Runs on the engine stream (GPU) or the engine thread (CPU), in launch order."""
         started = time.perf_counter()
-        batch = fwd.batch
-        input_ids = self.token_pool.view(-1)[fwd.load_indices]
-        scored = None
-        if self.graph_runner is not None and self.graph_runner.can_run(batch):
-            logits = self.graph_runner.replay(batch, input_ids, batch.input_positions)
-        elif fwd.num_scored_rows:
-            hidden = self.model.hidden_states(input_ids, batch.input_positions, batch,
-                                              self.attn_backend, fwd.logit_rows)
-            logits = self.model.lm_head(hidden[: batch.size])
-            scored = score_rows(self.model.lm_head, hidden[batch.size:], fwd.input_logprobs)
-        else:
-            logits = self.model(input_ids, batch.input_positions, batch, self.attn_backend,
-                                fwd.logit_rows)
+        logits, scored = self._logits(fwd)
         if fwd.logits_only:
             return ForwardOutput(logits=logits.float())
         if not self.tp.is_primary:  # rank 0 samples; every rank stores its choice
-            next_tokens = torch.empty(batch.size, dtype=torch.int32, device=self.device)
+            next_tokens = torch.empty(fwd.batch.size, dtype=torch.int32, device=self.device)
             self.token_pool.view(-1)[fwd.write_indices] = broadcast(next_tokens, 0)
             return ForwardOutput()
+        output = self._sample(fwd, logits, scored)
+        self._count(fwd.batch, started)
+        return output
+
+    def _logits(self, fwd: ForwardInput) -> tuple[torch.Tensor, InputLogprobs | None]:
+        """The batch's next-token logits (replayed from a CUDA graph where one fits), and the
+        input logprobs of its scored prompt rows (None without any)."""
+        batch = fwd.batch
+        input_ids = self.token_pool.view(-1)[fwd.load_indices]
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            return self.graph_runner.replay(batch, input_ids, batch.input_positions), None
+        if fwd.num_scored_rows:
+            hidden = self.model.hidden_states(input_ids, batch.input_positions, batch,
+                                              self.attn_backend, fwd.logit_rows)
+            return (self.model.lm_head(hidden[: batch.size]),
+                    score_rows(self.model.lm_head, hidden[batch.size:], fwd.input_logprobs))
+        return self.model(input_ids, batch.input_positions, batch, self.attn_backend,
+                          fwd.logit_rows), None
+
+    def _sample(self, fwd: ForwardInput, logits: torch.Tensor,
+                scored: InputLogprobs | None) -> ForwardOutput:
+        """Rank 0: sample (under the grammar's mask), store the ids in the token pool, share
+        them with the other ranks, and copy the results to the host."""
         mask = None
         if fwd.grammar is not None:  # NOTE: may wait for the scheduler (see GrammarMask)
             bitmask = fwd.grammar.wait()
             mask = (fwd.grammar.rows, bitmask.to(self.device, non_blocking=True))
-        sample = self.sampler.sample(logits[: batch.size], fwd.sample_args, self.token_pool,
+        sample = self.sampler.sample(logits[: fwd.batch.size], fwd.sample_args, self.token_pool,
                                      mask)
         self.token_pool.view(-1)[fwd.write_indices] = sample.next_tokens
         if self.tp.size > 1:
             broadcast(sample.next_tokens, 0)
         tops = sample.top_logprobs
-        output = ForwardOutput(
+        return ForwardOutput(
             token_ids=to_host(sample.next_tokens), logprobs=to_host(sample.logprobs),
             top_logprobs=None if tops is None else (to_host(tops[0]), to_host(tops[1])),
             input_logprobs=scored)
+
+    def _count(self, batch: Batch, started: float) -> None:
         # NOTE: on CPU this is the real compute time; on CUDA only the launch time.
         self.phase_seconds[batch.phase] += time.perf_counter() - started
         self.phase_steps[batch.phase] += 1
@@ -77,7 +90,6 @@ class ModelRunner:
         self.forwarded_tokens["decode"] += decode_rows
         if not batch.is_decode:
             self.forwarded_tokens["prefill"] += sum(batch.extend_lens[:batch.size - decode_rows])
-        return output
 
     @property
     def busy_seconds(self) -> float:
