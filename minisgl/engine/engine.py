@@ -42,6 +42,7 @@ from minisgl.layers.linear import can_prepack, native_cpu_gemm
 from minisgl.models import (
     ModelArch,
     build_model,
+    check_supported,
     load_config,
     load_weights,
     log_weight_memory,
@@ -116,7 +117,8 @@ class Engine:
         if config.json_model_override_args:
             model_config.update(json.loads(config.json_model_override_args))
         self.arch = ModelArch.from_config(model_config)
-        self.context_len = config.context_length or self.arch.max_position_embeddings
+        check_supported(self.arch)
+        self.context_len = self.arch.context_limit(config.context_length)
         if self.tp.size > 1:
             check_tp_size(self.arch, self.tp.size, self.model_path.name)
         try:

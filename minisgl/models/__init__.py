@@ -3,7 +3,7 @@
 from minisgl.models.arch import ModelArch
 from minisgl.models.dummy_weights import load_dummy
 from minisgl.models.loader import load_weights, log_weight_memory
-from minisgl.models.registry import UnsupportedModel, build_model
+from minisgl.models.registry import UnsupportedModel, build_model, check_supported
 from minisgl.models.weights import (
     ModelNotFound,
     generation_defaults,
@@ -13,7 +13,7 @@ from minisgl.models.weights import (
     resolve_model_path,
 )
 
-__all__ = ["ModelArch", "ModelNotFound", "UnsupportedModel", "build_model",
+__all__ = ["ModelArch", "ModelNotFound", "UnsupportedModel", "build_model", "check_supported",
            "generation_defaults", "load_config",
            "load_dummy", "load_safetensors", "load_weights", "log_weight_memory", "model_name",
            "resolve_model_path"]

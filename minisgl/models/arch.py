@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 # What sets a family apart from the Llama decoder, whatever its config says; a config matches
 # a family by its model_type or by its architectures entry.
@@ -12,6 +15,40 @@ FAMILY_TRAITS: dict[tuple[str, str], dict[str, bool]] = {
     # a per-head RMSNorm on queries and keys before RoPE
     ("qwen3", "Qwen3ForCausalLM"): {"qk_norm": True},
 }
+
+
+# Config fields that change the decoder's math, with the values our decoder computes: any other
+# value is refused at start (models.registry.check_supported), never silently ignored.
+COMPUTED_VALUES: dict[str, tuple[Any, ...]] = {
+    "hidden_act": ("silu", "swish"),
+    "mlp_bias": (False,),
+    "partial_rotary_factor": (1, 1.0),
+    "attn_logit_softcapping": (None,),
+    "final_logit_softcapping": (None,),
+}
+
+
+def uncomputed_fields(config: dict[str, Any]) -> tuple[str, ...]:
+    """`field=value` for each config value in COMPUTED_VALUES' fields that we do not compute."""
+    return tuple(f"{name}={config[name]!r}" for name, values in COMPUTED_VALUES.items()
+                 if config.get(name) is not None and config[name] not in values)
+
+
+def sliding_window(config: dict[str, Any]) -> int | None:
+    """The window (in tokens) of the config's windowed attention layers; None where no layer is
+    windowed. Windowed layers: an explicit `layer_types` (transformers 5), else every layer
+    (Mistral), else with `use_sliding_window` those from `max_window_layers` on (Qwen2/3)."""
+    window = config.get("sliding_window")
+    if not window:
+        return None
+    if config.get("layer_types") is not None:
+        return window if "sliding_attention" in config["layer_types"] else None
+    if "use_sliding_window" in config and not config["use_sliding_window"]:
+        return None
+    first_windowed = 0
+    if config.get("use_sliding_window"):
+        first_windowed = config.get("max_window_layers") or 0
+    return window if first_windowed < config["num_hidden_layers"] else None
 
 
 def family_traits(model_type: str, architecture: str) -> dict[str, bool]:
@@ -40,6 +77,8 @@ class ModelArch:
     attention_bias: bool
     qk_norm: bool
     eos_token_ids: tuple[int, ...]
+    sliding_window: int | None = None  # see sliding_window(); not applied yet: context_limit
+    uncomputed: tuple[str, ...] = ()  # see uncomputed_fields()
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelArch:
@@ -69,4 +108,23 @@ class ModelArch:
                                       bool(config.get("attention_bias", False))),
             qk_norm=traits.get("qk_norm", False),
             eos_token_ids=eos_ids,
+            sliding_window=sliding_window(config),
+            uncomputed=uncomputed_fields(config),
         )
+
+    def context_limit(self, requested: int | None) -> int:
+        """The context to serve: `requested` (--context-length), else the model's. Attention is
+        not windowed yet, so a sliding window caps the context where full attention gives the
+        windowed result (every key within the window); a larger request is refused."""
+        context = requested or self.max_position_embeddings
+        window = self.sliding_window
+        if window is None or context <= window:
+            return context
+        if requested:
+            raise ValueError(f"--context-length {requested}: this model attends through a "
+                             f"sliding window of {window} tokens, which minisgl does not apply "
+                             f"yet; serve a context of at most {window} tokens")
+        logger.warning("this model attends through a sliding window of %d tokens, which "
+                       "minisgl does not apply yet: serving a context of %d tokens, where "
+                       "full attention gives the same result", window, window)
+        return window

@@ -20,11 +20,20 @@ class UnsupportedModel(ValueError):
     pass
 
 
-def build_model(arch: ModelArch) -> nn.Module:
-    cls = MODEL_CLASSES.get(arch.architecture)
-    if cls is None:
+def check_supported(arch: ModelArch) -> None:
+    """Raises UnsupportedModel for an architecture we do not serve, or for a config value that
+    changes the math and that our decoder does not compute."""
+    if arch.architecture not in MODEL_CLASSES:
         supported = ", ".join(sorted(MODEL_CLASSES))
         raise UnsupportedModel(
             f"unsupported architecture {arch.architecture or '(none given)'!r}; "
             f"supported: {supported}")
-    return cls(arch)
+    if arch.uncomputed:
+        raise UnsupportedModel(
+            f"{arch.architecture}: the config's {', '.join(arch.uncomputed)} changes the "
+            "model's math, and minisgl's decoder does not compute it")
+
+
+def build_model(arch: ModelArch) -> nn.Module:
+    check_supported(arch)
+    return MODEL_CLASSES[arch.architecture](arch)

@@ -1,0 +1,118 @@
+"""Config values that change a model's math: honoured, or refused at start, never ignored.
+Each reference is transformers float32 on a tiny random model built here (nothing downloaded)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from minisgl.engine import Engine, EngineConfig
+from minisgl.errors import InvalidRequest
+from minisgl.models.arch import sliding_window
+from minisgl.models.registry import UnsupportedModel
+from tests.test_model import TINY, forward_positions
+
+WINDOW = 16
+LOGIT_TOLERANCE = 1e-4  # max |ours - transformers| over all vocab logits, float32
+
+
+def save_tiny(model_class: str, config_class: str, path, **overrides) -> torch.nn.Module:
+    import transformers
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(**{**TINY, **overrides})
+    model = getattr(transformers, model_class)(config).eval()
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory) -> tuple[torch.nn.Module, str]:
+    path = tmp_path_factory.mktemp("mistral-window")
+    return save_tiny("MistralForCausalLM", "MistralConfig", path, sliding_window=WINDOW), str(path)
+
+
+def test_sliding_window_caps_the_context_where_full_attention_is_exact(mistral) -> None:
+    """Attention is not windowed yet: a Mistral with a 16-token window is served with a
+    16-token context, inside which every key is within the window, so the logits equal
+    transformers' windowed attention; a longer prompt is refused, not answered wrongly."""
+    from minisgl.llm import LLM
+    model, path = mistral
+    engine = Engine(EngineConfig(model_path=path, dtype="float32", max_total_tokens=256,
+                                 max_running_requests=2))
+    try:
+        assert engine.context_len == WINDOW
+        ids = torch.randint(0, TINY["vocab_size"], (WINDOW,),
+                            generator=torch.Generator().manual_seed(1))
+        ours = forward_positions(engine, ids.tolist(), prefill_len=10)
+        with torch.inference_mode():
+            theirs = model(ids[None]).logits[0]
+        assert (ours - theirs).abs().max().item() < LOGIT_TOLERANCE
+    finally:
+        engine.shutdown()
+    with LLM(model=path, dtype="float32", max_total_tokens=256) as llm:
+        with pytest.raises(InvalidRequest, match="context length"):
+            llm.generate(input_ids=list(range(WINDOW + 4)),
+                         sampling_params={"max_new_tokens": 1})
+
+
+def test_a_context_past_the_window_is_refused_at_start(mistral) -> None:
+    with pytest.raises(ValueError, match=f"sliding window of {WINDOW} tokens"):
+        Engine(EngineConfig(model_path=mistral[1], dtype="float32", context_length=64,
+                            max_total_tokens=256))
+
+
+@pytest.mark.parametrize("hub_fields", [
+    {"use_sliding_window": False, "sliding_window": 131072},  # Qwen2.5's hub config
+    {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
+    {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 3},
+    {"use_sliding_window": True, "sliding_window": None},
+])
+def test_windowed_layers_as_transformers_reads_them(hub_fields: dict) -> None:
+    """Which layers are windowed, from a Hub-style Qwen2 config: as transformers derives its
+    layer_types, and again from the layer_types it writes."""
+    import transformers
+    raw = {**TINY, "num_hidden_layers": 3, **hub_fields}
+    config = transformers.Qwen2Config(**raw)
+    windowed = "sliding_attention" in (config.layer_types or [])
+    assert (sliding_window(raw) is not None) == windowed
+    assert (sliding_window(config.to_dict()) is not None) == windowed
+
+
+def test_qwen2_with_its_window_off_serves_the_full_context(tmp_path) -> None:
+    save_tiny("Qwen2ForCausalLM", "Qwen2Config", tmp_path, use_sliding_window=False,
+              sliding_window=8)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["sliding_window"] = 8  # as Hub configs keep it, beside use_sliding_window: false
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    engine = Engine(EngineConfig(model_path=str(tmp_path), dtype="float32",
+                                 max_total_tokens=256, max_running_requests=2))
+    assert engine.context_len == TINY["max_position_embeddings"]
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("field, value", [("hidden_act", "gelu"), ("mlp_bias", True)])
+def test_math_we_do_not_compute_is_refused(tmp_path, field: str, value) -> None:
+    save_tiny("LlamaForCausalLM", "LlamaConfig", tmp_path, **{field: value})
+    with pytest.raises(UnsupportedModel, match=f"{field}={value!r}"):
+        Engine(EngineConfig(model_path=str(tmp_path), dtype="float32", max_total_tokens=256))
+
+
+def test_refusal_is_one_line_at_start(tmp_path) -> None:
+    save_tiny("LlamaForCausalLM", "LlamaConfig", tmp_path, hidden_act="gelu")
+    out = subprocess.run([sys.executable, "-m", "minisgl", "generate", "--prompt", "x",
+                          "--model", str(tmp_path), "--dtype", "float32"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().count("\n") == 0 and "hidden_act='gelu'" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_an_architecture_we_do_not_serve_names_those_we_do(tmp_path) -> None:
+    save_tiny("GemmaForCausalLM", "GemmaConfig", tmp_path, head_dim=16)
+    with pytest.raises(UnsupportedModel, match="unsupported architecture 'GemmaForCausalLM'.*"
+                                               "LlamaForCausalLM"):
+        Engine(EngineConfig(model_path=str(tmp_path), dtype="float32", max_total_tokens=256))
