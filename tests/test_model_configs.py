@@ -116,3 +116,42 @@ def test_an_architecture_we_do_not_serve_names_those_we_do(tmp_path) -> None:
     with pytest.raises(UnsupportedModel, match="unsupported architecture 'GemmaForCausalLM'.*"
                                                "LlamaForCausalLM"):
         Engine(EngineConfig(model_path=str(tmp_path), dtype="float32", max_total_tokens=256))
+
+
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 32}
+
+
+@pytest.mark.parametrize("spelling", ["transformers", "hub"])
+@pytest.mark.parametrize("extra", [{}, {"attention_factor": 0.8, "beta_fast": 16,
+                                        "beta_slow": 2}], ids=["defaults", "given"])
+def test_yarn_rope_matches_transformers(tmp_path, spelling: str, extra: dict) -> None:
+    """A tiny Qwen3 with YaRN scaling, positions well past its original 32-token context, in
+    transformers 5's spelling (`rope_parameters`) and in the Hub's (`rope_theta` beside
+    `rope_scaling` with "type")."""
+    model = save_tiny("Qwen3ForCausalLM", "Qwen3Config", tmp_path, head_dim=32,
+                      rope_parameters={**YARN, **extra})
+    if spelling == "hub":
+        config = json.loads((tmp_path / "config.json").read_text())
+        rope = config.pop("rope_parameters")
+        rope["type"] = rope.pop("rope_type")
+        config["rope_theta"] = rope.pop("rope_theta")
+        config["rope_scaling"] = rope
+        (tmp_path / "config.json").write_text(json.dumps(config))
+    engine = Engine(EngineConfig(model_path=str(tmp_path), dtype="float32",
+                                 max_total_tokens=256, max_running_requests=2))
+    try:
+        ids = torch.randint(0, TINY["vocab_size"], (120,),
+                            generator=torch.Generator().manual_seed(2))
+        ours = forward_positions(engine, ids.tolist(), prefill_len=100)
+        with torch.inference_mode():
+            theirs = model(ids[None]).logits[0]
+        assert (ours - theirs).abs().max().item() < LOGIT_TOLERANCE
+    finally:
+        engine.shutdown()
+
+
+def test_a_context_past_the_models_positions_is_refused(mistral) -> None:
+    with pytest.raises(ValueError, match="longer than the model's 256 positions"):
+        Engine(EngineConfig(model_path=mistral[1], dtype="float32", context_length=512,
+                            max_total_tokens=1024))

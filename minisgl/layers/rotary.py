@@ -11,12 +11,14 @@ from minisgl.kernels import cpu_kernels, cuda_kernels
 from minisgl.layers.base import Layer
 
 
-def _inverse_frequencies(head_dim: int, rope: dict[str, Any]) -> torch.Tensor:
+def _inverse_frequencies(head_dim: int, rope: dict[str, Any], max_positions: int
+                         ) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies, the factor cos and sin are scaled by) of a RoPE configuration."""
     theta = float(rope.get("rope_theta", 10000.0))
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind == "default":
-        return inv_freq
+        return inv_freq, 1.0
     if kind == "llama3":
         factor = rope["factor"]
         low, high = rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
@@ -26,20 +28,55 @@ def _inverse_frequencies(head_dim: int, rope: dict[str, Any]) -> torch.Tensor:
         smooth = (old_ctx / wavelen - low) / (high - low)
         blended = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
-        return torch.where(medium, blended, scaled)
+        return torch.where(medium, blended, scaled), 1.0
     if kind == "linear":
-        return inv_freq / rope["factor"]
-    raise ValueError(f"unsupported RoPE scaling type {kind!r} (supported: default, linear, llama3)")
+        return inv_freq / rope["factor"], 1.0
+    if kind == "yarn":
+        return _yarn(inv_freq, head_dim, theta, rope, max_positions)
+    raise ValueError(f"unsupported RoPE scaling type {kind!r} (supported: default, linear, "
+                     "llama3, yarn)")
+
+
+def _yarn(inv_freq: torch.Tensor, head_dim: int, theta: float, rope: dict[str, Any],
+          max_positions: int) -> tuple[torch.Tensor, float]:
+    """YaRN (arXiv 2309.00071): dimensions that turn fewer than `beta_slow` times over the
+    pretraining context are interpolated by `factor`, those that turn more than `beta_fast`
+    times are kept, a linear ramp blends the ones between; cos and sin are scaled by the
+    attention factor (0.1 ln(factor) + 1 unless the config gives it)."""
+    old_ctx = rope.get("original_max_position_embeddings") or max_positions
+    factor = rope.get("factor") or max_positions / old_ctx
+
+    def mscale(scale: float, weight: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * weight * math.log(scale) + 1.0
+
+    attention = rope.get("attention_factor")
+    if attention is None:
+        weight, weight_all = rope.get("mscale"), rope.get("mscale_all_dim")
+        attention = (mscale(factor, weight) / mscale(factor, weight_all)
+                     if weight and weight_all else mscale(factor))
+
+    def dimension(rotations: float) -> float:  # the dimension that turns `rotations` times
+        return head_dim * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dimension(rope.get("beta_fast") or 32), dimension(rope.get("beta_slow") or 1)
+    if rope.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp), float(attention)
 
 
 class RotaryEmbedding(Layer):
     def __init__(self, head_dim: int, max_positions: int, rope: dict[str, Any]) -> None:
         super().__init__()
         self.head_dim = head_dim
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32),
-                            _inverse_frequencies(head_dim, rope))
-        self.register_buffer("cos", freqs.cos(), persistent=False)  # [max_positions, head_dim/2]
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        inv_freq, scale = _inverse_frequencies(head_dim, rope, max_positions)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        # [max_positions, head_dim/2], scaled as the RoPE type says (YaRN's attention factor)
+        self.register_buffer("cos", freqs.cos() * scale, persistent=False)
+        self.register_buffer("sin", freqs.sin() * scale, persistent=False)
         self._cos_sin: torch.Tensor | None = None  # [max_positions, head_dim] (CUDA kernel)
 
     @staticmethod

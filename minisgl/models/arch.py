@@ -87,6 +87,8 @@ class ModelArch:
         heads = config["num_attention_heads"]
         rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
         rope.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+        if config.get("original_max_position_embeddings"):  # Phi-3 keeps it here: it wins
+            rope["original_max_position_embeddings"] = config["original_max_position_embeddings"]
         eos = config.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         traits = family_traits(model_type, archs[0])
@@ -113,10 +115,16 @@ class ModelArch:
         )
 
     def context_limit(self, requested: int | None) -> int:
-        """The context to serve: `requested` (--context-length), else the model's. Attention is
-        not windowed yet, so a sliding window caps the context where full attention gives the
-        windowed result (every key within the window); a larger request is refused."""
+        """The context to serve: `requested` (--context-length, at most the model's positions),
+        else the model's. Attention is not windowed yet, so a sliding window caps the context
+        where full attention gives the windowed result (every key within the window); a larger
+        request is refused."""
         context = requested or self.max_position_embeddings
+        if context > self.max_position_embeddings:
+            raise ValueError(f"--context-length {requested} is longer than the model's "
+                             f"{self.max_position_embeddings} positions (max_position_embeddings"
+                             "; --json-model-override-args can raise it for a RoPE scaling "
+                             "that allows more)")
         window = self.sliding_window
         if window is None or context <= window:
             return context
