@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from minisgl.engine import Engine, EngineConfig
-from minisgl.errors import InvalidRequest
-from minisgl.models.arch import sliding_window
+from minisgl.core import Batch
+from minisgl.models.arch import layer_windows
 from minisgl.models.registry import UnsupportedModel
-from tests.test_model import TINY, forward_positions
+from tests.test_model import TINY
 
 WINDOW = 16
 LOGIT_TOLERANCE = 1e-4  # max |ours - transformers| over all vocab logits, float32
@@ -35,34 +35,97 @@ def mistral(tmp_path_factory) -> tuple[torch.nn.Module, str]:
     return save_tiny("MistralForCausalLM", "MistralConfig", path, sliding_window=WINDOW), str(path)
 
 
-def test_sliding_window_caps_the_context_where_full_attention_is_exact(mistral) -> None:
-    """Attention is not windowed yet: a Mistral with a 16-token window is served with a
-    16-token context, inside which every key is within the window, so the logits equal
-    transformers' windowed attention; a longer prompt is refused, not answered wrongly."""
-    from minisgl.llm import LLM
-    model, path = mistral
+def forward_spans(engine: Engine, ids: list[int], spans: list[tuple[int, int]]) -> torch.Tensor:
+    """Logits of every position of one request, run as the given [start, end) steps (a step
+    after the first has the earlier ones as its cached prefix)."""
+    engine.page_table[0, : len(ids)] = torch.arange(len(ids), dtype=torch.int32)
+    logits = []
+    for start, end in spans:
+        positions = torch.arange(start, end)
+        batch = Batch("decode" if end - start == 1 and start else "prefill", 1, table_rows=[0],
+                      cached_lens=[start], seq_lens=[end], extend_lens=[end - start],
+                      input_positions=positions, out_loc=positions.clone())
+        engine.attn_backend.prepare_metadata(batch)
+        with torch.inference_mode():
+            logits.append(engine.model(torch.tensor(ids[start:end]), positions, batch,
+                                       engine.attn_backend, None).float())
+    return torch.cat(logits)
+
+
+def tiny_engine(path: str, attention: str = "kernel") -> Engine:
     engine = Engine(EngineConfig(model_path=path, dtype="float32", max_total_tokens=256,
                                  max_running_requests=2))
+    if attention == "sdpa":  # the path without the compiled kernels: SDPA and matmuls
+        engine.attn_backend.kernels = None
+    return engine
+
+
+STEPS = {  # spans over 60 tokens, the window being 16
+    "prefill + decode": [(0, 40)] + [(p, p + 1) for p in range(40, 60)],
+    "chunked prefill": [(0, 24), (24, 48)] + [(p, p + 1) for p in range(48, 60)],
+}
+
+
+@pytest.mark.parametrize("steps", STEPS)
+@pytest.mark.parametrize("attention", ["kernel", "sdpa"])
+def test_sliding_window_matches_transformers_past_the_window(mistral, attention: str,
+                                                             steps: str) -> None:
+    """A Mistral with a 16-token window on 60 tokens: prefill, chunked prefill over a cached
+    prefix, and decode all see only the window, as transformers does."""
+    model, path = mistral
+    engine = tiny_engine(path, attention)
     try:
-        assert engine.context_len == WINDOW
-        ids = torch.randint(0, TINY["vocab_size"], (WINDOW,),
+        assert engine.context_len == TINY["max_position_embeddings"]
+        ids = torch.randint(0, TINY["vocab_size"], (60,),
                             generator=torch.Generator().manual_seed(1))
-        ours = forward_positions(engine, ids.tolist(), prefill_len=10)
+        ours = forward_spans(engine, ids.tolist(), STEPS[steps])
         with torch.inference_mode():
             theirs = model(ids[None]).logits[0]
         assert (ours - theirs).abs().max().item() < LOGIT_TOLERANCE
     finally:
         engine.shutdown()
-    with LLM(model=path, dtype="float32", max_total_tokens=256) as llm:
-        with pytest.raises(InvalidRequest, match="context length"):
-            llm.generate(input_ids=list(range(WINDOW + 4)),
-                         sampling_params={"max_new_tokens": 1})
 
 
-def test_a_context_past_the_window_is_refused_at_start(mistral) -> None:
-    with pytest.raises(ValueError, match=f"sliding window of {WINDOW} tokens"):
-        Engine(EngineConfig(model_path=mistral[1], dtype="float32", context_length=64,
-                            max_total_tokens=256))
+def test_per_layer_windows_match_transformers(tmp_path) -> None:
+    """Qwen2 with use_sliding_window: only the layers from max_window_layers on are windowed."""
+    model = save_tiny("Qwen2ForCausalLM", "Qwen2Config", tmp_path, use_sliding_window=True,
+                      sliding_window=WINDOW, max_window_layers=1)
+    assert model.config.layer_types == ["full_attention", "sliding_attention"]
+    engine = tiny_engine(str(tmp_path))
+    try:
+        assert engine.attn_backend.windows == (0, WINDOW)
+        ids = torch.randint(0, TINY["vocab_size"], (60,),
+                            generator=torch.Generator().manual_seed(3))
+        ours = forward_spans(engine, ids.tolist(), STEPS["prefill + decode"])
+        with torch.inference_mode():
+            theirs = model(ids[None]).logits[0]
+        assert (ours - theirs).abs().max().item() < LOGIT_TOLERANCE
+    finally:
+        engine.shutdown()
+
+
+def test_windowed_greedy_generation_matches_transformers_batched_and_alone(mistral) -> None:
+    """Greedy generation past the window, through the scheduler: each prompt alone, then all
+    together, equal transformers' own greedy generation."""
+    from minisgl.llm import LLM
+    model, path = mistral
+    prompts = [torch.randint(0, TINY["vocab_size"], (n,),
+                             generator=torch.Generator().manual_seed(n)).tolist()
+               for n in (5, 20, 37)]
+    expected = []
+    with torch.inference_mode():
+        for ids in prompts:
+            out = model.generate(torch.tensor([ids]), max_new_tokens=30, do_sample=False,
+                                 pad_token_id=0, eos_token_id=None)
+            expected.append(out[0, len(ids):].tolist())
+    params = {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True}
+    with LLM(model=path, dtype="float32", max_total_tokens=1024) as llm:
+        alone = [llm.generate(input_ids=ids, sampling_params=params)["output_ids"]
+                 for ids in prompts]
+        together = [r["output_ids"] for r in llm.generate(input_ids=prompts,
+                                                          sampling_params=params)]
+    assert alone == expected
+    assert together == expected
 
 
 @pytest.mark.parametrize("hub_fields", [
@@ -77,9 +140,10 @@ def test_windowed_layers_as_transformers_reads_them(hub_fields: dict) -> None:
     import transformers
     raw = {**TINY, "num_hidden_layers": 3, **hub_fields}
     config = transformers.Qwen2Config(**raw)
-    windowed = "sliding_attention" in (config.layer_types or [])
-    assert (sliding_window(raw) is not None) == windowed
-    assert (sliding_window(config.to_dict()) is not None) == windowed
+    expected = tuple(config.sliding_window if kind == "sliding_attention" else 0
+                     for kind in config.layer_types)
+    assert layer_windows(raw) == expected
+    assert layer_windows(config.to_dict()) == expected
 
 
 def test_qwen2_with_its_window_off_serves_the_full_context(tmp_path) -> None:
@@ -138,12 +202,12 @@ def test_yarn_rope_matches_transformers(tmp_path, spelling: str, extra: dict) ->
         config["rope_theta"] = rope.pop("rope_theta")
         config["rope_scaling"] = rope
         (tmp_path / "config.json").write_text(json.dumps(config))
-    engine = Engine(EngineConfig(model_path=str(tmp_path), dtype="float32",
-                                 max_total_tokens=256, max_running_requests=2))
+    engine = tiny_engine(str(tmp_path))
     try:
         ids = torch.randint(0, TINY["vocab_size"], (120,),
                             generator=torch.Generator().manual_seed(2))
-        ours = forward_positions(engine, ids.tolist(), prefill_len=100)
+        ours = forward_spans(engine, ids.tolist(),
+                             [(0, 100)] + [(p, p + 1) for p in range(100, 120)])
         with torch.inference_mode():
             theirs = model(ids[None]).logits[0]
         assert (ours - theirs).abs().max().item() < LOGIT_TOLERANCE

@@ -19,9 +19,14 @@ logger = logging.getLogger(__name__)
 __all__ = ["AttentionBackend", "create_attention_backend", "default_attention_backend"]
 
 
-def default_attention_backend(device: torch.device, dtype: torch.dtype) -> str:
+def default_attention_backend(device: torch.device, dtype: torch.dtype,
+                              windowed: bool = False) -> str:
     """FlashInfer on CUDA for half-precision models when it is installed; torch otherwise."""
     if device.type != "cuda":
+        return "torch"
+    if windowed:
+        logger.warning("attention: torch backend (this model's sliding window runs there; "
+                       "FlashInfer's is not wired up yet)")
         return "torch"
     if dtype not in HALF_DTYPES:
         logger.info("attention: torch backend (FlashInfer runs in float16/bfloat16 only)")
@@ -34,11 +39,15 @@ def default_attention_backend(device: torch.device, dtype: torch.dtype) -> str:
 
 
 def create_attention_backend(name: str, kv_pool: KVPool, page_table: torch.Tensor,
-                             scale: float, **options: Any) -> AttentionBackend:
+                             scale: float, windows: tuple[int, ...] = (), **options: Any
+                             ) -> AttentionBackend:
     if name == "torch":
         from minisgl.attention.torch_backend import TorchBackend
-        return TorchBackend(kv_pool, page_table, scale)
+        return TorchBackend(kv_pool, page_table, scale, windows)
     if name == "flashinfer":
+        if any(windows):
+            raise ValueError("--attention-backend flashinfer does not apply sliding windows yet, "
+                             "and this model has one: use --attention-backend torch")
         from minisgl.attention.flashinfer_backend import FlashInferBackend
         return FlashInferBackend(kv_pool, page_table, scale, **options)
     raise ValueError(f"unknown attention backend {name!r} (choose torch or flashinfer)")

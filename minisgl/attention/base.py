@@ -14,10 +14,17 @@ class AttentionBackend(ABC):
     """Reads and writes the paged KV pool. `prepare_metadata` runs on the host when a batch is
     scheduled; `forward` runs inside the model, once per layer."""
 
-    def __init__(self, kv_pool: KVPool, page_table: torch.Tensor, scale: float) -> None:
+    def __init__(self, kv_pool: KVPool, page_table: torch.Tensor, scale: float,
+                 windows: tuple[int, ...] = ()) -> None:
         self.kv_pool = kv_pool
         self.page_table = page_table  # [rows, context_len]: KV location of each token position
         self.scale = scale
+        # per layer, the attention window: a query at position p sees keys (p - window, p];
+        # 0 (or no entry) is full causal attention
+        self.windows = windows
+
+    def window(self, layer_id: int) -> int:
+        return self.windows[layer_id] if layer_id < len(self.windows) else 0
 
     @abstractmethod
     def prepare_metadata(self, batch: Batch) -> None:

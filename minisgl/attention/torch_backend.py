@@ -12,7 +12,8 @@ kernel avoids.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn.functional as F
 
@@ -29,6 +30,7 @@ class DecodeMetadata:
     max_len: int
     locations: torch.Tensor | None = None  # [batch, max_len] int64, padding at the dummy page
     padding: torch.Tensor | None = None  # [1, batch, 1, max_len] True past seq_len
+    windowed: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> its padding
 
     def materialize(self, page_table: torch.Tensor, dummy_loc: int) -> None:
         """Gather the location rows: done by the first layer, on the engine thread (the
@@ -38,6 +40,16 @@ class DecodeMetadata:
             self.seq_lens[:, None]
         self.locations = page_table[self.rows, : self.max_len].masked_fill(padding, dummy_loc).long()
         self.padding = padding[None, :, None, :]
+
+    def padding_for(self, window: int) -> torch.Tensor:
+        """The padding, plus (with a window) the keys before each row's window."""
+        if not window or self.max_len <= window:
+            return self.padding
+        if window not in self.windowed:
+            positions = torch.arange(self.max_len, device=self.seq_lens.device)
+            early = positions[None, :] < (self.seq_lens - window)[:, None]
+            self.windowed[window] = self.padding | early[None, :, None, :]
+        return self.windowed[window]
 
 
 @dataclass
@@ -52,6 +64,8 @@ class KernelMetadata:
     locations: torch.Tensor | None = None  # [requests, max_len] int64, read up to each length
     token_rows: torch.Tensor | None = None  # [tokens] int64, an index into rows
     token_lens: torch.Tensor | None = None  # [tokens] int64: position + 1
+    windowed: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict)  # window -> view()'s answer
 
     def materialize(self, page_table: torch.Tensor) -> None:
         """On the engine thread, by the first layer (see DecodeMetadata.materialize)."""
@@ -59,6 +73,24 @@ class KernelMetadata:
         self.token_rows = torch.repeat_interleave(torch.arange(len(self.rows)),
                                                   torch.tensor(self.extend_lens))
         self.token_lens = self.positions.long() + 1
+
+    def view(self, window: int, page_table: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(locations, lengths, rows) for the kernel: each token reads the first `length`
+        locations of its row. With a window the kernel still reads from each row's start, so
+        every token gets a row of its own that starts at its window's first key."""
+        if self.locations is None:
+            self.materialize(page_table)
+        if not window or self.max_len <= window:
+            return self.locations, self.token_lens, self.token_rows
+        if window not in self.windowed:
+            starts = (self.token_lens - window).clamp(min=0)
+            keys = (starts[:, None] + torch.arange(window)).clamp(max=page_table.shape[1] - 1)
+            rows = torch.tensor(self.rows)[self.token_rows]
+            self.windowed[window] = (page_table[rows[:, None], keys].long(),
+                                     self.token_lens.clamp(max=window),
+                                     torch.arange(len(rows)))
+        return self.windowed[window]
 
 
 @dataclass
@@ -72,7 +104,7 @@ class PrefillSegment:
     length: int
     cached_len: int = 0
     locations: torch.Tensor | None = None
-    mask: torch.Tensor | None = None  # with a prefix: built by the first layer, reused by all
+    masks: dict[int, torch.Tensor | None] = field(default_factory=dict)  # window -> _mask()
 
     @property
     def end(self) -> int:
@@ -90,8 +122,9 @@ class MixedMetadata:
 
 
 class TorchBackend(AttentionBackend):
-    def __init__(self, kv_pool: KVPool, page_table: torch.Tensor, scale: float) -> None:
-        super().__init__(kv_pool, page_table, scale)
+    def __init__(self, kv_pool: KVPool, page_table: torch.Tensor, scale: float,
+                 windows: tuple[int, ...] = ()) -> None:
+        super().__init__(kv_pool, page_table, scale, windows)
         on_cpu = page_table.device.type == "cpu"
         self.kernels = cpu_kernels() if on_cpu else None
         self._flash = (getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -137,27 +170,26 @@ class TorchBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: Batch) -> torch.Tensor:
-        meta = batch.attn_metadata
+        meta, window = batch.attn_metadata, self.window(layer_id)
         if isinstance(meta, KernelMetadata):
             k_cache, v_cache = self.kv_pool.layer(layer_id)
             self.kernels.store_kv_(k_cache, v_cache, batch.out_loc, k, v)
-            if meta.locations is None:
-                meta.materialize(self.page_table)
-            out = self.kernels.decode_attention(q.contiguous(), k_cache, v_cache, meta.locations,
-                                                meta.token_lens, self.scale, meta.token_rows)
+            locations, lens, rows = meta.view(window, self.page_table)
+            out = self.kernels.decode_attention(q.contiguous(), k_cache, v_cache, locations,
+                                                lens, self.scale, rows)
             return out.view(q.shape[0], -1)
         k_cache, v_cache = self.kv_pool.store(layer_id, batch.out_loc, k, v)
         if batch.is_decode:
-            return self._decode(q, k_cache, v_cache, meta)
+            return self._decode(q, k_cache, v_cache, meta, window)
         if not isinstance(meta, MixedMetadata):
-            return self._prefill(q, k, v, k_cache, v_cache, meta)
+            return self._prefill(q, k, v, k_cache, v_cache, meta, window)
         split = meta.prefill_tokens
         return torch.cat((self._prefill(q[:split], k[:split], v[:split], k_cache, v_cache,
-                                        meta.prefill),
-                          self._decode(q[split:], k_cache, v_cache, meta.decode)))
+                                        meta.prefill, window),
+                          self._decode(q[split:], k_cache, v_cache, meta.decode, window)))
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: DecodeMetadata) -> torch.Tensor:
+                meta: DecodeMetadata, window: int) -> torch.Tensor:
         if meta.locations is None:
             meta.materialize(self.page_table, self.kv_pool.dummy_loc)
         bs, max_len = meta.locations.shape
@@ -170,13 +202,15 @@ class TorchBackend(AttentionBackend):
         values = v_cache.index_select(1, flat).view(num_kv * bs, max_len, head_dim)
         q = (q * self.scale).view(bs, num_kv, group, head_dim).transpose(0, 1)
         scores = torch.bmm(q.reshape(num_kv * bs, group, head_dim), keys.transpose(1, 2))
-        scores = scores.view(num_kv, bs, group, max_len).masked_fill_(meta.padding, float("-inf"))
+        scores = scores.view(num_kv, bs, group, max_len).masked_fill_(meta.padding_for(window),
+                                                                float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out = torch.bmm(probs.view(num_kv * bs, group, max_len), values)
         return out.view(num_kv, bs, group, head_dim).transpose(0, 1).reshape(bs, -1)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, segments: list[PrefillSegment]) -> torch.Tensor:
+                 v_cache: torch.Tensor, segments: list[PrefillSegment], window: int
+                 ) -> torch.Tensor:
         out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
         heads, dim = q.shape[1], q.shape[2]
         for seg in segments:
@@ -187,23 +221,28 @@ class TorchBackend(AttentionBackend):
             if seg.locations is None:  # [n, kv_heads, new, dim]
                 ks = k[seg.start:seg.end].view(n, new, -1, dim).transpose(1, 2)
                 vs = v[seg.start:seg.end].view(n, new, -1, dim).transpose(1, 2)
-                mask = None
             else:
                 ks = k_cache.index_select(1, seg.locations)[None]
                 vs = v_cache.index_select(1, seg.locations)[None]
-                if seg.mask is None:
-                    seg.mask = self._prefix_mask(new, seg.cached_len, q.dtype, q.device)
-                mask = seg.mask
+            if window not in seg.masks:
+                seg.masks[window] = self._mask(new, seg.cached_len, window, q.dtype, q.device)
+            mask = seg.masks[window]
             o = self._attend(qs, ks, vs, mask)  # [n, heads, new, dim]
             out[seg.start:seg.end] = o.transpose(1, 2).reshape(n * new, heads * dim)
         return out
 
-    def _prefix_mask(self, new: int, cached_len: int, dtype: torch.dtype,
-                     device: torch.device) -> torch.Tensor:
-        """Causality for `new` queries after `cached_len` cached tokens: True = attend, or (the
+    def _mask(self, new: int, cached_len: int, window: int, dtype: torch.dtype,
+              device: torch.device) -> torch.Tensor | None:
+        """Which keys `new` queries after `cached_len` cached tokens see: None where plain
+        causality says it (no prefix, no window reaching back); else True = attend, or (the
         fused CPU kernel wants it) 0 / -inf, shaped [1, 1, new, cached_len + new]."""
+        if cached_len == 0 and (not window or new <= window):
+            return None
         query_pos = torch.arange(new, device=device)[:, None] + cached_len
-        allowed = torch.arange(cached_len + new, device=device)[None, :] <= query_pos
+        key_pos = torch.arange(cached_len + new, device=device)[None, :]
+        allowed = key_pos <= query_pos
+        if window:
+            allowed &= key_pos > query_pos - window
         if self._flash is None:
             return allowed
         return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(
@@ -212,7 +251,8 @@ class TorchBackend(AttentionBackend):
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:
         """Causal attention of q [n, heads, new, dim] over k/v [n, kv_heads, len, dim]; `mask`
-        (_prefix_mask) replaces causality when a cached prefix precedes the queries."""
+        (_mask) replaces causality when a cached prefix precedes the queries or a window
+        limits them."""
         if self._flash is None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                                   scale=self.scale, enable_gqa=True)

@@ -161,9 +161,11 @@ class Engine:
         self.page_table = torch.zeros(rows, self.context_len, dtype=torch.int32, device=self.device)
         self.token_pool = torch.zeros(rows, self.context_len, dtype=torch.int32, device=self.device)
         self.page_table[self.dummy_row].fill_(self.kv_pool.dummy_loc)
+        windows = self.arch.layer_windows if self.arch.sliding_window else ()
         self.attn_backend = create_attention_backend(
-            config.attention_backend or default_attention_backend(self.device, self.dtype),
-            self.kv_pool, self.page_table, self.arch.head_dim ** -0.5,
+            config.attention_backend or default_attention_backend(self.device, self.dtype,
+                                                                  bool(windows)),
+            self.kv_pool, self.page_table, self.arch.head_dim ** -0.5, windows,
             num_qo_heads=self.model.layers[0].self_attn.qkv_proj.num_heads)  # flashinfer only
         self.sampler = Sampler(self.arch.vocab_size, self.device, list(self.arch.eos_token_ids),
                                seed=config.seed)

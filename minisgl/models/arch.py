@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
-
-logger = logging.getLogger(__name__)
 
 # What sets a family apart from the Llama decoder, whatever its config says; a config matches
 # a family by its model_type or by its architectures entry.
@@ -34,21 +31,20 @@ def uncomputed_fields(config: dict[str, Any]) -> tuple[str, ...]:
                  if config.get(name) is not None and config[name] not in values)
 
 
-def sliding_window(config: dict[str, Any]) -> int | None:
-    """The window (in tokens) of the config's windowed attention layers; None where no layer is
-    windowed. Windowed layers: an explicit `layer_types` (transformers 5), else every layer
-    (Mistral), else with `use_sliding_window` those from `max_window_layers` on (Qwen2/3)."""
-    window = config.get("sliding_window")
-    if not window:
-        return None
-    if config.get("layer_types") is not None:
-        return window if "sliding_attention" in config["layer_types"] else None
+def layer_windows(config: dict[str, Any]) -> tuple[int, ...]:
+    """Per layer, the attention window in tokens (0: full attention). Windowed layers: those an
+    explicit `layer_types` marks (transformers 5), else every layer (Mistral), else with
+    `use_sliding_window` those from `max_window_layers` on (Qwen2/3)."""
+    window, layers = config.get("sliding_window") or 0, config["num_hidden_layers"]
+    types = config.get("layer_types")
+    if types is not None:
+        return tuple(window if kind == "sliding_attention" else 0 for kind in types[:layers])
     if "use_sliding_window" in config and not config["use_sliding_window"]:
-        return None
+        return (0,) * layers
     first_windowed = 0
     if config.get("use_sliding_window"):
         first_windowed = config.get("max_window_layers") or 0
-    return window if first_windowed < config["num_hidden_layers"] else None
+    return tuple(window if i >= first_windowed else 0 for i in range(layers))
 
 
 def family_traits(model_type: str, architecture: str) -> dict[str, bool]:
@@ -77,7 +73,7 @@ class ModelArch:
     attention_bias: bool
     qk_norm: bool
     eos_token_ids: tuple[int, ...]
-    sliding_window: int | None = None  # see sliding_window(); not applied yet: context_limit
+    layer_windows: tuple[int, ...] = ()  # see layer_windows(); () or all 0: none windowed
     uncomputed: tuple[str, ...] = ()  # see uncomputed_fields()
 
     @classmethod
@@ -110,29 +106,21 @@ class ModelArch:
                                       bool(config.get("attention_bias", False))),
             qk_norm=traits.get("qk_norm", False),
             eos_token_ids=eos_ids,
-            sliding_window=sliding_window(config),
+            layer_windows=layer_windows(config),
             uncomputed=uncomputed_fields(config),
         )
 
+    @property
+    def sliding_window(self) -> int | None:
+        """The window of the windowed layers, None where every layer attends to everything."""
+        return max(self.layer_windows, default=0) or None
+
     def context_limit(self, requested: int | None) -> int:
-        """The context to serve: `requested` (--context-length, at most the model's positions),
-        else the model's. Attention is not windowed yet, so a sliding window caps the context
-        where full attention gives the windowed result (every key within the window); a larger
-        request is refused."""
-        context = requested or self.max_position_embeddings
-        if context > self.max_position_embeddings:
+        """The context to serve: `requested` (--context-length), at most the model's positions,
+        else the model's."""
+        if requested and requested > self.max_position_embeddings:
             raise ValueError(f"--context-length {requested} is longer than the model's "
                              f"{self.max_position_embeddings} positions (max_position_embeddings"
                              "; --json-model-override-args can raise it for a RoPE scaling "
                              "that allows more)")
-        window = self.sliding_window
-        if window is None or context <= window:
-            return context
-        if requested:
-            raise ValueError(f"--context-length {requested}: this model attends through a "
-                             f"sliding window of {window} tokens, which minisgl does not apply "
-                             f"yet; serve a context of at most {window} tokens")
-        logger.warning("this model attends through a sliding window of %d tokens, which "
-                       "minisgl does not apply yet: serving a context of %d tokens, where "
-                       "full attention gives the same result", window, window)
-        return window
+        return requested or self.max_position_embeddings
