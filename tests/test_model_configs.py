@@ -219,3 +219,17 @@ def test_a_context_past_the_models_positions_is_refused(mistral) -> None:
     with pytest.raises(ValueError, match="longer than the model's 256 positions"):
         Engine(EngineConfig(model_path=mistral[1], dtype="float32", context_length=512,
                             max_total_tokens=1024))
+
+
+def test_windowed_tp2_equals_tp1(mistral) -> None:
+    """Tensor parallelism splits the heads; each rank applies the same window."""
+    from minisgl.llm import LLM
+    _, path = mistral
+    prompts = [list(range(3, 40)), list(range(100, 110))]
+    params = {"max_new_tokens": 25, "temperature": 0, "ignore_eos": True}
+    outputs = []
+    for tp in (1, 2):
+        with LLM(model=path, dtype="float32", max_total_tokens=1024, tp_size=tp) as llm:
+            outputs.append([r["output_ids"] for r in llm.generate(input_ids=prompts,
+                                                                  sampling_params=params)])
+    assert outputs[0] == outputs[1]
