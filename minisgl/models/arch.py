@@ -27,8 +27,10 @@ COMPUTED_VALUES: dict[str, tuple[Any, ...]] = {
 
 def uncomputed_fields(config: dict[str, Any]) -> tuple[str, ...]:
     """`field=value` for each config value in COMPUTED_VALUES' fields that we do not compute."""
-    return tuple(f"{name}={config[name]!r}" for name, values in COMPUTED_VALUES.items()
-                 if config.get(name) is not None and config[name] not in values)
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    return tuple(f"{name}={where[name]!r}" for where in (config, rope)
+                 for name, values in COMPUTED_VALUES.items()
+                 if where.get(name) is not None and where[name] not in values)
 
 
 def layer_windows(config: dict[str, Any]) -> tuple[int, ...]:

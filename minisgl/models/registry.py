@@ -7,10 +7,12 @@ from torch import nn
 
 from minisgl.models.arch import ModelArch
 from minisgl.models.llama import LlamaForCausalLM
+from minisgl.models.phi3 import Phi3ForCausalLM
 
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
 }
