@@ -283,6 +283,10 @@ def test_tool_call_parsers():
                                  {"get_time"})
     assert content is None and calls[0]["function"]["name"] == "get_time"
     assert parse_calls("just text", "hermes", {"get_time"}) == ("just text", [])
+    # SGLang's name for Qwen2.5's calls, which are hermes-style blocks
+    content, calls = parse_calls(text, "qwen25", {"get_weather"})
+    assert content == "Let me check." and [c["function"] for c in calls] == [
+        {"name": "get_weather", "arguments": '{"city": "Oslo"}'}]
     assert parse_calls('{"name": "other"}', "llama3", {"get_time"})[1] == []
 
 

@@ -21,7 +21,9 @@ from minisgl.errors import InvalidRequest
 from minisgl.protocol.fields import check_bool, none_as
 from minisgl.protocol.openai_tool_parser import ToolCallParser
 
-PARSERS = ("hermes", "llama3")
+# --tool-call-parser's names (SGLang's) -> the parser style that reads them; Qwen2.5's calls are
+# hermes-style <tool_call> blocks
+PARSER_STYLES = {"hermes": "hermes", "qwen25": "hermes", "llama3": "llama3"}
 DEFAULT_PROMPT = (
     "You can call functions. Here they are, as JSON schemas:\n{tools}\n"
     "To call one, answer with\n<tool_call>\n"
@@ -61,7 +63,7 @@ class ToolUse:
         """A fresh parser for one choice: `parser` (--tool-call-parser) reads `auto` text."""
         names = set(self.names)
         if self.choice == "auto":
-            return ToolCallParser(parser, names, one_call=not self.parallel)
+            return ToolCallParser(PARSER_STYLES[parser], names, one_call=not self.parallel)
         if self.choice == "required":
             return ToolCallParser("array", names, one_call=not self.parallel)
         return ToolCallParser("named", names, named=self.choice)
@@ -70,7 +72,7 @@ class ToolUse:
 def parse_calls(text: str, parser: str, names: set[str]
                 ) -> tuple[str | None, list[dict[str, Any]]]:
     """(content, tool_calls) of a finished free text; what is not a call stays content."""
-    return ToolCallParser(parser, names).parse(text)
+    return ToolCallParser(PARSER_STYLES[parser], names).parse(text)
 
 
 def _load(text: str) -> dict[str, Any] | None:
