@@ -271,3 +271,72 @@ def test_a_partial_rotary_factor_in_the_rope_parameters_is_refused(tmp_path) -> 
     save_tiny("Phi3ForCausalLM", "Phi3Config", tmp_path, partial_rotary_factor=0.75, **PHI3_IDS)
     with pytest.raises(UnsupportedModel, match="partial_rotary_factor=0.75"):
         Engine(EngineConfig(model_path=str(tmp_path), dtype="float32", max_total_tokens=256))
+
+
+GEMMA3 = dict(head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24,
+              layer_types=["sliding_attention", "full_attention"],
+              rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                  "rope_theta": 100000.0},
+                               "sliding_attention": {"rope_type": "default",
+                                                     "rope_theta": 10000.0}})
+
+
+def gemma3_hub_spelling(path) -> None:
+    """Rewrite a saved Gemma 3 config as the Hub's configs spell it: rope_theta with
+    rope_scaling for the full layers, rope_local_base_freq for the sliding ones, and
+    sliding_window_pattern instead of layer_types."""
+    config = json.loads((path / "config.json").read_text())
+    ropes = config.pop("rope_parameters")
+    config.pop("layer_types")
+    full = dict(ropes["full_attention"])
+    config["rope_theta"] = full.pop("rope_theta")
+    config["rope_scaling"] = full
+    config["rope_local_base_freq"] = ropes["sliding_attention"]["rope_theta"]
+    config["sliding_window_pattern"] = 2
+    (path / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("spelling", ["transformers", "hub"])
+@pytest.mark.parametrize("attention", ["kernel", "sdpa"])
+def test_gemma3_matches_transformers(tmp_path, attention: str, spelling: str) -> None:
+    """Gemma 3 text past its sliding window: scaled embeddings, (1 + w) norms, four norms a
+    layer, q/k norms, GeGLU, query_pre_attn_scalar, local and global RoPE per layer type."""
+    model = save_tiny("Gemma3ForCausalLM", "Gemma3TextConfig", tmp_path, **GEMMA3)
+    with torch.no_grad():  # the norms start at zero (1 + w = 1): give them values
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.2)
+    model.save_pretrained(tmp_path)
+    if spelling == "hub":
+        gemma3_hub_spelling(tmp_path)
+    engine = tiny_engine(str(tmp_path), attention)
+    try:
+        assert engine.attn_backend.windows == (WINDOW, 0)
+        ids = torch.randint(0, TINY["vocab_size"], (60,),
+                            generator=torch.Generator().manual_seed(5))
+        ours = forward_spans(engine, ids.tolist(), STEPS["chunked prefill"])
+        with torch.inference_mode():
+            theirs = model(ids[None]).logits[0]
+        assert (ours - theirs).abs().max().item() < LOGIT_TOLERANCE
+    finally:
+        engine.shutdown()
+
+
+def test_gemma3_greedy_generation_batched_and_tp2(tmp_path) -> None:
+    """Through the scheduler, past the window: a batch equals transformers' greedy generation,
+    and so does TP 2."""
+    from minisgl.llm import LLM
+    model = save_tiny("Gemma3ForCausalLM", "Gemma3TextConfig", tmp_path, **GEMMA3)
+    prompts = [torch.randint(0, TINY["vocab_size"], (n,),
+                             generator=torch.Generator().manual_seed(n)).tolist()
+               for n in (7, 30)]
+    with torch.inference_mode():
+        expected = [model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False,
+                                   pad_token_id=0, eos_token_id=None)[0, len(ids):].tolist()
+                    for ids in prompts]
+    params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+    for tp in (1, 2):
+        with LLM(model=str(tmp_path), dtype="float32", max_total_tokens=1024, tp_size=tp) as llm:
+            outputs = [r["output_ids"] for r in llm.generate(input_ids=prompts,
+                                                             sampling_params=params)]
+        assert outputs == expected, f"tp {tp}"

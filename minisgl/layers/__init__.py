@@ -1,6 +1,6 @@
 """Model building blocks, tensor-parallel aware (see minisgl.distributed)."""
 
-from minisgl.layers.activation import SiluAndMul
+from minisgl.layers.activation import GeluTanhAndMul, SiluAndMul
 from minisgl.layers.base import Layer
 from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl.layers.linear import (
@@ -13,6 +13,7 @@ from minisgl.layers.norm import RMSNorm
 from minisgl.layers.rotary import RotaryEmbedding
 
 __all__ = [
+    "GeluTanhAndMul",
     "ColumnParallelLinear", "Layer", "MergedColumnParallelLinear", "ParallelLMHead",
     "QKVParallelLinear", "RMSNorm", "RotaryEmbedding", "RowParallelLinear", "SiluAndMul",
     "VocabParallelEmbedding",

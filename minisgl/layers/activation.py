@@ -18,3 +18,15 @@ class SiluAndMul(Layer):
             return kernels.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluTanhAndMul(Layer):
+    """gelu(gate, tanh approximation) * up over a merged gate/up projection (Gemma's GeGLU);
+    FlashInfer's kernel on CUDA, torch elsewhere."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = getattr(cuda_kernels(x), "gelu_tanh_and_mul", None)
+        if fused is not None and x.is_contiguous() and x.shape[-1] * x.element_size() % 32 == 0:
+            return fused(x)
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up

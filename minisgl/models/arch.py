@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 # What sets a family apart from the Llama decoder, whatever its config says; a config matches
@@ -11,6 +11,7 @@ FAMILY_TRAITS: dict[tuple[str, str], dict[str, bool]] = {
     ("qwen2", "Qwen2ForCausalLM"): {"attention_bias": True},  # a bias on the q/k/v projections
     # a per-head RMSNorm on queries and keys before RoPE
     ("qwen3", "Qwen3ForCausalLM"): {"qk_norm": True},
+    ("gemma3_text", "Gemma3ForCausalLM"): {"qk_norm": True},
 }
 
 
@@ -22,6 +23,8 @@ COMPUTED_VALUES: dict[str, tuple[Any, ...]] = {
     "partial_rotary_factor": (1, 1.0),
     "attn_logit_softcapping": (None,),
     "final_logit_softcapping": (None,),
+    "hidden_activation": ("gelu_pytorch_tanh",),  # Gemma's GeGLU
+    "use_bidirectional_attention": (False,),
 }
 
 
@@ -35,12 +38,16 @@ def uncomputed_fields(config: dict[str, Any]) -> tuple[str, ...]:
 
 def layer_windows(config: dict[str, Any]) -> tuple[int, ...]:
     """Per layer, the attention window in tokens (0: full attention). Windowed layers: those an
-    explicit `layer_types` marks (transformers 5), else every layer (Mistral), else with
-    `use_sliding_window` those from `max_window_layers` on (Qwen2/3)."""
+    explicit `layer_types` marks (transformers 5), else all but every n-th with Gemma 3's
+    `sliding_window_pattern` n, else with `use_sliding_window` those from `max_window_layers`
+    on (Qwen2/3), else every layer (Mistral)."""
     window, layers = config.get("sliding_window") or 0, config["num_hidden_layers"]
     types = config.get("layer_types")
     if types is not None:
         return tuple(window if kind == "sliding_attention" else 0 for kind in types[:layers])
+    pattern = config.get("sliding_window_pattern")  # Gemma 3's Hub configs: every n-th is full
+    if pattern:
+        return tuple(window if (i + 1) % pattern else 0 for i in range(layers))
     if "use_sliding_window" in config and not config["use_sliding_window"]:
         return (0,) * layers
     first_windowed = 0
@@ -77,6 +84,7 @@ class ModelArch:
     eos_token_ids: tuple[int, ...]
     layer_windows: tuple[int, ...] = ()  # see layer_windows(); () or all 0: none windowed
     uncomputed: tuple[str, ...] = ()  # see uncomputed_fields()
+    config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)  # as read
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelArch:
@@ -110,6 +118,7 @@ class ModelArch:
             eos_token_ids=eos_ids,
             layer_windows=layer_windows(config),
             uncomputed=uncomputed_fields(config),
+            config=dict(config),
         )
 
     @property

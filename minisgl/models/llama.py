@@ -40,6 +40,7 @@ class Attention(Layer):
         self.o_proj = RowParallelLinear(arch.num_heads * arch.head_dim, arch.hidden_size,
                                         bias=False)
         self.rotary = rotary
+        self.query_scale = 1.0  # Gemma: its query_pre_attn_scalar over the backend's head_dim
         if arch.qk_norm:
             self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
             self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
@@ -55,15 +56,17 @@ class Attention(Layer):
         if self.q_norm is not None:
             q, k = self.q_norm.forward_plain(q), self.k_norm.forward_plain(k)
         q, k = self.rotary(positions, q, k)
+        if self.query_scale != 1.0:
+            q = q * self.query_scale
         return self.o_proj(backend.forward(q, k, v, self.layer_id, batch))
 
 
 class MLP(Layer):
-    def __init__(self, arch: ModelArch) -> None:
+    def __init__(self, arch: ModelArch, act: Layer | None = None) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
             arch.hidden_size, [arch.intermediate_size] * 2, bias=False)
-        self.act = SiluAndMul()
+        self.act = act or SiluAndMul()
         self.down_proj = RowParallelLinear(arch.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,98 @@
+"""Gemma 3 (text): the Llama decoder's parts arranged as Gemma arranges them.
+
+- Embeddings are scaled by sqrt(hidden_size); the head is tied.
+- Every norm multiplies by (1 + w): the checkpoint's w is loaded plus one, so our RMSNorm runs
+  unchanged. Queries and keys are normed per head (qk_norm).
+- A layer norms its attention output and its MLP output before each residual add (four norms).
+- The MLP is GeGLU (gelu, tanh approximation). Queries are scaled by query_pre_attn_scalar^-1/2.
+- Sliding-window layers use the local RoPE (`rope_local_base_freq`, default scaling), full ones
+  the global RoPE (`rope_theta` with `rope_scaling`); transformers 5 writes both under
+  `rope_parameters`, keyed by layer type.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from minisgl.attention import AttentionBackend
+from minisgl.core import Batch
+from minisgl.layers import (
+    GeluTanhAndMul,
+    Layer,
+    ParallelLMHead,
+    RMSNorm,
+    RotaryEmbedding,
+    VocabParallelEmbedding,
+)
+from minisgl.layers.shard import read_all
+from minisgl.models.arch import ModelArch
+from minisgl.models.llama import MLP, Attention, LlamaForCausalLM
+
+
+def layer_ropes(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The RoPE of each layer type ("full_attention", "sliding_attention"), from either
+    spelling of the config."""
+    params = config.get("rope_parameters") or {}
+    if "full_attention" in params:
+        return {kind: dict(rope) for kind, rope in params.items()}
+    full = dict(params or config.get("rope_scaling") or {})
+    full.setdefault("rope_theta", config.get("rope_theta", 1_000_000.0))
+    local = {"rope_type": "default", "rope_theta": config.get("rope_local_base_freq", 10_000.0)}
+    return {"full_attention": full, "sliding_attention": local}
+
+
+class Gemma3DecoderLayer(Layer):
+    def __init__(self, arch: ModelArch, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = Attention(arch, layer_id, rotary)
+        scalar = arch.config.get("query_pre_attn_scalar") or arch.head_dim
+        self.self_attn.query_scale = (arch.head_dim / scalar) ** 0.5
+        self.mlp = MLP(arch, GeluTanhAndMul())
+        eps = arch.rms_norm_eps
+        self.input_layernorm = RMSNorm(arch.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, eps)
+        self.pre_feedforward_layernorm = RMSNorm(arch.hidden_size, eps)
+        self.post_feedforward_layernorm = RMSNorm(arch.hidden_size, eps)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                batch: Batch, backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self.input_layernorm(x, residual)
+        x, _ = self.post_attention_layernorm(self.self_attn(x, positions, batch, backend))
+        x, residual = self.pre_feedforward_layernorm(x, residual)
+        x, _ = self.post_feedforward_layernorm(self.mlp(x))
+        return x, residual
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    def __init__(self, arch: ModelArch) -> None:
+        Layer.__init__(self)
+        self.arch = arch
+        ropes = {kind: RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, rope)
+                 for kind, rope in layer_ropes(arch.config).items()}
+        windows = arch.layer_windows or (0,) * arch.num_layers
+        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(
+            Gemma3DecoderLayer(arch, i, ropes["sliding_attention" if windows[i]
+                                              else "full_attention"])
+            for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        tied = self.embed_tokens if arch.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, tied)
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: Batch,
+                      backend: AttentionBackend, rows: torch.Tensor | None) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        x = x * torch.tensor(self.arch.hidden_size ** 0.5, dtype=x.dtype)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, positions, batch, backend)
+        x, _ = self.norm(x, residual)
+        return x if rows is None else x.index_select(0, rows)
+
+    def load_weight(self, name: str, source: Any) -> bool:
+        if name.endswith("norm.weight") and not self.skips(name):
+            source = read_all(source).float() + 1.0  # (1 + w), see the module's docstring
+        return super().load_weight(name, source)
