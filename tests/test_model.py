@@ -122,7 +122,7 @@ def test_sampled_generation_is_seeded(llm) -> None:
     assert a["output_ids"] == b["output_ids"]
 
 
-@pytest.mark.parametrize("config", ["llama-3.1-8b", "qwen3-0.6b"])
+@pytest.mark.parametrize("config", ["llama-3.1-8b", "qwen3-0.6b", "gemma3-4b"])
 def test_dummy_weights_build_and_run(config: str) -> None:
     # NOTE: 2 layers and a 32k vocabulary: the 8B shape's full embedding and head alone are
     # 1B parameters to fill with random values

@@ -2,7 +2,7 @@
 
 Every tensor parallel size must run the same model. So every checkpoint tensor (Hugging Face
 naming, Llama
-family: Llama, Mistral, Qwen2, Qwen3) is drawn whole from a generator seeded by its name and
+family: Llama, Mistral, Qwen2, Qwen3, Phi-3 and Gemma 3 as their unfused parts) is drawn whole from a generator seeded by its name and
 `--seed`, then handed to `model.load_weight` like a real checkpoint tensor, so each rank keeps
 exactly its shard of the same model. Norm weights are 1, everything else N(0, 0.02); with
 `int4` (`--quantization gguf`), the layers' linear weights are random 4-bit blocks instead, of
@@ -46,6 +46,9 @@ def checkpoint_shapes(arch: Any) -> dict[str, tuple[int, ...]]:
         if arch.qk_norm:
             shapes.update({p + "self_attn.q_norm.weight": (head_dim,),
                            p + "self_attn.k_norm.weight": (head_dim,)})
+        if arch.architecture == "Gemma3ForCausalLM":  # a norm before and after the MLP
+            shapes.update({p + "pre_feedforward_layernorm.weight": (hidden,),
+                           p + "post_feedforward_layernorm.weight": (hidden,)})
     shapes["model.norm.weight"] = (hidden,)
     if not arch.tie_word_embeddings:
         shapes["lm_head.weight"] = (arch.vocab_size, hidden)
