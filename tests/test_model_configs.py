@@ -340,3 +340,33 @@ def test_gemma3_greedy_generation_batched_and_tp2(tmp_path) -> None:
             outputs = [r["output_ids"] for r in llm.generate(input_ids=prompts,
                                                              sampling_params=params)]
         assert outputs == expected, f"tp {tp}"
+
+
+def test_multimodal_gemma3_is_served_as_its_text_model(tmp_path) -> None:
+    """Gemma 3 4B and larger ship as Gemma3ForConditionalGeneration: the text model is read out
+    of `text_config` (defaults the Hub leaves out filled in) and `language_model.*`, the vision
+    tower skipped; the logits of a text prompt equal transformers' multimodal model's."""
+    import transformers
+    torch.manual_seed(0)
+    text = {**TINY, **GEMMA3}
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision,
+                                       mm_tokens_per_image=4, image_token_index=500,
+                                       boi_token_index=501, eoi_token_index=502)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    for default in ("rms_norm_eps", "hidden_activation", "final_logit_softcapping"):
+        saved["text_config"].pop(default, None)  # as the Hub's configs leave them out
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    engine = tiny_engine(str(tmp_path))
+    try:
+        assert engine.arch.architecture == "Gemma3ForCausalLM"
+        ids = torch.randint(0, 500, (40,), generator=torch.Generator().manual_seed(6))
+        ours = forward_spans(engine, ids.tolist(), [(0, 30)] + [(p, p + 1) for p in range(30, 40)])
+        with torch.inference_mode():
+            theirs = model(input_ids=ids[None]).logits[0]
+        assert (ours - theirs).abs().max().item() < LOGIT_TOLERANCE
+    finally:
+        engine.shutdown()

@@ -8,6 +8,9 @@
 - Sliding-window layers use the local RoPE (`rope_local_base_freq`, default scaling), full ones
   the global RoPE (`rope_theta` with `rope_scaling`); transformers 5 writes both under
   `rope_parameters`, keyed by layer type.
+
+A multimodal Gemma 3 checkpoint (`Gemma3ForConditionalGeneration`, 4B and larger) is served as
+its text model: models.weights reads its `text_config`, and its vision tensors are skipped.
 """
 
 from __future__ import annotations
@@ -30,6 +33,12 @@ from minisgl.layers import (
 from minisgl.layers.shard import read_all
 from minisgl.models.arch import ModelArch
 from minisgl.models.llama import MLP, Attention, LlamaForCausalLM
+
+
+# a multimodal checkpoint's tensors: its vision side, and its text model's prefixes
+VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                   "model.multi_modal_projector.")
+TEXT_PREFIXES = ("language_model.", "model.language_model.")
 
 
 def layer_ropes(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -93,6 +102,13 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         return x if rows is None else x.index_select(0, rows)
 
     def load_weight(self, name: str, source: Any) -> bool:
+        if name.startswith(VISION_PREFIXES):
+            return True  # a multimodal checkpoint, served text-only (models.weights.TEXT_MODELS)
+        for prefix in TEXT_PREFIXES:
+            if name.startswith(prefix):
+                name = name.removeprefix(prefix)
+                name = name if name.startswith(("model.", "lm_head.")) else f"model.{name}"
+                break
         if name.endswith("norm.weight") and not self.skips(name):
             source = read_all(source).float() + 1.0  # (1 + w), see the module's docstring
         return super().load_weight(name, source)

@@ -126,8 +126,27 @@ def generation_defaults(path: Path) -> dict[str, float | int]:
     return {k: config[k] for k in GENERATION_DEFAULTS if config.get(k) is not None}
 
 
+# multimodal architecture -> the text model we serve of it (its vision tower is not loaded)
+TEXT_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+
+
 def load_config(path: Path) -> dict:
-    return json.loads((path / "config.json").read_text())
+    return text_model_config(json.loads((path / "config.json").read_text()))
+
+
+def text_model_config(config: dict) -> dict:
+    """A multimodal checkpoint's text model: its `text_config`, with the defaults transformers'
+    config class fills in (Hub configs leave them out), under the text-only architecture."""
+    architecture = (config.get("architectures") or [""])[0]
+    if architecture not in TEXT_MODELS or "text_config" not in config:
+        return config
+    from transformers import CONFIG_MAPPING
+    text = dict(config["text_config"])
+    text = CONFIG_MAPPING[text.get("model_type", "gemma3_text")](**text).to_dict()
+    text["architectures"] = [TEXT_MODELS[architecture]]
+    logger.info("serving the text model of %s (%s), without its vision tower", architecture,
+                text["architectures"][0])
+    return text
 
 
 def load_safetensors(model: nn.Module, path: Path, skip: set[str] = frozenset()) -> None:
