@@ -342,3 +342,22 @@ def test_langchain_one_tool_call(client, minisgl_server):
         assert len(answer.tool_calls) == 1 and not answer.invalid_tool_calls, answer
         call = answer.tool_calls[0]
         jsonschema.validate(call["args"], SCHEMAS[call["name"]])
+
+
+def mistral(one_call: bool = False) -> ToolCallParser:
+    return ToolCallParser("mistral", NAMES, one_call)
+
+
+def test_mistral():
+    both = ('[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "UTC"}}, '
+            '{"name": "get_weather", "arguments": {"city": "Rome"}}]')
+    calls = [("get_time", '{"zone": "UTC"}'), ("get_weather", '{"city": "Rome"}')]
+    check(mistral, both, None, calls)
+    check(lambda: mistral(one_call=True), both, None, calls[:1])
+    check(mistral, 'Checking. [TOOL_CALLS] [{"name": "get_time", "arguments": {}}] Done.',
+          "Checking. Done.", [("get_time", "{}")])
+    check(mistral, '[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "C',
+          None, [("get_time", '{"zone": "C')])
+    for text in ['[TOOL_CALLS][{"name": "other"}]', "[TOOL_CALLS] not a list", "plain text",
+                 "[TOOL_CA", '[{"name": "get_time", "arguments": {}}]']:
+        check(mistral, text, text, [])

@@ -10,6 +10,8 @@ What is a call, per style:
 - llama3 (`auto`): the answer starts with a JSON call `{"name": ..., "parameters" or
   "arguments": {...}}` (or calls follow `<|python_tag|>`); calls are separated by `;`. From
   the first object that is no call of a known function on, the text is content.
+- mistral (`auto`): `[TOOL_CALLS]` then a JSON array of calls `[{"name": ..., "arguments":
+  {...}}, ...]` anywhere in the text; text outside streams as content, as with hermes.
 - array (`required`): the grammar's `[{"name": ..., "arguments": {...}}, ...]`.
 - named (a named function): the whole text is the arguments object.
 
@@ -42,6 +44,8 @@ from typing import Any
 from minisgl.protocol.openai_tool_scan import WS, CallScanner, decode
 
 HERMES_OPEN, HERMES_CLOSE, PYTHON_TAG = "<tool_call>", "</tool_call>", "<|python_tag|>"
+MISTRAL_TAG = "[TOOL_CALLS]"
+ARRAYS = ("array", "mistral")  # the styles whose calls form a JSON array
 
 
 @dataclass
@@ -85,8 +89,8 @@ class ToolCallParser:
     def __init__(self, style: str, names: set[str], one_call: bool = False,
                  named: str | None = None) -> None:
         self.style, self.names, self.one_call, self.named = style, names, one_call, named
-        self.tag = {"hermes": HERMES_OPEN, "llama3": PYTHON_TAG}.get(style)
-        self.state = "named" if named else ("text" if style == "hermes" else "lead")
+        self.tag = {"hermes": HERMES_OPEN, "llama3": PYTHON_TAG, "mistral": MISTRAL_TAG}.get(style)
+        self.state = "named" if named else ("text" if style in ("hermes", "mistral") else "lead")
         self.text = ""
         self.pos = self.sent = 0  # read up to / content sent up to
         self.start = 0  # where the candidate call being read began (its markup)
@@ -198,25 +202,28 @@ class ToolCallParser:
             else:
                 self._begin_call()
             return True
-        if state == "open":  # hermes after <tool_call>, llama3 after <|python_tag|>
+        if state == "open":  # after hermes' <tool_call>, llama3's <|python_tag|>, [TOOL_CALLS]
             if not self._skip_space():
                 if final:
                     self._not_a_call()
                     return True
                 return False
-            if text[self.pos] == "{":
+            if self.style == "mistral" and text[self.pos] == "[":
+                self.pos += 1
+                self.state = "between"
+            elif self.style != "mistral" and text[self.pos] == "{":
                 self._begin_call()
             else:
                 self._not_a_call()
             return True
-        if state == "between":  # array after [ or ",", llama3 after ";"
+        if state == "between":  # an array after [ or ",", llama3 after ";"
             if not self._skip_space():
                 if final:
                     self._drop_rest()
                 return False
             if text[self.pos] == "{":
                 self._begin_call()
-            elif self.style == "array" and text[self.pos] == "]":
+            elif self.style in ARRAYS and text[self.pos] == "]":
                 self.pos += 1
                 self._after_markup()
             else:
@@ -325,11 +332,11 @@ class ToolCallParser:
                 return False
             self._after_markup()
             return True
-        separator = "," if self.style == "array" else ";"
+        separator = "," if self.style in ARRAYS else ";"
         if rest[0] == separator:
             self.pos += 1
             self.state, self.start = "between", self.pos - 1
-        elif self.style == "array" and rest[0] == "]":
+        elif self.style in ARRAYS and rest[0] == "]":
             self.pos += 1
             self._after_markup()
         else:

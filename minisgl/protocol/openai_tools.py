@@ -23,7 +23,8 @@ from minisgl.protocol.openai_tool_parser import ToolCallParser
 
 # --tool-call-parser's names (SGLang's) -> the parser style that reads them; Qwen2.5's calls are
 # hermes-style <tool_call> blocks
-PARSER_STYLES = {"hermes": "hermes", "qwen25": "hermes", "llama3": "llama3"}
+PARSER_STYLES = {"hermes": "hermes", "qwen25": "hermes", "llama3": "llama3",
+                 "mistral": "mistral"}
 DEFAULT_PROMPT = (
     "You can call functions. Here they are, as JSON schemas:\n{tools}\n"
     "To call one, answer with\n<tool_call>\n"
