@@ -20,25 +20,30 @@ def engine() -> Engine:
     return Engine(EngineConfig(dtype="float32", max_total_tokens=4096, max_running_requests=4))
 
 
-def forward_positions(engine: Engine, ids: list[int], prefill_len: int) -> torch.Tensor:
-    """Logits for every position: a prefill of ids[:prefill_len], then one decode step per
-    remaining token (teacher forcing), through the paged KV pool and both attention paths."""
-    ctx = engine.page_table.shape[1]
-    row = 0
-    engine.page_table[row, : len(ids)] = torch.arange(len(ids), dtype=torch.int32)
+def forward_spans(engine: Engine, ids: list[int], spans: list[tuple[int, int]]) -> torch.Tensor:
+    """Logits of every position of one request (page-table row 0), run as the given
+    [start, end) steps through the paged KV pool: a step after the first has the earlier ones
+    as its cached prefix, and a one-token step after the first is a decode."""
+    assert engine.page_table.shape[1] >= len(ids)
+    engine.page_table[0, : len(ids)] = torch.arange(len(ids), dtype=torch.int32)
     logits = []
-    spans = [(0, prefill_len)] + [(p, p + 1) for p in range(prefill_len, len(ids))]
     for start, end in spans:
         positions = torch.arange(start, end)
-        batch = Batch("prefill" if start == 0 else "decode", 1, table_rows=[row],
+        batch = Batch("decode" if end - start == 1 and start else "prefill", 1, table_rows=[0],
                       cached_lens=[start], seq_lens=[end], extend_lens=[end - start],
                       input_positions=positions, out_loc=positions.clone())
         engine.attn_backend.prepare_metadata(batch)
         with torch.inference_mode():
             logits.append(engine.model(torch.tensor(ids[start:end]), positions, batch,
                                        engine.attn_backend, None).float())
-    assert ctx >= len(ids)
     return torch.cat(logits)
+
+
+def forward_positions(engine: Engine, ids: list[int], prefill_len: int) -> torch.Tensor:
+    """Logits for every position: a prefill of ids[:prefill_len], then one decode step per
+    remaining token (teacher forcing), through both attention paths."""
+    return forward_spans(engine, ids, [(0, prefill_len)] +
+                         [(p, p + 1) for p in range(prefill_len, len(ids))])
 
 
 @pytest.mark.parametrize("text", [ref.PLAIN_PROMPTS[0], ref.chat_prompt(ref.CHAT_QUESTIONS[0])])

@@ -6,15 +6,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from typing import Callable
 
 import pytest
 import torch
 
 from minisgl.engine import Engine, EngineConfig
-from minisgl.core import Batch
 from minisgl.models.arch import layer_windows
 from minisgl.models.registry import UnsupportedModel
-from tests.test_model import TINY
+from tests.test_model import TINY, forward_spans
 
 WINDOW = 16
 LOGIT_TOLERANCE = 1e-4  # max |ours - transformers| over all vocab logits, float32
@@ -35,29 +35,35 @@ def mistral(tmp_path_factory) -> tuple[torch.nn.Module, str]:
     return save_tiny("MistralForCausalLM", "MistralConfig", path, sliding_window=WINDOW), str(path)
 
 
-def forward_spans(engine: Engine, ids: list[int], spans: list[tuple[int, int]]) -> torch.Tensor:
-    """Logits of every position of one request, run as the given [start, end) steps (a step
-    after the first has the earlier ones as its cached prefix)."""
-    engine.page_table[0, : len(ids)] = torch.arange(len(ids), dtype=torch.int32)
-    logits = []
-    for start, end in spans:
-        positions = torch.arange(start, end)
-        batch = Batch("decode" if end - start == 1 and start else "prefill", 1, table_rows=[0],
-                      cached_lens=[start], seq_lens=[end], extend_lens=[end - start],
-                      input_positions=positions, out_loc=positions.clone())
-        engine.attn_backend.prepare_metadata(batch)
-        with torch.inference_mode():
-            logits.append(engine.model(torch.tensor(ids[start:end]), positions, batch,
-                                       engine.attn_backend, None).float())
-    return torch.cat(logits)
-
-
 def tiny_engine(path: str, attention: str = "kernel") -> Engine:
     engine = Engine(EngineConfig(model_path=path, dtype="float32", max_total_tokens=256,
                                  max_running_requests=2))
     if attention == "sdpa":  # the path without the compiled kernels: SDPA and matmuls
         engine.attn_backend.kernels = None
     return engine
+
+
+def assert_logits_match(model: torch.nn.Module, path: str, spans: list[tuple[int, int]],
+                        seed: int, attention: str = "kernel", vocab: int = TINY["vocab_size"],
+                        check: Callable[[Engine], None] | None = None) -> None:
+    """Our logits of random tokens, run as `spans`, equal transformers' (LOGIT_TOLERANCE);
+    `check` looks at the engine first."""
+    engine = tiny_engine(path, attention)
+    try:
+        if check is not None:
+            check(engine)
+        ids = torch.randint(0, vocab, (spans[-1][1],),
+                            generator=torch.Generator().manual_seed(seed))
+        ours = forward_spans(engine, ids.tolist(), spans)
+        with torch.inference_mode():
+            theirs = model(input_ids=ids[None]).logits[0]
+        assert (ours - theirs).abs().max().item() < LOGIT_TOLERANCE
+    finally:
+        engine.shutdown()
+
+
+def windows_are(engine: Engine, windows: tuple[int, ...]) -> None:
+    assert engine.attn_backend.windows == windows
 
 
 STEPS = {  # spans over 60 tokens, the window being 16
@@ -73,17 +79,12 @@ def test_sliding_window_matches_transformers_past_the_window(mistral, attention:
     """A Mistral with a 16-token window on 60 tokens: prefill, chunked prefill over a cached
     prefix, and decode all see only the window, as transformers does."""
     model, path = mistral
-    engine = tiny_engine(path, attention)
-    try:
+
+    def full_context(engine: Engine) -> None:
         assert engine.context_len == TINY["max_position_embeddings"]
-        ids = torch.randint(0, TINY["vocab_size"], (60,),
-                            generator=torch.Generator().manual_seed(1))
-        ours = forward_spans(engine, ids.tolist(), STEPS[steps])
-        with torch.inference_mode():
-            theirs = model(ids[None]).logits[0]
-        assert (ours - theirs).abs().max().item() < LOGIT_TOLERANCE
-    finally:
-        engine.shutdown()
+
+    assert_logits_match(model, path, STEPS[steps], seed=1, attention=attention,
+                        check=full_context)
 
 
 def test_per_layer_windows_match_transformers(tmp_path) -> None:
@@ -91,17 +92,8 @@ def test_per_layer_windows_match_transformers(tmp_path) -> None:
     model = save_tiny("Qwen2ForCausalLM", "Qwen2Config", tmp_path, use_sliding_window=True,
                       sliding_window=WINDOW, max_window_layers=1)
     assert model.config.layer_types == ["full_attention", "sliding_attention"]
-    engine = tiny_engine(str(tmp_path))
-    try:
-        assert engine.attn_backend.windows == (0, WINDOW)
-        ids = torch.randint(0, TINY["vocab_size"], (60,),
-                            generator=torch.Generator().manual_seed(3))
-        ours = forward_spans(engine, ids.tolist(), STEPS["prefill + decode"])
-        with torch.inference_mode():
-            theirs = model(ids[None]).logits[0]
-        assert (ours - theirs).abs().max().item() < LOGIT_TOLERANCE
-    finally:
-        engine.shutdown()
+    assert_logits_match(model, str(tmp_path), STEPS["prefill + decode"], seed=3,
+                        check=lambda engine: windows_are(engine, (0, WINDOW)))
 
 
 def test_windowed_greedy_generation_matches_transformers_batched_and_alone(mistral) -> None:
@@ -202,17 +194,8 @@ def test_yarn_rope_matches_transformers(tmp_path, spelling: str, extra: dict) ->
         config["rope_theta"] = rope.pop("rope_theta")
         config["rope_scaling"] = rope
         (tmp_path / "config.json").write_text(json.dumps(config))
-    engine = tiny_engine(str(tmp_path))
-    try:
-        ids = torch.randint(0, TINY["vocab_size"], (120,),
-                            generator=torch.Generator().manual_seed(2))
-        ours = forward_spans(engine, ids.tolist(),
-                             [(0, 100)] + [(p, p + 1) for p in range(100, 120)])
-        with torch.inference_mode():
-            theirs = model(ids[None]).logits[0]
-        assert (ours - theirs).abs().max().item() < LOGIT_TOLERANCE
-    finally:
-        engine.shutdown()
+    assert_logits_match(model, str(tmp_path), [(0, 100)] + [(p, p + 1) for p in range(100, 120)],
+                        seed=2)
 
 
 def test_a_context_past_the_models_positions_is_refused(mistral) -> None:
@@ -241,16 +224,7 @@ PHI3_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=1)  # inside the ti
 def test_phi3_fused_checkpoint_matches_transformers(tmp_path) -> None:
     """Phi-3 stores q/k/v and gate/up fused: each part lands where the unfused ones would."""
     model = save_tiny("Phi3ForCausalLM", "Phi3Config", tmp_path, **PHI3_IDS)
-    engine = tiny_engine(str(tmp_path))
-    try:
-        ids = torch.randint(0, TINY["vocab_size"], (60,),
-                            generator=torch.Generator().manual_seed(4))
-        ours = forward_spans(engine, ids.tolist(), STEPS["chunked prefill"])
-        with torch.inference_mode():
-            theirs = model(ids[None]).logits[0]
-        assert (ours - theirs).abs().max().item() < LOGIT_TOLERANCE
-    finally:
-        engine.shutdown()
+    assert_logits_match(model, str(tmp_path), STEPS["chunked prefill"], seed=4)
 
 
 def test_phi3_tp2_equals_tp1(tmp_path) -> None:
@@ -309,17 +283,8 @@ def test_gemma3_matches_transformers(tmp_path, attention: str, spelling: str) ->
     model.save_pretrained(tmp_path)
     if spelling == "hub":
         gemma3_hub_spelling(tmp_path)
-    engine = tiny_engine(str(tmp_path), attention)
-    try:
-        assert engine.attn_backend.windows == (WINDOW, 0)
-        ids = torch.randint(0, TINY["vocab_size"], (60,),
-                            generator=torch.Generator().manual_seed(5))
-        ours = forward_spans(engine, ids.tolist(), STEPS["chunked prefill"])
-        with torch.inference_mode():
-            theirs = model(ids[None]).logits[0]
-        assert (ours - theirs).abs().max().item() < LOGIT_TOLERANCE
-    finally:
-        engine.shutdown()
+    assert_logits_match(model, str(tmp_path), STEPS["chunked prefill"], seed=5,
+                        attention=attention, check=lambda e: windows_are(e, (WINDOW, 0)))
 
 
 def test_gemma3_greedy_generation_batched_and_tp2(tmp_path) -> None:
@@ -360,13 +325,8 @@ def test_multimodal_gemma3_is_served_as_its_text_model(tmp_path) -> None:
     for default in ("rms_norm_eps", "hidden_activation", "final_logit_softcapping"):
         saved["text_config"].pop(default, None)  # as the Hub's configs leave them out
     (tmp_path / "config.json").write_text(json.dumps(saved))
-    engine = tiny_engine(str(tmp_path))
-    try:
+    def text_model(engine: Engine) -> None:
         assert engine.arch.architecture == "Gemma3ForCausalLM"
-        ids = torch.randint(0, 500, (40,), generator=torch.Generator().manual_seed(6))
-        ours = forward_spans(engine, ids.tolist(), [(0, 30)] + [(p, p + 1) for p in range(30, 40)])
-        with torch.inference_mode():
-            theirs = model(input_ids=ids[None]).logits[0]
-        assert (ours - theirs).abs().max().item() < LOGIT_TOLERANCE
-    finally:
-        engine.shutdown()
+
+    assert_logits_match(model, str(tmp_path), [(0, 30)] + [(p, p + 1) for p in range(30, 40)],
+                        seed=6, vocab=500, check=text_model)  # below the image tokens
