@@ -22,14 +22,7 @@ from torch import nn
 
 from minisgl.attention import AttentionBackend
 from minisgl.core import Batch
-from minisgl.layers import (
-    GeluTanhAndMul,
-    Layer,
-    ParallelLMHead,
-    RMSNorm,
-    RotaryEmbedding,
-    VocabParallelEmbedding,
-)
+from minisgl.layers import GeluTanhAndMul, Layer, RMSNorm, RotaryEmbedding
 from minisgl.layers.shard import read_all
 from minisgl.models.arch import ModelArch
 from minisgl.models.llama import MLP, Attention, LlamaForCausalLM
@@ -76,30 +69,18 @@ class Gemma3DecoderLayer(Layer):
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
-    def __init__(self, arch: ModelArch) -> None:
-        Layer.__init__(self)
-        self.arch = arch
+    def decoder_layers(self, arch: ModelArch) -> nn.ModuleList:
         ropes = {kind: RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, rope)
                  for kind, rope in layer_ropes(arch.config).items()}
         windows = arch.layer_windows or (0,) * arch.num_layers
-        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(
+        return nn.ModuleList(
             Gemma3DecoderLayer(arch, i, ropes["sliding_attention" if windows[i]
                                               else "full_attention"])
             for i in range(arch.num_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        tied = self.embed_tokens if arch.tie_word_embeddings else None
-        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, tied)
 
-    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: Batch,
-                      backend: AttentionBackend, rows: torch.Tensor | None) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        x = x * torch.tensor(self.arch.hidden_size ** 0.5, dtype=x.dtype)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, positions, batch, backend)
-        x, _ = self.norm(x, residual)
-        return x if rows is None else x.index_select(0, rows)
+        return x * torch.tensor(self.arch.hidden_size ** 0.5, dtype=x.dtype)
 
     def load_weight(self, name: str, source: Any) -> bool:
         if name.startswith(VISION_PREFIXES):

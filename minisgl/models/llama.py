@@ -99,13 +99,18 @@ class LlamaForCausalLM(Layer):
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
         self.arch = arch
-        rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope)
         self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(arch, i, rotary) for i in range(arch.num_layers))
+        self.layers = self.decoder_layers(arch)
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         tied = self.embed_tokens if arch.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, tied)
+
+    def decoder_layers(self, arch: ModelArch) -> nn.ModuleList:
+        rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope)
+        return nn.ModuleList(DecoderLayer(arch, i, rotary) for i in range(arch.num_layers))
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: Batch,
                 backend: AttentionBackend, logit_rows: torch.Tensor | None) -> torch.Tensor:
@@ -115,7 +120,7 @@ class LlamaForCausalLM(Layer):
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: Batch,
                       backend: AttentionBackend, rows: torch.Tensor | None) -> torch.Tensor:
         """Final hidden states [len(rows), hidden] of the chosen token rows (all when None)."""
-        x, residual = self.embed_tokens(input_ids), None
+        x, residual = self.embed(input_ids), None
         for layer in self.layers:
             x, residual = layer(x, residual, positions, batch, backend)
         x, _ = self.norm(x, residual)

@@ -109,7 +109,7 @@ class GenerateStream:
         self._sent: dict[int, tuple[int, int, bool]] = {}
 
     def chunk(self, i: int, h: ReqHandle) -> dict[str, Any] | None:
-        key = (len(h.output_ids), len(h.text), h.finished)
+        key = (len(h.output_ids), h.detok.visible_len, h.finished)  # no text copy
         if self._sent.get(i) == key:
             return None
         self._sent[i] = key
