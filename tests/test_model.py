@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -127,13 +128,16 @@ def test_sampled_generation_is_seeded(llm) -> None:
     assert a["output_ids"] == b["output_ids"]
 
 
-@pytest.mark.parametrize("config", ["llama-3.1-8b", "qwen3-0.6b", "gemma3-4b"])
-def test_dummy_weights_build_and_run(config: str) -> None:
-    # NOTE: 2 layers and a 32k vocabulary: the 8B shape's full embedding and head alone are
-    # 1B parameters to fill with random values
+@pytest.mark.parametrize("config, layers, dtype", [
+    ("llama-3.1-8b", 2, "auto"), ("qwen3-0.6b", 2, "auto"), ("gemma3-4b", 2, "auto"),
+    ("qwen3-30b-a3b", 1, "auto"), ("mixtral-8x7b", 1, "bfloat16")])
+def test_dummy_weights_build_and_run(config: str, layers: int, dtype: str) -> None:
+    # NOTE: few layers and a 32k vocabulary: the 8B shape's full embedding and head alone are
+    # 1B parameters to fill with random values, one Mixtral layer's experts 1.4B
     engine = Engine(EngineConfig(
         model_path=config, load_format="dummy", max_total_tokens=256, max_running_requests=2,
-        json_model_override_args='{"num_hidden_layers": 2, "vocab_size": 32000}'))
+        dtype=dtype, json_model_override_args=json.dumps({"num_hidden_layers": layers,
+                                                          "vocab_size": 32000})))
     ids = list(range(100, 120))
     logits = forward_positions(engine, ids, prefill_len=16)
     assert logits.shape == (len(ids), engine.arch.vocab_size)

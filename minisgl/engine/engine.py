@@ -39,6 +39,7 @@ from minisgl.engine.tp_message import StepMessage
 from minisgl.env import cuda_wait_mode
 from minisgl.errors import EngineFailed
 from minisgl.layers.linear import can_prepack, native_cpu_gemm
+from minisgl.layers.moe import syncs_on_host
 from minisgl.models import (
     ModelArch,
     build_model,
@@ -75,15 +76,19 @@ def resolve_device(name: str) -> torch.device:
 def check_tp_size(arch: ModelArch, size: int, model_name: str) -> None:
     """Refuse a tensor-parallel size that cannot give every rank an equal share of the heads
     (KV heads may instead be replicated: size a multiple of them) and of the MLP."""
+    experts = arch.moe.intermediate_size if arch.moe is not None else arch.intermediate_size
+
     def fits(n: int) -> bool:
         kv = arch.num_kv_heads
         return (arch.num_heads % n == 0 and (kv % n == 0 if kv >= n else n % kv == 0)
-                and arch.intermediate_size % n == 0)
+                and arch.intermediate_size % n == 0 and experts % n == 0)
 
     if fits(size):
         return
     parts = [f"{arch.num_heads} attention heads", f"{arch.num_kv_heads} KV heads",
              f"MLP width {arch.intermediate_size}"]
+    if arch.moe is not None:
+        parts.append(f"expert width {experts}")
     sizes = ", ".join(str(n) for n in range(1, arch.num_heads + 1) if fits(n))
     raise ValueError(f"--tp-size {size} cannot split {model_name} evenly ({', '.join(parts)}); "
                      f"tensor-parallel sizes that fit this model: {sizes}")
@@ -171,7 +176,8 @@ class Engine:
                                seed=config.seed)
         graph_runner = None
         if (self.device.type == "cuda" and not config.disable_cuda_graph
-                and supports_graphs(self.attn_backend)):
+                and supports_graphs(self.attn_backend)
+                and not syncs_on_host(self.model, self.dtype, self.device)):
             # NOTE: every rank captures the same sizes in the same order (collectives inside)
             graph_runner = GraphRunner(self.model, self.attn_backend,
                                        max_bs=min(config.cuda_graph_max_bs, self.max_running),

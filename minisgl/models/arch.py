@@ -12,6 +12,7 @@ FAMILY_TRAITS: dict[tuple[str, str], dict[str, bool]] = {
     # a per-head RMSNorm on queries and keys before RoPE
     ("qwen3", "Qwen3ForCausalLM"): {"qk_norm": True},
     ("gemma3_text", "Gemma3ForCausalLM"): {"qk_norm": True},
+    ("qwen3_moe", "Qwen3MoeForCausalLM"): {"qk_norm": True},
 }
 
 
@@ -56,6 +57,36 @@ def layer_windows(config: dict[str, Any]) -> tuple[int, ...]:
     return tuple(window if i >= first_windowed else 0 for i in range(layers))
 
 
+@dataclass(frozen=True)
+class MoEShape:
+    """A mixture-of-experts config: `num_experts` experts of width `intermediate_size`, the top
+    `top_k` per token (weights renormalised to sum to one where `renormalize`), in the layers
+    `sparse_layers` (the others keep a dense MLP of the config's intermediate_size)."""
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool
+    sparse_layers: tuple[int, ...]
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> MoEShape | None:
+        """Either spelling: the Hub's `num_experts` (Qwen3-MoE) or `num_local_experts`
+        (Mixtral, and transformers 5 for both)."""
+        experts = config.get("num_local_experts") or config.get("num_experts") or 0
+        if not experts:
+            return None
+        mixtral = config.get("model_type") == "mixtral"
+        step = config.get("decoder_sparse_step") or 1
+        dense = set(config.get("mlp_only_layers") or ())
+        return cls(
+            num_experts=experts,
+            top_k=config.get("num_experts_per_tok", 2),
+            intermediate_size=config.get("moe_intermediate_size") or config["intermediate_size"],
+            renormalize=mixtral or bool(config.get("norm_topk_prob", False)),
+            sparse_layers=tuple(i for i in range(config["num_hidden_layers"])
+                                if i not in dense and (i + 1) % step == 0))
+
+
 def family_traits(model_type: str, architecture: str) -> dict[str, bool]:
     traits: dict[str, bool] = {}
     for (family_type, family_architecture), family in FAMILY_TRAITS.items():
@@ -83,6 +114,7 @@ class ModelArch:
     qk_norm: bool
     eos_token_ids: tuple[int, ...]
     layer_windows: tuple[int, ...] = ()  # see layer_windows(); () or all 0: none windowed
+    moe: MoEShape | None = None  # None: a dense model
     uncomputed: tuple[str, ...] = ()  # see uncomputed_fields()
     config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)  # as read
 
@@ -117,6 +149,7 @@ class ModelArch:
             qk_norm=traits.get("qk_norm", False),
             eos_token_ids=eos_ids,
             layer_windows=layer_windows(config),
+            moe=MoEShape.from_config(config),
             uncomputed=uncomputed_fields(config),
             config=dict(config),
         )

@@ -2,7 +2,7 @@
 
 Every tensor parallel size must run the same model. So every checkpoint tensor (Hugging Face
 naming of the Llama family: Llama, Mistral, Qwen2, Qwen3, and Phi-3 and Gemma 3 as their
-unfused parts) is drawn whole from a generator seeded by its name and `--seed`, then handed
+unfused parts, Qwen3-MoE and Mixtral with Qwen3-MoE's per-expert names) is drawn whole from a generator seeded by its name and `--seed`, then handed
 to `model.load_weight` like a real checkpoint tensor, so each rank keeps exactly its shard of
 the same model. Norm weights are 1, everything else N(0, 0.02); with
 `int4` (`--quantization gguf`), the layers' linear weights are random 4-bit blocks instead, of
@@ -34,12 +34,16 @@ def checkpoint_shapes(arch: Any) -> dict[str, tuple[int, ...]]:
             p + "self_attn.k_proj.weight": (kv, hidden),
             p + "self_attn.v_proj.weight": (kv, hidden),
             p + "self_attn.o_proj.weight": (hidden, q),
-            p + "mlp.gate_proj.weight": (inter, hidden),
-            p + "mlp.up_proj.weight": (inter, hidden),
-            p + "mlp.down_proj.weight": (hidden, inter),
             p + "input_layernorm.weight": (hidden,),
             p + "post_attention_layernorm.weight": (hidden,),
         })
+        if arch.moe is not None and i in arch.moe.sparse_layers:
+            shapes[p + "mlp.gate.weight"] = (arch.moe.num_experts, hidden)
+            for e in range(arch.moe.num_experts):
+                shapes.update(mlp_shapes(f"{p}mlp.experts.{e}.", hidden,
+                                         arch.moe.intermediate_size))
+        else:
+            shapes.update(mlp_shapes(p + "mlp.", hidden, inter))
         if arch.attention_bias:
             shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                            p + "self_attn.v_proj.bias": (kv,)})
@@ -55,8 +59,15 @@ def checkpoint_shapes(arch: Any) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def mlp_shapes(prefix: str, hidden: int, inter: int) -> dict[str, tuple[int, int]]:
+    return {prefix + "gate_proj.weight": (inter, hidden), prefix + "up_proj.weight": (inter, hidden),
+            prefix + "down_proj.weight": (hidden, inter)}
+
+
 def is_layer_linear(name: str) -> bool:
-    return name.startswith("model.layers.") and name.endswith("proj.weight")
+    """A linear layer's weight (experts' weights are not: they stay dense under int4)."""
+    return (name.startswith("model.layers.") and name.endswith("proj.weight")
+            and ".experts." not in name)
 
 
 def load_dummy(model: nn.Module, arch: Any, seed: int, device: torch.device,

@@ -74,10 +74,11 @@ class MLP(Layer):
 
 
 class DecoderLayer(Layer):
-    def __init__(self, arch: ModelArch, layer_id: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, arch: ModelArch, layer_id: int, rotary: RotaryEmbedding,
+                 mlp: Layer | None = None) -> None:
         super().__init__()
         self.self_attn = Attention(arch, layer_id, rotary)
-        self.mlp = MLP(arch)
+        self.mlp = mlp if mlp is not None else MLP(arch)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 

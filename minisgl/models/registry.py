@@ -1,5 +1,6 @@
 """Which of our model classes serves a Hugging Face `architectures` entry. Qwen2 and Qwen3 are
-the Llama decoder with the traits ModelArch gives them (models.arch.FAMILY_TRAITS)."""
+the Llama decoder with the traits ModelArch gives them (models.arch.FAMILY_TRAITS); Qwen3-MoE
+and Mixtral are it with experts in place of the MLP (models.moe)."""
 
 from __future__ import annotations
 
@@ -8,15 +9,18 @@ from torch import nn
 from minisgl.models.arch import ModelArch
 from minisgl.models.gemma3 import Gemma3ForCausalLM
 from minisgl.models.llama import LlamaForCausalLM
+from minisgl.models.moe import MoEForCausalLM
 from minisgl.models.phi3 import Phi3ForCausalLM
 
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MoEForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": MoEForCausalLM,
 }
 
 

@@ -1,0 +1,173 @@
+"""Mixture of experts: a top-k softmax router and the experts run as grouped matmuls.
+
+A layer's token rows are sorted by the expert each (row, choice) goes to, so every expert's
+rows are contiguous; one grouped matmul then multiplies each group by its expert's weight
+(gate/up, then down), and the outputs, scaled by the routing weights, are summed back into
+their rows. Tensor parallelism splits every expert's intermediate dimension (gate/up rows,
+down columns), as it splits a dense MLP; the router is replicated.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minisgl.distributed import all_reduce, get_tp_info
+from minisgl.layers.activation import SiluAndMul
+from minisgl.layers.base import Layer
+from minisgl.layers.fp8 import Fp8ChannelWeight
+from minisgl.layers.linear import divide
+from minisgl.layers.shard import copy_into, read_all, read_cols, read_rows
+from minisgl.layers.w8a8 import Int8ChannelWeight, fits_int8
+
+
+class TopKRouter(Layer):
+    """Softmax over the experts' logits (float32), the top k, optionally renormalised to sum
+    to one (Mixtral always; Qwen3-MoE where norm_topk_prob says so)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int,
+                 renormalize: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        self.top_k, self.renormalize = top_k, renormalize
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] in x's dtype, expert ids [T, k])."""
+        probs = torch.softmax(F.linear(x, self.weight).float(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), ids
+
+
+def grouped_mm_runs(x: torch.Tensor) -> bool:
+    """Whether torch's grouped matmul takes x: any dtype on CPU, bfloat16 on Hopper and newer
+    (elsewhere the experts loop, one matmul per expert with rows)."""
+    if x.device.type == "cpu":
+        return True
+    return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+
+
+class QuantizedExperts:
+    """Per expert, its (gate_up, down) weights in a compact form (layers.w8a8, layers.fp8)."""
+
+    def __init__(self, parts: list[tuple[Any, Any]]) -> None:
+        self.parts = parts
+
+    @property
+    def nbytes(self) -> int:
+        return sum(gate_up.nbytes + down.nbytes for gate_up, down in self.parts)
+
+
+class Experts(Layer):
+    """Every expert's gate/up ([E, 2 * I / tp, H]) and down ([E, H, I / tp]) weights."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.shard = divide(intermediate_size, get_tp_info().size, "expert intermediate size")
+        self.num_experts = num_experts
+        self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * self.shard, hidden_size),
+                                    requires_grad=False)
+        self.down = nn.Parameter(torch.empty(num_experts, hidden_size, self.shard),
+                                 requires_grad=False)
+        self.act = SiluAndMul()
+        self.quantized: QuantizedExperts | None = None  # --quantization w8a8_int8 / fp8
+
+    def load(self, expert: int | None, part: str, source: Any) -> None:
+        """One checkpoint tensor: `part` gate / up / down of `expert`, or of every expert at once
+        (expert None: a [E, ...] tensor; part gate_up is gate and up stacked)."""
+        rank_start = get_tp_info().rank * self.shard
+        if expert is None:
+            full = read_all(source)
+            for e in range(self.num_experts):
+                if part == "gate_up":
+                    half = full.shape[1] // 2
+                    self.load(e, "gate", full[e, :half])
+                    self.load(e, "up", full[e, half:])
+                else:
+                    self.load(e, part, full[e])
+            return
+        if part == "down":
+            copy_into(self.down.data[expert], read_cols(source, rank_start, self.shard),
+                      f"experts.{expert}.down")
+        else:
+            rows = self.gate_up.data[expert].narrow(0, 0 if part == "gate" else self.shard,
+                                                    self.shard)
+            copy_into(rows, read_rows(source, rank_start, self.shard), f"experts.{expert}.{part}")
+
+    def quantize_int8(self) -> None:
+        if fits_int8(self.gate_up.data[0]) and fits_int8(self.down.data[0]):
+            self._quantize(Int8ChannelWeight)
+
+    def quantize_fp8(self) -> None:
+        self._quantize(Fp8ChannelWeight)
+
+    def _quantize(self, form: Any) -> None:
+        self.quantized = QuantizedExperts([(form(self.gate_up.data[e]), form(self.down.data[e]))
+                                           for e in range(self.num_experts)])
+        self.gate_up = self.down = None
+
+    def per_expert(self, x: torch.Tensor) -> bool:
+        """Whether activations like x run one matmul per expert (see _per_expert), which reads
+        the row counts back to the host: a CUDA graph cannot capture that."""
+        return self.quantized is not None or not grouped_mm_runs(x)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+                ) -> torch.Tensor:
+        """sum over the k choices of weight * expert(x), per row; this rank's partial sums."""
+        top_k = ids.shape[1]
+        choices = ids.flatten()
+        order = torch.argsort(choices, stable=True)  # (row, choice) pairs grouped by expert
+        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
+        counts.index_add_(0, choices, torch.ones_like(choices, dtype=torch.int32))
+        rows = order // top_k
+        grouped = x.index_select(0, rows)
+        if not self.per_expert(x):
+            offsets = counts.cumsum(0, dtype=torch.int32)
+            h = torch._grouped_mm(grouped, self.gate_up.transpose(1, 2), offs=offsets)
+            out = torch._grouped_mm(self.act(h), self.down.transpose(1, 2), offs=offsets)
+        else:
+            out = self._per_expert(grouped, counts.tolist())
+        out = out * weights.flatten().index_select(0, order).unsqueeze(1)
+        return torch.zeros_like(x).index_add_(0, rows, out)
+
+    def _per_expert(self, grouped: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """The grouped matmuls as one matmul per expert that has rows (quantized weights, or a
+        device without a grouped matmul)."""
+        out = grouped.new_empty(grouped.shape[0], grouped.shape[1])
+        start = 0
+        for expert, count in enumerate(counts):
+            if not count:
+                continue
+            part = grouped[start:start + count]
+            if self.quantized is not None:
+                gate_up, down = self.quantized.parts[expert]
+                out[start:start + count] = down.matmul(self.act(gate_up.matmul(part)))
+            else:
+                h = self.act(F.linear(part, self.gate_up[expert]))
+                out[start:start + count] = F.linear(h, self.down[expert])
+            start += count
+        return out
+
+
+class SparseMoE(Layer):
+    """The MoE block that stands where a dense MLP would: router (`gate`) and `experts`."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
+                 renormalize: bool) -> None:
+        super().__init__()
+        self.gate = TopKRouter(hidden_size, num_experts, top_k, renormalize)
+        self.experts = Experts(num_experts, hidden_size, intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        return all_reduce(self.experts(x, weights, ids))
+
+
+def syncs_on_host(model: nn.Module, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether some of `model`'s experts would read row counts back to the host at `dtype`."""
+    probe = torch.empty(0, dtype=dtype, device=device)
+    return any(isinstance(m, Experts) and m.per_expert(probe) for m in model.modules())

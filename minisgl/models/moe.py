@@ -1,0 +1,56 @@
+"""Mixture-of-experts decoders: Qwen3-MoE and Mixtral. The Llama decoder (Qwen3-MoE with its
+q/k norms, ModelArch) whose MLP is a routed set of experts (layers.moe) in the layers the
+config makes sparse (ModelArch.moe).
+
+Checkpoint names, all loaded: per expert `mlp.experts.N.{gate,up,down}_proj` (Qwen3-MoE) or
+`block_sparse_moe.experts.N.{w1,w3,w2}` (Mixtral, router `block_sparse_moe.gate`), and the
+stacked `mlp.experts.gate_up_proj` / `down_proj` tensors of transformers 5's modelling.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from torch import nn
+
+from minisgl.layers import RotaryEmbedding
+from minisgl.layers.moe import SparseMoE
+from minisgl.models.arch import ModelArch
+from minisgl.models.llama import DecoderLayer, LlamaForCausalLM
+
+EXPERT_TENSOR = re.compile(
+    r"^(?P<experts>.*\.mlp\.experts)\.(?:(?P<expert>\d+)\.)?"
+    r"(?P<part>gate_proj|up_proj|down_proj|gate_up_proj)(?:\.weight)?$")
+MIXTRAL_NAMES = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.",
+                 ".w2.": ".down_proj."}
+
+
+class MoEForCausalLM(LlamaForCausalLM):
+    def decoder_layers(self, arch: ModelArch) -> nn.ModuleList:
+        moe = arch.moe
+        assert moe is not None
+        rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope)
+
+        def experts() -> SparseMoE:
+            return SparseMoE(arch.hidden_size, moe.num_experts, moe.top_k,
+                             moe.intermediate_size, moe.renormalize)
+
+        return nn.ModuleList(
+            DecoderLayer(arch, i, rotary, experts() if i in moe.sparse_layers else None)
+            for i in range(arch.num_layers))
+
+    def load_weight(self, name: str, source: Any) -> bool:
+        if ".block_sparse_moe." in name:
+            for mixtral, ours in MIXTRAL_NAMES.items():
+                name = name.replace(mixtral, ours)
+        match = EXPERT_TENSOR.match(name)
+        if match is None or self.skips(name):
+            return super().load_weight(name, source)
+        try:
+            experts = self.get_submodule(match["experts"].removeprefix("model."))
+        except AttributeError:
+            return False
+        expert = None if match["expert"] is None else int(match["expert"])
+        experts.load(expert, match["part"].removesuffix("_proj"), source)
+        return True

@@ -1,0 +1,181 @@
+"""Mixture-of-experts decoders (Qwen3-MoE, Mixtral) against transformers float32 on tiny
+random models built here: routing, renormalisation, sparse and dense layers, the checkpoint
+spellings, batching and tensor parallelism."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from minisgl.engine import Engine, EngineConfig
+from minisgl.layers.quant import vnni_kernels
+from minisgl.models.arch import MoEShape
+from tests.test_model import TINY
+from tests.test_model_configs import STEPS, assert_logits_match, save_tiny
+
+# each: (transformers model class, config class, MoE fields); expert width 32, 8 experts
+QWEN3_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                 norm_topk_prob=True)
+MODELS = {
+    "qwen3-moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", QWEN3_MOE),
+    # top 3 not renormalised, and layer 1 a dense MLP of the config's intermediate_size
+    "qwen3-moe-mixed": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig",
+                        {**QWEN3_MOE, "num_experts_per_tok": 3, "norm_topk_prob": False,
+                         "mlp_only_layers": [1]}),
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig",
+                dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)),
+}
+
+
+def experts_chosen(model: torch.nn.Module, ids: torch.Tensor) -> list[set[int]]:
+    """Per sparse layer of the transformers model, the experts its router picks for `ids`."""
+    chosen: list[set[int]] = []
+    hooks = [layer.mlp.gate.register_forward_hook(
+        lambda _m, _i, out: chosen.append(set(out[2].flatten().tolist())))
+        for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+    with torch.inference_mode():
+        model(input_ids=ids[None])
+    for hook in hooks:
+        hook.remove()
+    return chosen
+
+
+def hub_spelling(path) -> None:
+    """transformers 5 saves Qwen3-MoE's expert count as num_local_experts; the Hub's configs
+    say num_experts."""
+    config = json.loads((path / "config.json").read_text())
+    config["num_experts"] = config.pop("num_local_experts")
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def stacked_experts(path) -> None:
+    """Rewrite the checkpoint with every layer's experts stacked into [E, 2I, H] gate_up_proj
+    and [E, H, I] down_proj tensors (transformers 5's in-memory layout)."""
+    from safetensors.torch import load_file, save_file
+    state = load_file(path / "model.safetensors")
+    stacked: dict[str, torch.Tensor] = {}
+    for name in sorted(n for n in state if ".experts.0.gate_proj" in n):
+        prefix = name.split(".experts.")[0] + ".experts."
+        count = sum(1 for n in state if n.startswith(prefix) and n.endswith("gate_proj.weight"))
+        parts = {part: [state.pop(f"{prefix}{e}.{part}.weight") for e in range(count)]
+                 for part in ("gate_proj", "up_proj", "down_proj")}
+        stacked[prefix + "gate_up_proj"] = torch.stack(
+            [torch.cat([g, u]) for g, u in zip(parts["gate_proj"], parts["up_proj"])])
+        stacked[prefix + "down_proj"] = torch.stack(parts["down_proj"])
+    save_file({**state, **stacked}, path / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("attention", ["kernel", "sdpa"])
+@pytest.mark.parametrize("kind", MODELS)
+def test_moe_matches_transformers(tmp_path, kind: str, attention: str) -> None:
+    """Prefill, chunked prefill over a cached prefix, and decode: the tokens of one sequence go
+    to different experts (asserted), and the logits equal transformers'."""
+    model_class, config_class, fields = MODELS[kind]
+    model = save_tiny(model_class, config_class, tmp_path, **fields)
+    ids = torch.randint(0, TINY["vocab_size"], (60,), generator=torch.Generator().manual_seed(8))
+    assert all(len(experts) > 2 for experts in experts_chosen(model, ids))
+
+    def sparse_layers_are(engine: Engine) -> None:
+        sparse = (0,) if kind == "qwen3-moe-mixed" else (0, 1)
+        assert engine.arch.moe.sparse_layers == sparse
+
+    assert_logits_match(model, str(tmp_path), STEPS["chunked prefill"], seed=8,
+                        attention=attention, check=sparse_layers_are)
+
+
+@pytest.mark.parametrize("layout", ["hub config", "stacked experts"])
+def test_qwen3_moe_checkpoint_spellings(tmp_path, layout: str) -> None:
+    model = save_tiny(*MODELS["qwen3-moe"][:2], tmp_path, **QWEN3_MOE)
+    (hub_spelling if layout == "hub config" else stacked_experts)(tmp_path)
+    assert_logits_match(model, str(tmp_path), STEPS["prefill + decode"], seed=9)
+
+
+def test_moe_shape_from_either_spelling() -> None:
+    base = {"num_hidden_layers": 4, "intermediate_size": 64}
+    qwen = MoEShape.from_config({**base, "num_experts": 8, "num_experts_per_tok": 2,
+                                 "moe_intermediate_size": 16, "decoder_sparse_step": 2})
+    assert qwen == MoEShape(8, 2, 16, False, (1, 3))
+    mixtral = MoEShape.from_config({**base, "model_type": "mixtral", "num_local_experts": 8})
+    assert mixtral == MoEShape(8, 2, 64, True, (0, 1, 2, 3))
+    assert MoEShape.from_config(base) is None
+
+
+def test_moe_greedy_generation_batched_and_tp2(tmp_path) -> None:
+    """Through the scheduler: a batch of prompts equals transformers' greedy generation, and
+    so does TP 2, which splits every expert's intermediate dimension."""
+    from minisgl.llm import LLM
+    model = save_tiny(*MODELS["mixtral"][:2], tmp_path, **MODELS["mixtral"][2])
+    prompts = [torch.randint(0, TINY["vocab_size"], (n,),
+                             generator=torch.Generator().manual_seed(n)).tolist()
+               for n in (6, 25, 13)]
+    with torch.inference_mode():
+        expected = [model.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False,
+                                   pad_token_id=0, eos_token_id=None)[0, len(ids):].tolist()
+                    for ids in prompts]
+    params = {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True}
+    for tp in (1, 2):
+        with LLM(model=str(tmp_path), dtype="float32", max_total_tokens=1024, tp_size=tp) as llm:
+            outputs = [r["output_ids"] for r in llm.generate(input_ids=prompts,
+                                                             sampling_params=params)]
+        assert outputs == expected, f"tp {tp}"
+
+
+def test_tp_size_must_split_the_experts(tmp_path) -> None:
+    save_tiny(*MODELS["qwen3-moe"][:2], tmp_path, **{**QWEN3_MOE, "moe_intermediate_size": 30})
+    with pytest.raises(ValueError, match="expert width 30"):
+        Engine(EngineConfig(model_path=str(tmp_path), dtype="float32", max_total_tokens=256,
+                            tp_size=4))
+
+
+def test_grouped_and_per_expert_matmuls_equal_each_token_through_its_experts() -> None:
+    """The two ways the experts run (one grouped matmul; one matmul per expert, for quantized
+    weights and GPUs without a grouped matmul) against each token sent through its k experts
+    one by one in float64; 12 rows' 24 choices over 32 experts: some get none, some several."""
+    from minisgl.layers.moe import Experts, TopKRouter
+    gen = torch.Generator().manual_seed(10)
+    experts = Experts(num_experts=32, hidden_size=16, intermediate_size=8)
+    experts.gate_up.data = torch.randn(32, 16, 16, generator=gen)
+    experts.down.data = torch.randn(32, 16, 8, generator=gen)
+    router = TopKRouter(16, 32, top_k=2, renormalize=True)
+    router.weight.data = torch.randn(32, 16, generator=gen)
+    x = torch.randn(12, 16, generator=gen)
+    weights, ids = router(x)
+    expected = torch.zeros(12, 16, dtype=torch.float64)
+    for row in range(12):
+        for weight, expert in zip(weights[row].tolist(), ids[row].tolist()):
+            gate, up = (experts.gate_up[expert].double() @ x[row].double()).chunk(2)
+            expected[row] += weight * (experts.down[expert].double()
+                                       @ (torch.nn.functional.silu(gate) * up))
+    grouped = experts(x, weights, ids)
+    order = torch.argsort(ids.flatten(), stable=True)
+    counts = torch.bincount(ids.flatten(), minlength=32).tolist()
+    assert max(counts) > 1
+    per_expert = experts._per_expert(x.index_select(0, order // 2), counts)
+    per_expert = torch.zeros_like(x).index_add_(
+        0, order // 2, per_expert * weights.flatten()[order, None])
+    for out in (grouped, per_expert):
+        assert (out.double() - expected).abs().max().item() < 1e-4
+
+
+@pytest.mark.skipif(vnni_kernels() is None, reason="no AVX-512 VNNI here")
+def test_w8a8_quantizes_the_experts(tmp_path) -> None:
+    """--quantization w8a8_int8 makes every expert's weights int8 (run one matmul per expert)
+    and stays as close to float32 as on a dense model (tests/test_w8a8.LOGIT_REL_BOUND)."""
+    from minisgl.layers.w8a8 import Int8ChannelWeight
+    from tests.engine_probe import prefill_logits
+    from tests.test_quantization import relative_error
+    from tests.test_w8a8 import LOGIT_REL_BOUND
+    save_tiny(*MODELS["qwen3-moe"][:2], tmp_path, **QWEN3_MOE)
+    ids = list(range(3, 40))
+    logits = {}
+    for method, dtype in (("w8a8_int8", "bfloat16"), ("none", "float32")):
+        engine = Engine(EngineConfig(model_path=str(tmp_path), dtype=dtype, quantization=method,
+                                     max_total_tokens=256))
+        if method != "none":
+            experts = engine.model.layers[0].mlp.experts
+            assert isinstance(experts.quantized.parts[0][0], Int8ChannelWeight)
+        logits[method] = prefill_logits(engine, ids).float()
+        engine.shutdown()
+    assert relative_error(logits["w8a8_int8"], logits["none"]) < LOGIT_REL_BOUND
