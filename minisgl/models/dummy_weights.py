@@ -2,11 +2,12 @@
 
 Every tensor parallel size must run the same model. So every checkpoint tensor (Hugging Face
 naming of the Llama family: Llama, Mistral, Qwen2, Qwen3, and Phi-3 and Gemma 3 as their
-unfused parts, Qwen3-MoE and Mixtral with Qwen3-MoE's per-expert names) is drawn whole from a generator seeded by its name and `--seed`, then handed
-to `model.load_weight` like a real checkpoint tensor, so each rank keeps exactly its shard of
-the same model. Norm weights are 1, everything else N(0, 0.02); with
-`int4` (`--quantization gguf`), the layers' linear weights are random 4-bit blocks instead, of
-about the same spread (codes uniform in 0..15, scale 0.02 / 4.6, zero 0), never dense.
+unfused parts, Qwen3-MoE and Mixtral with Qwen3-MoE's per-expert names) is drawn whole from a
+generator seeded by its name and `--seed`, then handed to `model.load_weight` like a real
+checkpoint tensor, so each rank keeps exactly its shard of the same model. Norm weights are 1,
+everything else N(0, 0.02); with `int4` (`--quantization gguf`), the layers' linear weights
+(not the experts') are random 4-bit blocks instead, of about the same spread (codes uniform in
+0..15, scale 0.02 / 4.6, zero 0), never dense.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ def checkpoint_shapes(arch: Any) -> dict[str, tuple[int, ...]]:
 
 
 def mlp_shapes(prefix: str, hidden: int, inter: int) -> dict[str, tuple[int, int]]:
-    return {prefix + "gate_proj.weight": (inter, hidden), prefix + "up_proj.weight": (inter, hidden),
+    return {prefix + "gate_proj.weight": (inter, hidden),
+            prefix + "up_proj.weight": (inter, hidden),
             prefix + "down_proj.weight": (hidden, inter)}
 
 
