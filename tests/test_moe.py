@@ -129,29 +129,37 @@ def test_tp_size_must_split_the_experts(tmp_path) -> None:
                             tp_size=4))
 
 
-def test_grouped_and_per_expert_matmuls_equal_each_token_through_its_experts() -> None:
-    """The two ways the experts run (one grouped matmul; one matmul per expert, for quantized
-    weights and GPUs without a grouped matmul) against each token sent through its k experts
-    one by one in float64; 12 rows' 24 choices over 32 experts: some get none, some several."""
-    from minisgl.layers.moe import Experts, TopKRouter
+@pytest.mark.parametrize("rows, num_experts", [(12, 32), (90, 4)])
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_grouped_and_per_expert_matmuls_equal_each_token_through_its_experts(
+        monkeypatch, rows: int, num_experts: int, path: str) -> None:
+    """Each way the experts run (our CPU kernel, torch's grouped matmul, one matmul per
+    expert for quantized weights and GPUs without a grouped matmul) against each token sent
+    through its 2 experts one by one in float64. 12 rows over 32 experts: some get none, some
+    several; 90 rows over 4: groups past the kernel's 32 rows (it hands those to a GEMM)."""
+    from minisgl.layers import moe
+    if path == "torch":
+        monkeypatch.setattr(moe, "cpu_kernels", lambda: None)
+    elif moe.cpu_kernels() is None:
+        pytest.skip("the CPU kernels are not built here")
     gen = torch.Generator().manual_seed(10)
-    experts = Experts(num_experts=32, hidden_size=16, intermediate_size=8)
-    experts.gate_up.data = torch.randn(32, 16, 16, generator=gen)
-    experts.down.data = torch.randn(32, 16, 8, generator=gen)
-    router = TopKRouter(16, 32, top_k=2, renormalize=True)
-    router.weight.data = torch.randn(32, 16, generator=gen)
-    x = torch.randn(12, 16, generator=gen)
+    experts = moe.Experts(num_experts=num_experts, hidden_size=16, intermediate_size=8)
+    experts.gate_up.data = torch.randn(num_experts, 16, 16, generator=gen)
+    experts.down.data = torch.randn(num_experts, 16, 8, generator=gen)
+    router = moe.TopKRouter(16, num_experts, top_k=2, renormalize=True)
+    router.weight.data = torch.randn(num_experts, 16, generator=gen)
+    x = torch.randn(rows, 16, generator=gen)
     weights, ids = router(x)
-    expected = torch.zeros(12, 16, dtype=torch.float64)
-    for row in range(12):
+    expected = torch.zeros(rows, 16, dtype=torch.float64)
+    for row in range(rows):
         for weight, expert in zip(weights[row].tolist(), ids[row].tolist()):
             gate, up = (experts.gate_up[expert].double() @ x[row].double()).chunk(2)
             expected[row] += weight * (experts.down[expert].double()
                                        @ (torch.nn.functional.silu(gate) * up))
     grouped = experts(x, weights, ids)
     order = torch.argsort(ids.flatten(), stable=True)
-    counts = torch.bincount(ids.flatten(), minlength=32).tolist()
-    assert max(counts) > 1
+    counts = torch.bincount(ids.flatten(), minlength=num_experts).tolist()
+    assert max(counts) > (1 if rows < 32 else 32)
     per_expert = experts._per_expert(x.index_select(0, order // 2), counts)
     per_expert = torch.zeros_like(x).index_add_(
         0, order // 2, per_expert * weights.flatten()[order, None])

@@ -1,8 +1,8 @@
 """Mixture of experts: a top-k softmax router and the experts run as grouped matmuls.
 
 A layer's token rows are sorted by the expert each (row, choice) goes to, so every expert's
-rows are contiguous; one grouped matmul then multiplies each group by its expert's weight
-(gate/up, then down), and the outputs, scaled by the routing weights, are summed back into
+rows are contiguous; one grouped matmul (grouped_matmul) then multiplies each group by its
+expert's weight (gate/up, then down), and the outputs, scaled by the routing weights, are summed back into
 their rows. Tensor parallelism splits every expert's intermediate dimension (gate/up rows,
 down columns), as it splits a dense MLP; the router is replicated.
 """
@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.distributed import all_reduce, get_tp_info
+from minisgl.kernels import cpu_kernels
 from minisgl.layers.activation import SiluAndMul
 from minisgl.layers.base import Layer
 from minisgl.layers.fp8 import Fp8ChannelWeight
@@ -41,6 +42,16 @@ class TopKRouter(Layer):
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), ids
+
+
+def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Rows of x grouped by expert (group e ends at row ends[e]) times each expert's weight
+    [E, out, in]: on CPU our kernel (kernels/csrc/expert_matmul.cpp: it streams each weight
+    once at the few rows a decode step gives an expert), else torch's grouped matmul."""
+    kernels = cpu_kernels() if x.device.type == "cpu" else None
+    if kernels is not None and x.dtype in (torch.float32, torch.bfloat16):
+        return kernels.expert_matmul(x, weight, ends)
+    return torch._grouped_mm(x, weight.transpose(1, 2), offs=ends)
 
 
 def grouped_mm_runs(x: torch.Tensor) -> bool:
@@ -126,9 +137,9 @@ class Experts(Layer):
         rows = order // top_k
         grouped = x.index_select(0, rows)
         if not self.per_expert(x):
-            offsets = counts.cumsum(0, dtype=torch.int32)
-            h = torch._grouped_mm(grouped, self.gate_up.transpose(1, 2), offs=offsets)
-            out = torch._grouped_mm(self.act(h), self.down.transpose(1, 2), offs=offsets)
+            ends = counts.cumsum(0, dtype=torch.int32)
+            h = grouped_matmul(grouped, self.gate_up, ends)
+            out = grouped_matmul(self.act(h), self.down, ends)
         else:
             out = self._per_expert(grouped, counts.tolist())
         out = out * weights.flatten().index_select(0, order).unsqueeze(1)

@@ -6,8 +6,8 @@
 // - residual add + RMSNorm in one pass per row (float32 math, one rounding);
 // - silu(gate) * up over a merged [rows, 2 * d] projection, one pass (float32 math);
 // - rotary embedding ("rotate half") of q and k in place, one pass (float32 math);
-// - 4- and 8-bit block-quantized weight matmuls (quant_matmul.cpp) and the W8A8 int8 one
-//   (int8_matmul.cpp).
+// - 4- and 8-bit block-quantized weight matmuls (quant_matmul.cpp), the W8A8 int8 one
+//   (int8_matmul.cpp) and the mixture-of-experts one (expert_matmul.cpp).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -305,6 +305,8 @@ torch::Tensor quant_dequantize_t(torch::Tensor codes, torch::Tensor dm);
 // int8_matmul.cpp
 torch::Tensor int8_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
                           int64_t group);
+// expert_matmul.cpp
+torch::Tensor expert_matmul(torch::Tensor x, torch::Tensor weight, torch::Tensor ends);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention,
@@ -327,5 +329,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_matmul", &quant_matmul, "4/8-bit block weights x bfloat16 activations (CPU)",
         py::call_guard<py::gil_scoped_release>());
   m.def("int8_matmul", &int8_matmul, "int8 weights x per-row int8 activations (CPU, W8A8)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("expert_matmul", &expert_matmul, "rows grouped by expert x each expert's weight (CPU)",
         py::call_guard<py::gil_scoped_release>());
 }

@@ -1,0 +1,137 @@
+"""A mixture-of-experts decode step against the dense model of equal active parameters, side by
+side in one run (model forward only, random weights, the shipped real shapes with few layers).
+
+    python scripts/bench_moe.py                                   # qwen3-30b-a3b, 2 layers
+    python scripts/bench_moe.py --config mixtral-8x7b --layers 1 --steps 5
+    MINISGL_DISABLE_CPU_KERNELS=1 python scripts/bench_moe.py   # torch's grouped matmul
+    python scripts/bench_moe.py --kernel   # the experts' matmul alone: ours vs torch's
+
+The dense equivalent keeps the attention and swaps each layer's experts for one MLP as wide as
+the k experts a token goes to (Qwen3-30B-A3B: 8 x 768 = 6144; Mixtral: 2 x 14336), so both read
+the same weights per token at one row. At more rows the experts' rows spread over many experts,
+each of whose weights is read: the column "experts read" is the expected number per layer,
+E * (1 - (1 - k / E) ** rows), and "MoE / dense" is bounded below by the bytes each reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_decode_step import decode_batch  # noqa: E402 (this folder)
+from minisgl.engine import Engine, EngineConfig  # noqa: E402
+from minisgl.models.arch import ModelArch  # noqa: E402
+from minisgl.models.weights import load_config, resolve_model_path  # noqa: E402
+
+DENSE_ARCHITECTURE = {"Qwen3MoeForCausalLM": ("Qwen3ForCausalLM", "qwen3"),
+                      "MixtralForCausalLM": ("MistralForCausalLM", "mistral")}
+
+
+def build(config: str, overrides: dict, args: argparse.Namespace) -> Engine:
+    most = max(args.rows)
+    return Engine(EngineConfig(
+        model_path=config, load_format="dummy", dtype=args.dtype, max_running_requests=most,
+        max_total_tokens=most * (args.context + 8) + 16,
+        json_model_override_args=json.dumps({"num_hidden_layers": args.layers,
+                                             "vocab_size": args.vocab, **overrides})))
+
+
+def step_ms(engine: Engine, rows: int, args: argparse.Namespace) -> float:
+    batch, ids = decode_batch(engine, rows, args.context)
+
+    def timed() -> float:
+        with torch.inference_mode():
+            for _ in range(3):
+                engine.model(ids, batch.input_positions, batch, engine.attn_backend, None)
+            started = time.perf_counter()
+            for _ in range(args.steps):
+                engine.model(ids, batch.input_positions, batch, engine.attn_backend, None)
+        return (time.perf_counter() - started) / args.steps * 1e3
+
+    return engine.stream.call(timed)  # on the engine thread, as in serving
+
+
+def kernel_table() -> None:
+    """One grouped matmul at each expert's weight shape (Mixtral's gate/up, Qwen3-30B-A3B's),
+    as many experts as a 32-row step reads, at 1..32 rows per expert: our kernel against
+    torch's grouped matmul, as weight GB/s."""
+    from minisgl.kernels import cpu_kernels
+    kernels = cpu_kernels()
+    print("| experts x weight | rows / expert | ours ms | GB/s | torch._grouped_mm ms | GB/s |")
+    print("|---|---|---|---|---|---|")
+    for experts, out_features, in_features in ((2, 2 * 14336, 4096), (16, 1536, 2048)):
+        weight = torch.randn(experts, out_features, in_features) * 0.02
+        gigabytes = weight.numel() * weight.element_size() / 1e9
+        for rows in (1, 2, 4, 8, 16, 32):
+            x = torch.randn(experts * rows, in_features)
+            ends = torch.arange(1, experts + 1, dtype=torch.int32) * rows
+            ours = best_ms(lambda: kernels.expert_matmul(x, weight, ends))
+            theirs = best_ms(lambda: torch._grouped_mm(x, weight.transpose(1, 2), offs=ends))
+            print(f"| {experts} x {out_features}x{in_features} | {rows} | {ours:.1f} | "
+                  f"{gigabytes / ours * 1e3:.1f} | {theirs:.1f} | {gigabytes / theirs * 1e3:.1f} |",
+                  flush=True)
+
+
+def best_ms(fn, repeats: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return min(times) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="qwen3-30b-a3b")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--vocab", type=int, default=32000,
+                        help="a smaller head than Qwen3's 152k keeps the layers the bulk")
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--kernel", action="store_true", help="the experts' matmul alone")
+    args = parser.parse_args()
+    if args.kernel:
+        return kernel_table()
+    arch = ModelArch.from_config(load_config(resolve_model_path(args.config)))
+    moe = arch.moe
+    assert moe is not None, f"{args.config} is not a mixture of experts"
+    architecture, model_type = DENSE_ARCHITECTURE[arch.architecture]
+    dense_overrides = {"architectures": [architecture], "model_type": model_type,
+                       "intermediate_size": moe.top_k * moe.intermediate_size,
+                       "num_experts": 0, "num_local_experts": 0}
+    times: dict[str, dict[int, float]] = {}
+    for name, overrides in (("moe", {}), ("dense", dense_overrides)):
+        engine = build(args.config, overrides, args)
+        params = sum(p.numel() for p in engine.model.parameters())
+        print(f"{name}: {engine.arch.architecture}, {args.layers} layers, {params / 1e9:.2f}B "
+              f"parameters ({engine.dtype}), peak RSS so far "
+              f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:.1f} GB", flush=True)
+        times[name] = {rows: step_ms(engine, rows, args) for rows in args.rows}
+        engine.shutdown()
+        del engine
+    print(f"\n{args.config}, {args.layers} layers, vocabulary {args.vocab}, {moe.num_experts} "
+          f"experts, top {moe.top_k}, context {args.context}, {torch.get_num_threads()} threads")
+    print("| rows | experts read / layer | MoE step ms | dense-equivalent step ms | MoE / dense |")
+    print("|---|---|---|---|---|")
+    for rows in args.rows:
+        read = moe.num_experts * (1 - (1 - moe.top_k / moe.num_experts) ** rows)
+        print(f"| {rows} | {read:.1f} | {times['moe'][rows]:.1f} | {times['dense'][rows]:.1f} | "
+              f"{times['moe'][rows] / times['dense'][rows]:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
