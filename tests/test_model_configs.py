@@ -330,3 +330,70 @@ def test_multimodal_gemma3_is_served_as_its_text_model(tmp_path) -> None:
 
     assert_logits_match(model, str(tmp_path), [(0, 30)] + [(p, p + 1) for p in range(30, 40)],
                         seed=6, vocab=500, check=text_model)  # below the image tokens
+
+
+GEMMA2 = dict(head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24,
+              attn_logit_softcapping=0.01, final_logit_softcapping=0.5)  # small: they bite
+
+
+def gemma2_hub_spelling(path) -> None:
+    """As the Hub's Gemma 2 configs: no layer_types (sliding and full alternate), a
+    hidden_act nothing reads, rope_theta at the top level."""
+    config = json.loads((path / "config.json").read_text())
+    config.pop("layer_types")
+    config["hidden_act"] = "gelu_pytorch_tanh"
+    config["rope_theta"] = config.pop("rope_parameters")["rope_theta"]
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def tiny_gemma2(path) -> torch.nn.Module:
+    model = save_tiny("Gemma2ForCausalLM", "Gemma2Config", path, **GEMMA2)
+    with torch.no_grad():  # the norms start at zero (1 + w = 1): give them values
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.2)
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.mark.parametrize("spelling", ["transformers", "hub"])
+@pytest.mark.parametrize("attention", ["kernel", "sdpa"])
+def test_gemma2_matches_transformers(tmp_path, attention: str, spelling: str) -> None:
+    """Gemma 2 past its window: soft-capped attention scores (prefill, prefix, decode) and
+    logits, alternating sliding and full layers, Gemma's norms and GeGLU. The caps are small
+    enough that leaving either out moves the logits far past the tolerance (asserted)."""
+    model = tiny_gemma2(tmp_path)
+    if spelling == "hub":
+        gemma2_hub_spelling(tmp_path)
+    ids = torch.randint(0, TINY["vocab_size"], (60,), generator=torch.Generator().manual_seed(11))
+    with torch.inference_mode():
+        capped = model(input_ids=ids[None]).logits
+        model.config.final_logit_softcapping = None
+        without_final = model(input_ids=ids[None]).logits
+        model.config.final_logit_softcapping = GEMMA2["final_logit_softcapping"]
+        for layer in model.model.layers:
+            layer.self_attn.attn_logit_softcapping = None
+        without_attention = model(input_ids=ids[None]).logits
+        for layer in model.model.layers:
+            layer.self_attn.attn_logit_softcapping = GEMMA2["attn_logit_softcapping"]
+    for uncapped in (without_final, without_attention):
+        assert (capped - uncapped).abs().max() > 100 * LOGIT_TOLERANCE
+
+    def check(engine: Engine) -> None:
+        windows_are(engine, (WINDOW, 0))
+        assert engine.attn_backend.softcap == GEMMA2["attn_logit_softcapping"]
+
+    assert_logits_match(model, str(tmp_path), STEPS["chunked prefill"], seed=11,
+                        attention=attention, check=check)
+
+
+def test_gemma2_tp2_equals_tp1(tmp_path) -> None:
+    from minisgl.llm import LLM
+    tiny_gemma2(tmp_path)
+    params = {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True}
+    outputs = []
+    for tp in (1, 2):
+        with LLM(model=str(tmp_path), dtype="float32", max_total_tokens=1024, tp_size=tp) as llm:
+            outputs.append(llm.generate(input_ids=list(range(5, 40)),
+                                        sampling_params=params)["output_ids"])
+    assert outputs[0] == outputs[1]

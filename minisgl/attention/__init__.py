@@ -16,17 +16,19 @@ from minisgl.kvcache import KVPool
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AttentionBackend", "create_attention_backend", "default_attention_backend"]
+__all__ = ["AttentionBackend", "create_attention_backend", "default_attention_backend",
+           "torch_only_features"]
 
 
 def default_attention_backend(device: torch.device, dtype: torch.dtype,
-                              windowed: bool = False) -> str:
-    """FlashInfer on CUDA for half-precision models when it is installed; torch otherwise."""
+                              torch_only: str | None = None) -> str:
+    """FlashInfer on CUDA for half-precision models when it is installed; torch otherwise, and
+    for a model that needs what only the torch backend does (`torch_only` names it)."""
     if device.type != "cuda":
         return "torch"
-    if windowed:
-        logger.warning("attention: torch backend (this model's sliding window runs there; "
-                       "FlashInfer's is not wired up yet)")
+    if torch_only:
+        logger.warning("attention: torch backend (this model's %s runs there; FlashInfer's is "
+                       "not wired up yet)", torch_only)
         return "torch"
     if dtype not in HALF_DTYPES:
         logger.info("attention: torch backend (FlashInfer runs in float16/bfloat16 only)")
@@ -38,16 +40,23 @@ def default_attention_backend(device: torch.device, dtype: torch.dtype,
     return "flashinfer"
 
 
+def torch_only_features(windows: tuple[int, ...], softcap: float) -> str | None:
+    """What of a model's attention only the torch backend computes, or None."""
+    features = ["sliding window"] * any(windows) + ["logit soft-capping"] * (softcap > 0)
+    return " and ".join(features) or None
+
+
 def create_attention_backend(name: str, kv_pool: KVPool, page_table: torch.Tensor,
-                             scale: float, windows: tuple[int, ...] = (), **options: Any
-                             ) -> AttentionBackend:
+                             scale: float, windows: tuple[int, ...] = (), softcap: float = 0.0,
+                             **options: Any) -> AttentionBackend:
     if name == "torch":
         from minisgl.attention.torch_backend import TorchBackend
-        return TorchBackend(kv_pool, page_table, scale, windows)
+        return TorchBackend(kv_pool, page_table, scale, windows, softcap)
     if name == "flashinfer":
-        if any(windows):
-            raise ValueError("--attention-backend flashinfer does not apply sliding windows yet, "
-                             "and this model has one: use --attention-backend torch")
+        missing = torch_only_features(windows, softcap)
+        if missing:
+            raise ValueError(f"--attention-backend flashinfer does not apply this model's "
+                             f"{missing} yet: use --attention-backend torch")
         from minisgl.attention.flashinfer_backend import FlashInferBackend
         return FlashInferBackend(kv_pool, page_table, scale, **options)
     raise ValueError(f"unknown attention backend {name!r} (choose torch or flashinfer)")

@@ -15,13 +15,15 @@ class AttentionBackend(ABC):
     scheduled; `forward` runs inside the model, once per layer."""
 
     def __init__(self, kv_pool: KVPool, page_table: torch.Tensor, scale: float,
-                 windows: tuple[int, ...] = ()) -> None:
+                 windows: tuple[int, ...] = (), softcap: float = 0.0) -> None:
         self.kv_pool = kv_pool
         self.page_table = page_table  # [rows, context_len]: KV location of each token position
         self.scale = scale
         # per layer, the attention window: a query at position p sees keys (p - window, p];
         # 0 (or no entry) is full causal attention
         self.windows = windows
+        # > 0: every score s (scale included) becomes softcap * tanh(s / softcap) (Gemma 2)
+        self.softcap = softcap
 
     def window(self, layer_id: int) -> int:
         return self.windows[layer_id] if layer_id < len(self.windows) else 0

@@ -123,8 +123,8 @@ class MixedMetadata:
 
 class TorchBackend(AttentionBackend):
     def __init__(self, kv_pool: KVPool, page_table: torch.Tensor, scale: float,
-                 windows: tuple[int, ...] = ()) -> None:
-        super().__init__(kv_pool, page_table, scale, windows)
+                 windows: tuple[int, ...] = (), softcap: float = 0.0) -> None:
+        super().__init__(kv_pool, page_table, scale, windows, softcap)
         on_cpu = page_table.device.type == "cpu"
         self.kernels = cpu_kernels() if on_cpu else None
         self._flash = (getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -176,7 +176,7 @@ class TorchBackend(AttentionBackend):
             self.kernels.store_kv_(k_cache, v_cache, batch.out_loc, k, v)
             locations, lens, rows = meta.view(window, self.page_table)
             out = self.kernels.decode_attention(q.contiguous(), k_cache, v_cache, locations,
-                                                lens, self.scale, rows)
+                                                lens, self.scale, rows, self.softcap)
             return out.view(q.shape[0], -1)
         k_cache, v_cache = self.kv_pool.store(layer_id, batch.out_loc, k, v)
         if batch.is_decode:
@@ -201,7 +201,8 @@ class TorchBackend(AttentionBackend):
         keys = k_cache.index_select(1, flat).view(num_kv * bs, max_len, head_dim)
         values = v_cache.index_select(1, flat).view(num_kv * bs, max_len, head_dim)
         q = (q * self.scale).view(bs, num_kv, group, head_dim).transpose(0, 1)
-        scores = torch.bmm(q.reshape(num_kv * bs, group, head_dim), keys.transpose(1, 2))
+        scores = self._capped(torch.bmm(q.reshape(num_kv * bs, group, head_dim),
+                                        keys.transpose(1, 2)))
         scores = scores.view(num_kv, bs, group, max_len).masked_fill_(meta.padding_for(window),
                                                                 float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
@@ -235,15 +236,16 @@ class TorchBackend(AttentionBackend):
               device: torch.device) -> torch.Tensor | None:
         """Which keys `new` queries after `cached_len` cached tokens see: None where plain
         causality says it (no prefix, no window reaching back); else True = attend, or (the
-        fused CPU kernel wants it) 0 / -inf, shaped [1, 1, new, cached_len + new]."""
-        if cached_len == 0 and (not window or new <= window):
+        fused CPU kernel wants it) 0 / -inf, shaped [1, 1, new, cached_len + new]. Soft-capped
+        scores always get the boolean mask (_attend computes them itself)."""
+        if cached_len == 0 and (not window or new <= window) and not self.softcap:
             return None
         query_pos = torch.arange(new, device=device)[:, None] + cached_len
         key_pos = torch.arange(cached_len + new, device=device)[None, :]
         allowed = key_pos <= query_pos
         if window:
             allowed &= key_pos > query_pos - window
-        if self._flash is None:
+        if self._flash is None or self.softcap:
             return allowed
         return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(
             ~allowed, float("-inf"))[None, None]
@@ -253,6 +255,8 @@ class TorchBackend(AttentionBackend):
         """Causal attention of q [n, heads, new, dim] over k/v [n, kv_heads, len, dim]; `mask`
         (_mask) replaces causality when a cached prefix precedes the queries or a window
         limits them."""
+        if self.softcap:
+            return self._attend_capped(q, k, v, mask)
         if self._flash is None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                                   scale=self.scale, enable_gqa=True)
@@ -261,3 +265,19 @@ class TorchBackend(AttentionBackend):
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         return self._flash(q, k, v, 0.0, mask is None, attn_mask=mask, scale=self.scale)[0]
+
+    def _capped(self, scores: torch.Tensor) -> torch.Tensor:
+        if not self.softcap:
+            return scores
+        return torch.tanh(scores / self.softcap) * self.softcap
+
+    def _attend_capped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       allowed: torch.Tensor) -> torch.Tensor:
+        """_attend with soft-capped scores, which SDPA does not compute: the scores in full
+        ([n, heads, new, len]; `allowed` is the boolean mask, [new, len])."""
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = self._capped(torch.matmul(q * self.scale, k.transpose(-1, -2)))
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs, v)

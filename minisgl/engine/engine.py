@@ -19,7 +19,11 @@ import numpy as np
 import torch
 
 from minisgl.args import device_default
-from minisgl.attention import create_attention_backend, default_attention_backend
+from minisgl.attention import (
+    create_attention_backend,
+    default_attention_backend,
+    torch_only_features,
+)
 from minisgl.core import Batch
 from minisgl.distributed.context import TPInfo, bind_thread, create_group, tp_context
 from minisgl.distributed.shm_queue import QueueClosed
@@ -167,10 +171,11 @@ class Engine:
         self.token_pool = torch.zeros(rows, self.context_len, dtype=torch.int32, device=self.device)
         self.page_table[self.dummy_row].fill_(self.kv_pool.dummy_loc)
         windows = self.arch.layer_windows if self.arch.sliding_window else ()
+        softcap = self.arch.attn_logit_softcap
         self.attn_backend = create_attention_backend(
-            config.attention_backend or default_attention_backend(self.device, self.dtype,
-                                                                  bool(windows)),
-            self.kv_pool, self.page_table, self.arch.head_dim ** -0.5, windows,
+            config.attention_backend or default_attention_backend(
+                self.device, self.dtype, torch_only_features(windows, softcap)),
+            self.kv_pool, self.page_table, self.arch.head_dim ** -0.5, windows, softcap,
             num_qo_heads=self.model.layers[0].self_attn.qkv_proj.num_heads)  # flashinfer only
         self.sampler = Sampler(self.arch.vocab_size, self.device, list(self.arch.eos_token_ids),
                                seed=config.seed)

@@ -43,10 +43,13 @@ class VocabParallelEmbedding(Layer):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Projects hidden states to logits; with tied embeddings it shares the embedding table."""
+    """Projects hidden states to logits; with tied embeddings it shares the embedding table.
+    `softcap` > 0 caps the logits to softcap * tanh(logits / softcap) (Gemma 2)."""
 
-    def __init__(self, vocab_size: int, hidden: int, tied_to: VocabParallelEmbedding | None) -> None:
+    def __init__(self, vocab_size: int, hidden: int, tied_to: VocabParallelEmbedding | None,
+                 softcap: float = 0.0) -> None:
         super().__init__(vocab_size, hidden)
+        self.softcap = softcap
         if tied_to is not None:
             self.weight = tied_to.weight
         self.packed: torch.Tensor | None = None
@@ -84,4 +87,7 @@ class ParallelLMHead(VocabParallelEmbedding):
             local = torch.ops.mkldnn._linear_pointwise(hidden, self.packed, None, "none", [], "")
         else:
             local = F.linear(hidden, self.weight)
-        return all_gather_last_dim(local)[..., : self.vocab_size]
+        logits = all_gather_last_dim(local)[..., : self.vocab_size]
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits

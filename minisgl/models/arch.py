@@ -22,19 +22,33 @@ COMPUTED_VALUES: dict[str, tuple[Any, ...]] = {
     "hidden_act": ("silu", "swish"),
     "mlp_bias": (False,),
     "partial_rotary_factor": (1, 1.0),
-    "attn_logit_softcapping": (None,),
-    "final_logit_softcapping": (None,),
     "hidden_activation": ("gelu_pytorch_tanh",),  # Gemma's GeGLU
     "use_bidirectional_attention": (False,),
 }
 
 
+# Gemma's modelling reads its activation from hidden_activation; its Hub configs also carry a
+# hidden_act that nothing reads
+IGNORED_FIELDS = {"gemma2": ("hidden_act",), "gemma3_text": ("hidden_act",)}
+
+# Gemma 2's soft-capping, where a Hub config leaves it out (transformers' defaults)
+SOFTCAP_DEFAULTS = {"gemma2": {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}}
+
+
 def uncomputed_fields(config: dict[str, Any]) -> tuple[str, ...]:
     """`field=value` for each config value in COMPUTED_VALUES' fields that we do not compute."""
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    ignored = IGNORED_FIELDS.get(config.get("model_type", ""), ())
     return tuple(f"{name}={where[name]!r}" for where in (config, rope)
                  for name, values in COMPUTED_VALUES.items()
-                 if where.get(name) is not None and where[name] not in values)
+                 if where.get(name) is not None and where[name] not in values
+                 and name not in ignored)
+
+
+def softcap(config: dict[str, Any], name: str) -> float:
+    """A soft-capping value of the config (0: none)."""
+    defaults = SOFTCAP_DEFAULTS.get(config.get("model_type", ""), {})
+    return float((config[name] if name in config else defaults.get(name)) or 0.0)
 
 
 def layer_windows(config: dict[str, Any]) -> tuple[int, ...]:
@@ -46,7 +60,9 @@ def layer_windows(config: dict[str, Any]) -> tuple[int, ...]:
     types = config.get("layer_types")
     if types is not None:
         return tuple(window if kind == "sliding_attention" else 0 for kind in types[:layers])
-    pattern = config.get("sliding_window_pattern")  # Gemma 3's Hub configs: every n-th is full
+    # Gemma 3's Hub configs: every n-th is full; Gemma 2's alternate without saying so
+    pattern = config.get("sliding_window_pattern") or (
+        2 if config.get("model_type") == "gemma2" else None)
     if pattern:
         return tuple(window if (i + 1) % pattern else 0 for i in range(layers))
     if "use_sliding_window" in config and not config["use_sliding_window"]:
@@ -114,6 +130,8 @@ class ModelArch:
     qk_norm: bool
     eos_token_ids: tuple[int, ...]
     layer_windows: tuple[int, ...] = ()  # see layer_windows(); () or all 0: none windowed
+    attn_logit_softcap: float = 0.0  # > 0: attention scores s -> cap * tanh(s / cap)
+    final_logit_softcap: float = 0.0  # > 0: the same on the output logits
     moe: MoEShape | None = None  # None: a dense model
     uncomputed: tuple[str, ...] = ()  # see uncomputed_fields()
     config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)  # as read
@@ -149,6 +167,8 @@ class ModelArch:
             qk_norm=traits.get("qk_norm", False),
             eos_token_ids=eos_ids,
             layer_windows=layer_windows(config),
+            attn_logit_softcap=softcap(config, "attn_logit_softcapping"),
+            final_logit_softcap=softcap(config, "final_logit_softcapping"),
             moe=MoEShape.from_config(config),
             uncomputed=uncomputed_fields(config),
             config=dict(config),

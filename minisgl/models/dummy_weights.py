@@ -51,7 +51,7 @@ def checkpoint_shapes(arch: Any) -> dict[str, tuple[int, ...]]:
         if arch.qk_norm:
             shapes.update({p + "self_attn.q_norm.weight": (head_dim,),
                            p + "self_attn.k_norm.weight": (head_dim,)})
-        if arch.architecture == "Gemma3ForCausalLM":  # a norm before and after the MLP
+        if arch.architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):  # around the MLP
             shapes.update({p + "pre_feedforward_layernorm.weight": (hidden,),
                            p + "post_feedforward_layernorm.weight": (hidden,)})
     shapes["model.norm.weight"] = (hidden,)

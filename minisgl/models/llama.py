@@ -104,7 +104,8 @@ class LlamaForCausalLM(Layer):
         self.layers = self.decoder_layers(arch)
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         tied = self.embed_tokens if arch.tie_word_embeddings else None
-        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, tied)
+        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, tied,
+                                      arch.final_logit_softcap)
 
     def decoder_layers(self, arch: ModelArch) -> nn.ModuleList:
         rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope)

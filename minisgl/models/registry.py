@@ -7,12 +7,13 @@ from __future__ import annotations
 from torch import nn
 
 from minisgl.models.arch import ModelArch
-from minisgl.models.gemma3 import Gemma3ForCausalLM
+from minisgl.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from minisgl.models.llama import LlamaForCausalLM
 from minisgl.models.moe import MoEForCausalLM
 from minisgl.models.phi3 import Phi3ForCausalLM
 
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,

@@ -62,7 +62,7 @@ template <typename T>
 void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* locations,
             const int64_t* seq_lens, const int64_t* token_rows, T* out, int64_t batch,
             int64_t heads, int64_t kv_heads, int64_t pool, int64_t dim, int64_t max_len,
-            float scale) {
+            float scale, float softcap) {
   const int64_t group = heads / kv_heads;
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * dim), probs(group * max_len), acc(group * dim);
@@ -83,6 +83,7 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* locat
           float s = 0.f;
 #pragma omp simd reduction(+ : s)
           for (int64_t d = 0; d < dim; ++d) s += qg[d] * load(k, d);
+          if (softcap > 0.f) s = softcap * std::tanh(s / softcap);
           probs[g * max_len + t] = s;
           maxs[g] = std::max(maxs[g], s);
         }
@@ -273,10 +274,11 @@ bool decode_attention_bf16(const torch::Tensor& q, const torch::Tensor& k_cache,
 // int64 (entries past a token's length are not read); seq_lens: [tokens] int64, each >= 1: the
 // keys token i attends to are the first seq_lens[i] of its row, token_rows[i] (by default row
 // i: a decode batch; a prefill or mixed batch passes each token's request row, and its position
-// + 1 as its length, so causality comes from the lengths).
+// + 1 as its length, so causality comes from the lengths). softcap > 0: each score s becomes
+// softcap * tanh(s / softcap) (Gemma 2's attention logit soft-capping).
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                torch::Tensor locations, torch::Tensor seq_lens, double scale,
-                               c10::optional<torch::Tensor> token_rows) {
+                               c10::optional<torch::Tensor> token_rows, double softcap) {
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
   TORCH_CHECK(locations.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong);
   TORCH_CHECK(seq_lens.numel() == q.size(0));
@@ -286,14 +288,15 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   TORCH_CHECK(!rows.defined() || rows.numel() == q.size(0));
   const int64_t* row_of = rows.defined() ? rows.data_ptr<int64_t>() : nullptr;
   auto out = torch::empty_like(q);
-  if (decode_attention_bf16(q, k_cache, v_cache, where, lens, row_of, out, scale)) return out;
+  if (softcap <= 0 && decode_attention_bf16(q, k_cache, v_cache, where, lens, row_of, out, scale))
+    return out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention",
                                   [&] {
     decode<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
                      v_cache.data_ptr<scalar_t>(), where.data_ptr<int64_t>(),
                      lens.data_ptr<int64_t>(), row_of, out.data_ptr<scalar_t>(), q.size(0),
                      q.size(1), k_cache.size(0), k_cache.size(1), q.size(2), where.size(1),
-                     static_cast<float>(scale));
+                     static_cast<float>(scale), static_cast<float>(softcap));
   });
   return out;
 }
@@ -312,7 +315,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention,
         "paged attention of tokens over their requests' cached K/V (CPU)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("locations"), py::arg("seq_lens"),
-        py::arg("scale"), py::arg("token_rows") = py::none(),
+        py::arg("scale"), py::arg("token_rows") = py::none(), py::arg("softcap") = 0.0,
         py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "residual add + RMSNorm (CPU)",
         py::call_guard<py::gil_scoped_release>());

@@ -1,4 +1,4 @@
-"""Gemma 3 (text): the Llama decoder's parts arranged as Gemma arranges them.
+"""Gemma 2 and Gemma 3 (text): the Llama decoder's parts arranged as Gemma arranges them.
 
 - Embeddings are scaled by sqrt(hidden_size); the head is tied.
 - Every norm multiplies by (1 + w): the checkpoint's w is loaded plus one, so our RMSNorm runs
@@ -8,6 +8,11 @@
 - Sliding-window layers use the local RoPE (`rope_local_base_freq`, default scaling), full ones
   the global RoPE (`rope_theta` with `rope_scaling`); transformers 5 writes both under
   `rope_parameters`, keyed by layer type.
+
+Gemma 2 is Gemma 3 without the q/k norms, with one RoPE for every layer, and with soft-capped
+attention scores and logits (ModelArch's attn_logit_softcap / final_logit_softcap, applied by
+the attention backend and the LM head); its Hub configs alternate sliding and full layers
+without saying so (models.arch.layer_windows).
 
 A multimodal Gemma 3 checkpoint (`Gemma3ForConditionalGeneration`, 4B and larger) is served as
 its text model: models.weights reads its `text_config`, and its vision tensors are skipped.
@@ -69,9 +74,12 @@ class Gemma3DecoderLayer(Layer):
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
+    def layer_ropes(self, arch: ModelArch) -> dict[str, dict[str, Any]]:
+        return layer_ropes(arch.config)
+
     def decoder_layers(self, arch: ModelArch) -> nn.ModuleList:
         ropes = {kind: RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, rope)
-                 for kind, rope in layer_ropes(arch.config).items()}
+                 for kind, rope in self.layer_ropes(arch).items()}
         windows = arch.layer_windows or (0,) * arch.num_layers
         return nn.ModuleList(
             Gemma3DecoderLayer(arch, i, ropes["sliding_attention" if windows[i]
@@ -93,3 +101,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         if name.endswith("norm.weight") and not self.skips(name):
             source = read_all(source).float() + 1.0  # (1 + w), see the module's docstring
         return super().load_weight(name, source)
+
+
+class Gemma2ForCausalLM(Gemma3ForCausalLM):
+    def layer_ropes(self, arch: ModelArch) -> dict[str, dict[str, Any]]:
+        return {"full_attention": arch.rope, "sliding_attention": arch.rope}
