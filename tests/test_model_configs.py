@@ -35,9 +35,10 @@ def mistral(tmp_path_factory) -> tuple[torch.nn.Module, str]:
     return save_tiny("MistralForCausalLM", "MistralConfig", path, sliding_window=WINDOW), str(path)
 
 
-def tiny_engine(path: str, attention: str = "kernel") -> Engine:
+def tiny_engine(path: str, attention: str = "kernel", context_length: int | None = None
+                ) -> Engine:
     engine = Engine(EngineConfig(model_path=path, dtype="float32", max_total_tokens=256,
-                                 max_running_requests=2))
+                                 max_running_requests=2, context_length=context_length))
     if attention == "sdpa":  # the path without the compiled kernels: SDPA and matmuls
         engine.attn_backend.kernels = None
     return engine
@@ -45,10 +46,11 @@ def tiny_engine(path: str, attention: str = "kernel") -> Engine:
 
 def assert_logits_match(model: torch.nn.Module, path: str, spans: list[tuple[int, int]],
                         seed: int, attention: str = "kernel", vocab: int = TINY["vocab_size"],
-                        check: Callable[[Engine], None] | None = None) -> None:
+                        check: Callable[[Engine], None] | None = None,
+                        context_length: int | None = None) -> None:
     """Our logits of random tokens, run as `spans`, equal transformers' (LOGIT_TOLERANCE);
     `check` looks at the engine first."""
-    engine = tiny_engine(path, attention)
+    engine = tiny_engine(path, attention, context_length)
     try:
         if check is not None:
             check(engine)
@@ -240,11 +242,48 @@ def test_phi3_tp2_equals_tp1(tmp_path) -> None:
     assert outputs[0] == outputs[1]
 
 
-def test_a_partial_rotary_factor_in_the_rope_parameters_is_refused(tmp_path) -> None:
-    """Phi-4-mini rotates 3/4 of each head, which our decoder does not do yet."""
-    save_tiny("Phi3ForCausalLM", "Phi3Config", tmp_path, partial_rotary_factor=0.75, **PHI3_IDS)
-    with pytest.raises(UnsupportedModel, match="partial_rotary_factor=0.75"):
-        Engine(EngineConfig(model_path=str(tmp_path), dtype="float32", max_total_tokens=256))
+@pytest.mark.parametrize("attention", ["kernel", "sdpa"])
+def test_phi4_mini_partial_rotary_matches_transformers(tmp_path, attention: str) -> None:
+    """Phi-4-mini rotates the first 3/4 of each head's dimensions (frequencies over those);
+    the rest pass through."""
+    model = save_tiny("Phi3ForCausalLM", "Phi3Config", tmp_path, partial_rotary_factor=0.75,
+                      **PHI3_IDS)
+    def rotates_12_of_16(engine: Engine) -> None:
+        assert engine.arch.head_dim == 16 and engine.arch.rotary_dim == 12
+
+    assert_logits_match(model, str(tmp_path), STEPS["chunked prefill"], seed=12,
+                        attention=attention, check=rotates_12_of_16)
+
+
+def longrope(original: int, half: int) -> dict:
+    gen = torch.Generator().manual_seed(13)
+    return {"rope_type": "longrope", "rope_theta": 10000.0,
+            "original_max_position_embeddings": original,
+            "short_factor": (1 + torch.rand(half, generator=gen)).tolist(),
+            "long_factor": (1 + 8 * torch.rand(half, generator=gen)).tolist()}
+
+
+@pytest.mark.parametrize("context", ["short", "long"])
+def test_phi3_longrope_matches_transformers(tmp_path, context: str) -> None:
+    """LongRoPE (Phi-3 128k), here with an original context of 32 in 256 positions and a
+    partial rotary factor. Served with --context-length 32, every sequence rotates by the short
+    factors, as transformers does up to 32 tokens; served with the whole 256, by the long ones,
+    as transformers does for a sequence past 32 (60 tokens here)."""
+    model = save_tiny("Phi3ForCausalLM", "Phi3Config", tmp_path, partial_rotary_factor=0.5,
+                      rope_parameters=longrope(32, 4), **PHI3_IDS)
+    if context == "short":
+        spans = [(0, 20), (20, 28)] + [(p, p + 1) for p in range(28, 32)]
+        assert_logits_match(model, str(tmp_path), spans, seed=13, context_length=32)
+    else:
+        assert_logits_match(model, str(tmp_path), STEPS["chunked prefill"], seed=13)
+
+
+def test_dynamic_rope_is_the_default_within_the_context(tmp_path) -> None:
+    """Dynamic NTK scaling changes the base only past max_position_embeddings, which the
+    served context never is (a longer --context-length is refused)."""
+    model = save_tiny("LlamaForCausalLM", "LlamaConfig", tmp_path, rope_parameters={
+        "rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0})
+    assert_logits_match(model, str(tmp_path), STEPS["prefill + decode"], seed=14)
 
 
 GEMMA3 = dict(head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24,

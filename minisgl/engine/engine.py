@@ -9,6 +9,7 @@ ends with a broadcast of the sampled ids (only rank 0 samples).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from functools import partial
@@ -128,6 +129,7 @@ class Engine:
         self.arch = ModelArch.from_config(model_config)
         check_supported(self.arch)
         self.context_len = self.arch.context_limit(config.context_length)
+        self.arch = dataclasses.replace(self.arch, served_context=self.context_len)
         if self.tp.size > 1:
             check_tp_size(self.arch, self.tp.size, self.model_path.name)
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -10,15 +11,24 @@ import torch
 from minisgl.kernels import cpu_kernels, cuda_kernels
 from minisgl.layers.base import Layer
 
+logger = logging.getLogger(__name__)
 
-def _inverse_frequencies(head_dim: int, rope: dict[str, Any], max_positions: int
+
+def _inverse_frequencies(head_dim: int, rope: dict[str, Any], positions: int
                          ) -> tuple[torch.Tensor, float]:
-    """(inverse frequencies, the factor cos and sin are scaled by) of a RoPE configuration."""
+    """(inverse frequencies, the factor cos and sin are scaled by) of a RoPE configuration, for
+    a table of `positions` (the served context)."""
     theta = float(rope.get("rope_theta", 10000.0))
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind == "default":
+    max_positions = rope.get("max_position_embeddings") or positions  # the config's
+    if kind in ("default", "dynamic"):
+        # NOTE: dynamic NTK changes the base only past max_position_embeddings, which the
+        # served context never is (ModelArch.context_limit): below, it is the default
         return inv_freq, 1.0
+    if kind in ("longrope", "su"):
+        return _longrope(exponents, theta, rope, positions, max_positions)
     if kind == "llama3":
         factor = rope["factor"]
         low, high = rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
@@ -34,7 +44,31 @@ def _inverse_frequencies(head_dim: int, rope: dict[str, Any], max_positions: int
     if kind == "yarn":
         return _yarn(inv_freq, head_dim, theta, rope, max_positions)
     raise ValueError(f"unsupported RoPE scaling type {kind!r} (supported: default, linear, "
-                     "llama3, yarn)")
+                     "llama3, yarn, longrope, dynamic)")
+
+
+def _longrope(exponents: torch.Tensor, theta: float, rope: dict[str, Any], positions: int,
+              max_positions: int) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3): each dimension's frequency divided by its own factor, the
+    `short_factor`s for a context up to original_max_position_embeddings, the `long_factor`s
+    past it; cos and sin scaled by sqrt(1 + ln(factor) / ln(original)).
+
+    transformers picks the set per forward by the sequence's length, which would give the
+    keys of one cached prefix two rotations; as vLLM does, the served context picks one set
+    for every sequence: a context up to the original one serves exactly transformers' short
+    factors, a longer one the long factors (exact for sequences past the original length)."""
+    original = rope["original_max_position_embeddings"]
+    factor = rope.get("factor") or max_positions / original
+    attention = rope.get("attention_factor")
+    if attention is None:
+        attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+    long = positions > original
+    if long:
+        logger.warning("LongRoPE: the served context (%d) is longer than the original %d: the "
+                       "long factors rotate every sequence (--context-length %d keeps the short "
+                       "ones)", positions, original, original)
+    factors = torch.tensor(rope["long_factor" if long else "short_factor"], dtype=torch.float32)
+    return 1.0 / (factors * theta ** exponents), float(attention)
 
 
 def _yarn(inv_freq: torch.Tensor, head_dim: int, theta: float, rope: dict[str, Any],
@@ -69,10 +103,15 @@ def _yarn(inv_freq: torch.Tensor, head_dim: int, theta: float, rope: dict[str, A
 
 
 class RotaryEmbedding(Layer):
-    def __init__(self, head_dim: int, max_positions: int, rope: dict[str, Any]) -> None:
+    """With `rotary_dim` < head_dim (a partial_rotary_factor: Phi-4-mini) only each head's
+    first rotary_dim dimensions rotate, with frequencies over rotary_dim; the rest pass."""
+
+    def __init__(self, head_dim: int, max_positions: int, rope: dict[str, Any],
+                 rotary_dim: int | None = None) -> None:
         super().__init__()
         self.head_dim = head_dim
-        inv_freq, scale = _inverse_frequencies(head_dim, rope, max_positions)
+        self.rotary_dim = rotary_dim or head_dim
+        inv_freq, scale = _inverse_frequencies(self.rotary_dim, rope, max_positions)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         # [max_positions, head_dim/2], scaled as the RoPE type says (YaRN's attention factor)
         self.register_buffer("cos", freqs.cos() * scale, persistent=False)
@@ -81,9 +120,10 @@ class RotaryEmbedding(Layer):
 
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: [tokens, heads, head_dim]; cos/sin: [tokens, 1, head_dim/2], in x's dtype
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        # x: [tokens, heads, head_dim]; cos/sin: [tokens, 1, rotary_dim/2], in x's dtype
+        half = cos.shape[-1]
+        x1, x2, passed = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, passed), dim=-1)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:

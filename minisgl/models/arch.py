@@ -21,7 +21,6 @@ FAMILY_TRAITS: dict[tuple[str, str], dict[str, bool]] = {
 COMPUTED_VALUES: dict[str, tuple[Any, ...]] = {
     "hidden_act": ("silu", "swish"),
     "mlp_bias": (False,),
-    "partial_rotary_factor": (1, 1.0),
     "hidden_activation": ("gelu_pytorch_tanh",),  # Gemma's GeGLU
     "use_bidirectional_attention": (False,),
 }
@@ -124,12 +123,14 @@ class ModelArch:
     head_dim: int
     rms_norm_eps: float
     max_position_embeddings: int
-    rope: dict[str, Any]
+    rope: dict[str, Any]  # with the config's max_position_embeddings (YaRN, LongRoPE read it)
     tie_word_embeddings: bool
     attention_bias: bool
     qk_norm: bool
     eos_token_ids: tuple[int, ...]
     layer_windows: tuple[int, ...] = ()  # see layer_windows(); () or all 0: none windowed
+    rotary_dim: int = 0  # the first rotary_dim dims of each head rotate (partial_rotary_factor)
+    served_context: int = 0  # the context the engine serves (Engine sets it; 0: the model's)
     attn_logit_softcap: float = 0.0  # > 0: attention scores s -> cap * tanh(s / cap)
     final_logit_softcap: float = 0.0  # > 0: the same on the output logits
     moe: MoEShape | None = None  # None: a dense model
@@ -145,6 +146,9 @@ class ModelArch:
         rope.setdefault("rope_theta", config.get("rope_theta", 10000.0))
         if config.get("original_max_position_embeddings"):  # Phi-3 keeps it here: it wins
             rope["original_max_position_embeddings"] = config["original_max_position_embeddings"]
+        rope["max_position_embeddings"] = config.get("max_position_embeddings", 4096)
+        head_dim = config.get("head_dim") or config["hidden_size"] // heads
+        partial = config.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
         eos = config.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         traits = family_traits(model_type, archs[0])
@@ -157,7 +161,7 @@ class ModelArch:
             num_layers=config["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            head_dim=head_dim,
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
             max_position_embeddings=config.get("max_position_embeddings", 4096),
             rope=rope,
@@ -167,12 +171,18 @@ class ModelArch:
             qk_norm=traits.get("qk_norm", False),
             eos_token_ids=eos_ids,
             layer_windows=layer_windows(config),
+            rotary_dim=int(head_dim * partial),
             attn_logit_softcap=softcap(config, "attn_logit_softcapping"),
             final_logit_softcap=softcap(config, "final_logit_softcapping"),
             moe=MoEShape.from_config(config),
             uncomputed=uncomputed_fields(config),
             config=dict(config),
         )
+
+    @property
+    def rope_positions(self) -> int:
+        """The positions a RoPE table covers: the served context."""
+        return self.served_context or self.max_position_embeddings
 
     @property
     def sliding_window(self) -> int | None:

@@ -78,7 +78,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         return layer_ropes(arch.config)
 
     def decoder_layers(self, arch: ModelArch) -> nn.ModuleList:
-        ropes = {kind: RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, rope)
+        ropes = {kind: RotaryEmbedding(arch.head_dim, arch.rope_positions, rope, arch.rotary_dim)
                  for kind, rope in self.layer_ropes(arch).items()}
         windows = arch.layer_windows or (0,) * arch.num_layers
         return nn.ModuleList(

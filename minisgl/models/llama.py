@@ -108,7 +108,7 @@ class LlamaForCausalLM(Layer):
                                       arch.final_logit_softcap)
 
     def decoder_layers(self, arch: ModelArch) -> nn.ModuleList:
-        rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope)
+        rotary = RotaryEmbedding(arch.head_dim, arch.rope_positions, arch.rope, arch.rotary_dim)
         return nn.ModuleList(DecoderLayer(arch, i, rotary) for i in range(arch.num_layers))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

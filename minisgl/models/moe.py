@@ -30,7 +30,7 @@ class MoEForCausalLM(LlamaForCausalLM):
     def decoder_layers(self, arch: ModelArch) -> nn.ModuleList:
         moe = arch.moe
         assert moe is not None
-        rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope)
+        rotary = RotaryEmbedding(arch.head_dim, arch.rope_positions, arch.rope, arch.rotary_dim)
 
         def experts() -> SparseMoE:
             return SparseMoE(arch.hidden_size, moe.num_experts, moe.top_k,

@@ -164,15 +164,15 @@ void silu_and_mul_rows(const T* x, T* out, int64_t rows, int64_t d) {
 }
 
 template <typename T>
-void rotate_half(T* x, int64_t tokens, int64_t heads, int64_t token_stride, int64_t dim,
-                 const int64_t* positions, const float* cos, const float* sin) {
+void rotate_half(T* x, int64_t tokens, int64_t heads, int64_t token_stride, int64_t head_stride,
+                 int64_t dim, const int64_t* positions, const float* cos, const float* sin) {
   const int64_t half = dim / 2;
   at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* c = cos + positions[t] * half;
       const float* s = sin + positions[t] * half;
       for (int64_t h = 0; h < heads; ++h) {
-        T* xh = x + t * token_stride + h * dim;
+        T* xh = x + t * token_stride + h * head_stride;
 #pragma omp simd
         for (int64_t i = 0; i < half; ++i) {
           const float x1 = load(xh, i), x2 = load(xh, i + half);
@@ -193,12 +193,14 @@ void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor positions, torch::T
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous());
   TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous());
   for (const auto& x : {q, k}) {
+    // NOTE: the first 2 * cos.size(1) of each head's dims rotate (all of them but with a
+    // partial rotary factor), the rest pass through
     TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2) &&
-                x.size(0) == positions.size(0) && x.size(2) == 2 * cos.size(1));
+                x.size(0) == positions.size(0) && x.size(2) >= 2 * cos.size(1));
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rotary", [&] {
       rotate_half<scalar_t>(x.data_ptr<scalar_t>(), x.size(0), x.size(1), x.stride(0),
-                            x.size(2), positions.data_ptr<int64_t>(), cos.data_ptr<float>(),
-                            sin.data_ptr<float>());
+                            x.stride(1), 2 * cos.size(1), positions.data_ptr<int64_t>(),
+                            cos.data_ptr<float>(), sin.data_ptr<float>());
     });
   }
 }
