@@ -51,9 +51,10 @@ class ServerArgs:
         "whitespace between tokens, as in SGLang.")
     tool_call_parser: str = _flag(
         "hermes", "How tool calls are read from a chat answer under tool_choice auto: hermes "
-        "or qwen25 (<tool_call>{...}</tool_call>, Qwen2.5/3 style), llama3 (a JSON object) or "
-        "mistral ([TOOL_CALLS] and a JSON array of calls).",
-        choices=["hermes", "qwen25", "llama3", "mistral"])
+        "or qwen25 (<tool_call>{...}</tool_call>, Qwen2.5/3 style), llama3 (a JSON object), "
+        "mistral ([TOOL_CALLS] and a JSON array of calls) or pythonic (a Python list of calls, "
+        "[f(a=1), g(b=\"x\")]).",
+        choices=["hermes", "qwen25", "llama3", "mistral", "pythonic"])
     sampling_defaults: str = _flag(
         "model", "model: chat requests that leave temperature, top_p, top_k, min_p or "
         "repetition_penalty out take them from the model's generation_config.json; openai: "

@@ -288,6 +288,9 @@ def test_tool_call_parsers():
     assert content == "Let me check." and [c["function"] for c in calls] == [
         {"name": "get_weather", "arguments": '{"city": "Oslo"}'}]
     assert parse_calls('{"name": "other"}', "llama3", {"get_time"})[1] == []
+    content, calls = parse_calls('Sure. [get_time(zone="UTC")]', "pythonic", {"get_time"})
+    assert content == "Sure." and [c["function"] for c in calls] == [
+        {"name": "get_time", "arguments": '{"zone": "UTC"}'}]
 
 
 def test_bad_tool_requests(minisgl_server):

@@ -15,6 +15,7 @@ import jsonschema
 import openai
 import pytest
 
+from minisgl.protocol.openai_pythonic import PythonicCallParser
 from minisgl.protocol.openai_tool_parser import ToolCallParser
 from minisgl.protocol.openai_tools import ToolUse
 from tests.test_grammar import TIME, WEATHER
@@ -361,3 +362,46 @@ def test_mistral():
     for text in ['[TOOL_CALLS][{"name": "other"}]', "[TOOL_CALLS] not a list", "plain text",
                  "[TOOL_CA", '[{"name": "get_time", "arguments": {}}]']:
         check(mistral, text, text, [])
+
+
+def pythonic(one_call: bool = False) -> PythonicCallParser:
+    return PythonicCallParser(NAMES, one_call)
+
+
+def test_pythonic():
+    """`--tool-call-parser pythonic`: a Python list of calls anywhere in the text, literals
+    converted to JSON, Llama 4's python tags dropped; what does not read as one is content."""
+    both = '[get_time(zone="UTC"), get_weather(city=\'Rome\', days=3, metric=True, at=None)]'
+    calls = [("get_time", '{"zone": "UTC"}'),
+             ("get_weather", '{"city": "Rome", "days": 3, "metric": true, "at": null}')]
+    check(pythonic, both, None, calls)
+    check(lambda: pythonic(one_call=True), both, None, calls[:1])
+    check(pythonic, "Checking. [get_time()] Done.", "Checking. Done.", [("get_time", "{}")])
+    check(pythonic, '<|python_start|>[get_time(zone="a]b")]<|python_end|>', None,
+          [("get_time", '{"zone": "a]b"}')])
+    check(pythonic, "[get_weather(city='Nice', hours=(1, 2), tags=['x', \"y\"])]", None,
+          [("get_weather", '{"city": "Nice", "hours": [1, 2], "tags": ["x", "y"]}')])
+    for text in ["[other(a=1)]", "[get_time(1)]", "[get_time(zone=now())]", "see [1] and [2]",
+                 "[get_time(zone='UT", "plain text", "<|python_sta", "[]", "a [link](x) b",
+                 "[get_time(zone=1)}"]:
+        check(pythonic, text, text, [])
+
+
+def test_pythonic_random_texts_stream_as_they_parse():
+    """Content and call lists mixed at random, fed at every split: the same content and calls
+    as parsing the whole text."""
+    rng = random.Random(7)
+    for _ in range(40):
+        pieces, calls = [], []
+        for _ in range(rng.randint(1, 4)):
+            if rng.random() < 0.5:
+                pieces.append(rng.choice(["Sure.", "a [1] b", "x(y)", "ok"]))
+            else:
+                city = rng.choice(["Rome", "New York", "a'b", "[x]"])
+                pieces.append(f"[get_weather(city={city!r})]")
+                calls.append(("get_weather", json.dumps({"city": city})))
+        text = " ".join(pieces)
+        whole = pythonic().parse(text)
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in whole[1]] == calls
+        expected = (whole[0] or "", calls)
+        assert run(pythonic(), [text[:i] for i in range(len(text) + 1)]) == expected

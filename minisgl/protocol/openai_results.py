@@ -12,6 +12,7 @@ from minisgl.protocol.openai_fields import StreamOptions
 from minisgl.protocol.openai_logprobs import Cursor, chat_logprobs, completion_logprobs
 from minisgl.protocol.openai_models import OpenAIModel
 from minisgl.protocol.openai_requests import ChatRequest, CompletionRequest
+from minisgl.protocol.openai_pythonic import PythonicCallParser
 from minisgl.protocol.openai_tool_parser import ToolCallParser
 from minisgl.protocol.token_texts import TokenTexts
 from minisgl.runtime import Prompt, ReqHandle
@@ -119,7 +120,8 @@ class ChatAnswer(_Answer):
                 else "chat.completion", "created": int(time.time()), "model": req.model}
         super().__init__(head, req.groups, handles, req.options, tokens)
         self.tools, self.parser_name = req.tools, model.tool_call_parser
-        self._parsers: dict[int, ToolCallParser] = {}  # a stream's tool-call parser per choice
+        # a stream's tool-call parser per choice
+        self._parsers: dict[int, ToolCallParser | PythonicCallParser] = {}
 
     def body(self) -> dict[str, Any]:
         choices = []

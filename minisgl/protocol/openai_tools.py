@@ -19,12 +19,13 @@ from typing import Any
 
 from minisgl.errors import InvalidRequest
 from minisgl.protocol.fields import check_bool, none_as
+from minisgl.protocol.openai_pythonic import PythonicCallParser
 from minisgl.protocol.openai_tool_parser import ToolCallParser
 
 # --tool-call-parser's names (SGLang's) -> the parser style that reads them; Qwen2.5's calls are
 # hermes-style <tool_call> blocks
 PARSER_STYLES = {"hermes": "hermes", "qwen25": "hermes", "llama3": "llama3",
-                 "mistral": "mistral"}
+                 "mistral": "mistral", "pythonic": "pythonic"}
 DEFAULT_PROMPT = (
     "You can call functions. Here they are, as JSON schemas:\n{tools}\n"
     "To call one, answer with\n<tool_call>\n"
@@ -60,11 +61,11 @@ class ToolUse:
             array["maxItems"] = 1
         return json.dumps(array)
 
-    def parser(self, parser: str) -> ToolCallParser:
+    def parser(self, parser: str) -> ToolCallParser | PythonicCallParser:
         """A fresh parser for one choice: `parser` (--tool-call-parser) reads `auto` text."""
         names = set(self.names)
         if self.choice == "auto":
-            return ToolCallParser(PARSER_STYLES[parser], names, one_call=not self.parallel)
+            return auto_parser(parser, names, one_call=not self.parallel)
         if self.choice == "required":
             return ToolCallParser("array", names, one_call=not self.parallel)
         return ToolCallParser("named", names, named=self.choice)
@@ -73,7 +74,15 @@ class ToolUse:
 def parse_calls(text: str, parser: str, names: set[str]
                 ) -> tuple[str | None, list[dict[str, Any]]]:
     """(content, tool_calls) of a finished free text; what is not a call stays content."""
-    return ToolCallParser(PARSER_STYLES[parser], names).parse(text)
+    return auto_parser(parser, names).parse(text)
+
+
+def auto_parser(parser: str, names: set[str], one_call: bool = False
+                ) -> ToolCallParser | PythonicCallParser:
+    """The parser of `auto` answers that --tool-call-parser `parser` names."""
+    if PARSER_STYLES[parser] == "pythonic":
+        return PythonicCallParser(names, one_call)
+    return ToolCallParser(PARSER_STYLES[parser], names, one_call=one_call)
 
 
 def _load(text: str) -> dict[str, Any] | None:

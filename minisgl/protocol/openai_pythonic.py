@@ -1,0 +1,198 @@
+"""`--tool-call-parser pythonic`: tool calls written as a Python list of calls,
+`[get_weather(city="Paris", days=3), get_time(zone="UTC")]` (Llama 3.2 / 4 and the models SGLang's
+function-calling tests prompt this way), anywhere in the text, optionally between Llama 4's
+`<|python_start|>` and `<|python_end|>`. The same interface as openai_tool_parser's
+ToolCallParser (feed / finish / parse / finish_reason).
+
+A list is a call list only once it closes and reads as one: every element a call of a known
+function, with keyword arguments whose values are Python literals (converted to JSON:
+True -> true, None -> null, tuples -> arrays). Until then its text is held back; a list that
+is not one (`[1]`, a markdown link, an unknown function) is content, as is one that never
+closes. Each call's header goes out alone, its JSON arguments with the next feed (or the
+finish). Whitespace next to a list is dropped; content on both sides keeps the space that
+came before it. `one_call` (parallel_tool_calls false) keeps the first call.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import uuid
+from typing import Any
+
+from minisgl.protocol.openai_tool_parser import ToolDelta
+from minisgl.protocol.openai_tool_scan import WS
+
+PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
+CLOSING = {"[": "]", "(": ")", "{": "}"}
+
+
+def list_end(text: str, start: int) -> int | None:
+    """Past the `]` that closes the list opened at text[start]; None while it is open, -1 if
+    it breaks (a bracket closed by the wrong one). Knows Python's quoted strings."""
+    stack: list[str] = []
+    quote, i = "", start
+    while i < len(text):
+        char = text[i]
+        if quote:
+            if char == "\\":
+                i += 1
+            elif char == quote:
+                quote = ""
+        elif char in "'\"":
+            quote = char
+        elif char in CLOSING:
+            stack.append(CLOSING[char])
+        elif char in ")]}":
+            if char != stack.pop():
+                return -1
+            if not stack:
+                return i + 1
+        i += 1
+    return None
+
+
+def read_calls(source: str, names: set[str]) -> list[tuple[str, str]] | None:
+    """[(name, JSON arguments)] of a Python list of calls of known functions, or None."""
+    try:
+        tree = ast.parse(source, mode="eval").body
+    except SyntaxError:
+        return None
+    if not isinstance(tree, ast.List) or not tree.elts:
+        return None
+    calls = []
+    for call in tree.elts:
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
+                and call.func.id in names and not call.args
+                and all(k.arg is not None for k in call.keywords)):
+            return None
+        try:
+            arguments = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+            calls.append((call.func.id, json.dumps(arguments, ensure_ascii=False)))
+        except (ValueError, TypeError, SyntaxError, RecursionError):
+            return None
+    return calls
+
+
+class PythonicCallParser:
+    def __init__(self, names: set[str], one_call: bool = False) -> None:
+        self.names, self.one_call = names, one_call
+        self.text = ""
+        self.pos = self.sent = 0  # scanned up to / content sent up to
+        self.candidate: int | None = None  # where an open list (or its start tag) begins
+        self.after_call = False  # drop the whitespace that follows a call list
+        self.gap = ""  # the whitespace before the last call list
+        self.pending: list[tuple[int, str]] = []  # arguments to send with the next feed
+        self.content = ""
+        self.calls: list[dict[str, Any]] = []
+
+    def feed(self, text: str) -> ToolDelta:
+        self.text, out = text, ToolDelta()
+        self._flush(out)
+        while self._step(out, final=False):
+            pass
+        return out
+
+    def finish(self) -> ToolDelta:
+        out = ToolDelta()
+        self._flush(out)
+        while self._step(out, final=True):
+            pass
+        self._flush(out)
+        self._content(out, len(self.text))
+        return out
+
+    def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        self.feed(text)
+        self.finish()
+        return (None if self.calls and not self.content else self.content), self.calls
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        return "tool_calls" if self.calls and reason == "stop" else reason
+
+    def _step(self, out: ToolDelta, final: bool) -> bool:
+        """One move; False when it waits for more text (or, final, is done)."""
+        text = self.text
+        if self.candidate is None:
+            found = [i for i in (text.find("[", self.pos), text.find(PYTHON_START, self.pos))
+                     if i >= 0]
+            if not found:
+                safe = len(text)
+                if not final:
+                    for k in range(min(len(PYTHON_START) - 1, len(text) - self.pos), 0, -1):
+                        if text.endswith(PYTHON_START[:k]):
+                            safe -= k
+                            break
+                    while safe > self.sent and text[safe - 1] in WS:
+                        safe -= 1
+                self._content(out, safe)
+                self.pos = max(self.pos, safe)
+                return False
+            self.candidate = min(found)
+            end = self.candidate
+            while end > self.sent and text[end - 1] in WS:
+                end -= 1
+            self._content(out, end)
+            self.gap = text[end:self.candidate]
+        start = self.candidate
+        opening = start + len(PYTHON_START) if text.startswith(PYTHON_START, start) else start
+        while opening < len(text) and text[opening] in WS:
+            opening += 1
+        if opening >= len(text):
+            return self._undecided(final)
+        end = list_end(text, opening) if text[opening] == "[" else -1
+        if end is None:
+            return self._undecided(final)
+        calls = read_calls(text[opening:end], self.names) if end > 0 else None
+        if calls is None:
+            self._not_calls()
+            return True
+        if text.startswith(PYTHON_START, start):
+            after = end
+            while after < len(text) and text[after] in WS:
+                after += 1
+            if PYTHON_END.startswith(text[after:]) and not final:
+                return False  # its end tag may still be coming
+            if text.startswith(PYTHON_END, after):
+                end = after + len(PYTHON_END)
+        if self.one_call:  # parallel_tool_calls false: only the first call counts
+            calls = [] if self.calls else calls[:1]
+        for name, arguments in calls:
+            index = len(self.calls)
+            call_id = f"call_{uuid.uuid4().hex[:24]}"
+            self.calls.append({"id": call_id, "type": "function",
+                               "function": {"name": name, "arguments": arguments}})
+            out.header(index, call_id, name)
+            self.pending.append((index, arguments))
+        self.pos = self.sent = end
+        self.candidate, self.after_call = None, True
+        return final  # a call's header goes out alone: its arguments with the next feed
+
+    def _undecided(self, final: bool) -> bool:
+        if final:  # a list that never closed: content
+            self._not_calls()
+            return True
+        return False
+
+    def _not_calls(self) -> None:
+        """The candidate's first character is content; scanning goes on past it."""
+        self.pos, self.candidate = self.candidate + 1, None
+
+    def _flush(self, out: ToolDelta) -> None:
+        for index, arguments in self.pending:
+            out.arguments(index, arguments)
+        self.pending.clear()
+
+    def _content(self, out: ToolDelta, upto: int) -> None:
+        gap = ""
+        if self.after_call:
+            start = self.sent
+            while self.sent < upto and self.text[self.sent] in WS:
+                self.sent += 1
+            gap = (self.gap or self.text[start:self.sent]) if self.content else ""
+        if self.sent < upto:
+            piece = gap + self.text[self.sent:upto]
+            out.content += piece
+            self.content += piece
+            self.after_call = False
+        self.sent = max(self.sent, upto)
