@@ -187,3 +187,19 @@ def test_w8a8_quantizes_the_experts(tmp_path) -> None:
         logits[method] = prefill_logits(engine, ids).float()
         engine.shutdown()
     assert relative_error(logits["w8a8_int8"], logits["none"]) < LOGIT_REL_BOUND
+
+
+def test_qwen3_moe_from_a_gguf_file(tmp_path) -> None:
+    """The GGUF route of a new family: a Qwen3-MoE written as llama.cpp lays it out (experts
+    stacked per layer, expert_feed_forward_length, which transformers' GGUF reader leaves out
+    and the conversion reads itself) serves transformers' logits."""
+    from tests.gguf_families import write_qwen3moe_gguf
+    model = save_tiny(*MODELS["qwen3-moe"][:2], tmp_path / "hf", **QWEN3_MOE,
+                      vocab_size=49152)  # the bundled tokenizer's
+    gguf = write_qwen3moe_gguf(model, tmp_path / "tiny-qwen3moe.gguf")
+
+    def experts_from_the_file(engine: Engine) -> None:
+        assert engine.arch.moe.intermediate_size == QWEN3_MOE["moe_intermediate_size"]
+
+    assert_logits_match(model, str(gguf), STEPS["chunked prefill"], seed=15, vocab=49152,
+                        check=experts_from_the_file)

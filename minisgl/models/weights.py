@@ -82,6 +82,21 @@ def model_name(model: str | None) -> str:
     return path.resolve().name if path.exists() else path.name
 
 
+# GGUF metadata transformers' GGUF reader leaves out, per llama.cpp architecture: the key after
+# "<architecture>." -> the config field it sets
+GGUF_CONFIG_GAPS = {"qwen3moe": {"expert_feed_forward_length": "moe_intermediate_size"}}
+
+
+def gguf_config_gaps(gguf: Path) -> dict[str, object]:
+    """The config fields a GGUF file sets that transformers would leave at their defaults."""
+    from gguf import GGUFReader
+    fields = GGUFReader(str(gguf)).fields
+    architecture = fields["general.architecture"].contents()
+    return {config: fields[f"{architecture}.{key}"].contents()
+            for key, config in GGUF_CONFIG_GAPS.get(architecture, {}).items()
+            if f"{architecture}.{key}" in fields}
+
+
 def convert_gguf(gguf: Path) -> Path:
     stat = gguf.stat()
     target = cache_root() / "models" / f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}"
@@ -93,7 +108,7 @@ def convert_gguf(gguf: Path) -> Path:
 
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                 dtype=torch.float32)
+                                                 dtype=torch.float32, **gguf_config_gaps(gguf))
     config = model.config.to_dict()
     config.pop("quantization_config", None)
     config["dtype"] = "float32"
