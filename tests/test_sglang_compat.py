@@ -286,6 +286,32 @@ def test_chat_template_flag_kwargs_and_served_name(minisgl_server_factory, tmp_p
         server.stop()
 
 
+# a template without a system role, as Gemma's: it raises on one
+NO_SYSTEM_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'system' %}"
+    "{{ raise_exception('System role not supported') }}{% endif %}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_template_without_a_system_role_gets_it_folded(minisgl_server_factory):
+    """Gemma 2's template refuses a system message: it is folded into the first user turn
+    (its text, a blank line, the user's), as Gemma 3's template does itself."""
+    server = minisgl_server_factory(*SHALLOW, "--chat-template", NO_SYSTEM_TEMPLATE)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    system = [{"role": "system", "content": "Answer in French."},
+              {"role": "user", "content": "Name a color."}]
+    folded = [{"role": "user", "content": "Answer in French.\n\nName a color."}]
+    outs = [client.chat.completions.create(model="m", messages=m, max_tokens=6, temperature=0)
+            for m in (system, folded)]
+    assert outs[0].usage.prompt_tokens == outs[1].usage.prompt_tokens
+    assert outs[0].choices[0].message.content == outs[1].choices[0].message.content
+    r = requests.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "system", "content": "x"}]})  # nothing to fold it into
+    assert_error(r, 400, "System role not supported")
+    server.stop()
+
+
 def test_sampling_defaults_from_generation_config(minisgl_server_factory, tmp_path: Path,
                                                    minisgl_server):
     """--sampling-defaults model (SGLang's default): chat requests that leave the sampling

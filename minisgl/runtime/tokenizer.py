@@ -69,6 +69,12 @@ class Tokenizer:
         try:
             return self.hf.apply_chat_template(messages, tokenize=False, **kwargs)
         except Exception as exc:  # the template rejects a message shape
+            folded = fold_system(messages)
+            if folded is not None:
+                try:
+                    return self.hf.apply_chat_template(folded, tokenize=False, **kwargs)
+                except Exception:
+                    pass
             raise InvalidRequest(f"cannot apply the chat template: {exc}") from exc
 
     async def encode_chat(self, messages: Any, context_len: int,
@@ -95,6 +101,24 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def fold_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """The messages with a leading system message folded into the first user turn (its text,
+    a blank line, then the user's), as Gemma 3's template does itself, for templates without a
+    system role (Gemma 2's raises on one); None when there is nothing to fold."""
+    if len(messages) < 2 or messages[0]["role"] != "system" or messages[1]["role"] != "user":
+        return None
+    system, user = messages[0].get("content"), messages[1].get("content")
+    if not isinstance(system, str):
+        return None
+    if isinstance(user, str):
+        content: Any = f"{system}\n\n{user}"
+    elif isinstance(user, list):
+        content = [{"type": "text", "text": f"{system}\n\n"}, *user]
+    else:
+        return None
+    return [{**messages[1], "content": content}, *messages[2:]]
 
 
 def _max_chars_per_token(hf: Any) -> int:
