@@ -132,12 +132,27 @@ def test_windowed_layers_as_transformers_reads_them(hub_fields: dict) -> None:
     """Which layers are windowed, from a Hub-style Qwen2 config: as transformers derives its
     layer_types, and again from the layer_types it writes."""
     import transformers
-    raw = {**TINY, "num_hidden_layers": 3, **hub_fields}
+    raw = {**TINY, "num_hidden_layers": 3, "model_type": "qwen2", **hub_fields}
     config = transformers.Qwen2Config(**raw)
     expected = tuple(config.sliding_window if kind == "sliding_attention" else 0
                      for kind in config.layer_types)
     assert layer_windows(raw) == expected
     assert layer_windows(config.to_dict()) == expected
+
+
+@pytest.mark.parametrize("model_type, fields, windowed", [
+    ("llama", {}, False),  # LlamaAttention takes no window
+    ("mistral", {}, True), ("mixtral", {}, True), ("phi3", {}, True),  # theirs: every layer
+    ("qwen3_moe", {"use_sliding_window": False}, False),
+    ("qwen3_moe", {"use_sliding_window": True, "max_window_layers": 2}, True),  # no split
+])
+def test_which_families_apply_a_configs_window(model_type: str, fields: dict,
+                                               windowed: bool) -> None:
+    """Families without layer_types in their configs: transformers' attention of Mistral,
+    Mixtral and Phi-3 applies sliding_window to every layer, Qwen3-MoE's to every layer where
+    use_sliding_window is on, Llama's never."""
+    raw = {**TINY, "model_type": model_type, "sliding_window": 8, **fields}
+    assert layer_windows(raw) == ((8, 8) if windowed else (0, 0))
 
 
 def test_qwen2_with_its_window_off_serves_the_full_context(tmp_path) -> None:
@@ -426,13 +441,21 @@ def test_gemma2_matches_transformers(tmp_path, attention: str, spelling: str) ->
                         attention=attention, check=check)
 
 
-def test_gemma2_tp2_equals_tp1(tmp_path) -> None:
+def test_gemma2_greedy_generation_batched_and_tp2(tmp_path) -> None:
+    """Through the scheduler, past the window: a batch equals transformers' greedy generation
+    (soft-capped scores in prefill and decode), and so does TP 2."""
     from minisgl.llm import LLM
-    tiny_gemma2(tmp_path)
+    model = tiny_gemma2(tmp_path)
+    prompts = [torch.randint(0, TINY["vocab_size"], (n,),
+                             generator=torch.Generator().manual_seed(n)).tolist()
+               for n in (9, 31)]
+    with torch.inference_mode():
+        expected = [model.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False,
+                                   pad_token_id=0, eos_token_id=None)[0, len(ids):].tolist()
+                    for ids in prompts]
     params = {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True}
-    outputs = []
     for tp in (1, 2):
         with LLM(model=str(tmp_path), dtype="float32", max_total_tokens=1024, tp_size=tp) as llm:
-            outputs.append(llm.generate(input_ids=list(range(5, 40)),
-                                        sampling_params=params)["output_ids"])
-    assert outputs[0] == outputs[1]
+            outputs = [r["output_ids"] for r in llm.generate(input_ids=prompts,
+                                                             sampling_params=params)]
+        assert outputs == expected, f"tp {tp}"

@@ -50,26 +50,36 @@ def softcap(config: dict[str, Any], name: str) -> float:
     return float((config[name] if name in config else defaults.get(name)) or 0.0)
 
 
+# model types whose attention applies the config's sliding_window to every layer
+WINDOWED_FAMILIES = ("mistral", "mixtral", "phi3")
+# model types that window the layers from max_window_layers on, where use_sliding_window says
+# so (with no max_window_layers split: every layer)
+SWITCHED_FAMILIES = {"qwen2": True, "qwen3": True, "qwen2_moe": True, "qwen3_moe": False}
+
+
 def layer_windows(config: dict[str, Any]) -> tuple[int, ...]:
-    """Per layer, the attention window in tokens (0: full attention). Windowed layers: those an
-    explicit `layer_types` marks (transformers 5), else all but every n-th with Gemma 3's
-    `sliding_window_pattern` n, else with `use_sliding_window` those from `max_window_layers`
-    on (Qwen2/3), else every layer (Mistral)."""
+    """Per layer, the attention window in tokens (0: full attention), as transformers applies
+    the config: the layers an explicit `layer_types` marks (transformers 5), else all but every
+    n-th with Gemma 3's `sliding_window_pattern` n (Gemma 2: every other one), else with
+    `use_sliding_window` those from `max_window_layers` on (Qwen), else every layer for the
+    families whose attention takes the window (Mistral, Mixtral, Phi-3); other families
+    (Llama) ignore a sliding_window."""
     window, layers = config.get("sliding_window") or 0, config["num_hidden_layers"]
     types = config.get("layer_types")
     if types is not None:
         return tuple(window if kind == "sliding_attention" else 0 for kind in types[:layers])
-    # Gemma 3's Hub configs: every n-th is full; Gemma 2's alternate without saying so
-    pattern = config.get("sliding_window_pattern") or (
-        2 if config.get("model_type") == "gemma2" else None)
+    model_type = config.get("model_type", "")
+    pattern = config.get("sliding_window_pattern") or (2 if model_type == "gemma2" else None)
     if pattern:
         return tuple(window if (i + 1) % pattern else 0 for i in range(layers))
-    if "use_sliding_window" in config and not config["use_sliding_window"]:
-        return (0,) * layers
-    first_windowed = 0
-    if config.get("use_sliding_window"):
-        first_windowed = config.get("max_window_layers") or 0
-    return tuple(window if i >= first_windowed else 0 for i in range(layers))
+    if model_type in SWITCHED_FAMILIES:
+        first = layers
+        if config.get("use_sliding_window"):
+            split = SWITCHED_FAMILIES[model_type]
+            first = (config.get("max_window_layers") or 0) if split else 0
+    else:
+        first = 0 if model_type in WINDOWED_FAMILIES else layers
+    return tuple(window if i >= first else 0 for i in range(layers))
 
 
 @dataclass(frozen=True)
