@@ -26,6 +26,11 @@ MODELS = {  # shape-only configs with dummy weights, 2 layers: no download neede
     # 32 / 8 heads, head_dim 128: tensor-core decode (GQA group 4)
     "llama8b": dict(model_path="llama-3.1-8b", load_format="dummy",
                     json_model_override_args='{"num_hidden_layers": 2}'),
+    # a 16-token window on layer 0 (the sequences here reach 55) and soft-capped scores: a
+    # Gemma 2 / 3 attention; 8 / 4 heads, head_dim 256
+    "gemma-window": dict(model_path="gemma3-4b", load_format="dummy",
+                         json_model_override_args='{"num_hidden_layers": 2, "sliding_window": '
+                         '16, "sliding_window_pattern": 2, "attn_logit_softcapping": 50.0}'),
 }
 BF16_REL_TOL = 0.05  # relative L2 error of a bfloat16 model's logits between kernels
 GRAPH_REL_TOL = 2e-2
@@ -49,7 +54,8 @@ def make_engine(model: str, page_size: int, backend: str = "torch", **extra):
 
 def flashinfer_backend(engine):
     from minisgl.attention.flashinfer_backend import FlashInferBackend
-    return FlashInferBackend(engine.kv_pool, engine.page_table, engine.arch.head_dim ** -0.5)
+    return FlashInferBackend(engine.kv_pool, engine.page_table, engine.arch.head_dim ** -0.5,
+                             engine.attn_backend.windows, engine.attn_backend.softcap)
 
 
 @pytest.mark.parametrize("steps", ["unmixed", "mixed"])
@@ -66,7 +72,8 @@ def test_flashinfer_matches_torch_backend(flashinfer, model: str, page_size: int
         ids = scenario.token_ids(seed=3)
         plan = scenario.MIXED_STEPS if steps == "mixed" else scenario.STEPS
         torch_backend = TorchBackend(engine.kv_pool, engine.page_table,
-                                     engine.arch.head_dim ** -0.5)
+                                     engine.arch.head_dim ** -0.5, engine.attn_backend.windows,
+                                     engine.attn_backend.softcap)
         ref = scenario.run_scenario(engine.model, torch_backend, engine.page_table, locations,
                                     ids, plan)
         ours = scenario.run_scenario(engine.model, flashinfer_backend(engine), engine.page_table,

@@ -19,6 +19,11 @@ in `prepare_metadata` (scheduler side) would overwrite buffers batch N is readin
 forward starts (lazily at the first attention call, or from GraphRunner before a replay), so it
 is stream-ordered after batch N. Page ids are gathered from the device page table there too
 (`page_indices`): only O(batch) integers cross PCIe per step, and nothing synchronises.
+
+Sliding windows and soft-capping. A plan fixes its window (`window_left`, the keys before the
+query's own) and soft-cap, so each distinct window of the model's layers (Gemma: a sliding one
+and 0 for the global layers) gets its own wrappers, each with its own int workspace: every
+variant is planned before the first layer runs, and a plan writes its schedule there.
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ class PagedMetadata:
     qo_indptr: torch.Tensor | None  # [B + 1] int32 over the new tokens; None for decode
     gather: torch.Tensor  # [2, B] int64: (flat page_table offset of page 0 minus kv_indptr[b] *
     #                       page_size, page count) -> see page_indices
-    wrapper: Any = None  # the planned wrapper, set by plan()
+    wrappers: dict[int, Any] | None = None  # window -> its planned wrapper, set by plan()
     indices: torch.Tensor | None = None  # device page ids, kept alive while the batch runs
 
 
@@ -111,8 +116,8 @@ class FlashInferBackend(AttentionBackend):
     `use_tensor_cores` (decode; default: GQA group >= 4), `workspace_bytes` (float workspace)."""
 
     def __init__(self, kv_pool: KVPool, page_table: torch.Tensor, scale: float,
-                 **options: Any) -> None:
-        super().__init__(kv_pool, page_table, scale)
+                 windows: tuple[int, ...] = (), softcap: float = 0.0, **options: Any) -> None:
+        super().__init__(kv_pool, page_table, scale, windows, softcap)
         unknown = sorted(set(options) - set(OPTIONS))
         if unknown:
             raise ValueError(f"unknown flashinfer backend option(s): {', '.join(unknown)}")
@@ -138,25 +143,30 @@ class FlashInferBackend(AttentionBackend):
         self._tensor_cores: bool | None = options.get("use_tensor_cores")
         self.float_workspace = torch.zeros(options.get("workspace_bytes", FLOAT_WORKSPACE_BYTES),
                                            dtype=torch.uint8, device=self.device)
-        self.int_workspace = torch.zeros(INT_WORKSPACE_BYTES, dtype=torch.uint8,
-                                         device=self.device)
+        # the distinct windows of the layers (0: none), each planned into its own wrappers
+        self.variants = sorted(set(self.windows) | ({0} if len(self.windows) < self.num_layers
+                                                    else set()))
+        self.int_workspaces = {w: torch.zeros(INT_WORKSPACE_BYTES, dtype=torch.uint8,
+                                              device=self.device) for w in self.variants}
         self.paged = [tuple(paged_view(c, self.page_size) for c in kv_pool.layer(i))
                       for i in range(self.num_layers)]
-        self.prefill_wrapper = self._wrapper(flashinfer.BatchPrefillWithPagedKVCacheWrapper)
-        self.decode_wrapper: Any = None  # made at the first decode: needs num_qo_heads
-        self.graph_wrappers: dict[int, Any] = {}
+        self.prefill_wrappers = {w: self._wrapper(flashinfer.BatchPrefillWithPagedKVCacheWrapper,
+                                                  w) for w in self.variants}
+        self.decode_wrappers: dict[int, Any] = {}  # made at the first decode: num_qo_heads
+        self.graph_wrappers: dict[tuple[int, int], Any] = {}  # (rows, window) -> wrapper
         self._plan_done: dict[int, torch.cuda.Event] = {}  # id(wrapper) -> its last plan
         self._graph_buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     # ---- wrappers ----------------------------------------------------------------------------
 
-    def _wrapper(self, cls: Any, **kwargs: Any) -> Any:
+    def _wrapper(self, cls: Any, window: int, **kwargs: Any) -> Any:
         try:  # NOTE: fa2 kernels address K/V through paged_kv_t strides (see module doc)
             wrapper = cls(self.float_workspace, "HND", backend="fa2", **kwargs)
         except TypeError:  # a FlashInfer without the `backend` argument: fa2 is all it has
             wrapper = cls(self.float_workspace, "HND", **kwargs)
-        # NOTE: one int workspace for all: every plan and run is ordered on the engine stream.
-        wrapper.reset_workspace_buffer(self.float_workspace, self.int_workspace)
+        # NOTE: one int workspace per window: every plan and run is ordered on the engine
+        # stream, and the variants of one batch are planned before its first layer runs
+        wrapper.reset_workspace_buffer(self.float_workspace, self.int_workspaces[window])
         return wrapper
 
     @property
@@ -166,12 +176,12 @@ class FlashInferBackend(AttentionBackend):
             self._tensor_cores = self.num_qo_heads // self.num_kv_heads >= 4
         return self._tensor_cores
 
-    def _decode_wrapper(self) -> Any:
-        if self.decode_wrapper is None:
-            self.decode_wrapper = self._wrapper(
-                self._flashinfer.BatchDecodeWithPagedKVCacheWrapper,
+    def _decode_wrapper(self, window: int) -> Any:
+        if window not in self.decode_wrappers:
+            self.decode_wrappers[window] = self._wrapper(
+                self._flashinfer.BatchDecodeWithPagedKVCacheWrapper, window,
                 use_tensor_cores=self.use_tensor_cores)
-        return self.decode_wrapper
+        return self.decode_wrappers[window]
 
     # ---- metadata and plan -------------------------------------------------------------------
 
@@ -186,22 +196,34 @@ class FlashInferBackend(AttentionBackend):
         meta: PagedMetadata = batch.attn_metadata
         if self.num_qo_heads is None:
             raise RuntimeError("flashinfer: num_qo_heads is unknown before the first forward")
-        if graph_bs is not None:
-            if meta.batch_size != graph_bs or not meta.is_decode:
-                raise ValueError(f"a {meta.batch_size}-row batch cannot replay the graph "
-                                 f"captured for {graph_bs} decode rows")
-            wrapper = self.graph_wrappers[graph_bs]
-        else:
-            wrapper = self._decode_wrapper() if meta.is_decode else self.prefill_wrapper
+        if graph_bs is not None and (meta.batch_size != graph_bs or not meta.is_decode):
+            raise ValueError(f"a {meta.batch_size}-row batch cannot replay the graph "
+                             f"captured for {graph_bs} decode rows")
+        gather = meta.gather.to(self.device, non_blocking=True)
+        indices = page_indices(self.page_table, gather, meta.num_pages, self.page_size)
+        meta.wrappers, meta.indices = {}, indices
+        for window in self.variants:
+            if graph_bs is not None:
+                wrapper = self.graph_wrappers[(graph_bs, window)]
+            elif meta.is_decode:
+                wrapper = self._decode_wrapper(window)
+            else:
+                wrapper = self.prefill_wrappers[window]
+            self._plan(wrapper, meta, indices, window)
+            meta.wrappers[window] = wrapper
+
+    def _plan(self, wrapper: Any, meta: PagedMetadata, indices: torch.Tensor,
+              window: int) -> None:
         # NOTE: plan() refills this wrapper's pinned host buffer before its async copy; the
         # previous copy from it was queued a step ago and has all but surely finished.
         done = self._plan_done.get(id(wrapper))
         if done is not None and not done.query():
             done.synchronize()
-        gather = meta.gather.to(self.device, non_blocking=True)
-        indices = page_indices(self.page_table, gather, meta.num_pages, self.page_size)
         common = dict(sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.dtype,
                       non_blocking=True)
+        if window or self.softcap:  # NOTE: only where the model has them (older FlashInfers)
+            common.update(window_left=window - 1 if window else -1,
+                          logits_soft_cap=self.softcap or None)
         if meta.is_decode:
             wrapper.plan(meta.kv_indptr, indices, meta.last_page_len, self.num_qo_heads,
                          self.num_kv_heads, self.head_dim, self.page_size,
@@ -213,17 +235,16 @@ class FlashInferBackend(AttentionBackend):
         if done is None:
             done = self._plan_done[id(wrapper)] = torch.cuda.Event()
         done.record()
-        meta.wrapper, meta.indices = wrapper, indices
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: Batch) -> torch.Tensor:
         self.kv_pool.store(layer_id, batch.out_loc, k, v)
         meta: PagedMetadata = batch.attn_metadata
-        if meta.wrapper is None:  # eager: plan once per batch, at its first attention layer
+        if meta.wrappers is None:  # eager: plan once per batch, at its first attention layer
             if self.num_qo_heads is None:
                 self.num_qo_heads = q.shape[1]
             self.plan(batch)
-        out = meta.wrapper.run(q, self.paged[layer_id])
+        out = meta.wrappers[self.window(layer_id)].run(q, self.paged[layer_id])
         return out.view(q.shape[0], -1)
 
     # ---- CUDA graphs (used by minisgl.engine.graph.GraphRunner) ------------------------------
@@ -241,13 +262,14 @@ class FlashInferBackend(AttentionBackend):
         """Make the graph wrapper for `bs` rows and plan the (dummy) capture batch with it."""
         if self._graph_buffers is None:
             raise RuntimeError("call init_graphs before capturing")
-        if bs not in self.graph_wrappers:
-            indptr, indices, last = self._graph_buffers
-            self.graph_wrappers[bs] = self._wrapper(
-                self._flashinfer.BatchDecodeWithPagedKVCacheWrapper,
-                use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores,
-                paged_kv_indptr_buffer=indptr[: bs + 1], paged_kv_indices_buffer=indices,
-                paged_kv_last_page_len_buffer=last[:bs])
+        indptr, indices, last = self._graph_buffers
+        for window in self.variants:  # NOTE: the same batch: they fill the buffers alike
+            if (bs, window) not in self.graph_wrappers:
+                self.graph_wrappers[(bs, window)] = self._wrapper(
+                    self._flashinfer.BatchDecodeWithPagedKVCacheWrapper, window,
+                    use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores,
+                    paged_kv_indptr_buffer=indptr[: bs + 1], paged_kv_indices_buffer=indices,
+                    paged_kv_last_page_len_buffer=last[:bs])
         self.prepare_metadata(batch)
         self.plan(batch, graph_bs=bs)
 
