@@ -26,6 +26,9 @@ MODELS = {  # shape-only configs with dummy weights, 2 layers: no download neede
     # 32 / 8 heads, head_dim 128: tensor-core decode (GQA group 4)
     "llama8b": dict(model_path="llama-3.1-8b", load_format="dummy",
                     json_model_override_args='{"num_hidden_layers": 2}'),
+    # 128 experts, top 8: grouped matmuls inside the captured decode graphs
+    "qwen3-moe": dict(model_path="qwen3-30b-a3b", load_format="dummy",
+                      json_model_override_args='{"num_hidden_layers": 2}'),
     # a 16-token window on layer 0 (the sequences here reach 55) and soft-capped scores: a
     # Gemma 2 / 3 attention; 8 / 4 heads, head_dim 256
     "gemma-window": dict(model_path="gemma3-4b", load_format="dummy",
@@ -387,8 +390,8 @@ def test_polling_stream_completes_like_the_waiter_thread() -> None:
 
 def test_moe_experts_on_cuda_match_float32_math() -> None:
     """The experts on CUDA in bfloat16: torch's grouped matmul (Hopper and newer) and the
-    one-matmul-per-expert path, against each token through its experts in float32; and a
-    Qwen3-MoE shape's decode steps captured in CUDA graphs equal eager ones."""
+    one-matmul-per-expert path, against each token through its experts in float32 (the
+    "qwen3-moe" entry of MODELS runs them in CUDA graphs)."""
     from minisgl.layers.moe import Experts, TopKRouter, grouped_mm_runs
     torch.manual_seed(0)
     dev, dt = torch.device("cuda"), torch.bfloat16
