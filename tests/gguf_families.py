@@ -9,14 +9,24 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import MODEL_ARCH, GGUFReader, GGUFValueType, GGUFWriter, get_tensor_name_map
+from gguf import (
+    MODEL_ARCH,
+    GGMLQuantizationType,
+    GGUFReader,
+    GGUFValueType,
+    GGUFWriter,
+    get_tensor_name_map,
+    quants,
+)
 
 from minisgl.models.weights import bundled_gguf
 
 
-def write_qwen3moe_gguf(model: torch.nn.Module, path: Path) -> Path:
+def write_qwen3moe_gguf(model: torch.nn.Module, path: Path,
+                        linears: GGMLQuantizationType | None = None) -> Path:
     """`model` (transformers' Qwen3MoeForCausalLM, vocabulary 49152: SmolLM2's tokenizer) as
-    an F32 GGUF file at `path`."""
+    a GGUF file at `path`: F32, or with `linears` (Q4_0, Q8_0: types the gguf package
+    encodes) for every layer's projections and experts."""
     config = model.config
     experts = config.num_local_experts if hasattr(config, "num_local_experts") else (
         config.num_experts)
@@ -49,12 +59,23 @@ def write_qwen3moe_gguf(model: torch.nn.Module, path: Path) -> Path:
         prefix = f"model.layers.{layer}.mlp.experts."
         gate, up = np.split(state.pop(prefix + "gate_up_proj"), 2, axis=1)
         for part, stacked in (("gate", gate), ("up", up), ("down", state.pop(prefix + "down_proj"))):
-            writer.add_tensor(f"blk.{layer}.ffn_{part}_exps.weight", np.ascontiguousarray(stacked))
+            add(writer, f"blk.{layer}.ffn_{part}_exps.weight", np.ascontiguousarray(stacked),
+                linears)
     for name, value in state.items():
         base, _, suffix = name.rpartition(".")
-        writer.add_tensor(f"{names.get_name(base)}.{suffix}", value)
+        add(writer, f"{names.get_name(base)}.{suffix}", value,
+            linears if name.endswith("proj.weight") else None)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def add(writer: GGUFWriter, name: str, value: np.ndarray,
+        kind: GGMLQuantizationType | None) -> None:
+    if kind is None:
+        writer.add_tensor(name, value)
+    else:
+        data = quants.quantize(value, kind)
+        writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=kind)

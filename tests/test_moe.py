@@ -15,6 +15,8 @@ from minisgl.models.arch import MoEShape
 from tests.test_model import TINY
 from tests.test_model_configs import STEPS, assert_logits_match, save_tiny
 
+BF16_REL_BOUND = 0.02  # relative L2 error of logits, two bfloat16 runs of one model
+
 # each: (transformers model class, config class, MoE fields); expert width 32, 8 experts
 QWEN3_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                  norm_topk_prob=True)
@@ -203,3 +205,29 @@ def test_qwen3_moe_from_a_gguf_file(tmp_path) -> None:
 
     assert_logits_match(model, str(gguf), STEPS["chunked prefill"], seed=15, vocab=49152,
                         check=experts_from_the_file)
+
+
+def test_gguf_quantization_keeps_the_experts_blocks(tmp_path) -> None:
+    """--quantization gguf on a Q4_0 Qwen3-MoE file: every expert's weights stay 4-bit blocks
+    (never dense), and the logits are those of the same file dequantized (bfloat16 both;
+    bound: BF16_REL_BOUND)."""
+    from gguf import GGMLQuantizationType
+    from minisgl.layers.moe import QuantizedExperts
+    from tests.engine_probe import prefill_logits
+    from tests.gguf_families import write_qwen3moe_gguf
+    from tests.test_quantization import relative_error
+    model = save_tiny(*MODELS["qwen3-moe"][:2], tmp_path / "hf", **QWEN3_MOE,
+                      vocab_size=49152)
+    gguf = write_qwen3moe_gguf(model, tmp_path / "tiny-qwen3moe.Q4_0.gguf",
+                               GGMLQuantizationType.Q4_0)
+    ids = list(range(300, 340))
+    logits = {}
+    for method in ("gguf", "none"):
+        engine = Engine(EngineConfig(model_path=str(gguf), dtype="bfloat16", quantization=method,
+                                     max_total_tokens=256))
+        experts = engine.model.layers[0].mlp.experts
+        assert isinstance(experts.quantized, QuantizedExperts) == (method == "gguf")
+        assert (experts.gate_up is None) == (method == "gguf")
+        logits[method] = prefill_logits(engine, ids).float()
+        engine.shutdown()
+    assert relative_error(logits["gguf"], logits["none"]) < BF16_REL_BOUND

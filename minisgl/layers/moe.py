@@ -21,6 +21,7 @@ from minisgl.layers.activation import SiluAndMul
 from minisgl.layers.base import Layer
 from minisgl.layers.fp8 import Fp8ChannelWeight
 from minisgl.layers.linear import divide
+from minisgl.layers.quant import WeightBlocks, block_weight
 from minisgl.layers.shard import copy_into, read_all, read_cols, read_rows
 from minisgl.layers.w8a8 import Int8ChannelWeight, fits_int8
 
@@ -62,6 +63,11 @@ def grouped_mm_runs(x: torch.Tensor) -> bool:
     return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
 
 
+def stack_rows(top: WeightBlocks, bottom: WeightBlocks) -> WeightBlocks:
+    return WeightBlocks(torch.cat([top.codes, bottom.codes]), torch.cat([top.scales,
+                        bottom.scales]), torch.cat([top.zeros, bottom.zeros]), top.bits)
+
+
 class QuantizedExperts:
     """Per expert, its (gate_up, down) weights in a compact form (layers.w8a8, layers.fp8)."""
 
@@ -85,12 +91,22 @@ class Experts(Layer):
         self.down = nn.Parameter(torch.empty(num_experts, hidden_size, self.shard),
                                  requires_grad=False)
         self.act = SiluAndMul()
-        self.quantized: QuantizedExperts | None = None  # --quantization w8a8_int8 / fp8
+        self.quantized: QuantizedExperts | None = None  # --quantization w8a8_int8/fp8/gguf
+        # --quantization gguf: per part (gate, up, down), each expert's blocks as loaded
+        self.blocks: dict[str, list[WeightBlocks | None]] | None = None
 
     def load(self, expert: int | None, part: str, source: Any) -> None:
         """One checkpoint tensor: `part` gate / up / down of `expert`, or of every expert at once
         (expert None: a [E, ...] tensor; part gate_up is gate and up stacked)."""
         rank_start = get_tp_info().rank * self.shard
+        if self.blocks is not None:  # a GGUF file's stacked blocks, one per expert
+            if not isinstance(source, list):
+                return  # the converted folder's dense copy of what the blocks hold
+            for e, blocks in enumerate(source):
+                shard = (read_cols(blocks, rank_start, self.shard) if part == "down"
+                         else read_rows(blocks, rank_start, self.shard))
+                self.blocks[part][e] = shard
+            return
         if expert is None:
             full = read_all(source)
             for e in range(self.num_experts):
@@ -108,6 +124,21 @@ class Experts(Layer):
             rows = self.gate_up.data[expert].narrow(0, 0 if part == "gate" else self.shard,
                                                     self.shard)
             copy_into(rows, read_rows(source, rank_start, self.shard), f"experts.{expert}.{part}")
+
+    def expect_blocks(self, bits: int = 4) -> None:
+        """--quantization gguf: the experts' weights come as blocks (models.gguf_blocks), one
+        per expert, never dense: the dense parameters are released, `finish_blocks` follows."""
+        self.blocks = {part: [None] * self.num_experts for part in ("gate", "up", "down")}
+        self.gate_up = self.down = None
+
+    def finish_blocks(self, dtype: torch.dtype) -> None:
+        """Each expert's gate and up blocks (rows) as one weight, and its down blocks, in the
+        form layers.quant runs them."""
+        gate, up, down = (self.blocks[part] for part in ("gate", "up", "down"))
+        self.quantized = QuantizedExperts([
+            (block_weight(stack_rows(g, u), dtype), block_weight(d, dtype))
+            for g, u, d in zip(gate, up, down)])
+        self.blocks = None
 
     def quantize_int8(self) -> None:
         if fits_int8(self.gate_up.data[0]) and fits_int8(self.down.data[0]):

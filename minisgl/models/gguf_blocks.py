@@ -21,7 +21,10 @@ from minisgl.layers.quant import GROUP, LANES, WeightBlocks, vnni_kernels
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
            "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-           "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+           "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+           # a mixture of experts' weights, every expert's stacked in one tensor (models.moe)
+           "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
+           "ffn_down_exps": "mlp.experts.down_proj"}
 # NOTE: llama.cpp's converter permutes the rows of Llama's q / k projections (rotary halves
 # interleaved); transformers, and so our dense weights, undo it. Other architectures: none.
 PERMUTED = {"llama": {"attn_q": "num_heads", "attn_k": "num_kv_heads"}}
@@ -65,9 +68,9 @@ def unpermute_rows(blocks: WeightBlocks, heads: int) -> WeightBlocks:
 
 def read_block_linears(path: Path, heads: dict[str, int], skips: Callable[[str], bool]
                        ) -> tuple[dict[str, WeightBlocks], dict[str, str]]:
-    """(the Q4_0 / Q4_1 / Q8_0 linear weights by HF name, {HF name: GGUF type} of the other
-    linear weights, which stay dense), leaving out the names `skips` (the model's: layers past
-    a layer-count override). `heads`: num_heads and num_kv_heads. Q8_0 needs the VNNI kernel
+    """(the Q4_0 / Q4_1 / Q8_0 linear weights by HF name (a list of one per expert for the
+    stacked experts' tensors), {HF name: GGUF type} of the other linear weights, which stay
+    dense), leaving out the names `skips` (the model's: layers past a layer-count override). `heads`: num_heads and num_kv_heads. Q8_0 needs the VNNI kernel
     (torch has no kernel for such blocks): without it, those stay dense."""
     from gguf import GGUFReader
 
@@ -84,6 +87,10 @@ def read_block_linears(path: Path, heads: dict[str, int], skips: Callable[[str],
         eight_bit_runs = vnni_kernels() is not None and out_features % LANES == 0
         if kind not in BLOCK_BYTES or (kind == "Q8_0" and not eight_bit_runs):
             dense[name] = kind
+            continue
+        if len(tensor.shape) == 3:  # [experts, out, in]: one weight per expert
+            raw = np.asarray(tensor.data).reshape(int(tensor.shape[2]), -1)
+            blocks[name] = [decode_blocks(kind, e, out_features, in_features) for e in raw]
             continue
         weight = decode_blocks(kind, tensor.data, out_features, in_features)
         permuted = PERMUTED.get(arch, {}).get(tensor.name.split(".")[2])
@@ -103,11 +110,15 @@ def stage_block_linears(model: torch.nn.Module, path: Path, heads: dict[str, int
         names_by_module.setdefault(model.weight_target(name)[0], []).append(name)
     staged, kept = {}, {}
     for module, names in names_by_module.items():
-        widths = {blocks[name].bits for name in names if name in blocks}
+        widths = {_bits(blocks[name]) for name in names if name in blocks}
         if all(name in blocks for name in names) and len(widths) == 1:
             module.expect_blocks(widths.pop())
             staged.update((name, blocks[name]) for name in names)
         else:
             kept.update((name, dense[name] if name in dense else
-                         f"{blocks[name].bits}-bit blocks beside others") for name in names)
+                         f"{_bits(blocks[name])}-bit blocks beside others") for name in names)
     return staged, kept
+
+
+def _bits(blocks: WeightBlocks | list[WeightBlocks]) -> int:
+    return blocks[0].bits if isinstance(blocks, list) else blocks.bits

@@ -39,7 +39,8 @@ def load_weights(model: torch.nn.Module, folder: Path, arch: ModelArch, method: 
         for name, blocks in staged.items():
             model.load_weight(name, blocks)
     for module in model.modules():
-        if isinstance(getattr(module, "weight", None), WeightBlocks):
+        if isinstance(getattr(module, "weight", None), WeightBlocks) or (
+                getattr(module, "blocks", None) is not None):  # a linear's, or experts' blocks
             module.finish_blocks(dtype)
         elif method == "w8a8_int8" and hasattr(module, "quantize_int8"):
             module.quantize_int8()

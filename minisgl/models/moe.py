@@ -40,17 +40,26 @@ class MoEForCausalLM(LlamaForCausalLM):
             DecoderLayer(arch, i, rotary, experts() if i in moe.sparse_layers else None)
             for i in range(arch.num_layers))
 
+    def weight_target(self, name: str) -> tuple[nn.Module, str, Any] | None:
+        match = EXPERT_TENSOR.match(name.replace(".block_sparse_moe.", ".mlp."))
+        if match is None:
+            return super().weight_target(name)
+        try:
+            experts = self.get_submodule(match["experts"].removeprefix("model."))
+        except AttributeError:
+            return None
+        expert = None if match["expert"] is None else int(match["expert"])
+        return experts, match["part"].removesuffix("_proj"), expert
+
     def load_weight(self, name: str, source: Any) -> bool:
         if ".block_sparse_moe." in name:
             for mixtral, ours in MIXTRAL_NAMES.items():
                 name = name.replace(mixtral, ours)
-        match = EXPERT_TENSOR.match(name)
-        if match is None or self.skips(name):
+        if EXPERT_TENSOR.match(name) is None or self.skips(name):
             return super().load_weight(name, source)
-        try:
-            experts = self.get_submodule(match["experts"].removeprefix("model."))
-        except AttributeError:
+        target = self.weight_target(name)
+        if target is None:
             return False
-        expert = None if match["expert"] is None else int(match["expert"])
-        experts.load(expert, match["part"].removesuffix("_proj"), source)
+        experts, part, expert = target
+        experts.load(expert, part, source)
         return True
