@@ -1,7 +1,13 @@
 """Time one decode forward (model only: no scheduler, no sampler) at several batch sizes.
 
     python scripts/bench_decode_step.py --batch 1 8 32 64 --context 128 [--dtype bfloat16]
-        [--quantization gguf|w8a8_int8|none]
+        [--quantization gguf|w8a8_int8|none] [--json-model-override-args '{...}']
+
+The windowed attention path (BENCHMARKS.md, "Sliding windows"): the bundled weights served as
+a Mistral with a window, beside the same model without one:
+    python scripts/bench_decode_step.py --batch 1 8 --context 2048 --dtype float32 \
+        --json-model-override-args '{"architectures": ["MistralForCausalLM"],
+                                     "model_type": "mistral", "sliding_window": 256}'
 
 Reports ms per step, tokens/s and the weight bytes read per second (the bandwidth floor).
 """
@@ -55,10 +61,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--quantization", default=None, choices=["gguf", "w8a8_int8", "none"])
+    parser.add_argument("--json-model-override-args", default=None)
     args = parser.parse_args()
     most = max(args.batch)
     engine = Engine(EngineConfig(dtype=args.dtype, max_running_requests=most,
                                  quantization=args.quantization,
+                                 json_model_override_args=args.json_model_override_args,
                                  max_total_tokens=most * (args.context + 8) + 16))
     read = weight_bytes(engine.model)
     print(f"{args.dtype}, quantization {engine.quantization}, context {args.context}, "
