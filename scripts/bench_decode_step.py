@@ -53,6 +53,24 @@ def decode_batch(engine: Engine, batch_size: int, context: int) -> tuple[Batch, 
     return batch, torch.randint(100, 20000, (batch_size,))
 
 
+def decode_step_seconds(engine: Engine, batch_size: int, context: int, steps: int) -> float:
+    """The mean time of one decode forward of `batch_size` rows at `context`, after 3 warm-up
+    steps, on the engine thread as in serving (see engine.stream.CpuStream)."""
+    batch, ids = decode_batch(engine, batch_size, context)
+
+    def timed() -> float:
+        with torch.inference_mode():
+            for _ in range(3):
+                engine.model(ids, batch.input_positions, batch, engine.attn_backend, None)
+            started = time.perf_counter()
+            for _ in range(steps):
+                engine.model(ids, batch.input_positions, batch, engine.attn_backend, None)
+        return (time.perf_counter() - started) / steps
+
+    run = engine.stream.call if hasattr(engine.stream, "call") else (lambda fn: fn())
+    return run(timed)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -73,20 +91,8 @@ def main() -> None:
           f"weights read per step {read / 1e6:.0f} MB, "
           f"{torch.get_num_threads()} threads")
     print("| batch | step ms | tok/s | weight GB/s |\n|---|---|---|---|")
-    def time_steps(batch: Batch, ids: torch.Tensor) -> float:
-        with torch.inference_mode():
-            for _ in range(3):
-                engine.model(ids, batch.input_positions, batch, engine.attn_backend, None)
-            started = time.perf_counter()
-            for _ in range(args.steps):
-                engine.model(ids, batch.input_positions, batch, engine.attn_backend, None)
-        return (time.perf_counter() - started) / args.steps
-
     for batch_size in args.batch:
-        batch, ids = decode_batch(engine, batch_size, args.context)
-        # NOTE: on the engine thread, as in serving (see engine.stream.CpuStream)
-        run = engine.stream.call if hasattr(engine.stream, "call") else (lambda fn: fn())
-        step = run(lambda: time_steps(batch, ids))
+        step = decode_step_seconds(engine, batch_size, args.context, args.steps)
         print(f"| {batch_size} | {step * 1e3:.1f} | {batch_size / step:.0f} | "
               f"{read / step / 1e9:.1f} |", flush=True)
     engine.shutdown()

@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_decode_step import decode_batch  # noqa: E402 (this folder)
+from bench_decode_step import decode_step_seconds  # noqa: E402 (this folder)
 from minisgl.engine import Engine, EngineConfig  # noqa: E402
 from minisgl.models.arch import ModelArch  # noqa: E402
 from minisgl.models.weights import load_config, resolve_model_path  # noqa: E402
@@ -43,21 +43,6 @@ def build(config: str, overrides: dict, args: argparse.Namespace) -> Engine:
         max_total_tokens=most * (args.context + 8) + 16,
         json_model_override_args=json.dumps({"num_hidden_layers": args.layers,
                                              "vocab_size": args.vocab, **overrides})))
-
-
-def step_ms(engine: Engine, rows: int, args: argparse.Namespace) -> float:
-    batch, ids = decode_batch(engine, rows, args.context)
-
-    def timed() -> float:
-        with torch.inference_mode():
-            for _ in range(3):
-                engine.model(ids, batch.input_positions, batch, engine.attn_backend, None)
-            started = time.perf_counter()
-            for _ in range(args.steps):
-                engine.model(ids, batch.input_positions, batch, engine.attn_backend, None)
-        return (time.perf_counter() - started) / args.steps * 1e3
-
-    return engine.stream.call(timed)  # on the engine thread, as in serving
 
 
 def kernel_table() -> None:
@@ -120,7 +105,8 @@ def main() -> None:
         print(f"{name}: {engine.arch.architecture}, {args.layers} layers, {params / 1e9:.2f}B "
               f"parameters ({engine.dtype}), peak RSS so far "
               f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:.1f} GB", flush=True)
-        times[name] = {rows: step_ms(engine, rows, args) for rows in args.rows}
+        times[name] = {rows: decode_step_seconds(engine, rows, args.context, args.steps) * 1e3
+                       for rows in args.rows}
         engine.shutdown()
         del engine
     print(f"\n{args.config}, {args.layers} layers, vocabulary {args.vocab}, {moe.num_experts} "

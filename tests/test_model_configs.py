@@ -64,6 +64,27 @@ def assert_logits_match(model: torch.nn.Module, path: str, spans: list[tuple[int
         engine.shutdown()
 
 
+def assert_greedy_matches_transformers(model: torch.nn.Module, path, lengths: tuple[int, ...],
+                                       new_tokens: int, tp_sizes: tuple[int, ...] = (1, 2)
+                                       ) -> None:
+    """Greedy generation of random prompts of `lengths`, batched through the scheduler at each
+    TP size, equals transformers' own greedy generation of each prompt."""
+    from minisgl.llm import LLM
+    prompts = [torch.randint(0, TINY["vocab_size"], (n,),
+                             generator=torch.Generator().manual_seed(n)).tolist()
+               for n in lengths]
+    with torch.inference_mode():
+        expected = [model.generate(torch.tensor([ids]), max_new_tokens=new_tokens,
+                                   do_sample=False, pad_token_id=0, eos_token_id=None
+                                   )[0, len(ids):].tolist() for ids in prompts]
+    params = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
+    for tp in tp_sizes:
+        with LLM(model=str(path), dtype="float32", max_total_tokens=1024, tp_size=tp) as llm:
+            outputs = [r["output_ids"] for r in llm.generate(input_ids=prompts,
+                                                             sampling_params=params)]
+        assert outputs == expected, f"tp {tp}"
+
+
 def windows_are(engine: Engine, windows: tuple[int, ...]) -> None:
     assert engine.attn_backend.windows == windows
 
@@ -301,6 +322,16 @@ def test_dynamic_rope_is_the_default_within_the_context(tmp_path) -> None:
     assert_logits_match(model, str(tmp_path), STEPS["prefill + decode"], seed=14)
 
 
+def tiny_gemma(path, model_class: str, config_class: str, fields: dict) -> torch.nn.Module:
+    model = save_tiny(model_class, config_class, path, **fields)
+    with torch.no_grad():  # the norms start at zero (1 + w = 1): give them values
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.2)
+    model.save_pretrained(path)
+    return model
+
+
 GEMMA3 = dict(head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24,
               layer_types=["sliding_attention", "full_attention"],
               rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
@@ -329,12 +360,7 @@ def gemma3_hub_spelling(path) -> None:
 def test_gemma3_matches_transformers(tmp_path, attention: str, spelling: str) -> None:
     """Gemma 3 text past its sliding window: scaled embeddings, (1 + w) norms, four norms a
     layer, q/k norms, GeGLU, query_pre_attn_scalar, local and global RoPE per layer type."""
-    model = save_tiny("Gemma3ForCausalLM", "Gemma3TextConfig", tmp_path, **GEMMA3)
-    with torch.no_grad():  # the norms start at zero (1 + w = 1): give them values
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.add_(torch.randn_like(param) * 0.2)
-    model.save_pretrained(tmp_path)
+    model = tiny_gemma(tmp_path, "Gemma3ForCausalLM", "Gemma3TextConfig", GEMMA3)
     if spelling == "hub":
         gemma3_hub_spelling(tmp_path)
     assert_logits_match(model, str(tmp_path), STEPS["chunked prefill"], seed=5,
@@ -344,21 +370,8 @@ def test_gemma3_matches_transformers(tmp_path, attention: str, spelling: str) ->
 def test_gemma3_greedy_generation_batched_and_tp2(tmp_path) -> None:
     """Through the scheduler, past the window: a batch equals transformers' greedy generation,
     and so does TP 2."""
-    from minisgl.llm import LLM
     model = save_tiny("Gemma3ForCausalLM", "Gemma3TextConfig", tmp_path, **GEMMA3)
-    prompts = [torch.randint(0, TINY["vocab_size"], (n,),
-                             generator=torch.Generator().manual_seed(n)).tolist()
-               for n in (7, 30)]
-    with torch.inference_mode():
-        expected = [model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False,
-                                   pad_token_id=0, eos_token_id=None)[0, len(ids):].tolist()
-                    for ids in prompts]
-    params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
-    for tp in (1, 2):
-        with LLM(model=str(tmp_path), dtype="float32", max_total_tokens=1024, tp_size=tp) as llm:
-            outputs = [r["output_ids"] for r in llm.generate(input_ids=prompts,
-                                                             sampling_params=params)]
-        assert outputs == expected, f"tp {tp}"
+    assert_greedy_matches_transformers(model, tmp_path, (7, 30), new_tokens=24)
 
 
 def test_multimodal_gemma3_is_served_as_its_text_model(tmp_path) -> None:
@@ -401,13 +414,7 @@ def gemma2_hub_spelling(path) -> None:
 
 
 def tiny_gemma2(path) -> torch.nn.Module:
-    model = save_tiny("Gemma2ForCausalLM", "Gemma2Config", path, **GEMMA2)
-    with torch.no_grad():  # the norms start at zero (1 + w = 1): give them values
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.add_(torch.randn_like(param) * 0.2)
-    model.save_pretrained(path)
-    return model
+    return tiny_gemma(path, "Gemma2ForCausalLM", "Gemma2Config", GEMMA2)
 
 
 @pytest.mark.parametrize("spelling", ["transformers", "hub"])
@@ -444,18 +451,4 @@ def test_gemma2_matches_transformers(tmp_path, attention: str, spelling: str) ->
 def test_gemma2_greedy_generation_batched_and_tp2(tmp_path) -> None:
     """Through the scheduler, past the window: a batch equals transformers' greedy generation
     (soft-capped scores in prefill and decode), and so does TP 2."""
-    from minisgl.llm import LLM
-    model = tiny_gemma2(tmp_path)
-    prompts = [torch.randint(0, TINY["vocab_size"], (n,),
-                             generator=torch.Generator().manual_seed(n)).tolist()
-               for n in (9, 31)]
-    with torch.inference_mode():
-        expected = [model.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False,
-                                   pad_token_id=0, eos_token_id=None)[0, len(ids):].tolist()
-                    for ids in prompts]
-    params = {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True}
-    for tp in (1, 2):
-        with LLM(model=str(tmp_path), dtype="float32", max_total_tokens=1024, tp_size=tp) as llm:
-            outputs = [r["output_ids"] for r in llm.generate(input_ids=prompts,
-                                                             sampling_params=params)]
-        assert outputs == expected, f"tp {tp}"
+    assert_greedy_matches_transformers(tiny_gemma2(tmp_path), tmp_path, (9, 31), new_tokens=20)

@@ -13,7 +13,12 @@ from minisgl.engine import Engine, EngineConfig
 from minisgl.layers.quant import vnni_kernels
 from minisgl.models.arch import MoEShape
 from tests.test_model import TINY
-from tests.test_model_configs import STEPS, assert_logits_match, save_tiny
+from tests.test_model_configs import (
+    STEPS,
+    assert_greedy_matches_transformers,
+    assert_logits_match,
+    save_tiny,
+)
 
 BF16_REL_BOUND = 0.02  # relative L2 error of logits, two bfloat16 runs of one model
 
@@ -107,21 +112,8 @@ def test_moe_shape_from_either_spelling() -> None:
 def test_moe_greedy_generation_batched_and_tp2(tmp_path) -> None:
     """Through the scheduler: a batch of prompts equals transformers' greedy generation, and
     so does TP 2, which splits every expert's intermediate dimension."""
-    from minisgl.llm import LLM
     model = save_tiny(*MODELS["mixtral"][:2], tmp_path, **MODELS["mixtral"][2])
-    prompts = [torch.randint(0, TINY["vocab_size"], (n,),
-                             generator=torch.Generator().manual_seed(n)).tolist()
-               for n in (6, 25, 13)]
-    with torch.inference_mode():
-        expected = [model.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False,
-                                   pad_token_id=0, eos_token_id=None)[0, len(ids):].tolist()
-                    for ids in prompts]
-    params = {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True}
-    for tp in (1, 2):
-        with LLM(model=str(tmp_path), dtype="float32", max_total_tokens=1024, tp_size=tp) as llm:
-            outputs = [r["output_ids"] for r in llm.generate(input_ids=prompts,
-                                                             sampling_params=params)]
-        assert outputs == expected, f"tp {tp}"
+    assert_greedy_matches_transformers(model, tmp_path, (6, 25, 13), new_tokens=20)
 
 
 def test_tp_size_must_split_the_experts(tmp_path) -> None:

@@ -20,7 +20,7 @@ import json
 import uuid
 from typing import Any
 
-from minisgl.protocol.openai_tool_parser import ToolDelta
+from minisgl.protocol.openai_tool_parser import ContentStream, ToolDelta
 from minisgl.protocol.openai_tool_scan import WS
 
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
@@ -74,13 +74,13 @@ def read_calls(source: str, names: set[str]) -> list[tuple[str, str]] | None:
     return calls
 
 
-class PythonicCallParser:
+class PythonicCallParser(ContentStream):
     def __init__(self, names: set[str], one_call: bool = False) -> None:
         self.names, self.one_call = names, one_call
         self.text = ""
         self.pos = self.sent = 0  # scanned up to / content sent up to
         self.candidate: int | None = None  # where an open list (or its start tag) begins
-        self.after_call = False  # drop the whitespace that follows a call list
+        self.strip_lead = False  # drop the whitespace that follows a call list
         self.gap = ""  # the whitespace before the last call list
         self.pending: list[tuple[int, str]] = []  # arguments to send with the next feed
         self.content = ""
@@ -102,11 +102,6 @@ class PythonicCallParser:
         self._content(out, len(self.text))
         return out
 
-    def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-        self.feed(text)
-        self.finish()
-        return (None if self.calls and not self.content else self.content), self.calls
-
     def finish_reason(self, reason: str | None) -> str | None:
         return "tool_calls" if self.calls and reason == "stop" else reason
 
@@ -117,14 +112,7 @@ class PythonicCallParser:
             found = [i for i in (text.find("[", self.pos), text.find(PYTHON_START, self.pos))
                      if i >= 0]
             if not found:
-                safe = len(text)
-                if not final:
-                    for k in range(min(len(PYTHON_START) - 1, len(text) - self.pos), 0, -1):
-                        if text.endswith(PYTHON_START[:k]):
-                            safe -= k
-                            break
-                    while safe > self.sent and text[safe - 1] in WS:
-                        safe -= 1
+                safe = len(text) if final else self._safe_end(PYTHON_START, self.pos)
                 self._content(out, safe)
                 self.pos = max(self.pos, safe)
                 return False
@@ -165,7 +153,7 @@ class PythonicCallParser:
             out.header(index, call_id, name)
             self.pending.append((index, arguments))
         self.pos = self.sent = end
-        self.candidate, self.after_call = None, True
+        self.candidate, self.strip_lead = None, True
         return final  # a call's header goes out alone: its arguments with the next feed
 
     def _undecided(self, final: bool) -> bool:
@@ -182,17 +170,3 @@ class PythonicCallParser:
         for index, arguments in self.pending:
             out.arguments(index, arguments)
         self.pending.clear()
-
-    def _content(self, out: ToolDelta, upto: int) -> None:
-        gap = ""
-        if self.after_call:
-            start = self.sent
-            while self.sent < upto and self.text[self.sent] in WS:
-                self.sent += 1
-            gap = (self.gap or self.text[start:self.sent]) if self.content else ""
-        if self.sent < upto:
-            piece = gap + self.text[self.sent:upto]
-            out.content += piece
-            self.content += piece
-            self.after_call = False
-        self.sent = max(self.sent, upto)

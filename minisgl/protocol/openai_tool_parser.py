@@ -83,7 +83,60 @@ class _Call:
     sent: int = 0  # the arguments' text sent so far ends here
 
 
-class ToolCallParser:
+class ContentStream:
+    """A parser's content side: what of `text` went out as content (up to `sent`), with the
+    whitespace rules next to a call (module docstring)."""
+
+    text: str
+    sent: int
+    content: str
+    strip_lead: bool  # drop the whitespace after a call
+    gap: str  # the whitespace before the last call
+    calls: list[dict[str, Any]]  # OpenAI's message.tool_calls, as sent
+
+    def feed(self, text: str) -> ToolDelta:
+        raise NotImplementedError
+
+    def finish(self) -> ToolDelta:
+        raise NotImplementedError
+
+    def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        """(content, tool_calls) of a finished text; content None when empty and calls."""
+        self.feed(text)
+        self.finish()
+        return (None if self.calls and not self.content else self.content), self.calls
+
+    def _content(self, out: ToolDelta, upto: int) -> None:
+        gap = ""
+        if self.strip_lead:
+            start = self.sent
+            while self.sent < upto and self.text[self.sent] in WS:
+                self.sent += 1
+            # NOTE: content on both sides of a call keeps one gap (the space before the call)
+            gap = (self.gap or self.text[start:self.sent]) if self.content else ""
+        if self.sent < upto:
+            piece = gap + self.text[self.sent:upto]
+            out.content += piece
+            self.content += piece
+            self.strip_lead = False
+        self.sent = max(self.sent, upto)
+
+    def _safe_end(self, tag: str | None, pos: int) -> int:
+        """Where content may go out to in a text with no call markup past `pos`: the end, but
+        for a suffix that could begin `tag` and trailing whitespace (dropped if a call
+        follows)."""
+        text, safe = self.text, len(self.text)
+        if tag:
+            for k in range(min(len(tag) - 1, len(text) - pos), 0, -1):
+                if text.endswith(tag[:k]):
+                    safe -= k
+                    break
+        while safe > self.sent and text[safe - 1] in WS:
+            safe -= 1
+        return safe
+
+
+class ToolCallParser(ContentStream):
     """The calls in one choice's text (see the module's docstring)."""
 
     def __init__(self, style: str, names: set[str], one_call: bool = False,
@@ -119,33 +172,12 @@ class ToolCallParser:
             pass
         return out
 
-    def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-        """(content, tool_calls) of a finished text; content None when empty and calls."""
-        self.feed(text)
-        self.finish()
-        return (None if self.calls and not self.content else self.content), self.calls
-
     def finish_reason(self, reason: str | None) -> str | None:
         """`tool_calls` for an answer that called and stopped by itself, with every call's
         object closed (SGLang's rule); else the request's own reason."""
         return "tool_calls" if self.calls and reason == "stop" and not self.cut else reason
 
     # ---- output --------------------------------------------------------------------------
-
-    def _content(self, out: ToolDelta, upto: int) -> None:
-        gap = ""
-        if self.strip_lead:
-            start = self.sent
-            while self.sent < upto and self.text[self.sent] in WS:
-                self.sent += 1
-            # NOTE: content on both sides of a call keeps one gap (the space before the call)
-            gap = (self.gap or self.text[start:self.sent]) if self.content else ""
-        if self.sent < upto:
-            piece = gap + self.text[self.sent:upto]
-            out.content += piece
-            self.content += piece
-            self.strip_lead = False
-        self.sent = max(self.sent, upto)
 
     def _header(self, out: ToolDelta, call: _Call, name: str) -> bool:
         """Sends call's header unless the call is dropped; True if it was sent."""
@@ -239,16 +271,7 @@ class ToolCallParser:
         text = self.text
         found = text.find(self.tag, self.pos) if self.tag else -1
         if found < 0:
-            safe = len(text)
-            if not final and self.tag:
-                # NOTE: hold back what could begin the tag, and trailing whitespace (dropped
-                # if a call follows)
-                for k in range(min(len(self.tag) - 1, len(text) - self.pos), 0, -1):
-                    if text.endswith(self.tag[:k]):
-                        safe -= k
-                        break
-                while safe > self.sent and text[safe - 1] in WS:
-                    safe -= 1
+            safe = self._safe_end(self.tag, self.pos) if not final and self.tag else len(text)
             self._content(out, safe)
             self.pos = max(self.pos, safe)
             return False
