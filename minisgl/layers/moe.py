@@ -69,7 +69,8 @@ def stack_rows(top: WeightBlocks, bottom: WeightBlocks) -> WeightBlocks:
 
 
 class QuantizedExperts:
-    """Per expert, its (gate_up, down) weights in a compact form (layers.w8a8, layers.fp8)."""
+    """Per expert, its (gate_up, down) weights in a compact form (layers.w8a8, layers.fp8,
+    layers.quant's blocks)."""
 
     def __init__(self, parts: list[tuple[Any, Any]]) -> None:
         self.parts = parts
