@@ -109,7 +109,12 @@ class LlamaForCausalLM(Layer):
 
     def decoder_layers(self, arch: ModelArch) -> nn.ModuleList:
         rotary = RotaryEmbedding(arch.head_dim, arch.rope_positions, arch.rope, arch.rotary_dim)
-        return nn.ModuleList(DecoderLayer(arch, i, rotary) for i in range(arch.num_layers))
+        return nn.ModuleList(DecoderLayer(arch, i, rotary, self.layer_mlp(arch, i))
+                             for i in range(arch.num_layers))
+
+    def layer_mlp(self, arch: ModelArch, layer_id: int) -> Layer | None:
+        """What stands in for layer `layer_id`'s dense MLP (None: the MLP itself)."""
+        return None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)

@@ -14,10 +14,9 @@ from typing import Any
 
 from torch import nn
 
-from minisgl.layers import RotaryEmbedding
 from minisgl.layers.moe import SparseMoE
 from minisgl.models.arch import ModelArch
-from minisgl.models.llama import DecoderLayer, LlamaForCausalLM
+from minisgl.models.llama import LlamaForCausalLM
 
 EXPERT_TENSOR = re.compile(
     r"^(?P<experts>.*\.mlp\.experts)\.(?:(?P<expert>\d+)\.)?"
@@ -27,21 +26,16 @@ MIXTRAL_NAMES = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w3.": "
 
 
 class MoEForCausalLM(LlamaForCausalLM):
-    def decoder_layers(self, arch: ModelArch) -> nn.ModuleList:
+    def layer_mlp(self, arch: ModelArch, layer_id: int) -> SparseMoE | None:
         moe = arch.moe
         assert moe is not None
-        rotary = RotaryEmbedding(arch.head_dim, arch.rope_positions, arch.rope, arch.rotary_dim)
-
-        def experts() -> SparseMoE:
-            return SparseMoE(arch.hidden_size, moe.num_experts, moe.top_k,
-                             moe.intermediate_size, moe.renormalize)
-
-        return nn.ModuleList(
-            DecoderLayer(arch, i, rotary, experts() if i in moe.sparse_layers else None)
-            for i in range(arch.num_layers))
+        if layer_id not in moe.sparse_layers:
+            return None
+        return SparseMoE(arch.hidden_size, moe.num_experts, moe.top_k, moe.intermediate_size,
+                         moe.renormalize)
 
     def weight_target(self, name: str) -> tuple[nn.Module, str, Any] | None:
-        match = EXPERT_TENSOR.match(name.replace(".block_sparse_moe.", ".mlp."))
+        match = EXPERT_TENSOR.match(name)
         if match is None:
             return super().weight_target(name)
         try:
