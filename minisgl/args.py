@@ -15,11 +15,14 @@ DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
     "max_running_requests": {"cuda": 256, "cpu": 128},
     "mem_fraction_static": {"cuda": 0.85, "cpu": 0.25},
     "page_size": {"cuda": 1, "cpu": 16},
+    "speculative_num_draft_tokens": {"cuda": 8, "cpu": 4},
 }
 # --chunked-prefill-size's default; on CPU the engine may pick a smaller one (see
 # engine.chunking), with --enable-mixed-chunk CPU_MIXED_CHUNK.
 DEFAULT_CHUNK = 8192
 CPU_MIXED_CHUNK = 256
+SPECULATIVE_ALGORITHMS = ("NGRAM",)
+MAX_DRAFT_TOKENS = 64
 
 
 def device_default(name: str, device_type: str) -> Any:
@@ -139,6 +142,28 @@ class ServerArgs:
         "or none (every weight dequantized to --dtype; the default otherwise).",
         choices=["gguf", "w8a8_int8", "fp8", "none"])
     disable_radix_cache: bool = _flag(False, "Use no prefix cache.")
+    speculative_algorithm: str | None = _flag(
+        None, "Speculative decoding: NGRAM drafts each request's next tokens from n-grams of "
+        "its own prompt and output, and the model verifies them all in one forward (greedy "
+        "and sampled outputs keep their distribution). STANDALONE (a draft model) is not "
+        "supported yet.")
+    speculative_num_draft_tokens: int | None = _flag(
+        None, "Tokens per request in a verify forward: its last token and up to this many "
+        "minus one drafts (default: 4 on CPU, 8 on CUDA).")
+    speculative_num_steps: int | None = _flag(
+        None, "Drafted tokens per step (a chain: --speculative-num-draft-tokens minus one); "
+        "give either, or both agreeing.")
+    speculative_eagle_topk: int | None = _flag(
+        None, "Branches per drafting step: 1 (chains; trees are not supported).")
+    speculative_ngram_min_match_window_size: int = _flag(
+        1, "NGRAM: the shortest suffix of a request's tokens looked up among its earlier "
+        "tokens.")
+    speculative_ngram_max_match_window_size: int = _flag(
+        12, "NGRAM: the longest suffix looked up (longer matches are tried first).")
+    speculative_draft_model_path: str | None = _flag(
+        None, "STANDALONE's draft model (not supported yet).")
+    speculative_draft_model_quantization: str | None = _flag(
+        None, "STANDALONE's draft model quantization (not supported yet).")
     disable_overlap_schedule: bool = _flag(
         False, "Process each batch's results before launching the next one.")
     attention_backend: str | None = _flag(
@@ -193,6 +218,7 @@ class ServerArgs:
             if value not in choices or (isinstance(value, bool) and f.type != "bool"):
                 raise ValueError(f"{flag(f.name)} must be one of "
                                  f"{', '.join(str(c) for c in choices)}, got {value!r}")
+        self._check_speculation()
         names = self.served_model_names
         if self.served_model_name is not None and not (
                 names and all(isinstance(n, str) and n for n in names)):
@@ -205,6 +231,50 @@ class ServerArgs:
                                          or "{%" in template):
             raise ValueError(f"--chat-template {template!r} is neither a file nor a Jinja "
                              "template")
+
+    def _check_speculation(self) -> None:
+        algorithm = self.speculative_algorithm
+        if algorithm is None:
+            given = [name for name in ("speculative_num_draft_tokens", "speculative_num_steps",
+                                       "speculative_eagle_topk", "speculative_draft_model_path",
+                                       "speculative_draft_model_quantization")
+                     if getattr(self, name) is not None]
+            if given:
+                raise ValueError(f"--{given[0].replace('_', '-')} needs "
+                                 "--speculative-algorithm")
+            return
+        if not isinstance(algorithm, str) or algorithm.upper() not in SPECULATIVE_ALGORITHMS:
+            raise ValueError(f"--speculative-algorithm {algorithm} is not supported; minisgl "
+                             f"speculates with {', '.join(SPECULATIVE_ALGORITHMS)} (STANDALONE, "
+                             "EAGLE and the rest are not implemented)")
+        self.speculative_algorithm = algorithm.upper()
+        if self.speculative_draft_model_path is not None:
+            raise ValueError("--speculative-draft-model-path needs --speculative-algorithm "
+                             "STANDALONE, which minisgl does not support yet")
+        for name in ("speculative_num_draft_tokens", "speculative_num_steps",
+                     "speculative_eagle_topk", "speculative_ngram_min_match_window_size",
+                     "speculative_ngram_max_match_window_size"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 1 <= value <= MAX_DRAFT_TOKENS):
+                raise ValueError(f"--{name.replace('_', '-')} must be an integer in "
+                                 f"[1, {MAX_DRAFT_TOKENS}], got {value!r}")
+        if self.speculative_eagle_topk not in (None, 1):
+            raise ValueError("--speculative-eagle-topk must be 1: minisgl drafts chains, not "
+                             "trees")
+        steps, tokens = self.speculative_num_steps, self.speculative_num_draft_tokens
+        if tokens is not None and tokens < 2:
+            raise ValueError("--speculative-num-draft-tokens must be >= 2 (the last token and "
+                             "at least one draft)")
+        if steps is not None and tokens is not None and tokens != steps + 1:
+            raise ValueError(f"--speculative-num-draft-tokens ({tokens}) must be "
+                             f"--speculative-num-steps ({steps}) + 1 for a chain")
+        if steps is not None:
+            self.speculative_num_draft_tokens = steps + 1
+        if (self.speculative_ngram_min_match_window_size
+                > self.speculative_ngram_max_match_window_size):
+            raise ValueError("--speculative-ngram-min-match-window-size must not exceed "
+                             "--speculative-ngram-max-match-window-size")
 
     @property
     def served_model_names(self) -> list[str]:

@@ -232,7 +232,8 @@ class Req:
                  "stop_ids", "generator", "matcher", "logprob_num", "logprob_start_len",
                  "input_logprobs", "input_top_logprobs", "table_idx", "kv_len", "device_len",
                  "shared_len", "tail_loc", "cache_handle", "admitted_at", "cached_tokens",
-                 "finish_reason")
+                 "finish_reason", "speculative", "spec_verify_ct", "spec_drafted",
+                 "spec_accepted")
 
     def __init__(self, uid: int, rid: str, prompt_ids: list[int], params: SamplingParams,
                  max_device_len: int, stop_ids: frozenset[int] = frozenset(),
@@ -261,6 +262,10 @@ class Req:
         self.admitted_at = 0  # admission order; retraction takes the newest first
         self.cached_tokens = 0  # prompt tokens the prefix cache served at the first admission
         self.finish_reason: dict[str, Any] | None = None
+        # NOTE: a speculating request's kv_len and device_len are upper bounds while a verify
+        # step is in flight (see scheduler.speculation): KV slots are reserved for its drafts
+        self.speculative = False
+        self.spec_verify_ct = self.spec_drafted = self.spec_accepted = 0
 
     def __repr__(self) -> str:
         return (f"Req(uid={self.uid}, rid={self.rid!r}, tokens={len(self.host_ids)}, "
@@ -297,6 +302,14 @@ class Req:
     def scores_only(self) -> bool:
         """max_new_tokens 0 with prompt tokens to score: one prefill, then finished."""
         return self.params.max_new_tokens == 0 and bool(self.scored_positions)
+
+    @property
+    def cacheable_len(self) -> int:
+        """Tokens of host_ids whose KV is computed, at most (pages past them are reserved or
+        wait for a step still in flight)."""
+        if self.speculative:
+            return min(self.kv_len, len(self.host_ids) - 1)
+        return min(self.kv_len, len(self.host_ids))
 
     @property
     def remain_len(self) -> int:

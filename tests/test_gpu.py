@@ -285,6 +285,41 @@ def test_input_logprobs_and_logit_bias_on_cuda(flashinfer, real_model) -> None:
         llm.check_integrity()
 
 
+def test_speculative_decoding_on_cuda(flashinfer, real_model) -> None:
+    """NGRAM speculation on CUDA (FlashInfer, graphs for steps without drafts, the settle
+    before each verify step): greedy outputs equal plain decoding (or first differ where the
+    reference's bf16 top-2 margin is tiny), drafts are accepted, every page accounted for."""
+    from minisgl import LLM
+    rng = random.Random(2)
+    prompts = []
+    for _ in range(12):
+        passage = [rng.randrange(100, 20000) for _ in range(rng.randint(10, 80))]
+        prompts.append(passage + passage + passage[:3])
+    prompts += [[rng.randrange(100, 20000) for _ in range(40)] for _ in range(4)]
+    greedy = {"temperature": 0, "max_new_tokens": 48}
+    common = dict(dtype="bfloat16", device="cuda", max_total_tokens=32768,
+                  max_running_requests=16)
+    with LLM(**common) as llm:
+        ref = llm.generate(input_ids=prompts, sampling_params=greedy, return_logprob=True,
+                           top_logprobs_num=2)
+    with LLM(speculative_algorithm="NGRAM", **common) as llm:
+        ours = llm.generate(input_ids=prompts, sampling_params=greedy)
+        sampled = llm.generate(input_ids=prompts, sampling_params={
+            "temperature": 1.0, "max_new_tokens": 16, "ignore_eos": True})
+        state = llm.runtime.state()
+        llm.check_integrity()
+    assert state["spec_accepted_tokens"] > 100, state
+    assert all(len(o["output_ids"]) == 16 for o in sampled)
+    for r, o in zip(ref, ours):
+        a, b = o["output_ids"], r["output_ids"]
+        if a == b:
+            continue
+        at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        top = r["meta_info"]["output_top_logprobs"][at]
+        margin = top[0][0] - top[1][0]
+        assert margin < TOP2_MARGIN_BF16, f"differ at {at} with reference margin {margin:.3g}"
+
+
 def test_grammar_rows_on_cuda(flashinfer, real_model) -> None:
     """Grammar masks on the device (not run on a GPU yet): constrained rows mixed with free
     ones, graphs and the overlap loop on; every constrained output matches its regex and the

@@ -272,7 +272,7 @@ def test_dashboard_in_headless_chromium(observed):
 EVERY_PLOT_HAS_DATA = """(() => {
   const canvases = [...document.querySelectorAll('#charts canvas')];
   const points = Object.fromEntries(canvases.map(c => [c.id, Number(c.dataset.points)]));
-  return canvases.length === 7 && Object.values(points).every(n => n > 0) ? points : null;
+  return canvases.length === 8 && Object.values(points).every(n => n > 0) ? points : null;
 })()"""
 # the y-axis labels (the text drawn right-aligned) of each canvas the code given draws
 AXIS_LABELS = """(() => {

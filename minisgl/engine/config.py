@@ -24,4 +24,8 @@ class EngineConfig:
     cuda_graph_max_bs: int
     disable_cuda_graph: bool
     seed: int  # sampling and dummy weights
+    speculative_algorithm: str | None
+    speculative_num_draft_tokens: int | None  # None: engine.speculation's device default
+    speculative_ngram_min_match_window_size: int
+    speculative_ngram_max_match_window_size: int
     log_level: str  # of the tensor-parallel worker processes

@@ -39,6 +39,7 @@ from minisgl.engine.memory import allocate_kv_pool, release_cuda_memory
 from minisgl.engine.quantization import resolve_quantization
 from minisgl.engine.runner import ModelRunner
 from minisgl.engine.sampler import Sampler
+from minisgl.engine.speculation import Speculator, spec_config
 from minisgl.engine.stream import CpuStream
 from minisgl.engine.tp_message import StepMessage
 from minisgl.env import cuda_wait_mode
@@ -192,8 +193,12 @@ class Engine:
                                        dummy_loc=self.kv_pool.dummy_loc, device=self.device)
             with tp_context(self.tp, self.group):
                 graph_runner.capture()
+        self.speculation = spec_config(config, self.device.type)
+        speculator = None
+        if self.speculation is not None and self.tp.is_primary:
+            speculator = Speculator(self.speculation, self.token_pool, self.page_table)
         self.runner = ModelRunner(self.model, self.attn_backend, self.sampler, self.token_pool,
-                                  graph_runner, self.tp)
+                                  graph_runner, self.tp, speculator)
         if not self.tp.is_primary:
             return  # a worker runs its steps on its main thread
         binding = (self.tp, self.group) if self.tp.size > 1 else None
@@ -253,9 +258,10 @@ class Engine:
         return default_chunk(self.device.type, mixed, widest_row_bytes)
 
     @property
-    def waits_for_masks(self) -> bool:
-        """Whether a launched step may wait for its grammar mask (see GrammarMask): only the
-        CPU engine thread can; a CUDA launch runs on the scheduler's thread."""
+    def runs_steps_in_order(self) -> bool:
+        """Whether a launched step may wait for host work on the steps before it: its grammar
+        mask (see GrammarMask), a verify step's layout (engine.speculation). Only the CPU
+        engine thread can; a CUDA launch runs on the scheduler's thread."""
         return isinstance(self.stream, CpuStream)
 
     @property
@@ -282,23 +288,39 @@ class Engine:
 
     def forward(self, fwd: ForwardInput) -> ForwardOutput:
         """The step itself, on the calling thread and stream; `launch` queues it there."""
+        if fwd.verify is not None and not fwd.verify.counts:
+            self.runner.resolve(fwd)
         return self.runner.forward(fwd)
 
     def launch(self, fwd: ForwardInput) -> Completion:
-        """Queue one forward on the engine stream (and, tp > 1, on every other rank)."""
+        """Queue one forward on the engine stream (and, tp > 1, on every other rank). While
+        speculating, the step message leaves from the engine stream, once a verify step is laid
+        out (every message does, so the ranks get them in launch order)."""
         if self.workers is None:
             return self.stream.launch(partial(self.forward, fwd))
         if self.workers.failed is not None:
             raise EngineFailed(self.workers.failed)
         if fwd.message is None:
             raise ValueError("a tensor-parallel step needs its step message")
+        if self.speculation is None:
+            self._send(fwd)
+        return self.stream.launch(partial(self._forward_tp, fwd,
+                                          send=self.speculation is not None))
+
+    def _send(self, fwd: ForwardInput) -> None:
+        assert self.workers is not None and fwd.message is not None
         try:
             self.workers.send(fwd.message.pack())
         except QueueClosed:
             raise EngineFailed(self.workers.failed or "a tensor-parallel worker is gone") from None
-        return self.stream.launch(partial(self._forward_tp, fwd))
 
-    def _forward_tp(self, fwd: ForwardInput) -> ForwardOutput:
+    def _forward_tp(self, fwd: ForwardInput, send: bool) -> ForwardOutput:
+        if send:
+            if fwd.verify is not None:
+                self.runner.resolve(fwd)
+                assert fwd.message is not None and self.runner.speculator is not None
+                fwd.message.resolve(fwd, self.runner.speculator.token_writes(fwd))
+            self._send(fwd)
         try:
             return self.forward(fwd)
         except Exception as exc:  # a collective broke: most likely a rank died

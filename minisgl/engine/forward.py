@@ -12,6 +12,7 @@ from minisgl.core import Batch
 from minisgl.engine.sampler import SamplingArgs
 
 if TYPE_CHECKING:
+    from minisgl.engine.speculation import VerifyRows
     from minisgl.engine.tp_message import StepMessage
 
 
@@ -79,22 +80,28 @@ class ForwardInput:
     logits_only: bool = False  # return the logits instead of sampling
     input_logprobs: InputLogprobRows | None = None  # rank 0
     grammar: GrammarMask | None = None  # rank 0: rows that sample under a grammar
+    # a speculating decode step: the engine lays it out when it runs (engine.speculation)
+    verify: VerifyRows | None = None
 
     @property
     def num_scored_rows(self) -> int:
         """Rows after the sampling rows (every rank can count them)."""
-        if self.logit_rows is None or self.logits_only:
+        if self.logit_rows is None or self.logits_only or self.verify is not None:
             return 0
         return len(self.logit_rows) - self.batch.size
 
 
 @dataclass
 class ForwardOutput:
-    """Host tensors. On ranks 1..N-1 every field is None (only rank 0 samples)."""
+    """Host tensors. On ranks 1..N-1 every field is None (only rank 0 samples). A verify step
+    (`counts` set) gives each row `counts[i]` tokens: token_ids [B, W], logprobs [B, W] and
+    top_logprobs [B, W, K]."""
 
     token_ids: torch.Tensor | None = None  # [batch.size] int32: the sampled ids
     logprobs: torch.Tensor | None = None  # [batch.size] float32, when asked
     top_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None  # ([B, K] f32, [B, K] i32)
+    counts: torch.Tensor | None = None  # verify: [B] int64, tokens each row emits
+    drafted: torch.Tensor | None = None  # verify: [B] int64, drafts each row verified
     input_logprobs: InputLogprobs | None = None
     logits: torch.Tensor | None = None  # logits_only: [rows, vocab] float32, not sampled
 

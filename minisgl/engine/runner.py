@@ -14,14 +14,17 @@ from minisgl.engine.forward import ForwardInput, ForwardOutput, InputLogprobs, t
 from minisgl.engine.graph import GraphRunner
 from minisgl.engine.sampler import Sampler
 from minisgl.engine.scoring import score_rows
+from minisgl.engine.speculation import Speculator
 from minisgl.engine.tp_message import PHASES
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, attn_backend, sampler: Sampler,
-                 token_pool: torch.Tensor, graph_runner: GraphRunner | None, tp: TPInfo) -> None:
+                 token_pool: torch.Tensor, graph_runner: GraphRunner | None, tp: TPInfo,
+                 speculator: Speculator | None = None) -> None:
         self.model, self.attn_backend, self.sampler = model, attn_backend, sampler
         self.token_pool, self.graph_runner, self.tp = token_pool, graph_runner, tp
+        self.speculator = speculator  # rank 0 of a speculating engine
         self.device = token_pool.device
         self.phase_seconds = {phase: 0.0 for phase in PHASES}
         self.phase_steps = {phase: 0 for phase in PHASES}
@@ -34,6 +37,12 @@ class ModelRunner:
             self.graph_runner.pad_batch(batch)
         self.attn_backend.prepare_metadata(batch)
 
+    def resolve(self, fwd: ForwardInput) -> None:
+        """Lay out a verify step once the steps before it ran (rank 0; see engine.speculation)."""
+        assert self.speculator is not None
+        self.speculator.resolve(fwd)
+        self.plan_batch(fwd.batch)
+
     def forward(self, fwd: ForwardInput) -> ForwardOutput:
         """Runs on the engine stream (GPU) or the engine thread (CPU), in launch order."""
         started = time.perf_counter()
@@ -41,11 +50,14 @@ class ModelRunner:
         if fwd.logits_only:
             return ForwardOutput(logits=logits.float())
         if not self.tp.is_primary:  # rank 0 samples; every rank stores its choice
-            next_tokens = torch.empty(fwd.batch.size, dtype=torch.int32, device=self.device)
+            next_tokens = torch.empty(len(fwd.write_indices), dtype=torch.int32,
+                                      device=self.device)
             self.token_pool.view(-1)[fwd.write_indices] = broadcast(next_tokens, 0)
             return ForwardOutput()
         output = self._sample(fwd, logits, scored)
-        self._count(fwd.batch, started)
+        if self.speculator is not None and fwd.verify is None:
+            self.speculator.record_writes(fwd.write_indices)
+        self._count(fwd.batch, started, verify=fwd.verify is not None)
         return output
 
     def _logits(self, fwd: ForwardInput) -> tuple[torch.Tensor, InputLogprobs | None]:
@@ -71,6 +83,13 @@ class ModelRunner:
         if fwd.grammar is not None:  # NOTE: may wait for the scheduler (see GrammarMask)
             bitmask = fwd.grammar.wait()
             mask = (fwd.grammar.rows, bitmask.to(self.device, non_blocking=True))
+        if fwd.verify is not None:
+            assert self.speculator is not None
+            output, stored = self.speculator.verify(fwd, logits, self.sampler, mask)
+            self.token_pool.view(-1)[fwd.write_indices] = stored
+            if self.tp.size > 1:
+                broadcast(stored, 0)
+            return output
         sample = self.sampler.sample(logits[: fwd.batch.size], fwd.sample_args, self.token_pool,
                                      mask)
         self.token_pool.view(-1)[fwd.write_indices] = sample.next_tokens
@@ -82,10 +101,15 @@ class ModelRunner:
             top_logprobs=None if tops is None else (to_host(tops[0]), to_host(tops[1])),
             input_logprobs=scored)
 
-    def _count(self, batch: Batch, started: float) -> None:
-        # NOTE: on CPU this is the real compute time; on CUDA only the launch time.
-        self.phase_seconds[batch.phase] += time.perf_counter() - started
-        self.phase_steps[batch.phase] += 1
+    def _count(self, batch: Batch, started: float, verify: bool) -> None:
+        """NOTE: on CPU this is the real compute time; on CUDA only the launch time. A verify
+        step counts as decode, every token it forwards too."""
+        phase = "decode" if verify else batch.phase
+        self.phase_seconds[phase] += time.perf_counter() - started
+        self.phase_steps[phase] += 1
+        if verify:
+            self.forwarded_tokens["decode"] += sum(batch.extend_lens[:batch.size])
+            return
         decode_rows = batch.size if batch.is_decode else batch.decode_rows
         self.forwarded_tokens["decode"] += decode_rows
         if not batch.is_decode:

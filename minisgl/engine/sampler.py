@@ -12,7 +12,7 @@ and a step draws one number per row, not one per vocabulary entry.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -191,6 +191,21 @@ class Sampler:
             threshold = args.min_ps * probs.amax(dim=-1, keepdim=True)
             probs = probs.masked_fill(probs < threshold, 0.0)
         return probs
+
+    def target_probs(self, logits: torch.Tensor, args: SamplingArgs, rows: torch.Tensor
+                     ) -> torch.Tensor:
+        """The sampling distributions [S, W, V] of batch rows `rows` (sampled, no penalties,
+        bias or bans: see scheduler.speculation) at each of W positions (`logits` [S, W, V])."""
+        width = logits.shape[1]
+
+        def per_position(values: torch.Tensor | None) -> torch.Tensor | None:
+            return None if values is None else values[rows].repeat_interleave(width, 0)
+
+        assert args.temperatures is not None
+        sub = replace(args, top_ks=per_position(args.top_ks), top_ps=per_position(args.top_ps),
+                      min_ps=per_position(args.min_ps))
+        flat = logits.reshape(-1, logits.shape[2]) / per_position(args.temperatures)
+        return self._filter(torch.softmax(flat, dim=-1), sub).view(logits.shape)
 
     def _draw(self, probs: torch.Tensor, args: SamplingArgs) -> torch.Tensor:
         """A token per row with probability proportional to `probs` (rows with mass): a uniform

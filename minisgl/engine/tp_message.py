@@ -4,11 +4,15 @@ format (int arrays for the shared-memory ring)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from minisgl.core import Batch, Phase
+
+if TYPE_CHECKING:
+    from minisgl.engine.forward import ForwardInput
 
 PHASES: tuple[Phase, ...] = ("prefill", "decode", "mixed")  # NOTE: wire codes 0..2; -1 is STOP
 
@@ -17,7 +21,8 @@ PHASES: tuple[Phase, ...] = ("prefill", "decode", "mixed")  # NOTE: wire codes 0
 class StepMessage:
     """Host tensors and lists. The row lists are padded (CUDA graphs); positions and out_loc
     are not (each rank pads its own device copies). `token_writes` and `location_writes` are
-    rank 0's host writes to token_pool / page_table since the previous step, in order."""
+    rank 0's host writes to token_pool / page_table since the previous step, in order; a token
+    write (row, start, ids) sets token_pool[row, start:start + len(ids)]."""
 
     phase: Phase
     size: int
@@ -32,7 +37,7 @@ class StepMessage:
     logit_rows: torch.Tensor | None
     logits_only: bool = False
     decode_rows: int = 0
-    token_writes: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (row, ids)
+    token_writes: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
     location_writes: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     def pack(self) -> list[np.ndarray]:
@@ -44,8 +49,9 @@ class StepMessage:
             _ints(self.extend_lens), _ints(self.positions), _ints(self.out_loc),
             _ints(self.load_indices), _ints(self.write_indices),
             _ints(self.logit_rows if self.logit_rows is not None else []),
-            _ints([row for row, _ in tokens]), _ints([len(ids) for _, ids in tokens]),
-            (torch.cat([ids for _, ids in tokens]).to(torch.int32).numpy() if tokens
+            _ints([row for row, _, _ in tokens]), _ints([start for _, start, _ in tokens]),
+            _ints([len(ids) for _, _, ids in tokens]),
+            (torch.cat([ids for _, _, ids in tokens]).to(torch.int32).numpy() if tokens
              else np.zeros(0, np.int32)),
             _ints([len(idx) for idx, _ in locations]),
             _ints(torch.cat([idx for idx, _ in locations]) if locations else []),
@@ -55,11 +61,12 @@ class StepMessage:
     @classmethod
     def unpack(cls, arrays: list[np.ndarray]) -> StepMessage:
         (meta, rows, cached, seq_lens, extend, positions, out_loc, load, write, logit_rows,
-         token_rows, token_lens, token_ids, location_lens, location_idx, location_vals) = arrays
+         token_rows, token_starts, token_lens, token_ids, location_lens, location_idx,
+         location_vals) = arrays
         phase, size, logits_only, has_logit_rows, decode_rows = meta.tolist()
         tokens, at = [], 0
-        for row, n in zip(token_rows.tolist(), token_lens.tolist()):
-            tokens.append((row, torch.from_numpy(token_ids[at:at + n])))
+        for row, start, n in zip(token_rows.tolist(), token_starts.tolist(), token_lens.tolist()):
+            tokens.append((row, start, torch.from_numpy(token_ids[at:at + n])))
             at += n
         locations, at = [], 0
         for n in location_lens.tolist():
@@ -72,10 +79,24 @@ class StepMessage:
                    torch.from_numpy(logit_rows) if has_logit_rows else None, bool(logits_only),
                    decode_rows, tokens, locations)
 
+    def resolve(self, fwd: ForwardInput, draft_writes: list[tuple[int, int, torch.Tensor]]
+                ) -> None:
+        """Take a verify step's layout, once rank 0 resolved it (engine.speculation), and the
+        drafts it wrote into its token pool."""
+        batch = fwd.batch
+        self.phase, self.size = batch.phase, batch.size
+        self.table_rows, self.cached_lens = batch.table_rows, batch.cached_lens
+        self.seq_lens, self.extend_lens = batch.seq_lens, batch.extend_lens
+        assert batch.input_positions is not None and batch.out_loc is not None
+        self.positions, self.out_loc = batch.input_positions.cpu(), batch.out_loc.cpu()
+        self.load_indices, self.write_indices = fwd.load_indices.cpu(), fwd.write_indices.cpu()
+        self.logit_rows = None if fwd.logit_rows is None else fwd.logit_rows.cpu()
+        self.token_writes = self.token_writes + draft_writes
+
     def replay_writes(self, token_pool: torch.Tensor, page_table: torch.Tensor) -> None:
         device = token_pool.device
-        for row, ids in self.token_writes:
-            token_pool[row, : len(ids)] = ids.to(device)
+        for row, start, ids in self.token_writes:
+            token_pool[row, start:start + len(ids)] = ids.to(device)
         for flat, locations in self.location_writes:  # NOTE: in order: a later write may overwrite
             page_table.view(-1)[flat.to(device)] = locations.to(device, torch.int32)
 

@@ -49,6 +49,13 @@ class ResultShaper:
             "cached_tokens": h.cached_tokens,
             "e2e_latency": end - h.created,
         }
+        if h.spec is not None:  # SGLang's names; accept length: tokens per verify step
+            verify_ct, drafted, accepted = h.spec
+            meta.update(spec_verify_ct=verify_ct, spec_draft_token_num=drafted,
+                        spec_accept_token_num=accepted,
+                        spec_accept_rate=accepted / drafted if drafted else 0.0,
+                        spec_accept_length=(len(h.output_ids) / verify_ct if verify_ct
+                                            else 0.0))
         if h.logprob_num >= 0:
             self._add_new_logprobs(h)
             meta["output_token_logprobs"] = self.output_token_logprobs

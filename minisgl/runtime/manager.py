@@ -56,6 +56,7 @@ class ReqHandle:
     streaming: bool = False  # the client reads it as a stream (metrics' is_streaming label)
     created: float = field(default_factory=time.perf_counter)
     cached_tokens: int = 0
+    spec: tuple[int, int, int] | None = None  # speculating: (verify steps, drafted, accepted)
     finished: bool = False
     finish_reason: dict[str, Any] | None = None
     first_token_at: float | None = None
@@ -257,6 +258,8 @@ class RequestManager:
             if handle is None or handle.finished:
                 continue
             handle.cached_tokens = event.cached_tokens
+            if event.spec is not None:
+                handle.spec = event.spec
             if event.token is not None:
                 if handle.first_token_at is None:
                     self.metrics.on_first_token(handle.streaming, now - handle.created,

@@ -55,6 +55,10 @@ SGLANG_GAUGES = {
     "cache_hit_rate": ("The prefix cache hit rate.", "cache_hit_rate"),
     "new_token_ratio": ("The scheduler's estimate of the share of max_new_tokens a request "
                         "will use.", "new_token_ratio"),
+    "spec_accept_length": ("Speculative decoding: tokens a request gains per verify step "
+                           "(accepted drafts + 1), mean since start.", "spec_accept_length"),
+    "spec_accept_rate": ("Speculative decoding: the share of drafted tokens accepted, since "
+                         "start.", "spec_accept_rate"),
 }
 SGLANG_COUNTERS = {
     "num_retracted_requests": ("Requests sent back to the waiting queue for lack of KV "
@@ -62,6 +66,8 @@ SGLANG_COUNTERS = {
 }
 MINISGL_COUNTERS = {
     "preemptions": "Running requests sent back to the waiting queue for a more urgent one",
+    "spec_drafted_tokens": "Speculative decoding: drafted tokens verified",
+    "spec_accepted_tokens": "Speculative decoding: drafted tokens accepted",
     **{f"engine_{phase}_steps": f"Number of {phase} steps" for phase in PHASES},
     **{f"engine_{phase}_seconds": f"Seconds in {phase} steps (CPU: compute; CUDA: launch only)"
        for phase in PHASES},

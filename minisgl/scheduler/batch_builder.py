@@ -16,6 +16,7 @@ import torch
 from minisgl.core import Batch, Phase, Req
 from minisgl.engine import Engine, ForwardInput, GrammarMask, InputLogprobRows, StepMessage
 from minisgl.engine.completion import Completion
+from minisgl.engine.speculation import VerifyRows
 from minisgl.scheduler.prefill import PrefillChunk
 from minisgl.scheduler.table import TableManager
 
@@ -29,6 +30,7 @@ class ScheduledBatch:
     last_chunk: list[bool]
     fwd: ForwardInput
     completion: Completion | None = None  # set when launched
+    reserved: list[int] | None = None  # a verify step: KV slots reserved per row
 
     def fill_masks(self) -> None:
         """Each grammar row's allowed next tokens, from its matcher (which must have accepted
@@ -56,6 +58,50 @@ class BatchBuilder:
     def decode(self, reqs: list[Req], locations: torch.Tensor) -> ScheduledBatch:
         return self._build("decode", reqs, [r.kv_len for r in reqs], [1] * len(reqs),
                            [True] * len(reqs), locations)
+
+    def verify(self, reqs: list[Req], counts: list[int], locations: torch.Tensor
+               ) -> ScheduledBatch:
+        """A decode step of speculating requests (rows of others decode one token): `counts`
+        KV slots reserved per row at [kv_len, kv_len + count) (`locations`). The engine lays it
+        out when it runs (engine.speculation); only the reservation happens here."""
+        ctx = self.table.context_len
+        rows = [r.table_idx for r in reqs]
+        counts_t = torch.tensor(counts)
+        starts = torch.tensor([r.kv_len for r in reqs])
+        reserved = (torch.arange(len(locations)) + torch.repeat_interleave(
+            starts - (counts_t.cumsum(0) - counts_t), counts_t))
+        self.table.write_locations(
+            torch.repeat_interleave(torch.tensor(rows), counts_t) * ctx + reserved, locations)
+        ends = [r.kv_len + 1 for r in reqs]  # exact for rows that do not speculate
+        sample_args = self.engine.sampler.sampling_args(
+            reqs, prompt_lens=[r.prompt_len for r in reqs],
+            output_counts=[e - r.prompt_len for r, e in zip(reqs, ends)], table_rows=rows,
+            seq_lens=ends, logprob_nums=[r.logprob_num for r in reqs])
+        tails = locations[counts_t.cumsum(0) - 1].tolist()
+        for req, count, tail in zip(reqs, counts, tails):
+            req.kv_len += count
+            req.device_len += count
+            req.tail_loc = tail
+        batch = Batch("decode", len(reqs), table_rows=rows, cached_lens=[], seq_lens=[],
+                      extend_lens=[])
+        message = None
+        if self.multi_rank:  # the engine fills in the layout (StepMessage.resolve)
+            tokens, location_writes = self.table.take_log()
+            empty = torch.zeros(0, dtype=torch.int64)
+            message = StepMessage("decode", len(reqs), rows, [], [], [], empty, empty, empty,
+                                  empty, None, token_writes=tokens,
+                                  location_writes=location_writes)
+        verify = VerifyRows(uids=[r.uid for r in reqs],
+                            max_drafts=[c - 1 if r.speculative else 0
+                                        for r, c in zip(reqs, counts)],
+                            max_lens=[r.max_device_len for r in reqs],
+                            greedy=[r.params.is_greedy for r in reqs])
+        last = [True] * len(reqs)
+        fwd = ForwardInput(batch=batch, load_indices=torch.zeros(0, dtype=torch.int64),
+                           write_indices=torch.zeros(0, dtype=torch.int64), logit_rows=None,
+                           sample_args=sample_args, message=message,
+                           grammar=self._grammar_rows(reqs, last), verify=verify)
+        return ScheduledBatch(reqs, last, fwd, reserved=counts)
 
     def mixed(self, chunks: list[PrefillChunk], decodes: list[Req], locations: torch.Tensor
               ) -> ScheduledBatch:

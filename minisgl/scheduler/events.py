@@ -1,7 +1,8 @@
 """What the scheduler tells the outside: plain values, never a live request.
 
 `add_requests` answers each queued request with a `Queued`; every step then sends a list of
-`ReqEvent`s to the sink, one per request with news (a token, a finish, or both).
+`ReqEvent`s to the sink, one per request with news (a token, a finish, or both); a verify
+step of speculative decoding may give a request several, one per token, in order.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ class ReqEvent:
     # with the first output, when logprobs were asked for: one per scored prompt position
     input_logprobs: list[float] | None = None
     input_top_logprobs: list[list[tuple[float, int]]] | None = None
+    # a speculating request's running totals: (verify steps, drafted, accepted drafts)
+    spec: tuple[int, int, int] | None = None
 
     @property
     def finished(self) -> bool:

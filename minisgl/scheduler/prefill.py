@@ -98,7 +98,8 @@ class PrefillManager:
         """Give an admitted request's slot back, and its KV: whole pages to the prefix cache,
         the rest to the free pages."""
         locations = self.table.locations(req.table_idx, req.kv_len)
-        self.cache.release(req.host_ids, locations, req.shared_len, req.cache_handle)
+        self.cache.release(req.host_ids[:req.cacheable_len], locations, req.shared_len,
+                           req.cache_handle)
         self.table.free(req.table_idx)
         req.table_idx, req.cache_handle = -1, None
 

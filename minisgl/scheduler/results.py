@@ -15,7 +15,8 @@ NEG_INF = float("-inf")
 
 def finished_event(req: Req) -> ReqEvent:
     """The event of a request finished without a new token."""
-    return ReqEvent(req.rid, None, req.finish_reason, req.cached_tokens)
+    return ReqEvent(req.rid, None, req.finish_reason, req.cached_tokens,
+                    spec=_spec_counts(req))
 
 
 def finish_reason(req: Req, token: int) -> dict[str, Any] | None:
@@ -44,43 +45,78 @@ def grammar_finish(req: Req, token: int) -> dict[str, Any] | None:
 
 
 def collect_events(done: ScheduledBatch, out: ForwardOutput,
-                    finish: Callable[[Req, dict[str, Any]], None]) -> list[ReqEvent]:
-    """Append each row's token to its request and call `finish` for the requests it ends."""
+                   finish: Callable[[Req, dict[str, Any]], None],
+                   release_surplus: Callable[[Req, int], None] | None = None
+                   ) -> list[ReqEvent]:
+    """Append each row's token (a verify step: tokens) to its request and call `finish` for the
+    requests it ends; tokens past the one that ends a request are dropped. `release_surplus`
+    (a verify step) gives back the KV slots a row reserved but did not fill."""
     tokens = out.token_ids.tolist()
+    counts = out.counts.tolist() if out.counts is not None else None
     logprobs = out.logprobs.tolist() if out.logprobs is not None else None
     tops = None
     if out.top_logprobs is not None:
         tops = list(zip(out.top_logprobs[0].tolist(), out.top_logprobs[1].tolist()))
     if out.input_logprobs is not None:
         store_input_logprobs(done, out)
+    drafted = out.drafted.tolist() if out.drafted is not None else None
     events: list[ReqEvent] = []
     for i, req in enumerate(done.reqs):
         if not done.last_chunk[i] or req.is_finished:
             continue  # NOTE: a request finished in an earlier batch gets no extra token
+        if counts is None:
+            row_tokens = [tokens[i]]
+            row_logprobs = None if logprobs is None else [logprobs[i]]
+            row_tops = None if tops is None else [tops[i]]
+        else:  # a verify step
+            row_tokens = tokens[i][:counts[i]]
+            row_logprobs = None if logprobs is None else logprobs[i]
+            row_tops = None if tops is None else list(zip(*tops[i]))
+            if req.speculative:
+                assert done.reserved is not None and drafted is not None
+                if release_surplus is not None:
+                    release_surplus(req, done.reserved[i] - counts[i])
+                req.spec_verify_ct += 1
+                req.spec_drafted += drafted[i]
+                req.spec_accepted += counts[i] - 1
         # NOTE: input logprobs go out with the request's first event, read before it appends
         first = req.logprob_num >= 0 and req.num_outputs == 0
-        token: int | None = None
-        logprob, top = None, None
         if req.scores_only:  # prefilled for its input logprobs; the sample is unused
             finish(req, {"type": "length", "length": 0})
-        else:
-            token = tokens[i]
+            events.append(_event(req, None, None, None, first))
+            continue
+        for j, token in enumerate(row_tokens):
             req.host_ids.append(token)
             reason = finish_reason(req, token)
             if reason is not None:
                 finish(req, reason)
-            if req.logprob_num >= 0 and logprobs is not None:
-                logprob = logprobs[i]
-                if req.logprob_num > 0 and tops is not None:
-                    values, ids = tops[i]
+            logprob, top = None, None
+            if req.logprob_num >= 0 and row_logprobs is not None:
+                logprob = row_logprobs[j]
+                if req.logprob_num > 0 and row_tops is not None:
+                    values, ids = row_tops[j]
                     # NOTE: tokens a grammar (or a -inf bias) masked are not alternatives: a
                     # row lists fewer than logprob_num when fewer are allowed
                     top = [(v, t) for v, t in zip(values[: req.logprob_num],
                                                   ids[: req.logprob_num]) if v != NEG_INF]
-        events.append(ReqEvent(
-            req.rid, token, req.finish_reason, req.cached_tokens, logprob, top,
-            req.input_logprobs if first else None, req.input_top_logprobs if first else None))
+            events.append(_event(req, token, logprob, top, first and j == 0))
+            if req.is_finished:
+                break
     return events
+
+
+def _event(req: Req, token: int | None, logprob: float | None,
+           top: list[tuple[float, int]] | None, first: bool) -> ReqEvent:
+    return ReqEvent(req.rid, token, req.finish_reason, req.cached_tokens, logprob, top,
+                    req.input_logprobs if first else None,
+                    req.input_top_logprobs if first else None, spec=_spec_counts(req))
+
+
+def _spec_counts(req: Req) -> tuple[int, int, int] | None:
+    """(verify steps, drafted, accepted) of a speculating request, None otherwise."""
+    if not req.speculative:
+        return None
+    return req.spec_verify_ct, req.spec_drafted, req.spec_accepted
 
 
 def store_input_logprobs(done: ScheduledBatch, out: ForwardOutput) -> None:

@@ -34,6 +34,7 @@ from minisgl.scheduler.policy import WaitingOrder
 from minisgl.scheduler.prefill import PrefillManager
 from minisgl.scheduler.results import collect_events, finished_event
 from minisgl.scheduler.selection import BatchSelector
+from minisgl.scheduler.speculation import release_surplus, speculates
 from minisgl.scheduler.stats import SchedulerStats, report
 from minisgl.scheduler.table import TableManager
 
@@ -61,7 +62,7 @@ class Scheduler:
         self.prefill = PrefillManager(self.cache, self.table, self.decode, self.order)
         self.builder = BatchBuilder(engine, self.table, ps)
         self.selector = BatchSelector(config, self.prefill, self.decode, self.cache, self.builder,
-                                      self.stats)
+                                      self.stats, engine.speculation)
         self.context_len = engine.context_len
         self.eos_ids = frozenset(engine.eos_token_ids)
         self.limits = RequestLimits(
@@ -124,6 +125,7 @@ class Scheduler:
         if params.sampling_seed is not None:
             req.generator = torch.Generator(self.engine.device).manual_seed(
                 params.sampling_seed % 2**64)
+        req.speculative = self.engine.speculation is not None and speculates(req)
         self.reqs[rid] = req
         self._post("new", req)
         return Queued(rid, params)
@@ -198,6 +200,9 @@ class Scheduler:
                 batch = await self._schedule()
                 if batch is not None and batch.fwd.grammar is not None:
                     await self._ready_masks(batch)
+                if (batch is not None and batch.fwd.verify is not None
+                        and not self.engine.runs_steps_in_order):
+                    await self._settle()  # NOTE: the one sync of speculation (on CUDA)
                 ongoing = self._launch(batch) if batch is not None else None
                 if self._in_flight is not None:
                     done = self._in_flight
@@ -245,7 +250,7 @@ class Scheduler:
         flight). Else, where a launched step cannot wait for its mask (CUDA), settle the batch
         in flight first; on the CPU engine thread the mask is filled after launching, once
         the batch in flight is processed (GrammarMask)."""
-        if not self.engine.waits_for_masks:
+        if not self.engine.runs_steps_in_order:
             await self._settle()
         if self._in_flight is None:
             batch.fill_masks()
@@ -297,8 +302,10 @@ class Scheduler:
     def _process(self, done: ScheduledBatch, out: ForwardOutput,
                  ongoing: ScheduledBatch | None) -> None:
         """`done`'s results; `ongoing`: the batch launched after it, still in flight."""
-        events = collect_events(done, out, self._finish)
+        events = collect_events(done, out, self._finish, self._release_surplus)
         self.stats.tokens_generated += sum(e.token is not None for e in events)
+        if out.counts is not None:
+            self.stats.count_verify(done, out)
         self._release_finished(ongoing)
         if events:
             self.sink(events)
@@ -310,6 +317,9 @@ class Scheduler:
         if self.prefill.drop(req) or req.table_idx < 0:
             return  # never admitted: holds nothing
         self.to_release.append(req)  # released by the caller, once per step
+
+    def _release_surplus(self, req: Req, surplus: int) -> None:
+        release_surplus(req, surplus, self.cache, self.table)
 
     def _release_finished(self, ongoing: ScheduledBatch | None) -> None:
         busy = set(ongoing.reqs) if ongoing is not None else set()

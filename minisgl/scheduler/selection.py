@@ -13,11 +13,13 @@ from dataclasses import dataclass
 import torch
 
 from minisgl.core import Req
+from minisgl.engine.speculation import SpecConfig
 from minisgl.scheduler.batch_builder import BatchBuilder, ScheduledBatch
 from minisgl.scheduler.cache import CacheManager, locations_for, pages_spanned
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.decode import DecodeManager
 from minisgl.scheduler.prefill import PrefillChunk, PrefillManager
+from minisgl.scheduler.speculation import verify_counts
 from minisgl.scheduler.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
@@ -38,9 +40,10 @@ SETTLE = Selection(settle_first=True)
 
 class BatchSelector:
     def __init__(self, config: SchedulerConfig, prefill: PrefillManager, decode: DecodeManager,
-                 cache: CacheManager, builder: BatchBuilder, stats: SchedulerStats) -> None:
+                 cache: CacheManager, builder: BatchBuilder, stats: SchedulerStats,
+                 spec: SpecConfig | None = None) -> None:
         self.config, self.prefill, self.decode, self.cache = config, prefill, decode, cache
-        self.builder, self.stats = builder, stats
+        self.builder, self.stats, self.spec = builder, stats, spec
 
     def next_batch(self, in_flight: bool) -> Selection:
         """SETTLE only when `in_flight`."""
@@ -59,10 +62,13 @@ class BatchSelector:
             reqs = self.decode.schedule()
             if not reqs:
                 return IDLE
-            locations = self._decode_locations(reqs)
+            counts = self._verify_counts(reqs)
+            locations = self._decode_locations(reqs, counts)
             if locations is not None:
                 self.prefill.on_decode_step()
-                return Selection(self.builder.decode(reqs, locations))
+                if counts is None:
+                    return Selection(self.builder.decode(reqs, locations))
+                return Selection(self.builder.verify(reqs, counts, locations))
             if in_flight:  # out of pages even after eviction: settle first, then retract
                 return SETTLE
             self._retract_newest()
@@ -72,7 +78,9 @@ class BatchSelector:
             if chunk.first:
                 chunk.req.cached_tokens = chunk.req.cached_tokens or chunk.start
                 self.stats.cached_prompt_tokens += chunk.start
-        decodes = self.decode.schedule() if self.config.enable_mixed_chunk else []
+        # NOTE: speculating requests decode in their own steps (engine.speculation)
+        decodes = ([r for r in self.decode.schedule() if not r.speculative]
+                   if self.config.enable_mixed_chunk else [])
         locations = self._decode_locations(decodes) if decodes else None
         if locations is not None:  # NOTE: without pages for the decodes they wait, unmixed
             batch = self.builder.mixed(chunks, decodes, locations)
@@ -85,11 +93,21 @@ class BatchSelector:
                 self.decode.add(chunk.req)
         return batch
 
-    def _decode_locations(self, reqs: list[Req]) -> torch.Tensor | None:
-        """KV locations for one more token of each request; None (nothing taken) if short."""
-        spans = [(r.kv_len, 1, r.tail_loc) for r in reqs]
-        pages = self.cache.allocate(sum(pages_spanned(s, 1, self.cache.page_size)
-                                        for s, _, _ in spans))
+    def _verify_counts(self, reqs: list[Req]) -> list[int] | None:
+        """KV slots each request reserves in a verify step; None: a plain decode step (no
+        request speculates)."""
+        if self.spec is None or not any(r.speculative for r in reqs):
+            return None
+        return verify_counts(reqs, self.spec.drafts_per_row(len(reqs)))
+
+    def _decode_locations(self, reqs: list[Req], counts: list[int] | None = None
+                          ) -> torch.Tensor | None:
+        """KV locations for one more token of each request (`counts`: that many); None
+        (nothing taken) if short."""
+        spans = [(r.kv_len, 1 if counts is None else counts[i], r.tail_loc)
+                 for i, r in enumerate(reqs)]
+        pages = self.cache.allocate(sum(pages_spanned(s, n, self.cache.page_size)
+                                        for s, n, _ in spans))
         return None if pages is None else locations_for(spans, pages, self.cache.page_size)
 
     def _preemption_victim(self) -> Req | None:

@@ -6,7 +6,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from minisgl.engine import Engine
+from minisgl.engine import Engine, ForwardOutput
+from minisgl.scheduler.batch_builder import ScheduledBatch
 from minisgl.scheduler.cache import CacheManager
 from minisgl.scheduler.decode import DecodeManager
 from minisgl.scheduler.prefill import PrefillManager
@@ -21,6 +22,29 @@ class SchedulerStats:
     retractions: int = 0
     preemptions: int = 0  # retractions for a more urgent request (priority scheduling)
     integrity_error: str | None = None
+    # speculative decoding: rows of speculating requests verified, their drafts and the drafts
+    # accepted (each row also emits one token of the target's own)
+    spec_verified_rows: int = 0
+    spec_drafted: int = 0
+    spec_accepted: int = 0
+
+    def count_verify(self, done: ScheduledBatch, out: ForwardOutput) -> None:
+        assert out.counts is not None and out.drafted is not None
+        rows = [i for i, req in enumerate(done.reqs) if req.speculative]
+        counts, drafted = out.counts.tolist(), out.drafted.tolist()
+        self.spec_verified_rows += len(rows)
+        self.spec_drafted += sum(drafted[i] for i in rows)
+        self.spec_accepted += sum(counts[i] - 1 for i in rows)
+
+    @property
+    def spec_accept_length(self) -> float:
+        """Tokens a speculating request gains per verify step (accepted drafts + 1)."""
+        rows = self.spec_verified_rows
+        return (self.spec_accepted + rows) / rows if rows else 0.0
+
+    @property
+    def spec_accept_rate(self) -> float:
+        return self.spec_accepted / self.spec_drafted if self.spec_drafted else 0.0
 
 
 def report(stats: SchedulerStats, cache: CacheManager, prefill: PrefillManager,
@@ -56,6 +80,11 @@ def report(stats: SchedulerStats, cache: CacheManager, prefill: PrefillManager,
            for phase, seconds in engine.phase_seconds.items()},
         **{f"engine_{phase}_steps": steps for phase, steps in engine.phase_steps.items()},
         **{f"engine_{kind}_tokens": n for kind, n in engine.forwarded_tokens.items()},
+        "spec_verified_rows": stats.spec_verified_rows,
+        "spec_drafted_tokens": stats.spec_drafted,
+        "spec_accepted_tokens": stats.spec_accepted,
+        "spec_accept_length": stats.spec_accept_length,
+        "spec_accept_rate": stats.spec_accept_rate,
         "integrity_error": stats.integrity_error,
     }
 

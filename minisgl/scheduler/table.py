@@ -25,7 +25,7 @@ class TableManager:
         on_host = page_table.device.type == "cpu"
         self.host_page_table = page_table if on_host else torch.zeros_like(page_table, device="cpu")
         self._free_rows = list(range(max_running - 1, -1, -1))  # pop() hands out row 0 first
-        self.token_log: list[tuple[int, torch.Tensor]] | None = [] if mirror else None
+        self.token_log: list[tuple[int, int, torch.Tensor]] | None = [] if mirror else None
         self.location_log: list[tuple[torch.Tensor, torch.Tensor]] | None = [] if mirror else None
 
     def take_log(self) -> tuple[list, list]:
@@ -52,7 +52,7 @@ class TableManager:
         ids = torch.tensor(token_ids, dtype=torch.int32)
         self.token_pool[row, : len(token_ids)].copy_(ids, non_blocking=True)
         if self.token_log is not None:
-            self.token_log.append((row, ids))
+            self.token_log.append((row, 0, ids))
 
     def write_locations(self, flat_indices: torch.Tensor, locations: torch.Tensor) -> None:
         """page_table[i // context_len, i % context_len] = location, for flat indices i."""

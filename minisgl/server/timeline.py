@@ -59,10 +59,14 @@ class Timeline:
         }
         if self._previous is None:
             sample |= dict.fromkeys(RATES, 0.0)
+            sample["spec_accept_length"] = 0.0
         else:
             then, before = self._previous
             elapsed = max(now - then, 1e-6)
             sample |= {name: (state[key] - before[key]) / elapsed for name, key in RATES.items()}
+            rows = state["spec_verified_rows"] - before["spec_verified_rows"]
+            accepted = state["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+            sample["spec_accept_length"] = (accepted + rows) / rows if rows else 0.0
         sample["busy"] = min(sample["busy"], 1.0)
         sample |= {k: round(v, 6) for k, v in sample.items() if isinstance(v, float) and k != "t"}
         self._previous = (now, state)

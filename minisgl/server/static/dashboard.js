@@ -22,6 +22,8 @@ const CHARTS = [
     series: [["itl_p50", "p50"], ["itl_p99", "p99"]], format: ms },
   { id: "batch", title: "Batch composition (tokens forwarded / s)",
     series: [["prefill_tok_s", "prefill"], ["decode_tok_s", "decode"]], format: count },
+  { id: "spec", title: "Speculative decoding: tokens per verify step (0: none verified)",
+    series: [["spec_accept_length", "accept length"]], format: (v) => v.toFixed(1) },
   { id: "busy", title: "Engine busy share", cuda: "CUDA: launch time only", series: [["busy", "busy"]],
     format: pct, max: 1 },
 ];

@@ -1,0 +1,260 @@
+"""Speculative decoding on the engine side (`--speculative-algorithm NGRAM`).
+
+The data flow that keeps the overlap loop: when the host builds decode step N+1, step N (in
+flight) has not said how many of its drafts were accepted, so the host cannot know where each
+speculating request's next token sits. It does not need to. It reserves KV slots for the worst
+case (every draft accepted, `VerifyRows`) and leaves the layout to the engine, which runs the
+steps in launch order and so knows N's outcome when N+1 starts: `Speculator.resolve` reads each
+row's committed length (kept on the device, advanced by every step), drafts from the row's
+tokens (n-grams of its prompt and output), writes the drafts into the token pool and lays out
+the forward: the row's last token plus its drafts, at their true positions. After the forward
+`Speculator.verify` accepts the longest agreeing prefix of drafts plus one token of the
+target's, writes them into the token pool and advances the committed lengths.
+
+On CPU resolving runs on the engine thread, after N's forward, while the scheduler processes
+N's results: nothing waits. A CUDA launch runs on the scheduler's thread, so there the
+scheduler settles N before launching a verify step (the one sync; see scheduler.Scheduler).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from minisgl.args import device_default
+from minisgl.engine.config import EngineConfig
+from minisgl.engine.acceptance import accept_greedy, accept_sampled
+from minisgl.engine.forward import ForwardInput, ForwardOutput, to_host
+from minisgl.engine.ngram import NgramIndex
+from minisgl.engine.sampler import SampleOutput, Sampler
+
+MAX_COOLDOWN = 16  # steps a row drafts nothing after drafts it kept rejecting (doubling)
+# Tokens a verify step may forward before drafts stop paying: beyond them the step's cost
+# grows with its tokens (measured: BENCHMARKS.md, "Speculative decoding").
+BATCH_TOKENS = {"cpu": 32, "cuda": 512}
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    algorithm: str
+    num_draft_tokens: int  # tokens per row in a verify forward: the last token and its drafts
+    min_window: int
+    max_window: int
+    batch_tokens: int
+
+    def drafts_per_row(self, rows: int) -> int:
+        """Drafts each of `rows` rows may verify in one step: num_draft_tokens - 1, fewer once
+        the step would forward more than batch_tokens tokens (none at all past that)."""
+        return max(0, min(self.num_draft_tokens - 1, (self.batch_tokens - rows) // max(rows, 1)))
+
+
+def spec_config(config: EngineConfig, device_type: str) -> SpecConfig | None:
+    if config.speculative_algorithm is None:
+        return None
+    tokens = (config.speculative_num_draft_tokens
+              or device_default("speculative_num_draft_tokens", device_type))
+    return SpecConfig(config.speculative_algorithm, tokens,
+                      config.speculative_ngram_min_match_window_size,
+                      config.speculative_ngram_max_match_window_size,
+                      BATCH_TOKENS["cuda" if device_type == "cuda" else "cpu"])
+
+
+@dataclass
+class VerifyRows:
+    """A decode step whose layout the engine resolves (see the module doc): per batch row its
+    request, how many drafts it may verify (0: a plain decode row) and the length it may reach
+    (drafts never pass it)."""
+
+    uids: list[int]
+    max_drafts: list[int]
+    max_lens: list[int]
+    greedy: list[bool]  # per row: accepted by argmax (else by speculative sampling)
+    # set by Speculator.resolve (rank 0): tokens each row forwards, and its drafts
+    counts: list[int] = field(default_factory=list)
+    drafts: list[list[int]] = field(default_factory=list)
+
+
+@dataclass
+class _RowDrafts:
+    """A table row's drafting state, for the request `uid` that holds the row."""
+
+    uid: int
+    index: NgramIndex
+    last_committed: int = 0
+    last_drafts: int = 0
+    misses: int = 0  # verifies in a row that accepted none of their drafts
+    cooldown: int = 0
+
+
+class Speculator:
+    def __init__(self, config: SpecConfig, token_pool: torch.Tensor, page_table: torch.Tensor
+                 ) -> None:
+        self.config = config
+        self.token_pool, self.page_table = token_pool, page_table
+        self.context_len = token_pool.shape[1]
+        self.device = token_pool.device
+        # per table row: tokens in the token pool that are the request's (prompt and output)
+        self.committed = torch.zeros(token_pool.shape[0], dtype=torch.int64, device=self.device)
+        self.rows: dict[int, _RowDrafts] = {}
+
+    def record_writes(self, write_indices: torch.Tensor) -> None:
+        """A step that sampled one token per row at `write_indices` (flat token-pool indices;
+        the dummy row's are harmless): each row now holds its tokens up to there."""
+        self.committed[write_indices // self.context_len] = write_indices % self.context_len + 1
+
+    # ---- before the forward ------------------------------------------------------------------
+
+    def resolve(self, fwd: ForwardInput) -> None:
+        """Lay out a verify step (fwd.verify) now that every earlier step ran: drafts into the
+        token pool, the batch's lengths and positions, the gather/write indices, logit rows."""
+        verify, batch = fwd.verify, fwd.batch
+        assert verify is not None
+        table_rows = batch.table_rows[:batch.size]
+        committed = self.committed[torch.tensor(table_rows)].tolist()
+        verify.drafts = [self._draft(row, uid, length, min(most, cap - length - 1))
+                         if most > 0 else []
+                         for row, uid, length, most, cap in zip(
+                             table_rows, verify.uids, committed, verify.max_drafts,
+                             verify.max_lens)]
+        verify.counts = [1 + len(d) for d in verify.drafts]
+        starts = [c - 1 for c in committed]
+        ctx = self.context_len
+        counts_t = torch.tensor(verify.counts)
+        offsets = torch.repeat_interleave(
+            torch.tensor(starts) - (counts_t.cumsum(0) - counts_t), counts_t)
+        positions = torch.arange(int(counts_t.sum())) + offsets
+        flat = torch.repeat_interleave(torch.tensor(table_rows), counts_t) * ctx + positions
+        drafted = [(row * ctx + start + 1, d) for row, start, d in zip(table_rows, starts,
+                                                                         verify.drafts) if d]
+        if drafted:
+            index = torch.tensor([i + j for i, d in drafted for j in range(len(d))])
+            values = torch.tensor([t for _, d in drafted for t in d], dtype=torch.int32)
+            self.token_pool.view(-1)[_to(index, self.device)] = _to(values, self.device)
+        batch.phase = "decode" if max(verify.counts) == 1 else "prefill"
+        batch.cached_lens = starts
+        batch.extend_lens = verify.counts
+        batch.seq_lens = [s + c for s, c in zip(starts, verify.counts)]
+        flat_d = _to(flat, self.device)
+        batch.input_positions = _to(positions, self.device)
+        batch.out_loc = self.page_table.view(-1)[flat_d].to(torch.int64)
+        fwd.load_indices = flat_d
+        fwd.write_indices = flat_d + 1  # each token row's prediction: the next position
+        fwd.logit_rows = None if batch.is_decode else torch.arange(len(positions),
+                                                                   device=self.device)
+
+    def token_writes(self, fwd: ForwardInput) -> list[tuple[int, int, torch.Tensor]]:
+        """The drafts `resolve` wrote, as token-pool writes (row, start, ids) for other ranks."""
+        verify, batch = fwd.verify, fwd.batch
+        assert verify is not None
+        return [(row, start + 1, torch.tensor(d, dtype=torch.int32))
+                for row, start, d in zip(batch.table_rows, batch.cached_lens, verify.drafts) if d]
+
+    def _draft(self, row: int, uid: int, committed: int, most: int) -> list[int]:
+        state = self.rows.get(row)
+        if state is None or state.uid != uid:
+            state = self.rows[row] = _RowDrafts(uid, NgramIndex(self.config.min_window,
+                                                                self.config.max_window))
+        elif state.last_drafts:  # how the row's previous verify went (known now, no sync)
+            if committed - state.last_committed > 1:
+                state.misses = 0
+            else:
+                state.misses += 1
+                state.cooldown = min(2 ** state.misses, MAX_COOLDOWN) if state.misses > 1 else 0
+        index = state.index
+        if committed < len(index.tokens):
+            index.truncate(committed)
+        if committed > len(index.tokens):
+            index.extend(self.token_pool[row, len(index.tokens):committed].tolist())
+        state.last_committed, state.last_drafts = committed, 0
+        if most <= 0 or state.cooldown > 0:
+            state.cooldown = max(0, state.cooldown - 1)
+            return []
+        drafts = index.draft(most)
+        state.last_drafts = len(drafts)
+        return drafts
+
+    # ---- after the forward -------------------------------------------------------------------
+
+    def verify(self, fwd: ForwardInput, logits: torch.Tensor, sampler: Sampler,
+               mask: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[ForwardOutput,
+                                                                         torch.Tensor]:
+        """Accept drafts (rank 0). `logits`: one row per forwarded token, row by row. Returns
+        the host output (token_ids [B, W]: each row's emitted tokens, `counts` of them) and the
+        tokens to store at fwd.write_indices (one per token row)."""
+        verify, batch, args = fwd.verify, fwd.batch, fwd.sample_args
+        assert verify is not None and args is not None
+        size, device = batch.size, self.device
+        counts = _to(torch.tensor(verify.counts), device)
+        width = max(verify.counts)
+        first = counts.cumsum(0) - counts  # each row's first token row
+        sample = sampler.sample(logits[first], args, self.token_pool, mask)
+        emitted = torch.zeros(size, width, dtype=torch.int64, device=device)
+        emitted[:, 0] = sample.next_tokens
+        accepted = torch.zeros(size, dtype=torch.int64, device=device)
+        drafting = [i for i, d in enumerate(verify.drafts) if d]
+        if drafting:
+            rows = _to(torch.tensor(drafting), device)
+            lens = counts[rows] - 1
+            drafts = torch.zeros(len(drafting), width - 1, dtype=torch.int64)
+            for j, i in enumerate(drafting):
+                drafts[j, :len(verify.drafts[i])] = torch.tensor(verify.drafts[i])
+            drafts = _to(drafts, device)
+            at = (first[rows, None] + torch.arange(width, device=device)).clamp(
+                max=len(logits) - 1)
+            row_logits = logits[at].float()  # [S, W, V]; past a row's count: ignored
+            kept = torch.zeros_like(lens)
+            out = torch.zeros(len(drafting), width, dtype=torch.int64, device=device)
+            # NOTE: the split is known on the host: no sync inside a CUDA launch
+            greedy = [j for j, i in enumerate(drafting) if verify.greedy[i]]
+            sampled = [j for j, i in enumerate(drafting) if not verify.greedy[i]]
+            if greedy:
+                g = _to(torch.tensor(greedy), device)
+                kept[g], out[g] = accept_greedy(drafts[g], lens[g], row_logits[g].argmax(-1))
+            if sampled:
+                s = _to(torch.tensor(sampled), device)
+                probs = sampler.target_probs(row_logits[s], args, rows[s])
+                kept[s], out[s] = accept_sampled(drafts[s], lens[s], probs,
+                                                 generator=sampler.generator)
+            accepted[rows] = kept
+            emitted[rows] = out
+        table_rows = _to(torch.tensor(batch.table_rows[:size]), device)
+        self.committed[table_rows] += accepted + 1
+        token_row = torch.repeat_interleave(torch.arange(size, device=device), counts)
+        column = torch.arange(len(token_row), device=device) - first[token_row]
+        stored = emitted[token_row, column].to(torch.int32)
+        output = ForwardOutput(token_ids=to_host(emitted.to(torch.int32)),
+                               counts=to_host(accepted + 1), drafted=to_host(counts - 1))
+        if args.return_logprobs:
+            self._logprobs(output, logits, first, emitted, sample, counts > 1,
+                           args.top_logprobs_num)
+        return output, stored
+
+    @staticmethod
+    def _logprobs(output: ForwardOutput, logits: torch.Tensor, first: torch.Tensor,
+                  emitted: torch.Tensor, sample: SampleOutput, drafting: torch.Tensor,
+                  top_k: int) -> None:
+        """Raw log-softmax at each emitted token (the target's), and its top k, [B, W]; a row
+        without drafts keeps the sampler's (a grammar row's are those of the masked logits)."""
+        width = emitted.shape[1]
+        at = (first[:, None] + torch.arange(width, device=first.device)).clamp(
+            max=len(logits) - 1)
+        logp = torch.log_softmax(logits.float(), dim=-1)[at]  # [B, W, V]
+        values = logp.gather(2, emitted[..., None])[..., 0]
+        assert sample.logprobs is not None
+        values[:, 0] = torch.where(drafting, values[:, 0], sample.logprobs)
+        output.logprobs = to_host(values)
+        if top_k > 0:
+            top_values, ids = logp.topk(top_k, dim=-1)
+            if sample.top_logprobs is not None:
+                keep = drafting[:, None]
+                top_values[:, 0] = torch.where(keep, top_values[:, 0], sample.top_logprobs[0])
+                ids[:, 0] = torch.where(keep, ids[:, 0], sample.top_logprobs[1].long())
+            output.top_logprobs = (to_host(top_values), to_host(ids.to(torch.int32)))
+
+
+def _to(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the stream (pinned, asynchronous)."""
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)

@@ -1,0 +1,106 @@
+"""Speculative decoding (--speculative-algorithm NGRAM) on vs off, side by side in one run.
+
+Two workloads of chat prompts to the bundled model, greedy:
+- grounded: rewrite, repeat, extract from or continue a given text (passages of this repo's
+  README): the output copies the input, where n-gram drafts are right;
+- chat: open questions, where they are mostly wrong.
+`--streams C` requests decode at once (max_running_requests C, 2C requests, so every step has C
+rows once the first prefills are done). Output tok/s = output tokens / wall time, prefill
+included; "accept" is the mean tokens a speculating request gained per verify step.
+
+    python scripts/bench_speculation.py --streams 1 8 32 64
+    python scripts/bench_speculation.py --streams 1 --overlap-too   # overlap vs not, spec on
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import time
+from pathlib import Path
+
+from minisgl import LLM
+
+ROOT = Path(__file__).resolve().parents[1]
+TASKS = ("Repeat the following text exactly, word for word:\n\n{}",
+         "Rewrite the following text, keeping every sentence but fixing the grammar:\n\n{}",
+         "Copy the sentences of this text that mention a flag or a file:\n\n{}",
+         "Continue this text where it stops, in the same words where it repeats itself:\n\n{}")
+QUESTIONS = ("What is the boiling point of water?", "Write a haiku about autumn.",
+             "Give me three tips for learning a new language.",
+             "Explain why the sky is blue in two sentences.",
+             "Write a short story about a robot who learns to paint.",
+             "What are the benefits of regular exercise?",
+             "Describe your ideal weekend.", "How do vaccines work?",
+             "Suggest a name for a coffee shop and explain it.",
+             "What is the difference between weather and climate?",
+             "Write a limerick about a cat.", "List five fruits and their colors.")
+
+
+def passages(count: int, words: int = 90) -> list[str]:
+    """Paragraphs of plain prose from the README, about `words` words each."""
+    text = (ROOT / "README.md").read_text()
+    paragraphs = [" ".join(p.split()) for p in re.split(r"\n\s*\n", text)]
+    prose = [p for p in paragraphs if len(p.split()) > 30 and not p.startswith(("```", "|", "#"))]
+    return [" ".join(p.split()[:words]) for p in (prose * count)[:count]]
+
+
+def prompts(workload: str, count: int) -> list[str]:
+    if workload == "grounded":
+        return [TASKS[i % len(TASKS)].format(p) for i, p in enumerate(passages(count))]
+    return [QUESTIONS[i % len(QUESTIONS)] for i in range(count)]
+
+
+def run(workload: str, streams: int, spec: bool, args: argparse.Namespace,
+        overlap: bool = True) -> tuple[float, float, int]:
+    """(output tok/s, mean accepted length, output tokens)."""
+    extra = {"speculative_algorithm": "NGRAM"} if spec else {}
+    if args.num_draft_tokens and spec:
+        extra["speculative_num_draft_tokens"] = args.num_draft_tokens
+    with LLM(dtype=args.dtype, max_running_requests=streams, max_total_tokens=args.pool,
+             disable_overlap_schedule=not overlap, **extra) as llm:
+        chats = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}],
+                                                   tokenize=False, add_generation_prompt=True)
+                 for p in prompts(workload, 2 * streams)]
+        params = {"temperature": 0, "max_new_tokens": args.output_len}
+        llm.generate(chats[:1], {**params, "max_new_tokens": 4})  # warm up
+        before = llm.runtime.state()
+        started = time.perf_counter()
+        outs = llm.generate(chats, params)
+        seconds = time.perf_counter() - started
+        state = llm.runtime.state()
+    tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
+    rows = state["spec_verified_rows"] - before["spec_verified_rows"]
+    accepted = state["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+    return tokens / seconds, (accepted + rows) / rows if rows else 1.0, tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--workloads", nargs="+", default=["grounded", "chat"])
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--pool", type=int, default=60000)
+    parser.add_argument("--num-draft-tokens", type=int, default=None)
+    parser.add_argument("--overlap-too", action="store_true",
+                        help="with speculation: overlap on vs off")
+    args = parser.parse_args()
+    print("| workload | streams | off tok/s | NGRAM tok/s | NGRAM / off | accept length | "
+          "output tokens (off / on) |")
+    print("|---|---|---|---|---|---|---|")
+    for workload in args.workloads:
+        for streams in args.streams:
+            off, _, off_tokens = run(workload, streams, False, args)
+            on, accept, on_tokens = run(workload, streams, True, args)
+            print(f"| {workload} | {streams} | {off:.1f} | {on:.1f} | {on / off:.2f}x | "
+                  f"{accept:.2f} | {off_tokens} / {on_tokens} |", flush=True)
+            if args.overlap_too:
+                plain, accept2, _ = run(workload, streams, True, args, overlap=False)
+                print(f"| {workload} (no overlap) | {streams} | | {plain:.1f} | overlap / "
+                      f"none {on / plain:.2f}x | {accept2:.2f} | |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
