@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.distributed import all_reduce, get_tp_info
+from minisgl.kernels import cpu_kernels
 from minisgl.layers.base import Layer
 from minisgl.layers.fp8 import Fp8ChannelWeight
 from minisgl.layers.quant import WeightBlocks, BlockWeight, block_weight
@@ -74,10 +75,32 @@ class _Linear(Layer):
             return out if bias is None else out + bias
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        if 1 < x.shape[0] <= FEW_ROWS and x.dim() == 2 and x.device.type == "cpu":
+            out = few_rows_matmul(x, self.weight)
+            if out is not None:
+                return out if bias is None else out + bias
         return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
+
+
+# Up to this many rows (a verify step of speculative decoding, a small decode batch) a CPU
+# linear runs our kernel, which streams the weight once for all of them: the GEMM library's
+# kernels for 2-8 rows read it at a fraction of the bandwidth of their one-row kernel
+# (BENCHMARKS.md, "Speculative decoding").
+FEW_ROWS = 8
+
+
+def few_rows_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """x @ weight.T by kernels/csrc/expert_matmul.cpp (one group), or None where it does not
+    run (no compiled kernels, another dtype)."""
+    kernels = cpu_kernels()
+    if kernels is None or x.dtype not in (torch.float32, torch.bfloat16) or (
+            weight.dtype != x.dtype):
+        return None
+    ends = torch.tensor([x.shape[0]], dtype=torch.int32)
+    return kernels.expert_matmul(x, weight.unsqueeze(0), ends)
 
 
 def native_cpu_gemm(dtype: torch.dtype) -> bool:
