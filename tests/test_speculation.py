@@ -253,33 +253,36 @@ def test_tensor_parallel_3_equals_plain(plain) -> None:
     assert state["spec_accepted_tokens"] > 100
 
 
-# Sampled output keeps its distribution: the token after the first one (the first position a
-# draft is verified at) over SAMPLES requests, with and without speculation. Two empirical
-# distributions of SAMPLES draws over a few likely tokens differ by TV ~0.03-0.05 by chance;
-# accepting n-gram drafts outright would move the copied token's share to 1 (here from ~0.6).
-SAMPLES = 600
+# Sampled output keeps its distribution: at the first two positions drafts are verified at
+# (output tokens 1 and 2 of a prompt the model copies), SAMPLES requests with and without
+# speculation, tokens bucketed as the plain run's 5 likeliest and the rest. Two such empirical
+# distributions differ by TV ~0.02-0.05 by chance; a rule that accepted n-gram drafts outright
+# would take the copied token's share at position 1 from ~0.85 to 1 (TV >= 0.15).
+SAMPLES = 800
 SAMPLED_TV_BOUND = 0.1
 
 
 def test_sampled_output_keeps_its_distribution() -> None:
-    rng = random.Random(9)
-    passage = [rng.randrange(100, 20000) for _ in range(30)]
-    prompt = passage + passage[:5]
-    params = {"temperature": 1.2, "top_p": 0.95, "max_new_tokens": 4, "ignore_eos": True}
+    prompt = copy_prompts()[4]
+    params = {"temperature": 1.0, "max_new_tokens": 3, "ignore_eos": True}
 
-    def second_tokens(**args) -> tuple[torch.Tensor, dict]:
+    def outputs(**args) -> tuple[torch.Tensor, dict]:
         outs, state = generate([prompt] * SAMPLES, params, max_total_tokens=8192,
                                max_running_requests=8, **args)
-        return torch.tensor([o["output_ids"][1] for o in outs]), state
+        return torch.tensor([o["output_ids"] for o in outs]), state
 
-    plain_tokens, _ = second_tokens()
-    spec_tokens, state = second_tokens(**SPEC)
-    assert state["spec_drafted_tokens"] > SAMPLES and state["spec_accepted_tokens"] > 0
-    size = int(max(plain_tokens.max(), spec_tokens.max())) + 1
-    a = torch.bincount(plain_tokens, minlength=size).double() / SAMPLES
-    b = torch.bincount(spec_tokens, minlength=size).double() / SAMPLES
-    assert float((a - b).abs().sum() / 2) < SAMPLED_TV_BOUND
-    assert 0.2 < float(a.max()) < 0.95, "the test needs an uncertain, copyable position"
+    plain_ids, _ = outputs()
+    spec_ids, state = outputs(**SPEC)
+    assert state["spec_drafted_tokens"] > SAMPLES / 2 and state["spec_accepted_tokens"] > SAMPLES / 4
+    for position in (1, 2):
+        a, b = plain_ids[:, position], spec_ids[:, position]
+        top = torch.bincount(a).topk(5).indices
+        buckets = [(a[:, None] == top).long(), (b[:, None] == top).long()]
+        share = [torch.cat([x.sum(0), (x.sum(1) == 0).sum()[None]]).double() / SAMPLES
+                 for x in buckets]
+        assert float((share[0] - share[1]).abs().sum() / 2) < SAMPLED_TV_BOUND, (position, share)
+    assert 0.5 < float((plain_ids[:, 1] == torch.bincount(plain_ids[:, 1]).argmax()).double()
+                       .mean()) < 0.97, "the test needs a likely but uncertain copied token"
 
 
 def test_abort_fuzz_with_speculation_keeps_every_page_accounted_for() -> None:

@@ -337,7 +337,7 @@ class Engine:
         self.runner.forward(ForwardInput(
             batch, message.load_indices.to(device), message.write_indices.to(device),
             logit_rows=None if message.logit_rows is None else message.logit_rows.to(device),
-            sample_args=None, logits_only=message.logits_only))
+            sample_args=None, logits_only=message.logits_only, verify_step=message.verify_step))
 
     # ---- failure and shutdown ----------------------------------------------------------------
 

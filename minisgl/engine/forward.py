@@ -82,11 +82,12 @@ class ForwardInput:
     grammar: GrammarMask | None = None  # rank 0: rows that sample under a grammar
     # a speculating decode step: the engine lays it out when it runs (engine.speculation)
     verify: VerifyRows | None = None
+    verify_step: bool = False  # every rank: a verify step (logit rows are its tokens, unscored)
 
     @property
     def num_scored_rows(self) -> int:
         """Rows after the sampling rows (every rank can count them)."""
-        if self.logit_rows is None or self.logits_only or self.verify is not None:
+        if self.logit_rows is None or self.logits_only or self.verify_step:
             return 0
         return len(self.logit_rows) - self.batch.size
 

@@ -142,6 +142,7 @@ class Speculator:
         fwd.write_indices = flat_d + 1  # each token row's prediction: the next position
         fwd.logit_rows = None if batch.is_decode else torch.arange(len(positions),
                                                                    device=self.device)
+        fwd.verify_step = True
 
     def token_writes(self, fwd: ForwardInput) -> list[tuple[int, int, torch.Tensor]]:
         """The drafts `resolve` wrote, as token-pool writes (row, start, ids) for other ranks."""
@@ -220,9 +221,10 @@ class Speculator:
             emitted[rows] = out
         table_rows = _to(torch.tensor(batch.table_rows[:size]), device)
         self.committed[table_rows] += accepted + 1
-        token_row = torch.repeat_interleave(torch.arange(size, device=device), counts)
-        column = torch.arange(len(token_row), device=device) - first[token_row]
-        stored = emitted[token_row, column].to(torch.int32)
+        token_row = [i for i, c in enumerate(verify.counts) for _ in range(c)]
+        column = [j for c in verify.counts for j in range(c)]
+        stored = emitted[_to(torch.tensor(token_row), device),
+                         _to(torch.tensor(column), device)].to(torch.int32)
         output = ForwardOutput(token_ids=to_host(emitted.to(torch.int32)),
                                counts=to_host(accepted + 1), drafted=to_host(counts - 1))
         if args.return_logprobs:

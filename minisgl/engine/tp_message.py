@@ -37,13 +37,14 @@ class StepMessage:
     logit_rows: torch.Tensor | None
     logits_only: bool = False
     decode_rows: int = 0
+    verify_step: bool = False
     token_writes: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
     location_writes: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     def pack(self) -> list[np.ndarray]:
         tokens, locations = self.token_writes, self.location_writes
         meta = [PHASES.index(self.phase), self.size, int(self.logits_only),
-                int(self.logit_rows is not None), self.decode_rows]
+                int(self.logit_rows is not None), self.decode_rows, int(self.verify_step)]
         return [
             _ints(meta), _ints(self.table_rows), _ints(self.cached_lens), _ints(self.seq_lens),
             _ints(self.extend_lens), _ints(self.positions), _ints(self.out_loc),
@@ -63,7 +64,7 @@ class StepMessage:
         (meta, rows, cached, seq_lens, extend, positions, out_loc, load, write, logit_rows,
          token_rows, token_starts, token_lens, token_ids, location_lens, location_idx,
          location_vals) = arrays
-        phase, size, logits_only, has_logit_rows, decode_rows = meta.tolist()
+        phase, size, logits_only, has_logit_rows, decode_rows, verify_step = meta.tolist()
         tokens, at = [], 0
         for row, start, n in zip(token_rows.tolist(), token_starts.tolist(), token_lens.tolist()):
             tokens.append((row, start, torch.from_numpy(token_ids[at:at + n])))
@@ -77,7 +78,7 @@ class StepMessage:
                    extend.tolist(), torch.from_numpy(positions), torch.from_numpy(out_loc),
                    torch.from_numpy(load), torch.from_numpy(write),
                    torch.from_numpy(logit_rows) if has_logit_rows else None, bool(logits_only),
-                   decode_rows, tokens, locations)
+                   decode_rows, bool(verify_step), tokens, locations)
 
     def resolve(self, fwd: ForwardInput, draft_writes: list[tuple[int, int, torch.Tensor]]
                 ) -> None:
@@ -92,6 +93,7 @@ class StepMessage:
         self.load_indices, self.write_indices = fwd.load_indices.cpu(), fwd.write_indices.cpu()
         self.logit_rows = None if fwd.logit_rows is None else fwd.logit_rows.cpu()
         self.token_writes = self.token_writes + draft_writes
+        self.verify_step = True
 
     def replay_writes(self, token_pool: torch.Tensor, page_table: torch.Tensor) -> None:
         device = token_pool.device
