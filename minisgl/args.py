@@ -160,6 +160,10 @@ class ServerArgs:
         "tokens.")
     speculative_ngram_max_match_window_size: int = _flag(
         12, "NGRAM: the longest suffix looked up (longer matches are tried first).")
+    speculative_always_draft: bool = _flag(
+        False, "Speculate at every decode step (within the batch token budget), without "
+        "measuring whether it pays; by default decode steps are timed with drafts and "
+        "without, and drafting stops for a while where it is slower.")
     speculative_draft_model_path: str | None = _flag(
         None, "STANDALONE's draft model (not supported yet).")
     speculative_draft_model_quantization: str | None = _flag(
@@ -236,9 +240,10 @@ class ServerArgs:
         algorithm = self.speculative_algorithm
         if algorithm is None:
             given = [name for name in ("speculative_num_draft_tokens", "speculative_num_steps",
+                                       "speculative_always_draft",
                                        "speculative_eagle_topk", "speculative_draft_model_path",
                                        "speculative_draft_model_quantization")
-                     if getattr(self, name) is not None]
+                     if getattr(self, name) not in (None, False)]
             if given:
                 raise ValueError(f"--{given[0].replace('_', '-')} needs "
                                  "--speculative-algorithm")

@@ -10,6 +10,7 @@ included; "accept" is the mean tokens a speculating request gained per verify st
 
     python scripts/bench_speculation.py --streams 1 8 32 64
     python scripts/bench_speculation.py --streams 1 --overlap-too   # overlap vs not, spec on
+    python scripts/bench_speculation.py --linears   # a verify step's few rows: GEMM vs kernel
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ import re
 import time
 from pathlib import Path
 
+import torch
+
 from minisgl import LLM
+from minisgl.layers.linear import FEW_ROWS, few_rows_matmul
 
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = ("Repeat the following text exactly, word for word:\n\n{}",
@@ -75,6 +79,27 @@ def run(workload: str, streams: int, spec: bool, args: argparse.Namespace,
     return tokens / seconds, (accepted + rows) / rows if rows else 1.0, tokens
 
 
+def linears(dtype: torch.dtype, rounds: int = 5) -> None:
+    """ms per pass over the bundled model's 30 x 4 linears (random weights, streamed from
+    memory as in a step) at 1-8 rows: torch's GEMM against layers.linear.few_rows_matmul."""
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
+    weights = [torch.randn(o, i).to(dtype) for _ in range(30) for o, i in shapes]
+    print(f"| rows | torch {dtype} ms | kernel ms | torch / kernel |")
+    print("|---|---|---|---|")
+    for rows in range(1, FEW_ROWS + 1):
+        xs = {w.shape[1]: torch.randn(rows, w.shape[1]).to(dtype) for w in weights}
+        times = []
+        for fn in (lambda x, w: torch.nn.functional.linear(x, w), few_rows_matmul):
+            best = float("inf")
+            for _ in range(rounds):
+                started = time.perf_counter()
+                for w in weights:
+                    fn(xs[w.shape[1]], w)
+                best = min(best, time.perf_counter() - started)
+            times.append(best * 1e3)
+        print(f"| {rows} | {times[0]:.2f} | {times[1]:.2f} | {times[0] / times[1]:.2f}x |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -86,7 +111,13 @@ def main() -> None:
     parser.add_argument("--num-draft-tokens", type=int, default=None)
     parser.add_argument("--overlap-too", action="store_true",
                         help="with speculation: overlap on vs off")
+    parser.add_argument("--linears", action="store_true",
+                        help="only the linears at 1-8 rows, float32 and bfloat16")
     args = parser.parse_args()
+    if args.linears:
+        for dtype in (torch.float32, torch.bfloat16):
+            linears(dtype)
+        return
     print("| workload | streams | off tok/s | NGRAM tok/s | NGRAM / off | accept length | "
           "output tokens (off / on) |")
     print("|---|---|---|---|---|---|---|")

@@ -146,7 +146,10 @@ def test_graph_replay_matches_eager_and_padding_stays_in_the_dummy_page(
             with torch.inference_mode():
                 got = runner.replay(batch, ids, batch.input_positions).float()
             assert got.shape == want.shape
-            assert scenario.relative_error(got, want) < GRAPH_REL_TOL
+            # NOTE: the padding rows join the experts' groups, so the grouped matmul's kernel
+            # (and its bf16 rounding) differs from eager's: kernel against kernel (H200: 0.026)
+            tolerance = BF16_REL_TOL if model == "qwen3-moe" else GRAPH_REL_TOL
+            assert scenario.relative_error(got, want) < tolerance
             changed = (engine.kv_pool.buffer != before).flatten(0, 2).any(-1).any(0).nonzero()
             real = set(eager.out_loc.tolist())
             stray = [int(loc) for loc in changed.flatten() if int(loc) not in real

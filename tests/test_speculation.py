@@ -108,7 +108,9 @@ def test_sampled_acceptance_keeps_the_target_distribution(drafter: str):
 
 # ---- the whole path: the real model through the scheduler (float32) -------------------------
 
-SPEC = {"speculative_algorithm": "NGRAM"}
+# NOTE: drafting at every step, so what a test counts does not depend on its timing (the
+# "adaptive" variant runs the governor, test_draft_governor_* its decisions)
+SPEC = {"speculative_algorithm": "NGRAM", "speculative_always_draft": True}
 GREEDY = {"temperature": 0, "max_new_tokens": 40}
 
 
@@ -150,11 +152,14 @@ def assert_same_greedy(prompts: list[list[int]], outs: list[dict], plain: list[d
     {}, {"disable_overlap_schedule": True}, {"chunked_prefill_size": 16},
     {"page_size": 1}, {"enable_mixed_chunk": True, "chunked_prefill_size": 16},
     {"speculative_num_draft_tokens": 8, "speculative_ngram_max_match_window_size": 3},
-], ids=["overlap", "no-overlap", "chunk-16", "page-1", "mixed", "k8-window3"])
+    {"speculative_always_draft": False},
+], ids=["overlap", "no-overlap", "chunk-16", "page-1", "mixed", "k8-window3", "adaptive"])
 def test_greedy_output_equals_plain_decoding(plain, args: dict) -> None:
     prompts = copy_prompts()
-    outs, state = generate(prompts, max_total_tokens=8192, **SPEC, **args)
+    outs, state = generate(prompts, max_total_tokens=8192, **{**SPEC, **args})
     assert_same_greedy(prompts, outs, plain)
+    if not {**SPEC, **args}["speculative_always_draft"]:
+        return  # the governor may have stopped drafting: only the outputs are compared
     # the copying prompts accept most drafts: the comparison exercised speculation
     assert state["spec_accepted_tokens"] > 100 and state["spec_accept_length"] > 1.5, state
     copied = outs[4]["meta_info"]
@@ -328,3 +333,26 @@ def test_few_rows_linear_matches_float64(dtype: torch.dtype) -> None:
         torch_error = (torch.nn.functional.linear(x, weight).double() - exact).abs().max()
         ours = (out.double() - exact).abs().max()
         assert ours <= max(2 * torch_error, 1e-4), (rows, float(ours), float(torch_error))
+
+
+def test_draft_governor_keeps_the_faster_kind_of_step() -> None:
+    """The governor times decode steps with drafts and without (here: given step times) and
+    drafts in the periods where tokens per row and second are higher with drafts."""
+    from minisgl.scheduler.speculation import DraftGovernor
+
+    def run(spec_seconds: float, gain: float, steps: int = 600) -> float:
+        governor, now, drafted = DraftGovernor(), 0.0, 0
+        for _ in range(steps):
+            drafting = governor.drafting
+            now += spec_seconds if drafting else 0.010
+            drafted += drafting
+            governor.observe(now, drafting, gain if drafting else None)
+        return drafted / steps
+
+    assert run(0.015, gain=3.0) > 0.9  # 200 tok/s per row with drafts vs 100 without
+    assert run(0.040, gain=1.5) < 0.2  # 37 vs 100: only the short probes draft
+    governor = DraftGovernor()
+    governor.observe(0.0, True, 2.0)
+    governor.interrupted()  # a prefill between two decode steps: that interval is not timed
+    governor.observe(5.0, True, 2.0)
+    assert governor.seconds[True] is None

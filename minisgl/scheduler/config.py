@@ -17,6 +17,7 @@ class SchedulerConfig:
     seed: int  # the random policy's
     disable_radix_cache: bool
     disable_overlap_schedule: bool
+    speculative_always_draft: bool
     max_queued_requests: int | None
     max_sequences_per_request: int
     max_stop_strings: int

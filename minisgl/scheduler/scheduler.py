@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import time
 import uuid
 from collections import deque
 from dataclasses import replace
@@ -34,7 +35,7 @@ from minisgl.scheduler.policy import WaitingOrder
 from minisgl.scheduler.prefill import PrefillManager
 from minisgl.scheduler.results import collect_events, finished_event
 from minisgl.scheduler.selection import BatchSelector
-from minisgl.scheduler.speculation import release_surplus, speculates
+from minisgl.scheduler.speculation import DraftGovernor, release_surplus, speculates
 from minisgl.scheduler.stats import SchedulerStats, report
 from minisgl.scheduler.table import TableManager
 
@@ -61,8 +62,10 @@ class Scheduler:
                                   config.priority_scheduling_preemption_threshold, config.seed)
         self.prefill = PrefillManager(self.cache, self.table, self.decode, self.order)
         self.builder = BatchBuilder(engine, self.table, ps)
+        self.governor = (DraftGovernor() if engine.speculation is not None
+                         and not config.speculative_always_draft else None)
         self.selector = BatchSelector(config, self.prefill, self.decode, self.cache, self.builder,
-                                      self.stats, engine.speculation)
+                                      self.stats, engine.speculation, self.governor)
         self.context_len = engine.context_len
         self.eos_ids = frozenset(engine.eos_token_ids)
         self.limits = RequestLimits(
@@ -292,7 +295,10 @@ class Scheduler:
         """The next batch (BatchSelector), or None; the batch in flight is settled first when
         a request must give its pages or slot back."""
         while True:
-            selection = self.selector.next_batch(in_flight=self._in_flight is not None)
+            flight = self._in_flight
+            selection = self.selector.next_batch(
+                in_flight=flight is not None,
+                verify_in_flight=flight is not None and flight.fwd.verify is not None)
             if not selection.settle_first:
                 return selection.batch
             await self._settle()
@@ -306,6 +312,8 @@ class Scheduler:
         self.stats.tokens_generated += sum(e.token is not None for e in events)
         if out.counts is not None:
             self.stats.count_verify(done, out)
+        if self.governor is not None:
+            self._govern(done, out)
         self._release_finished(ongoing)
         if events:
             self.sink(events)
@@ -317,6 +325,18 @@ class Scheduler:
         if self.prefill.drop(req) or req.table_idx < 0:
             return  # never admitted: holds nothing
         self.to_release.append(req)  # released by the caller, once per step
+
+    def _govern(self, done: ScheduledBatch, out: ForwardOutput) -> None:
+        assert self.governor is not None
+        if done.fwd.verify is None and not done.fwd.batch.is_decode:
+            self.governor.interrupted()
+            return
+        gain = None
+        if out.counts is not None:
+            counts = out.counts.tolist()
+            rows = [counts[i] for i, req in enumerate(done.reqs) if req.speculative]
+            gain = sum(rows) / len(rows) if rows else None
+        self.governor.observe(time.perf_counter(), done.fwd.verify is not None, gain)
 
     def _release_surplus(self, req: Req, surplus: int) -> None:
         release_surplus(req, surplus, self.cache, self.table)

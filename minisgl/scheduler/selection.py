@@ -19,7 +19,7 @@ from minisgl.scheduler.cache import CacheManager, locations_for, pages_spanned
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.decode import DecodeManager
 from minisgl.scheduler.prefill import PrefillChunk, PrefillManager
-from minisgl.scheduler.speculation import verify_counts
+from minisgl.scheduler.speculation import DraftGovernor, verify_counts
 from minisgl.scheduler.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
@@ -41,12 +41,13 @@ SETTLE = Selection(settle_first=True)
 class BatchSelector:
     def __init__(self, config: SchedulerConfig, prefill: PrefillManager, decode: DecodeManager,
                  cache: CacheManager, builder: BatchBuilder, stats: SchedulerStats,
-                 spec: SpecConfig | None = None) -> None:
+                 spec: SpecConfig | None = None, governor: DraftGovernor | None = None) -> None:
         self.config, self.prefill, self.decode, self.cache = config, prefill, decode, cache
-        self.builder, self.stats, self.spec = builder, stats, spec
+        self.builder, self.stats, self.spec, self.governor = builder, stats, spec, governor
 
-    def next_batch(self, in_flight: bool) -> Selection:
-        """SETTLE only when `in_flight`."""
+    def next_batch(self, in_flight: bool, verify_in_flight: bool = False) -> Selection:
+        """SETTLE only when `in_flight` (`verify_in_flight`: it is a verify step, so the
+        speculating requests' lengths are upper bounds until it is processed)."""
         while True:
             if self.prefill.runnable:
                 chunks = self.prefill.schedule(self.config.chunked_prefill_size)
@@ -63,6 +64,8 @@ class BatchSelector:
             if not reqs:
                 return IDLE
             counts = self._verify_counts(reqs)
+            if counts is None and verify_in_flight and any(r.speculative for r in reqs):
+                return SETTLE  # NOTE: a plain decode step needs their exact lengths
             locations = self._decode_locations(reqs, counts)
             if locations is not None:
                 self.prefill.on_decode_step()
@@ -96,9 +99,11 @@ class BatchSelector:
     def _verify_counts(self, reqs: list[Req]) -> list[int] | None:
         """KV slots each request reserves in a verify step; None: a plain decode step (no
         request speculates)."""
-        if self.spec is None or not any(r.speculative for r in reqs):
+        if self.spec is None or not any(r.speculative for r in reqs) or (
+                self.governor is not None and not self.governor.drafting):
             return None
-        return verify_counts(reqs, self.spec.drafts_per_row(len(reqs)))
+        drafts = self.spec.drafts_per_row(len(reqs))
+        return verify_counts(reqs, drafts) if drafts else None
 
     def _decode_locations(self, reqs: list[Req], counts: list[int] | None = None
                           ) -> torch.Tensor | None:

@@ -49,3 +49,60 @@ def release_surplus(req: Req, surplus: int, cache: CacheManager, table: TableMan
     locations = table.locations(req.table_idx, old)
     cache.free_locations(locations[kept:])
     req.tail_loc = int(locations[req.kv_len - 1]) if req.kv_len else -1
+
+
+class DraftGovernor:
+    """Turns drafting off while it does not pay, by measurement: the wall time of decode steps
+    with drafts (and the tokens a speculating row gains per step) against steps without. A
+    period of drafting ends with a short probe without; the faster rate of tokens per row and
+    second wins the next period; a period without drafting ends with a short probe with.
+    On CUDA a verify step waits for the step before it and runs without a graph: for a small
+    model that costs more than the drafts save, which this finds out."""
+
+    SPEC_STEPS, PLAIN_STEPS, PROBE_STEPS = 64, 64, 6
+    EMA = 0.2
+
+    def __init__(self) -> None:
+        self.phase, self.left = "spec", 2 * self.PROBE_STEPS
+        self.seconds: dict[bool, float | None] = {True: None, False: None}  # drafting -> step
+        self.gain = 1.0  # tokens a speculating row emits per verify step
+        self._last: tuple[float, bool] | None = None  # the previous decode step: when, which
+
+    @property
+    def drafting(self) -> bool:
+        return self.phase in ("spec", "probe_spec")
+
+    def observe(self, now: float, drafting: bool, gain: float | None) -> None:
+        """A decode step's result was processed at `now`; `gain`: its speculating rows' mean
+        emitted tokens (None: it had none)."""
+        last, self._last = self._last, (now, drafting)
+        if last is not None and last[1] == drafting:  # NOTE: the first step of a kind is mixed
+            seconds = now - last[0]
+            known = self.seconds[drafting]
+            self.seconds[drafting] = seconds if known is None else (
+                known + self.EMA * (seconds - known))
+        if drafting and gain is not None:
+            self.gain += self.EMA * (gain - self.gain)
+        self.left -= 1
+        if self.left <= 0:
+            self._next_phase()
+
+    def interrupted(self) -> None:
+        """Another kind of step (a prefill) ran between decode steps: no interval to time."""
+        self._last = None
+
+    def _next_phase(self) -> None:
+        if self.phase == "spec":
+            self.phase, self.left = "probe_plain", self.PROBE_STEPS
+        elif self.phase == "plain":
+            self.phase, self.left = "probe_spec", self.PROBE_STEPS
+        elif self._drafting_pays():
+            self.phase, self.left = "spec", self.SPEC_STEPS
+        else:
+            self.phase, self.left = "plain", self.PLAIN_STEPS
+
+    def _drafting_pays(self) -> bool:
+        spec, plain = self.seconds[True], self.seconds[False]
+        if spec is None or plain is None:
+            return True
+        return self.gain / spec >= 1.0 / plain
