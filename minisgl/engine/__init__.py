@@ -2,8 +2,9 @@
 
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.engine import Engine
-from minisgl.engine.forward import ForwardInput, ForwardOutput, GrammarMask, InputLogprobRows
+from minisgl.engine.forward import (ForwardInput, ForwardOutput, GrammarMask, InputLogprobRows,
+                                    VerifyRows)
 from minisgl.engine.tp_message import StepMessage
 
 __all__ = ["Engine", "EngineConfig", "ForwardInput", "ForwardOutput", "GrammarMask",
-           "InputLogprobRows", "StepMessage"]
+           "InputLogprobRows", "StepMessage", "VerifyRows"]

@@ -36,6 +36,7 @@ from minisgl.engine.config import EngineConfig
 from minisgl.engine.forward import ForwardInput, ForwardOutput
 from minisgl.engine.graph import GraphRunner, supports_graphs
 from minisgl.engine.memory import allocate_kv_pool, release_cuda_memory
+from minisgl.engine.placement import check_tp_size, resolve_device, resolve_dtype
 from minisgl.engine.quantization import resolve_quantization
 from minisgl.engine.runner import ModelRunner
 from minisgl.engine.sampler import Sampler
@@ -44,7 +45,7 @@ from minisgl.engine.stream import CpuStream
 from minisgl.engine.tp_message import StepMessage
 from minisgl.env import cuda_wait_mode
 from minisgl.errors import EngineFailed
-from minisgl.layers.linear import can_prepack, native_cpu_gemm
+from minisgl.layers.linear import can_prepack
 from minisgl.layers.moe import syncs_on_host
 from minisgl.models import (
     ModelArch,
@@ -57,48 +58,6 @@ from minisgl.models import (
 )
 
 logger = logging.getLogger(__name__)
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """`auto` is bfloat16, except on a CPU without native bfloat16 GEMMs (no AVX-512 BF16 /
-    AMX), where bfloat16 would run several times slower than float32."""
-    if name != "auto":
-        return DTYPES[name]
-    if device.type == "cpu" and not native_cpu_gemm(torch.bfloat16):
-        return torch.float32
-    return torch.bfloat16
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda was asked for, but torch sees no CUDA device")
-    return torch.device(name)
-
-
-def check_tp_size(arch: ModelArch, size: int, model_name: str) -> None:
-    """Refuse a tensor-parallel size that cannot give every rank an equal share of the heads
-    (KV heads may instead be replicated: size a multiple of them) and of the MLP."""
-    experts = arch.moe.intermediate_size if arch.moe is not None else arch.intermediate_size
-
-    def fits(n: int) -> bool:
-        kv = arch.num_kv_heads
-        return (arch.num_heads % n == 0 and (kv % n == 0 if kv >= n else n % kv == 0)
-                and arch.intermediate_size % n == 0 and experts % n == 0)
-
-    if fits(size):
-        return
-    parts = [f"{arch.num_heads} attention heads", f"{arch.num_kv_heads} KV heads",
-             f"MLP width {arch.intermediate_size}"]
-    if arch.moe is not None:
-        parts.append(f"expert width {experts}")
-    sizes = ", ".join(str(n) for n in range(1, arch.num_heads + 1) if fits(n))
-    raise ValueError(f"--tp-size {size} cannot split {model_name} evenly ({', '.join(parts)}); "
-                     f"tensor-parallel sizes that fit this model: {sizes}")
-
 
 class Engine:
     def __init__(self, config: EngineConfig, tp: TPInfo | None = None, group: object = None
@@ -319,7 +278,8 @@ class Engine:
             if fwd.verify is not None:
                 self.runner.resolve(fwd)
                 assert fwd.message is not None and self.runner.speculator is not None
-                fwd.message.resolve(fwd, self.runner.speculator.token_writes(fwd))
+                fwd.message.resolve(fwd.batch, fwd.load_indices, fwd.write_indices,
+                                    fwd.logit_rows, self.runner.speculator.token_writes(fwd))
             self._send(fwd)
         try:
             return self.forward(fwd)

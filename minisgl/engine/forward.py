@@ -12,7 +12,6 @@ from minisgl.core import Batch
 from minisgl.engine.sampler import SamplingArgs
 
 if TYPE_CHECKING:
-    from minisgl.engine.speculation import VerifyRows
     from minisgl.engine.tp_message import StepMessage
 
 
@@ -65,6 +64,21 @@ class GrammarMask:
 
     def wait(self) -> torch.Tensor:
         return self.ready.result()
+
+
+@dataclass
+class VerifyRows:
+    """A decode step whose layout the engine resolves (engine.speculation): per batch row its
+    request, how many drafts it may verify (0: a plain decode row) and the length it may reach
+    (drafts never pass it)."""
+
+    uids: list[int]
+    max_drafts: list[int]
+    max_lens: list[int]
+    greedy: list[bool]  # per row: accepted by argmax (else by speculative sampling)
+    # set by Speculator.resolve (rank 0): tokens each row forwards, and its drafts
+    counts: list[int] = field(default_factory=list)
+    drafts: list[list[int]] = field(default_factory=list)
 
 
 @dataclass

@@ -18,7 +18,7 @@ scheduler settles N before launching a verify step (the one sync; see scheduler.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -58,21 +58,6 @@ def spec_config(config: EngineConfig, device_type: str) -> SpecConfig | None:
                       config.speculative_ngram_min_match_window_size,
                       config.speculative_ngram_max_match_window_size,
                       BATCH_TOKENS["cuda" if device_type == "cuda" else "cpu"])
-
-
-@dataclass
-class VerifyRows:
-    """A decode step whose layout the engine resolves (see the module doc): per batch row its
-    request, how many drafts it may verify (0: a plain decode row) and the length it may reach
-    (drafts never pass it)."""
-
-    uids: list[int]
-    max_drafts: list[int]
-    max_lens: list[int]
-    greedy: list[bool]  # per row: accepted by argmax (else by speculative sampling)
-    # set by Speculator.resolve (rank 0): tokens each row forwards, and its drafts
-    counts: list[int] = field(default_factory=list)
-    drafts: list[list[int]] = field(default_factory=list)
 
 
 @dataclass

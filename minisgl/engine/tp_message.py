@@ -4,15 +4,11 @@ format (int arrays for the shared-memory ring)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from minisgl.core import Batch, Phase
-
-if TYPE_CHECKING:
-    from minisgl.engine.forward import ForwardInput
 
 PHASES: tuple[Phase, ...] = ("prefill", "decode", "mixed")  # NOTE: wire codes 0..2; -1 is STOP
 
@@ -80,18 +76,18 @@ class StepMessage:
                    torch.from_numpy(logit_rows) if has_logit_rows else None, bool(logits_only),
                    decode_rows, bool(verify_step), tokens, locations)
 
-    def resolve(self, fwd: ForwardInput, draft_writes: list[tuple[int, int, torch.Tensor]]
-                ) -> None:
+    def resolve(self, batch: Batch, load_indices: torch.Tensor, write_indices: torch.Tensor,
+                logit_rows: torch.Tensor | None,
+                draft_writes: list[tuple[int, int, torch.Tensor]]) -> None:
         """Take a verify step's layout, once rank 0 resolved it (engine.speculation), and the
         drafts it wrote into its token pool."""
-        batch = fwd.batch
         self.phase, self.size = batch.phase, batch.size
         self.table_rows, self.cached_lens = batch.table_rows, batch.cached_lens
         self.seq_lens, self.extend_lens = batch.seq_lens, batch.extend_lens
         assert batch.input_positions is not None and batch.out_loc is not None
         self.positions, self.out_loc = batch.input_positions.cpu(), batch.out_loc.cpu()
-        self.load_indices, self.write_indices = fwd.load_indices.cpu(), fwd.write_indices.cpu()
-        self.logit_rows = None if fwd.logit_rows is None else fwd.logit_rows.cpu()
+        self.load_indices, self.write_indices = load_indices.cpu(), write_indices.cpu()
+        self.logit_rows = None if logit_rows is None else logit_rows.cpu()
         self.token_writes = self.token_writes + draft_writes
         self.verify_step = True
 

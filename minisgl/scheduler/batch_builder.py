@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from minisgl.core import Batch, Phase, Req
-from minisgl.engine import Engine, ForwardInput, GrammarMask, InputLogprobRows, StepMessage
+from minisgl.engine import (Engine, ForwardInput, GrammarMask, InputLogprobRows, StepMessage,
+                            VerifyRows)
 from minisgl.engine.completion import Completion
-from minisgl.engine.speculation import VerifyRows
 from minisgl.scheduler.prefill import PrefillChunk
 from minisgl.scheduler.table import TableManager
 

@@ -1,0 +1,50 @@
+"""Where and in what precision an engine runs: its device, its dtype, and whether a
+tensor-parallel size splits the model evenly."""
+
+from __future__ import annotations
+
+import torch
+
+from minisgl.layers.linear import native_cpu_gemm
+from minisgl.models import ModelArch
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto` is bfloat16, except on a CPU without native bfloat16 GEMMs (no AVX-512 BF16 /
+    AMX), where bfloat16 would run several times slower than float32."""
+    if name != "auto":
+        return DTYPES[name]
+    if device.type == "cpu" and not native_cpu_gemm(torch.bfloat16):
+        return torch.float32
+    return torch.bfloat16
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for, but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def check_tp_size(arch: ModelArch, size: int, model_name: str) -> None:
+    """Refuse a tensor-parallel size that cannot give every rank an equal share of the heads
+    (KV heads may instead be replicated: size a multiple of them) and of the MLP."""
+    experts = arch.moe.intermediate_size if arch.moe is not None else arch.intermediate_size
+
+    def fits(n: int) -> bool:
+        kv = arch.num_kv_heads
+        return (arch.num_heads % n == 0 and (kv % n == 0 if kv >= n else n % kv == 0)
+                and arch.intermediate_size % n == 0 and experts % n == 0)
+
+    if fits(size):
+        return
+    parts = [f"{arch.num_heads} attention heads", f"{arch.num_kv_heads} KV heads",
+             f"MLP width {arch.intermediate_size}"]
+    if arch.moe is not None:
+        parts.append(f"expert width {experts}")
+    sizes = ", ".join(str(n) for n in range(1, arch.num_heads + 1) if fits(n))
+    raise ValueError(f"--tp-size {size} cannot split {model_name} evenly ({', '.join(parts)}); "
+                     f"tensor-parallel sizes that fit this model: {sizes}")
