@@ -221,6 +221,19 @@ def real_model() -> None:
         pytest.skip(f"bundled model not available: {exc}")
 
 
+def assert_greedy_agrees(ref: list[dict], ours: list[dict]) -> None:
+    """Greedy outputs equal, or first differing where the reference (run with 2 top logprobs)
+    had a top-2 margin under TOP2_MARGIN_BF16."""
+    for r, o in zip(ref, ours):
+        a, b = o["output_ids"], r["output_ids"]
+        if a == b:
+            continue
+        at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        top = r["meta_info"]["output_top_logprobs"][at]
+        margin = top[0][0] - top[1][0]
+        assert margin < TOP2_MARGIN_BF16, f"differ at {at} with reference margin {margin:.3g}"
+
+
 def test_overlap_loop_equals_plain_loop(flashinfer, real_model) -> None:
     """Greedy outputs through minisgl.LLM on CUDA (flashinfer, and CUDA graphs once the engine
     uses them): equal, or first differing where the reference's top-2 margin is tiny."""
@@ -238,14 +251,7 @@ def test_overlap_loop_equals_plain_loop(flashinfer, real_model) -> None:
     with LLM(**common) as llm:
         ours = llm.generate(input_ids=prompts, sampling_params=greedy)
         llm.check_integrity()
-    for r, o in zip(ref, ours):
-        a, b = o["output_ids"], r["output_ids"]
-        if a == b:
-            continue
-        at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        top = r["meta_info"]["output_top_logprobs"][at]
-        margin = top[0][0] - top[1][0]
-        assert margin < TOP2_MARGIN_BF16, f"differ at {at} with reference margin {margin:.3g}"
+    assert_greedy_agrees(ref, ours)
 
 
 # bfloat16 prefill vs decode kernels: logprobs of the same token may differ by this much
@@ -313,14 +319,7 @@ def test_speculative_decoding_on_cuda(flashinfer, real_model) -> None:
         llm.check_integrity()
     assert state["spec_accepted_tokens"] > 100, state
     assert all(len(o["output_ids"]) == 16 for o in sampled)
-    for r, o in zip(ref, ours):
-        a, b = o["output_ids"], r["output_ids"]
-        if a == b:
-            continue
-        at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        top = r["meta_info"]["output_top_logprobs"][at]
-        margin = top[0][0] - top[1][0]
-        assert margin < TOP2_MARGIN_BF16, f"differ at {at} with reference margin {margin:.3g}"
+    assert_greedy_agrees(ref, ours)
 
 
 def test_grammar_rows_on_cuda(flashinfer, real_model) -> None:
