@@ -25,7 +25,7 @@ def prefill_logits(engine: Engine, ids: list[int], row: int = 0) -> torch.Tensor
     engine.plan_batch(batch)
     write = torch.tensor([engine.dummy_row * ctx])
     message = StepMessage("prefill", 1, [row], [0], [n], [n], positions, positions, load, write,
-                          None, logits_only=True, token_writes=[(row, token_ids)],
+                          None, logits_only=True, token_writes=[(row, 0, token_ids)],
                           location_writes=[(load, positions)])
     fwd = ForwardInput(batch=batch, load_indices=load.to(device), write_indices=write.to(device),
                        logit_rows=None, sample_args=None, message=message, logits_only=True)

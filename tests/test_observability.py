@@ -308,7 +308,7 @@ async def watch_dashboard(executable: str, url: str, device: str | None) -> None
         # a count gets whole-number ticks, each once (not 0, 0, 1, 1, 1 for 0..1)
         assert (await page.evaluate(AXIS_LABELS % REQUESTS_0_TO_1))["chart-requests"] == ["0", "1"]
         labels = await page.evaluate(AXIS_LABELS % "render()")
-        assert len(labels) == 7, labels
+        assert len(labels) == 8, labels
         assert all(len(set(ls)) == len(ls) >= 2 for ls in labels.values()), labels
         assert all(label.isdigit() for label in labels["chart-requests"]), labels
         # "CUDA: launch time only" is a note for CUDA servers
