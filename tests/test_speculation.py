@@ -327,6 +327,8 @@ def test_few_rows_linear_matches_float64(dtype: torch.dtype) -> None:
     for rows in range(2, FEW_ROWS + 1):
         x = torch.randn(rows, 577, generator=gen).to(dtype)
         out = few_rows_matmul(x, weight)
+        if out is None and dtype == torch.bfloat16 and rows < 3:
+            continue  # torch's own GEMM runs these
         if out is None:
             pytest.skip("the CPU kernels are not built here")
         exact = x.double() @ weight.double().T

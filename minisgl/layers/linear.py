@@ -97,8 +97,8 @@ def few_rows_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | Non
     run (no compiled kernels, another dtype)."""
     kernels = cpu_kernels()
     if kernels is None or x.dtype not in (torch.float32, torch.bfloat16) or (
-            weight.dtype != x.dtype):
-        return None
+            weight.dtype != x.dtype) or (x.dtype == torch.bfloat16 and x.shape[0] < 3):
+        return None  # NOTE: unpacked bf16 GEMMs of 1-2 rows are faster (BENCHMARKS.md)
     ends = torch.tensor([x.shape[0]], dtype=torch.int32)
     return kernels.expert_matmul(x, weight.unsqueeze(0), ends)
 
