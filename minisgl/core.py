@@ -348,3 +348,14 @@ class Batch:
     @property
     def padded_size(self) -> int:
         return len(self.table_rows)
+
+
+def span_indices(rows: list[int], starts: list[int], counts: list[int], context_len: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Spans [start, start + count) of table rows, concatenated: their positions, and their
+    flat indices into a [rows, context_len] table (the token pool, the page table)."""
+    counts_t = torch.tensor(counts)
+    positions = torch.arange(int(counts_t.sum())) + torch.repeat_interleave(
+        torch.tensor(starts) - (counts_t.cumsum(0) - counts_t), counts_t)
+    return positions, torch.repeat_interleave(torch.tensor(rows), counts_t) * context_len + (
+        positions)

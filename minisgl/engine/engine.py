@@ -247,7 +247,7 @@ class Engine:
 
     def forward(self, fwd: ForwardInput) -> ForwardOutput:
         """The step itself, on the calling thread and stream; `launch` queues it there."""
-        if fwd.verify is not None and not fwd.verify.counts:
+        if fwd.verify is not None and not fwd.verify_step:  # not laid out yet
             self.runner.resolve(fwd)
         return self.runner.forward(fwd)
 

@@ -78,10 +78,7 @@ class Sampler:
             self.generator.manual_seed(seed % 2**64)
 
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        host = torch.tensor(values, dtype=dtype)
-        if self.device.type == "cuda":
-            return host.pin_memory().to(self.device, non_blocking=True)
-        return host.to(self.device)
+        return to_device(torch.tensor(values, dtype=dtype), self.device)
 
     def sampling_args(self, reqs: list[Req], prompt_lens: list[int], output_counts: list[int],
                       table_rows: list[int], seq_lens: list[int],
@@ -247,6 +244,13 @@ class Sampler:
                 values, ids = logp.topk(args.top_logprobs_num, dim=-1)
                 out.top_logprobs = (values, ids.to(torch.int32))
         return out
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the stream (CUDA: pinned, asynchronous)."""
+    if device.type == "cpu":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -23,11 +23,12 @@ from dataclasses import dataclass
 import torch
 
 from minisgl.args import device_default
+from minisgl.core import span_indices
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.acceptance import accept_greedy, accept_sampled
 from minisgl.engine.forward import ForwardInput, ForwardOutput, to_host
 from minisgl.engine.ngram import NgramIndex
-from minisgl.engine.sampler import SampleOutput, Sampler
+from minisgl.engine.sampler import SampleOutput, Sampler, to_device
 
 MAX_COOLDOWN = 16  # steps a row drafts nothing after drafts it kept rejecting (doubling)
 # Tokens a verify step may forward before drafts stop paying: beyond them the step's cost
@@ -105,23 +106,19 @@ class Speculator:
         verify.counts = [1 + len(d) for d in verify.drafts]
         starts = [c - 1 for c in committed]
         ctx = self.context_len
-        counts_t = torch.tensor(verify.counts)
-        offsets = torch.repeat_interleave(
-            torch.tensor(starts) - (counts_t.cumsum(0) - counts_t), counts_t)
-        positions = torch.arange(int(counts_t.sum())) + offsets
-        flat = torch.repeat_interleave(torch.tensor(table_rows), counts_t) * ctx + positions
+        positions, flat = span_indices(table_rows, starts, verify.counts, ctx)
         drafted = [(row * ctx + start + 1, d) for row, start, d in zip(table_rows, starts,
                                                                          verify.drafts) if d]
         if drafted:
             index = torch.tensor([i + j for i, d in drafted for j in range(len(d))])
             values = torch.tensor([t for _, d in drafted for t in d], dtype=torch.int32)
-            self.token_pool.view(-1)[_to(index, self.device)] = _to(values, self.device)
+            self.token_pool.view(-1)[to_device(index, self.device)] = to_device(values, self.device)
         batch.phase = "decode" if max(verify.counts) == 1 else "prefill"
         batch.cached_lens = starts
         batch.extend_lens = verify.counts
         batch.seq_lens = [s + c for s, c in zip(starts, verify.counts)]
-        flat_d = _to(flat, self.device)
-        batch.input_positions = _to(positions, self.device)
+        flat_d = to_device(flat, self.device)
+        batch.input_positions = to_device(positions, self.device)
         batch.out_loc = self.page_table.view(-1)[flat_d].to(torch.int64)
         fwd.load_indices = flat_d
         fwd.write_indices = flat_d + 1  # each token row's prediction: the next position
@@ -171,7 +168,7 @@ class Speculator:
         verify, batch, args = fwd.verify, fwd.batch, fwd.sample_args
         assert verify is not None and args is not None
         size, device = batch.size, self.device
-        counts = _to(torch.tensor(verify.counts), device)
+        counts = to_device(torch.tensor(verify.counts), device)
         width = max(verify.counts)
         first = counts.cumsum(0) - counts  # each row's first token row
         sample = sampler.sample(logits[first], args, self.token_pool, mask)
@@ -180,12 +177,12 @@ class Speculator:
         accepted = torch.zeros(size, dtype=torch.int64, device=device)
         drafting = [i for i, d in enumerate(verify.drafts) if d]
         if drafting:
-            rows = _to(torch.tensor(drafting), device)
+            rows = to_device(torch.tensor(drafting), device)
             lens = counts[rows] - 1
             drafts = torch.zeros(len(drafting), width - 1, dtype=torch.int64)
             for j, i in enumerate(drafting):
                 drafts[j, :len(verify.drafts[i])] = torch.tensor(verify.drafts[i])
-            drafts = _to(drafts, device)
+            drafts = to_device(drafts, device)
             at = (first[rows, None] + torch.arange(width, device=device)).clamp(
                 max=len(logits) - 1)
             row_logits = logits[at].float()  # [S, W, V]; past a row's count: ignored
@@ -195,21 +192,21 @@ class Speculator:
             greedy = [j for j, i in enumerate(drafting) if verify.greedy[i]]
             sampled = [j for j, i in enumerate(drafting) if not verify.greedy[i]]
             if greedy:
-                g = _to(torch.tensor(greedy), device)
+                g = to_device(torch.tensor(greedy), device)
                 kept[g], out[g] = accept_greedy(drafts[g], lens[g], row_logits[g].argmax(-1))
             if sampled:
-                s = _to(torch.tensor(sampled), device)
+                s = to_device(torch.tensor(sampled), device)
                 probs = sampler.target_probs(row_logits[s], args, rows[s])
                 kept[s], out[s] = accept_sampled(drafts[s], lens[s], probs,
                                                  generator=sampler.generator)
             accepted[rows] = kept
             emitted[rows] = out
-        table_rows = _to(torch.tensor(batch.table_rows[:size]), device)
+        table_rows = to_device(torch.tensor(batch.table_rows[:size]), device)
         self.committed[table_rows] += accepted + 1
         token_row = [i for i, c in enumerate(verify.counts) for _ in range(c)]
         column = [j for c in verify.counts for j in range(c)]
-        stored = emitted[_to(torch.tensor(token_row), device),
-                         _to(torch.tensor(column), device)].to(torch.int32)
+        stored = emitted[to_device(torch.tensor(token_row), device),
+                         to_device(torch.tensor(column), device)].to(torch.int32)
         output = ForwardOutput(token_ids=to_host(emitted.to(torch.int32)),
                                counts=to_host(accepted + 1), drafted=to_host(counts - 1))
         if args.return_logprobs:
@@ -238,10 +235,3 @@ class Speculator:
                 top_values[:, 0] = torch.where(keep, top_values[:, 0], sample.top_logprobs[0])
                 ids[:, 0] = torch.where(keep, ids[:, 0], sample.top_logprobs[1].long())
             output.top_logprobs = (to_host(top_values), to_host(ids.to(torch.int32)))
-
-
-def _to(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device` without waiting for the stream (pinned, asynchronous)."""
-    if device.type == "cpu":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)

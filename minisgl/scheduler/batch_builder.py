@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minisgl.core import Batch, Phase, Req
+from minisgl.core import Batch, Phase, Req, span_indices
 from minisgl.engine import (Engine, ForwardInput, GrammarMask, InputLogprobRows, StepMessage,
                             VerifyRows)
 from minisgl.engine.completion import Completion
@@ -67,11 +67,8 @@ class BatchBuilder:
         ctx = self.table.context_len
         rows = [r.table_idx for r in reqs]
         counts_t = torch.tensor(counts)
-        starts = torch.tensor([r.kv_len for r in reqs])
-        reserved = (torch.arange(len(locations)) + torch.repeat_interleave(
-            starts - (counts_t.cumsum(0) - counts_t), counts_t))
-        self.table.write_locations(
-            torch.repeat_interleave(torch.tensor(rows), counts_t) * ctx + reserved, locations)
+        _, reserved = span_indices(rows, [r.kv_len for r in reqs], counts, ctx)
+        self.table.write_locations(reserved, locations)
         ends = [r.kv_len + 1 for r in reqs]  # exact for rows that do not speculate
         sample_args = self.engine.sampler.sampling_args(
             reqs, prompt_lens=[r.prompt_len for r in reqs],
@@ -125,10 +122,7 @@ class BatchBuilder:
             positions = torch.tensor(starts)
             load = torch.tensor(rows) * ctx + positions
         else:
-            begin = torch.repeat_interleave(torch.tensor(starts) - (counts_t.cumsum(0) - counts_t),
-                                            counts_t)
-            positions = torch.arange(len(locations)) + begin
-            load = torch.repeat_interleave(torch.tensor(rows), counts_t) * ctx + positions
+            positions, load = span_indices(rows, starts, counts, ctx)
         self.table.write_locations(load, locations)
         dummy_write = self.table.dummy_row * ctx
         write = torch.tensor([r * ctx + e if last and not req.scores_only else dummy_write

@@ -310,10 +310,9 @@ class Scheduler:
         """`done`'s results; `ongoing`: the batch launched after it, still in flight."""
         events = collect_events(done, out, self._finish, self._release_surplus)
         self.stats.tokens_generated += sum(e.token is not None for e in events)
-        if out.counts is not None:
-            self.stats.count_verify(done, out)
+        gain = self.stats.count_verify(done, out) if out.counts is not None else None
         if self.governor is not None:
-            self._govern(done, out)
+            self._govern(done, gain)
         self._release_finished(ongoing)
         if events:
             self.sink(events)
@@ -326,16 +325,13 @@ class Scheduler:
             return  # never admitted: holds nothing
         self.to_release.append(req)  # released by the caller, once per step
 
-    def _govern(self, done: ScheduledBatch, out: ForwardOutput) -> None:
+    def _govern(self, done: ScheduledBatch, gain: float | None) -> None:
+        """Time a decode step for the governor; `gain`: a verify step's tokens per
+        speculating row."""
         assert self.governor is not None
         if done.fwd.verify is None and not done.fwd.batch.is_decode:
             self.governor.interrupted()
             return
-        gain = None
-        if out.counts is not None:
-            counts = out.counts.tolist()
-            rows = [counts[i] for i, req in enumerate(done.reqs) if req.speculative]
-            gain = sum(rows) / len(rows) if rows else None
         self.governor.observe(time.perf_counter(), done.fwd.verify is not None, gain)
 
     def _release_surplus(self, req: Req, surplus: int) -> None:

@@ -28,13 +28,17 @@ class SchedulerStats:
     spec_drafted: int = 0
     spec_accepted: int = 0
 
-    def count_verify(self, done: ScheduledBatch, out: ForwardOutput) -> None:
+    def count_verify(self, done: ScheduledBatch, out: ForwardOutput) -> float | None:
+        """Count a verify step's speculating rows; returns the tokens they emitted per row
+        (None: it had none)."""
         assert out.counts is not None and out.drafted is not None
         rows = [i for i, req in enumerate(done.reqs) if req.speculative]
         counts, drafted = out.counts.tolist(), out.drafted.tolist()
+        emitted = sum(counts[i] for i in rows)
         self.spec_verified_rows += len(rows)
         self.spec_drafted += sum(drafted[i] for i in rows)
-        self.spec_accepted += sum(counts[i] - 1 for i in rows)
+        self.spec_accepted += emitted - len(rows)
+        return emitted / len(rows) if rows else None
 
     @property
     def spec_accept_length(self) -> float:
