@@ -21,7 +21,7 @@ DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
 # engine.chunking), with --enable-mixed-chunk CPU_MIXED_CHUNK.
 DEFAULT_CHUNK = 8192
 CPU_MIXED_CHUNK = 256
-SPECULATIVE_ALGORITHMS = ("NGRAM",)
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
 MAX_DRAFT_TOKENS = 64
 
 
@@ -144,9 +144,9 @@ class ServerArgs:
     disable_radix_cache: bool = _flag(False, "Use no prefix cache.")
     speculative_algorithm: str | None = _flag(
         None, "Speculative decoding: NGRAM drafts each request's next tokens from n-grams of "
-        "its own prompt and output, and the model verifies them all in one forward (greedy "
-        "and sampled outputs keep their distribution). STANDALONE (a draft model) is not "
-        "supported yet.")
+        "its own prompt and output, STANDALONE with a smaller draft model "
+        "(--speculative-draft-model-path); the model verifies them all in one forward "
+        "(greedy and sampled outputs keep their distribution).")
     speculative_num_draft_tokens: int | None = _flag(
         None, "Tokens per request in a verify forward: its last token and up to this many "
         "minus one drafts (default: 4 on CPU, 8 on CUDA).")
@@ -165,9 +165,11 @@ class ServerArgs:
         "measuring whether it pays; by default decode steps are timed with drafts and "
         "without, and drafting stops for a while where it is slower.")
     speculative_draft_model_path: str | None = _flag(
-        None, "STANDALONE's draft model (not supported yet).")
+        None, "STANDALONE: the draft model (any model minisgl serves with the target's "
+        "vocabulary, a folder or a .gguf file; the target's own weights in a cheaper form too).")
     speculative_draft_model_quantization: str | None = _flag(
-        None, "STANDALONE's draft model quantization (not supported yet).")
+        None, "STANDALONE: the draft model's --quantization (default: as --quantization's "
+        "default for that model).", choices=["gguf", "w8a8_int8", "fp8", "none"])
     disable_overlap_schedule: bool = _flag(
         False, "Process each batch's results before launching the next one.")
     attention_backend: str | None = _flag(
@@ -250,12 +252,18 @@ class ServerArgs:
             return
         if not isinstance(algorithm, str) or algorithm.upper() not in SPECULATIVE_ALGORITHMS:
             raise ValueError(f"--speculative-algorithm {algorithm} is not supported; minisgl "
-                             f"speculates with {', '.join(SPECULATIVE_ALGORITHMS)} (STANDALONE, "
-                             "EAGLE and the rest are not implemented)")
-        self.speculative_algorithm = algorithm.upper()
-        if self.speculative_draft_model_path is not None:
-            raise ValueError("--speculative-draft-model-path needs --speculative-algorithm "
-                             "STANDALONE, which minisgl does not support yet")
+                             f"speculates with {' or '.join(SPECULATIVE_ALGORITHMS)} (EAGLE and "
+                             "the rest are not implemented)")
+        self.speculative_algorithm = algorithm = algorithm.upper()
+        draft = self.speculative_draft_model_path
+        if algorithm == "STANDALONE" and draft is None:
+            raise ValueError("--speculative-algorithm STANDALONE needs "
+                             "--speculative-draft-model-path")
+        if algorithm != "STANDALONE":
+            for name in ("speculative_draft_model_path", "speculative_draft_model_quantization"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"--{name.replace('_', '-')} needs --speculative-algorithm "
+                                     "STANDALONE")
         for name in ("speculative_num_draft_tokens", "speculative_num_steps",
                      "speculative_eagle_topk", "speculative_ngram_min_match_window_size",
                      "speculative_ngram_max_match_window_size"):

@@ -1,16 +1,20 @@
-"""Speculative decoding (--speculative-algorithm NGRAM). Its parts: n-gram drafts and the
-verification of drafts, greedy and sampled; the sampled rule must leave the target's
+"""Speculative decoding (--speculative-algorithm NGRAM and STANDALONE). Its parts: n-gram
+drafts and the verification of drafts, greedy and sampled; the sampled rule must leave the target's
 distribution unchanged, checked on 200,000 rows at once, total variation distance within
 TV_BOUND (its sampling noise is ~0.003 with 5 outcomes; a rule that accepted point-mass drafts
 outright would be off by ~0.5). Then the whole path on the real model: greedy output equal to
 plain decoding under every scheduling variant, limits, stops and logprobs inside accepted runs,
-retraction, tensor parallelism, the sampled distribution, an abort fuzz, and bad flags."""
+retraction, tensor parallelism, the sampled distribution, an abort fuzz, and bad flags. A
+draft model is the bundled model itself (its drafts are nearly all accepted, so a drop in
+acceptance shows draft KV gone wrong) or its first layers alone (mostly rejected)."""
 
 from __future__ import annotations
 
+import json
 import random
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +23,7 @@ from minisgl import LLM
 from minisgl.args import ServerArgs
 from minisgl.engine.acceptance import accept_greedy, accept_sampled
 from minisgl.engine.ngram import NgramIndex
+from minisgl.models import resolve_model_path
 from tests import reference as ref
 from tests.test_scheduler import FUZZ_ARGS, abort_fuzz
 
@@ -128,6 +133,27 @@ def copy_prompts() -> list[list[int]]:
     return prompts + [ref.prompt_ids(ref.chat_prompt(q)) for q in ref.CHAT_QUESTIONS]
 
 
+def shallow_model(folder: Path, layers: int) -> str:
+    """The bundled model cut to its first `layers` layers: a draft model that is often wrong."""
+    source = resolve_model_path(None)
+    folder.mkdir(parents=True, exist_ok=True)
+    for file in source.iterdir():
+        if file.name != "config.json" and not (folder / file.name).exists():
+            (folder / file.name).symlink_to(file)
+    config = json.loads((source / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers}))
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def drafts(tmp_path_factory) -> dict[str, dict]:
+    """STANDALONE flags with the bundled model itself, and with its first 4 layers, as draft."""
+    shallow = shallow_model(tmp_path_factory.mktemp("draft") / "shallow", 4)
+    standalone = {"speculative_algorithm": "STANDALONE", "speculative_always_draft": True}
+    return {"self": {**standalone, "speculative_draft_model_path": str(resolve_model_path(None))},
+            "shallow": {**standalone, "speculative_draft_model_path": shallow}}
+
+
 def generate(prompts: list[list[int]], params: dict = GREEDY, **args) -> tuple[list[dict],
                                                                                 dict]:
     with LLM(dtype="float32", **args) as llm:
@@ -166,6 +192,51 @@ def test_greedy_output_equals_plain_decoding(plain, args: dict) -> None:
     assert copied["spec_verify_ct"] < copied["completion_tokens"] / 2, copied
     assert copied["spec_accept_length"] == pytest.approx(
         copied["completion_tokens"] / copied["spec_verify_ct"])
+
+
+@pytest.mark.parametrize("draft, args", [
+    ("self", {}), ("self", {"disable_overlap_schedule": True}),
+    ("shallow", {"chunked_prefill_size": 16}),
+    ("shallow", {"page_size": 1, "speculative_num_draft_tokens": 6}),
+], ids=["self", "self-no-overlap", "shallow-chunk-16", "shallow-page-1-k6"])
+def test_draft_model_greedy_output_equals_plain_decoding(plain, drafts, draft: str,
+                                                         args: dict) -> None:
+    prompts = copy_prompts()
+    outs, state = generate(prompts, max_total_tokens=8192, **{**drafts[draft], **args})
+    assert_same_greedy(prompts, outs, plain)
+    assert state["spec_drafted_tokens"] > 80, state  # rows that keep rejecting cool down
+    if draft == "self":  # the target's own drafts: accepted nearly always
+        assert state["spec_accept_length"] > 3.5, state
+    else:  # so the comparison went through many rejections
+        assert state["spec_accept_length"] < 3.0, state
+
+
+def test_draft_model_kv_follows_prefix_hits_retraction_and_long_prompts(plain, drafts) -> None:
+    """The draft's KV must hold each row's true tokens, also where the target skipped work: a
+    prefix-cache hit (the draft recomputes the cached prompt), a retraction (the pages are
+    gone, the request is prefilled again) and a prompt longer than one step's catch-up. With
+    the target itself as draft nearly every draft is accepted only if it does."""
+    prompts = copy_prompts()
+    rng = random.Random(9)
+    passage = [rng.randrange(100, 20000) for _ in range(400)]
+    long_prompt = passage + passage[:300]  # 700 tokens: caught up over two steps
+    with LLM(dtype="float32", max_total_tokens=8192) as llm:
+        long_plain = llm.generate(input_ids=long_prompt, sampling_params=GREEDY)
+    with LLM(dtype="float32", max_total_tokens=8192, **drafts["self"]) as llm:
+        llm.generate(input_ids=prompts, sampling_params=GREEDY)
+        second = llm.generate(input_ids=prompts, sampling_params=GREEDY)
+        assert all(o["meta_info"]["cached_tokens"] > 0 for o in second)
+        assert_same_greedy(prompts, second, plain)
+        out = llm.generate(input_ids=long_prompt, sampling_params=GREEDY)
+        assert out["output_ids"] == long_plain["output_ids"]
+        llm.check_integrity()
+    for o in second + [out]:
+        assert o["meta_info"]["spec_accept_length"] > 3.0, o["meta_info"]
+    outs, state = generate(prompts, max_total_tokens=360, max_running_requests=8,
+                           **drafts["self"])
+    assert state["retractions"] > 0, "the pool was meant to be too small for everything"
+    assert_same_greedy(prompts, outs, plain)
+    assert state["spec_accept_length"] > 3.0, state
 
 
 def test_prefix_cache_hit_and_tight_limits(plain) -> None:
@@ -207,13 +278,15 @@ def test_stop_strings_cut_inside_a_verified_run(plain) -> None:
         assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
 
 
-def test_logprobs_are_the_targets_for_every_accepted_token(plain) -> None:
+@pytest.mark.parametrize("algorithm", ["NGRAM", "STANDALONE"])
+def test_logprobs_are_the_targets_for_every_accepted_token(drafts, algorithm: str) -> None:
     prompts = copy_prompts()[:3]
     params = {**GREEDY, "max_new_tokens": 24}
     kwargs = dict(return_logprob=True, top_logprobs_num=3)
     with LLM(dtype="float32", max_total_tokens=8192) as llm:
         want = llm.generate(input_ids=prompts, sampling_params=params, **kwargs)
-    with LLM(dtype="float32", max_total_tokens=8192, **SPEC) as llm:
+    spec = SPEC if algorithm == "NGRAM" else drafts["shallow"]
+    with LLM(dtype="float32", max_total_tokens=8192, **spec) as llm:
         outs = llm.generate(input_ids=prompts, sampling_params=params, **kwargs)
     for out, base in zip(outs, want):
         assert out["output_ids"] == base["output_ids"]
@@ -251,9 +324,11 @@ def test_requests_that_cannot_speculate_decode_alongside(plain) -> None:
     assert outs[3]["meta_info"]["spec_accept_token_num"] > 0
 
 
-def test_tensor_parallel_3_equals_plain(plain) -> None:
+@pytest.mark.parametrize("algorithm", ["NGRAM", "STANDALONE"])
+def test_tensor_parallel_3_equals_plain(plain, drafts, algorithm: str) -> None:
     prompts = copy_prompts()
-    outs, state = generate(prompts, max_total_tokens=8192, tp_size=3, **SPEC)
+    spec = SPEC if algorithm == "NGRAM" else drafts["self"]
+    outs, state = generate(prompts, max_total_tokens=8192, tp_size=3, **spec)
     assert_same_greedy(prompts, outs, plain)
     assert state["spec_accepted_tokens"] > 100
 
@@ -267,18 +342,31 @@ SAMPLES = 800
 SAMPLED_TV_BOUND = 0.1
 
 
-def test_sampled_output_keeps_its_distribution() -> None:
-    prompt = copy_prompts()[4]
+def sampled_outputs(**args) -> tuple[torch.Tensor, dict]:
     params = {"temperature": 1.0, "max_new_tokens": 3, "ignore_eos": True}
+    outs, state = generate([copy_prompts()[4]] * SAMPLES, params, max_total_tokens=8192,
+                           max_running_requests=8, **args)
+    return torch.tensor([o["output_ids"] for o in outs]), state
 
-    def outputs(**args) -> tuple[torch.Tensor, dict]:
-        outs, state = generate([prompt] * SAMPLES, params, max_total_tokens=8192,
-                               max_running_requests=8, **args)
-        return torch.tensor([o["output_ids"] for o in outs]), state
 
-    plain_ids, _ = outputs()
-    spec_ids, state = outputs(**SPEC)
-    assert state["spec_drafted_tokens"] > SAMPLES / 2 and state["spec_accepted_tokens"] > SAMPLES / 4
+@pytest.fixture(scope="module")
+def plain_samples() -> torch.Tensor:
+    return sampled_outputs()[0]
+
+
+@pytest.mark.parametrize("algorithm", ["NGRAM", "STANDALONE"])
+def test_sampled_output_keeps_its_distribution(plain_samples, drafts, algorithm: str) -> None:
+    """NGRAM drafts are point masses; a draft model's are drawn from its own distribution q,
+    which the acceptance rule divides out (the shallow draft's q is far from the target's p:
+    most drafts are rejected and the token is drawn from the residual, so a rule that got q
+    wrong would move the distribution)."""
+    plain_ids = plain_samples
+    spec_ids, state = sampled_outputs(**(SPEC if algorithm == "NGRAM" else drafts["shallow"]))
+    assert state["spec_drafted_tokens"] > SAMPLES / 2
+    if algorithm == "NGRAM":
+        assert state["spec_accepted_tokens"] > SAMPLES / 4
+    else:  # mostly rejected: the tokens come from the residual max(0, p - q), renormalised
+        assert 0 < state["spec_accepted_tokens"] < state["spec_drafted_tokens"] / 2
     for position in (1, 2):
         a, b = plain_ids[:, position], spec_ids[:, position]
         top = torch.bincount(a).topk(5).indices
@@ -290,15 +378,20 @@ def test_sampled_output_keeps_its_distribution() -> None:
                        .mean()) < 0.97, "the test needs a likely but uncertain copied token"
 
 
-def test_abort_fuzz_with_speculation_keeps_every_page_accounted_for() -> None:
-    aborted, state = abort_fuzz(ServerArgs(**FUZZ_ARGS, **SPEC))
+@pytest.mark.parametrize("algorithm", ["NGRAM", "STANDALONE"])
+def test_abort_fuzz_with_speculation_keeps_every_page_accounted_for(tmp_path, algorithm: str
+                                                                    ) -> None:
+    spec = SPEC if algorithm == "NGRAM" else {
+        "speculative_algorithm": "STANDALONE", "speculative_always_draft": True,
+        "speculative_draft_model_path": shallow_model(tmp_path, 2)}  # dummy weights too
+    aborted, state = abort_fuzz(ServerArgs(**FUZZ_ARGS, **spec))
     assert aborted > 50, f"only {aborted} aborts landed on live requests"
     assert state["spec_verified_rows"] > 0
 
 
 @pytest.mark.parametrize("flags, message", [
     (["--speculative-algorithm", "EAGLE"], "is not supported; minisgl speculates with NGRAM"),
-    (["--speculative-algorithm", "STANDALONE"], "not supported"),
+    (["--speculative-algorithm", "STANDALONE"], "needs --speculative-draft-model-path"),
     (["--speculative-num-draft-tokens", "4"], "needs --speculative-algorithm"),
     (["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "1"], ">= 2"),
     (["--speculative-algorithm", "NGRAM", "--speculative-num-steps", "3",
@@ -315,6 +408,16 @@ def test_bad_speculation_flags_exit_2_with_one_line(flags: list[str], message: s
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr
+
+
+def test_draft_model_with_another_vocabulary_exits_2() -> None:
+    proc = subprocess.run([sys.executable, "-m", "minisgl", "serve", "--load-format", "dummy",
+                           "--speculative-algorithm", "STANDALONE",
+                           "--speculative-draft-model-path", "qwen3-0.6b"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    last = proc.stderr.strip().splitlines()[-1]  # after the start-up log lines
+    assert "its vocabulary has 151936 tokens, the target's 49152" in last, proc.stderr
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -28,4 +28,6 @@ class EngineConfig:
     speculative_num_draft_tokens: int | None  # None: engine.speculation's device default
     speculative_ngram_min_match_window_size: int
     speculative_ngram_max_match_window_size: int
+    speculative_draft_model_path: str | None
+    speculative_draft_model_quantization: str | None
     log_level: str  # of the tensor-parallel worker processes

@@ -79,6 +79,7 @@ class VerifyRows:
     # set by Speculator.resolve (rank 0): tokens each row forwards, and its drafts
     counts: list[int] = field(default_factory=list)
     drafts: list[list[int]] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None  # [B, K, V]: a draft model's, for sampled rows
 
 
 @dataclass

@@ -17,9 +17,11 @@ logger = logging.getLogger(__name__)
 
 
 def allocate_kv_pool(config: EngineConfig, arch: ModelArch, kv_heads: int, page_size: int,
-                     dtype: torch.dtype, device: torch.device, tp_size: int) -> KVPool:
+                     dtype: torch.dtype, device: torch.device, tp_size: int,
+                     draft_bytes_per_token: int = 0) -> KVPool:
     """`--max-total-tokens`, else what the memory fraction leaves (after the weights are
-    loaded); every rank takes the smallest count, so a page id means one slot everywhere."""
+    loaded; a draft model's KV pool, `draft_bytes_per_token`, takes its share); every rank
+    takes the smallest count, so a page id means one slot everywhere."""
     per_token = KVPool.bytes_per_token(arch.num_layers, kv_heads, arch.head_dim, dtype)
     tokens = config.max_total_tokens
     fraction = config.mem_fraction_static or device_default("mem_fraction_static", device.type)
@@ -29,7 +31,7 @@ def allocate_kv_pool(config: EngineConfig, arch: ModelArch, kv_heads: int, page_
             budget = free - total * (1 - fraction)  # of device memory for weights + KV pool
         else:  # the ranks share the host's memory
             budget = psutil.virtual_memory().available * fraction / tp_size  # for the KV pool
-        tokens = int(budget // per_token)
+        tokens = int(budget // (per_token + draft_bytes_per_token))
     tokens = all_reduce_min(tokens, device)
     num_pages = tokens // page_size
     if num_pages < 1:

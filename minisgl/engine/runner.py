@@ -56,7 +56,7 @@ class ModelRunner:
             return ForwardOutput()
         output = self._sample(fwd, logits, scored)
         if self.speculator is not None and fwd.verify is None:
-            self.speculator.record_writes(fwd.write_indices)
+            self.speculator.record_step(fwd)
         self._count(fwd.batch, started, verify=fwd.verify is not None)
         return output
 

@@ -26,6 +26,7 @@ from minisgl.args import device_default
 from minisgl.core import span_indices
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.acceptance import accept_greedy, accept_sampled
+from minisgl.engine.draft_model import DraftModel
 from minisgl.engine.forward import ForwardInput, ForwardOutput, to_host
 from minisgl.engine.ngram import NgramIndex
 from minisgl.engine.sampler import SampleOutput, Sampler, to_device
@@ -34,6 +35,8 @@ MAX_COOLDOWN = 16  # steps a row drafts nothing after drafts it kept rejecting (
 # Tokens a verify step may forward before drafts stop paying: beyond them the step's cost
 # grows with its tokens (measured: BENCHMARKS.md, "Speculative decoding").
 BATCH_TOKENS = {"cpu": 32, "cuda": 512}
+# Committed tokens a draft model catches up on in one step (a prompt over several steps).
+CATCH_UP_TOKENS = {"cpu": 512, "cuda": 8192}
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,7 @@ class SpecConfig:
     min_window: int
     max_window: int
     batch_tokens: int
+    catch_up_tokens: int  # STANDALONE (engine.draft_model)
 
     def drafts_per_row(self, rows: int) -> int:
         """Drafts each of `rows` rows may verify in one step: num_draft_tokens - 1, fewer once
@@ -55,10 +59,11 @@ def spec_config(config: EngineConfig, device_type: str) -> SpecConfig | None:
         return None
     tokens = (config.speculative_num_draft_tokens
               or device_default("speculative_num_draft_tokens", device_type))
+    device = "cuda" if device_type == "cuda" else "cpu"
     return SpecConfig(config.speculative_algorithm, tokens,
                       config.speculative_ngram_min_match_window_size,
                       config.speculative_ngram_max_match_window_size,
-                      BATCH_TOKENS["cuda" if device_type == "cuda" else "cpu"])
+                      BATCH_TOKENS[device], CATCH_UP_TOKENS[device])
 
 
 @dataclass
@@ -66,7 +71,7 @@ class _RowDrafts:
     """A table row's drafting state, for the request `uid` that holds the row."""
 
     uid: int
-    index: NgramIndex
+    index: NgramIndex | None  # NGRAM's
     last_committed: int = 0
     last_drafts: int = 0
     misses: int = 0  # verifies in a row that accepted none of their drafts
@@ -74,9 +79,9 @@ class _RowDrafts:
 
 
 class Speculator:
-    def __init__(self, config: SpecConfig, token_pool: torch.Tensor, page_table: torch.Tensor
-                 ) -> None:
-        self.config = config
+    def __init__(self, config: SpecConfig, token_pool: torch.Tensor, page_table: torch.Tensor,
+                 draft_model: DraftModel | None = None) -> None:
+        self.config, self.draft_model = config, draft_model
         self.token_pool, self.page_table = token_pool, page_table
         self.context_len = token_pool.shape[1]
         self.device = token_pool.device
@@ -84,10 +89,15 @@ class Speculator:
         self.committed = torch.zeros(token_pool.shape[0], dtype=torch.int64, device=self.device)
         self.rows: dict[int, _RowDrafts] = {}
 
-    def record_writes(self, write_indices: torch.Tensor) -> None:
-        """A step that sampled one token per row at `write_indices` (flat token-pool indices;
-        the dummy row's are harmless): each row now holds its tokens up to there."""
+    def record_step(self, fwd: ForwardInput) -> None:
+        """A step that sampled one token per row at fwd.write_indices (flat token-pool indices;
+        the dummy row's are harmless): each row now holds its tokens up to there. Its prefill
+        rows start over in the draft model's KV."""
+        write_indices = fwd.write_indices
         self.committed[write_indices // self.context_len] = write_indices % self.context_len + 1
+        batch = fwd.batch
+        if self.draft_model is not None and not batch.is_decode:
+            self.draft_model.forget(batch.table_rows[:batch.size - batch.decode_rows])
 
     # ---- before the forward ------------------------------------------------------------------
 
@@ -98,11 +108,19 @@ class Speculator:
         assert verify is not None
         table_rows = batch.table_rows[:batch.size]
         committed = self.committed[torch.tensor(table_rows)].tolist()
-        verify.drafts = [self._draft(row, uid, length, min(most, cap - length - 1))
-                         if most > 0 else []
-                         for row, uid, length, most, cap in zip(
-                             table_rows, verify.uids, committed, verify.max_drafts,
-                             verify.max_lens)]
+        most = [self._row_drafts(row, uid, length, min(most, cap - length - 1))
+                for row, uid, length, most, cap in zip(
+                    table_rows, verify.uids, committed, verify.max_drafts, verify.max_lens)]
+        if self.draft_model is None:
+            verify.drafts = [self.rows[row].index.draft(m) if m > 0 else []  # type: ignore
+                             for row, m in zip(table_rows, most)]
+        else:
+            assert fwd.sample_args is not None
+            drafts = self.draft_model.draft(table_rows, committed, most, verify.greedy,
+                                            fwd.sample_args)
+            verify.drafts, verify.draft_probs = drafts.tokens, drafts.probs
+        for row, d in zip(table_rows, verify.drafts):
+            self.rows[row].last_drafts = len(d)
         verify.counts = [1 + len(d) for d in verify.drafts]
         starts = [c - 1 for c in committed]
         ctx = self.context_len
@@ -133,11 +151,14 @@ class Speculator:
         return [(row, start + 1, torch.tensor(d, dtype=torch.int32))
                 for row, start, d in zip(batch.table_rows, batch.cached_lens, verify.drafts) if d]
 
-    def _draft(self, row: int, uid: int, committed: int, most: int) -> list[int]:
+    def _row_drafts(self, row: int, uid: int, committed: int, most: int) -> int:
+        """How many drafts the row may take now (0 while it cools down after drafts it kept
+        rejecting); brings its n-gram index up to its committed tokens."""
         state = self.rows.get(row)
         if state is None or state.uid != uid:
-            state = self.rows[row] = _RowDrafts(uid, NgramIndex(self.config.min_window,
-                                                                self.config.max_window))
+            index = (NgramIndex(self.config.min_window, self.config.max_window)
+                     if self.draft_model is None else None)
+            state = self.rows[row] = _RowDrafts(uid, index)
         elif state.last_drafts:  # how the row's previous verify went (known now, no sync)
             if committed - state.last_committed > 1:
                 state.misses = 0
@@ -145,17 +166,15 @@ class Speculator:
                 state.misses += 1
                 state.cooldown = min(2 ** state.misses, MAX_COOLDOWN) if state.misses > 1 else 0
         index = state.index
-        if committed < len(index.tokens):
+        if index is not None and committed < len(index.tokens):
             index.truncate(committed)
-        if committed > len(index.tokens):
+        if index is not None and committed > len(index.tokens):
             index.extend(self.token_pool[row, len(index.tokens):committed].tolist())
         state.last_committed, state.last_drafts = committed, 0
         if most <= 0 or state.cooldown > 0:
             state.cooldown = max(0, state.cooldown - 1)
-            return []
-        drafts = index.draft(most)
-        state.last_drafts = len(drafts)
-        return drafts
+            return 0
+        return most
 
     # ---- after the forward -------------------------------------------------------------------
 
@@ -197,11 +216,17 @@ class Speculator:
             if sampled:
                 s = to_device(torch.tensor(sampled), device)
                 probs = sampler.target_probs(row_logits[s], args, rows[s])
-                kept[s], out[s] = accept_sampled(drafts[s], lens[s], probs,
-                                                 generator=sampler.generator)
+                q = verify.draft_probs  # None: n-gram drafts, point masses
+                kept[s], out[s] = accept_sampled(
+                    drafts[s], lens[s], probs,
+                    None if q is None else q[rows[s], :width - 1],
+                    generator=sampler.generator)
             accepted[rows] = kept
             emitted[rows] = out
         table_rows = to_device(torch.tensor(batch.table_rows[:size]), device)
+        if drafting and self.draft_model is not None:
+            drafted = table_rows[rows]
+            self.draft_model.accepted(drafted, self.committed[drafted], kept)
         self.committed[table_rows] += accepted + 1
         token_row = [i for i, c in enumerate(verify.counts) for _ in range(c)]
         column = [j for c in verify.counts for j in range(c)]
