@@ -1,4 +1,5 @@
-"""Speculative decoding (--speculative-algorithm NGRAM) on vs off, side by side in one run.
+"""Speculative decoding (--speculative-algorithm NGRAM, or STANDALONE with --draft-model)
+on vs off, side by side in one run.
 
 Two workloads of chat prompts to the bundled model, greedy:
 - grounded: rewrite, repeat, extract from or continue a given text (passages of this repo's
@@ -11,12 +12,16 @@ included; "accept" is the mean tokens a speculating request gained per verify st
     python scripts/bench_speculation.py --streams 1 8 32 64
     python scripts/bench_speculation.py --streams 1 --overlap-too   # overlap vs not, spec on
     python scripts/bench_speculation.py --linears   # a verify step's few rows: GEMM vs kernel
+    python scripts/bench_speculation.py --draft-model bundled    # STANDALONE, itself as draft
+    python scripts/bench_speculation.py --draft-model bundled --draft-layers 8  # its first 8
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,6 +29,7 @@ import torch
 
 from minisgl import LLM
 from minisgl.layers.linear import FEW_ROWS, few_rows_matmul
+from minisgl.models import resolve_model_path
 
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = ("Repeat the following text exactly, word for word:\n\n{}",
@@ -58,7 +64,11 @@ def prompts(workload: str, count: int) -> list[str]:
 def run(workload: str, streams: int, spec: bool, args: argparse.Namespace,
         overlap: bool = True) -> tuple[float, float, int]:
     """(output tok/s, mean accepted length, output tokens)."""
-    extra = {"speculative_algorithm": "NGRAM"} if spec else {}
+    extra = {}
+    if spec:
+        extra = ({"speculative_algorithm": "NGRAM"} if args.draft_model is None else
+                 {"speculative_algorithm": "STANDALONE",
+                  "speculative_draft_model_path": args.draft_model})
     if args.num_draft_tokens and spec:
         extra["speculative_num_draft_tokens"] = args.num_draft_tokens
     with LLM(dtype=args.dtype, max_running_requests=streams, max_total_tokens=args.pool,
@@ -77,6 +87,20 @@ def run(workload: str, streams: int, spec: bool, args: argparse.Namespace,
     rows = state["spec_verified_rows"] - before["spec_verified_rows"]
     accepted = state["spec_accepted_tokens"] - before["spec_accepted_tokens"]
     return tokens / seconds, (accepted + rows) / rows if rows else 1.0, tokens
+
+
+def bundled_draft(layers: int | None) -> str:
+    """The bundled model as a draft model folder: whole, or cut to its first `layers`."""
+    source = resolve_model_path(None)
+    if layers is None:
+        return str(source)
+    folder = Path(tempfile.mkdtemp(prefix="draft-"))
+    for file in source.iterdir():
+        if file.name != "config.json":
+            (folder / file.name).symlink_to(file)
+    config = json.loads((source / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers}))
+    return str(folder)
 
 
 def linears(dtype: torch.dtype, rounds: int = 5) -> None:
@@ -109,6 +133,10 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--pool", type=int, default=60000)
     parser.add_argument("--num-draft-tokens", type=int, default=None)
+    parser.add_argument("--draft-model", default=None,
+                        help="STANDALONE with this draft model (bundled: the bundled model)")
+    parser.add_argument("--draft-layers", type=int, default=None,
+                        help="with --draft-model bundled: only its first N layers")
     parser.add_argument("--overlap-too", action="store_true",
                         help="with speculation: overlap on vs off")
     parser.add_argument("--linears", action="store_true",
@@ -118,7 +146,10 @@ def main() -> None:
         for dtype in (torch.float32, torch.bfloat16):
             linears(dtype)
         return
-    print("| workload | streams | off tok/s | NGRAM tok/s | NGRAM / off | accept length | "
+    if args.draft_model == "bundled":
+        args.draft_model = bundled_draft(args.draft_layers)
+    name = "NGRAM" if args.draft_model is None else "STANDALONE"
+    print(f"| workload | streams | off tok/s | {name} tok/s | {name} / off | accept length | "
           "output tokens (off / on) |")
     print("|---|---|---|---|---|---|---|")
     for workload in args.workloads:

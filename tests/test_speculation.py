@@ -320,8 +320,40 @@ def test_requests_that_cannot_speculate_decode_alongside(plain) -> None:
         outs = llm.generate(input_ids=prompts * 2, sampling_params=plain_params + [GREEDY] * 3)
         llm.check_integrity()
     assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in want]
-    assert all(o["meta_info"].get("spec_verify_ct") is None for o in outs[:3])
+    assert all(o["meta_info"].get("spec_verify_ct") is None for o in outs[1:3])
+    assert outs[0]["meta_info"]["spec_verify_ct"] > 0  # the grammar row verifies (its drafts)
     assert outs[3]["meta_info"]["spec_accept_token_num"] > 0
+
+
+@pytest.mark.parametrize("algorithm", ["NGRAM", "STANDALONE"])
+def test_grammar_rows_verify_drafts_under_their_masks(drafts, algorithm: str) -> None:
+    """A JSON-schema request copies a JSON object from its prompt: the drafts the grammar
+    allows are accepted, each drafted position sampled under the mask its matcher reaches
+    after the drafts before it (then rolled back). Greedy output equals plain constrained
+    decoding, also for a regex and for grammar rows whose drafts it mostly refuses."""
+    record = ('{"name": "Ada Lovelace", "born": 1815, "city": "London", '
+              '"field": "mathematics", "known for": "the first computer program"}')
+    schema = json.dumps({"type": "object", "required": ["name", "born", "city", "field"],
+                         "properties": {"name": {"type": "string"}, "born": {"type": "integer"},
+                                        "city": {"type": "string"},
+                                        "field": {"type": "string"}}})
+    prompts = [ref.prompt_ids(ref.chat_prompt(f"Repeat this JSON object exactly:\n{record}")),
+               ref.prompt_ids(ref.chat_prompt("Count from 1 to 30, separated by commas.")),
+               copy_prompts()[0], copy_prompts()[4]]
+    params = [{**GREEDY, "max_new_tokens": 48, "json_schema": schema},
+              {**GREEDY, "regex": "([0-9]+, ){5,}[0-9]+"},
+              {**GREEDY, "json_schema": schema}, {**GREEDY, "regex": "[a-z ]+[.]"}]
+    with LLM(dtype="float32", max_total_tokens=8192) as llm:
+        want = llm.generate(input_ids=prompts, sampling_params=params)
+    spec = SPEC if algorithm == "NGRAM" else drafts["self"]
+    with LLM(dtype="float32", max_total_tokens=8192, **spec) as llm:
+        outs = llm.generate(input_ids=prompts, sampling_params=params)
+        llm.check_integrity()
+    for out, base in zip(outs, want):
+        assert out["output_ids"] == base["output_ids"]
+        assert out["meta_info"]["finish_reason"] == base["meta_info"]["finish_reason"]
+    json.loads(outs[0]["text"])
+    assert outs[0]["meta_info"]["spec_accept_token_num"] > 10, outs[0]["meta_info"]
 
 
 @pytest.mark.parametrize("algorithm", ["NGRAM", "STANDALONE"])

@@ -13,6 +13,7 @@ from minisgl.engine.sampler import SamplingArgs
 
 if TYPE_CHECKING:
     from minisgl.engine.tp_message import StepMessage
+    from minisgl.grammar.backend import Matcher
 
 
 @dataclass
@@ -76,6 +77,8 @@ class VerifyRows:
     max_drafts: list[int]
     max_lens: list[int]
     greedy: list[bool]  # per row: accepted by argmax (else by speculative sampling)
+    # per row: the grammar a speculating row follows (engine.speculation walks its drafts)
+    matchers: list[Matcher | None] = field(default_factory=list)
     # set by Speculator.resolve (rank 0): tokens each row forwards, and its drafts
     counts: list[int] = field(default_factory=list)
     drafts: list[list[int]] = field(default_factory=list)

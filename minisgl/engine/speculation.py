@@ -29,7 +29,7 @@ from minisgl.engine.acceptance import accept_greedy, accept_sampled
 from minisgl.engine.draft_model import DraftModel
 from minisgl.engine.forward import ForwardInput, ForwardOutput, to_host
 from minisgl.engine.ngram import NgramIndex
-from minisgl.engine.sampler import SampleOutput, Sampler, to_device
+from minisgl.engine.sampler import SampleOutput, Sampler, to_device, unpack_bitmask
 
 MAX_COOLDOWN = 16  # steps a row drafts nothing after drafts it kept rejecting (doubling)
 # Tokens a verify step may forward before drafts stop paying: beyond them the step's cost
@@ -187,6 +187,9 @@ class Speculator:
         verify, batch, args = fwd.verify, fwd.batch, fwd.sample_args
         assert verify is not None and args is not None
         size, device = batch.size, self.device
+        if mask is not None and fwd.grammar is not None and any(
+                verify.drafts[i] for i in fwd.grammar.row_ids):
+            logits, mask = self._mask_drafted(fwd, logits), None
         counts = to_device(torch.tensor(verify.counts), device)
         width = max(verify.counts)
         first = counts.cumsum(0) - counts  # each row's first token row
@@ -238,6 +241,42 @@ class Speculator:
             self._logprobs(output, logits, first, emitted, sample, counts > 1,
                            args.top_logprobs_num)
         return output, stored
+
+    def _mask_drafted(self, fwd: ForwardInput, logits: torch.Tensor) -> torch.Tensor:
+        """The logits of every token a grammar row forwards, under its grammar's mask there:
+        the scheduler filled the first position's; each row's matcher walks its drafts for the
+        rest and is rolled back (the scheduler has accepted the step before into it and
+        accepts this one's tokens only once this returns). After a draft the grammar refuses
+        nothing is masked: that draft cannot be accepted, so nothing after it is used."""
+        verify, grammar = fwd.verify, fwd.grammar
+        assert verify is not None and grammar is not None
+        starts = [0]
+        for count in verify.counts:
+            starts.append(starts[-1] + count)
+        token_rows: list[int] = []
+        masks: list[torch.Tensor] = []
+        for j, i in enumerate(grammar.row_ids):
+            token_rows.append(starts[i])
+            masks.append(grammar.bitmask[j:j + 1])
+            drafts, matcher = verify.drafts[i], verify.matchers[i]
+            if not drafts or matcher is None or matcher.is_terminated():
+                continue
+            after = torch.full((len(drafts), grammar.bitmask.shape[1]), -1, dtype=torch.int32)
+            walked = 0
+            for token in drafts:
+                if not matcher.accept_token(token):
+                    break
+                walked += 1
+                if matcher.is_terminated():  # the row ends at this draft if it is accepted
+                    break
+                matcher.fill_next_token_bitmask(after, walked - 1)
+            if walked:
+                matcher.rollback(walked)
+            token_rows += range(starts[i] + 1, starts[i] + 1 + len(drafts))
+            masks.append(after)
+        rows = to_device(torch.tensor(token_rows), self.device)
+        allowed = unpack_bitmask(to_device(torch.cat(masks), self.device), logits.shape[1])
+        return logits.index_put((rows,), logits[rows].masked_fill(~allowed, float("-inf")))
 
     @staticmethod
     def _logprobs(output: ForwardOutput, logits: torch.Tensor, first: torch.Tensor,

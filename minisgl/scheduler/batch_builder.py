@@ -92,7 +92,8 @@ class BatchBuilder:
                             max_drafts=[c - 1 if r.speculative else 0
                                         for r, c in zip(reqs, counts)],
                             max_lens=[r.max_device_len for r in reqs],
-                            greedy=[r.params.is_greedy for r in reqs])
+                            greedy=[r.params.is_greedy for r in reqs],
+                            matchers=[r.matcher if r.speculative else None for r in reqs])
         last = [True] * len(reqs)
         fwd = ForwardInput(batch=batch, load_indices=torch.zeros(0, dtype=torch.int64),
                            write_indices=torch.zeros(0, dtype=torch.int64), logit_rows=None,

@@ -128,7 +128,8 @@ class Scheduler:
         if params.sampling_seed is not None:
             req.generator = torch.Generator(self.engine.device).manual_seed(
                 params.sampling_seed % 2**64)
-        req.speculative = self.engine.speculation is not None and speculates(req)
+        req.speculative = self.engine.speculation is not None and speculates(
+            req, grammar_drafts=self.engine.runs_steps_in_order)
         self.reqs[rid] = req
         self._post("new", req)
         return Queued(rid, params)

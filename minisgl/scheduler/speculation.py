@@ -17,15 +17,18 @@ from minisgl.scheduler.cache import CacheManager
 from minisgl.scheduler.table import TableManager
 
 
-def speculates(req: Req) -> bool:
+def speculates(req: Req, grammar_drafts: bool) -> bool:
     """Whether a request may verify drafts: its token at each position must depend on nothing
     a draft changes but the tokens before it. Penalties, logit_bias and min_new_tokens shape
     each position's logits from the output so far (per step, not per drafted position); a
-    grammar's mask would need its matcher to walk the drafts; a sampling_seed promises the
-    same output as without speculation. Such requests decode one token a step."""
+    sampling_seed promises the same output as without speculation. A grammar's masks for the
+    drafted positions come from its matcher walking the drafts on the engine thread, between
+    the scheduler's mask fill and its processing of the step (`grammar_drafts`: the engine
+    runs steps in order, the CPU engine thread; a CUDA launch does not wait for masks). Other
+    requests decode one token a step."""
     params = req.params
     return not (params.needs_penalties or params.logit_bias or params.min_new_tokens
-                or req.matcher is not None
+                or (req.matcher is not None and not grammar_drafts)
                 or (params.sampling_seed is not None and not params.is_greedy))
 
 
