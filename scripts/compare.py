@@ -151,11 +151,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_llama(binary: Path, gguf: Path, slots: int, context_per_slot: int) -> Server:
+def start_llama(binary: Path, gguf: Path, slots: int, context_per_slot: int,
+                extra: tuple[str, ...] = ()) -> Server:
     port = free_port()
     cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
            "-np", str(slots), "-c", str(slots * context_per_slot), "-t", str(os.cpu_count()),
-           "-cb", "--no-webui"]
+           "-cb", "--no-webui", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     server = Server("llama.cpp llama-server", proc, url=f"http://127.0.0.1:{port}")
     threading.Thread(target=_collect, args=(server, threading.Event()), daemon=True).start()

@@ -294,11 +294,14 @@ def test_input_logprobs_and_logit_bias_on_cuda(flashinfer, real_model) -> None:
         llm.check_integrity()
 
 
-def test_speculative_decoding_on_cuda(flashinfer, real_model) -> None:
-    """NGRAM speculation on CUDA (FlashInfer, graphs for steps without drafts, the settle
-    before each verify step): greedy outputs equal plain decoding (or first differ where the
-    reference's bf16 top-2 margin is tiny), drafts are accepted, every page accounted for."""
+@pytest.mark.parametrize("algorithm", ["NGRAM", "STANDALONE"])
+def test_speculative_decoding_on_cuda(flashinfer, real_model, algorithm: str) -> None:
+    """Speculation on CUDA (FlashInfer, graphs for steps without drafts, the settle before
+    each verify step; STANDALONE: the model itself drafts, eagerly, with its own FlashInfer
+    KV pool): greedy outputs equal plain decoding (or first differ where the reference's bf16
+    top-2 margin is tiny), drafts are accepted, every page accounted for."""
     from minisgl import LLM
+    from minisgl.models import resolve_model_path
     rng = random.Random(2)
     prompts = []
     for _ in range(12):
@@ -311,7 +314,10 @@ def test_speculative_decoding_on_cuda(flashinfer, real_model) -> None:
     with LLM(**common) as llm:
         ref = llm.generate(input_ids=prompts, sampling_params=greedy, return_logprob=True,
                            top_logprobs_num=2)
-    with LLM(speculative_algorithm="NGRAM", **common) as llm:
+    spec = {"speculative_algorithm": algorithm}
+    if algorithm == "STANDALONE":
+        spec["speculative_draft_model_path"] = str(resolve_model_path(None))
+    with LLM(**spec, **common) as llm:
         ours = llm.generate(input_ids=prompts, sampling_params=greedy)
         sampled = llm.generate(input_ids=prompts, sampling_params={
             "temperature": 1.0, "max_new_tokens": 16, "ignore_eos": True})

@@ -184,10 +184,12 @@ def test_greedy_output_equals_plain_decoding(plain, args: dict) -> None:
     prompts = copy_prompts()
     outs, state = generate(prompts, max_total_tokens=8192, **{**SPEC, **args})
     assert_same_greedy(prompts, outs, plain)
+    if args.get("enable_mixed_chunk"):  # speculating rows ride in prefill chunks (no drafts)
+        assert state["engine_mixed_steps"] > 0, state
     if not {**SPEC, **args}["speculative_always_draft"]:
         return  # the governor may have stopped drafting: only the outputs are compared
     # the copying prompts accept most drafts: the comparison exercised speculation
-    assert state["spec_accepted_tokens"] > 100 and state["spec_accept_length"] > 1.5, state
+    assert state["spec_accepted_tokens"] > 60 and state["spec_accept_length"] > 1.5, state
     copied = outs[4]["meta_info"]
     assert copied["spec_verify_ct"] < copied["completion_tokens"] / 2, copied
     assert copied["spec_accept_length"] == pytest.approx(

@@ -51,7 +51,7 @@ class DraftModel:
     def forget(self, rows: list[int]) -> None:
         """Rows being prefilled: their draft KV holds nothing of theirs."""
         if rows:
-            self.valid[to_device(torch.tensor(rows), self.device)] = 0
+            self.valid[self._ints(rows)] = 0
 
     def accepted(self, rows: torch.Tensor, committed: torch.Tensor, kept: torch.Tensor) -> None:
         """After a verify step (device tensors, no sync): table rows that drafted, their
@@ -65,7 +65,7 @@ class DraftModel:
         wanted = [i for i, m in enumerate(most) if m > 0]
         if not wanted:
             return Drafts(tokens, None)
-        valid = self.valid[to_device(torch.tensor([rows[i] for i in wanted]), self.device)]
+        valid = self.valid[self._ints([rows[i] for i in wanted])]
         spans: list[tuple[int, int, int]] = []  # (batch row, first position, tokens)
         budget = self.catch_up_tokens
         for i, start in sorted(zip(wanted, valid.tolist()), key=lambda x: committed[x[0]] - x[1]):
@@ -77,15 +77,13 @@ class DraftModel:
         with tp_context(TPInfo(), None):  # NOTE: the draft is whole on rank 0: no collectives
             first = self._catch_up(rows, spans, committed)
             out = self._chain(rows, committed, most, greedy, args, drafting, first)
-        behind = [(rows[i], start + count) for i, start, count in spans if i not in drafting]
+        behind = [(rows[i], start + count) for i, start, count in spans
+                  if start + count < committed[i]]
         if behind:
-            at, value = zip(*behind)
-            self.valid[to_device(torch.tensor(at), self.device)] = to_device(
-                torch.tensor(value), self.device)
+            self.valid[self._ints([r for r, _ in behind])] = self._ints([v for _, v in behind])
         if drafting:
-            self.written[to_device(torch.tensor([rows[i] for i in drafting]), self.device)] = (
-                to_device(torch.tensor([committed[i] + most[i] - 1 for i in drafting]),
-                          self.device))
+            self.written[self._ints([rows[i] for i in drafting])] = self._ints(
+                [committed[i] + most[i] - 1 for i in drafting])
             ids, probs = out
             for j, row in enumerate(ids.tolist()):
                 tokens[drafting[j]] = row[:most[drafting[j]]]
@@ -134,22 +132,23 @@ class DraftModel:
                 batch = Batch("decode", len(active), table_rows=table_rows,
                               cached_lens=positions.tolist(),
                               seq_lens=(positions + 1).tolist(), extend_lens=[1] * len(active))
-                active_d = to_device(torch.tensor(active), self.device)
-                logits = self._forward(batch, ids[active_d, step - 1],
+                logits = self._forward(batch, ids[self._ints(active), step - 1],
                                        to_device(positions, self.device),
                                        to_device(flat, self.device), None)
             ids_now = logits.argmax(dim=-1)
             draw = [n for n, j in enumerate(active) if not greedy[drafting[j]]]
             if draw:
-                at = to_device(torch.tensor(draw), self.device)
-                batch_rows = to_device(torch.tensor([drafting[active[n]] for n in draw]),
-                                       self.device)
+                at = self._ints(draw)
+                batch_rows = self._ints([drafting[active[n]] for n in draw])
                 q = self.sampler.target_probs(logits[at].float()[:, None], args, batch_rows)[:, 0]
                 ids_now[at] = torch.multinomial(q, 1, generator=self.sampler.generator)[:, 0]
                 assert probs is not None
                 probs[batch_rows, step] = q
-            ids[to_device(torch.tensor(active), self.device), step] = ids_now
+            ids[self._ints(active), step] = ids_now
         return ids, probs
+
+    def _ints(self, values: list[int]) -> torch.Tensor:
+        return to_device(torch.tensor(values, dtype=torch.int64), self.device)
 
     def _forward(self, batch: Batch, input_ids: torch.Tensor, positions: torch.Tensor,
                  flat: torch.Tensor, logit_rows: torch.Tensor | None) -> torch.Tensor:

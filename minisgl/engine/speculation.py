@@ -1,15 +1,16 @@
-"""Speculative decoding on the engine side (`--speculative-algorithm NGRAM`).
+"""Speculative decoding on the engine side (`--speculative-algorithm NGRAM` / `STANDALONE`).
 
 The data flow that keeps the overlap loop: when the host builds decode step N+1, step N (in
 flight) has not said how many of its drafts were accepted, so the host cannot know where each
 speculating request's next token sits. It does not need to. It reserves KV slots for the worst
 case (every draft accepted, `VerifyRows`) and leaves the layout to the engine, which runs the
 steps in launch order and so knows N's outcome when N+1 starts: `Speculator.resolve` reads each
-row's committed length (kept on the device, advanced by every step), drafts from the row's
-tokens (n-grams of its prompt and output), writes the drafts into the token pool and lays out
-the forward: the row's last token plus its drafts, at their true positions. After the forward
-`Speculator.verify` accepts the longest agreeing prefix of drafts plus one token of the
-target's, writes them into the token pool and advances the committed lengths.
+row's committed length (kept on the device, advanced by every step), drafts (n-grams of the
+row's prompt and output, or a draft model: engine.draft_model), writes the drafts into the
+token pool and lays out the forward: the row's last token plus its drafts, at their true
+positions. After the forward `Speculator.verify` accepts the longest agreeing prefix of drafts
+plus one token of the target's (a grammar row's drafted positions masked by its matcher),
+writes them into the token pool and advances the committed lengths.
 
 On CPU resolving runs on the engine thread, after N's forward, while the scheduler processes
 N's results: nothing waits. A CUDA launch runs on the scheduler's thread, so there the

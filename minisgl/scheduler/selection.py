@@ -52,7 +52,7 @@ class BatchSelector:
             if self.prefill.runnable:
                 chunks = self.prefill.schedule(self.config.chunked_prefill_size)
                 if chunks:
-                    return Selection(self._prefill_batch(chunks))
+                    return Selection(self._prefill_batch(chunks, verify_in_flight))
                 victim = self._preemption_victim()
                 if victim is not None:
                     if in_flight:  # NOTE: the victim may be in the batch in flight
@@ -76,13 +76,16 @@ class BatchSelector:
                 return SETTLE
             self._retract_newest()
 
-    def _prefill_batch(self, chunks: list[PrefillChunk]) -> ScheduledBatch:
+    def _prefill_batch(self, chunks: list[PrefillChunk], verify_in_flight: bool
+                       ) -> ScheduledBatch:
         for chunk in chunks:
             if chunk.first:
                 chunk.req.cached_tokens = chunk.req.cached_tokens or chunk.start
                 self.stats.cached_prompt_tokens += chunk.start
-        # NOTE: speculating requests decode in their own steps (engine.speculation)
-        decodes = ([r for r in self.decode.schedule() if not r.speculative]
+        # NOTE: a speculating request rides one token a step, without drafts, once no verify
+        # step is in flight (its lengths are exact only then)
+        decodes = ([r for r in self.decode.schedule()
+                    if not (r.speculative and verify_in_flight)]
                    if self.config.enable_mixed_chunk else [])
         locations = self._decode_locations(decodes) if decodes else None
         if locations is not None:  # NOTE: without pages for the decodes they wait, unmixed
