@@ -5,7 +5,9 @@ the bundled GGUF file: llama.cpp its Q4_1 blocks, minisgl `--dtype` (float32 her
 bfloat16 has no AVX-512 support). The figure to compare is each engine's on / off ratio.
 
     python scripts/bench_spec_llama_cpp.py [--prompts 8] [--output-len 128]
-        [--llama-spec ngram-simple ngram-map-k]
+        [--llama-spec ngram-simple "ngram-simple --spec-ngram-simple-size-n 3" ...]
+
+Each --llama-spec entry is a `--spec-type` value, optionally with more llama-server flags.
 """
 
 from __future__ import annotations
@@ -54,7 +56,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--llama-spec", nargs="+", default=["ngram-simple", "ngram-map-k"])
+    parser.add_argument("--llama-spec", nargs="+", default=[
+        "ngram-simple", "ngram-simple --spec-ngram-simple-size-n 3 --spec-ngram-simple-size-m 8",
+        "ngram-map-k"])
     args = parser.parse_args()
     texts = prompts("grounded", args.prompts)
     binary, version = build_llama_server()
@@ -69,10 +73,10 @@ def main() -> None:
     else:
         gguf = bundled_gguf()
         off = run(start_llama(binary, gguf, 1, 8192), texts, args.output_len)
-        for kind in args.llama_spec:
-            on = run(start_llama(binary, gguf, 1, 8192, ("--spec-type", kind)), texts,
+        for spec in args.llama_spec:
+            on = run(start_llama(binary, gguf, 1, 8192, ("--spec-type", *spec.split())), texts,
                      args.output_len)
-            rows.append((f"llama.cpp ({version.strip()})", kind, off, on))
+            rows.append((f"llama.cpp ({version.strip()})", spec, off, on))
     print("| server | speculation | off tok/s | on tok/s | on / off |")
     print("|---|---|---|---|---|")
     for name, kind, off, on in rows:
