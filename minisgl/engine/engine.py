@@ -20,11 +20,6 @@ import numpy as np
 import torch
 
 from minisgl.args import device_default
-from minisgl.attention import (
-    create_attention_backend,
-    default_attention_backend,
-    torch_only_features,
-)
 from minisgl.core import Batch
 from minisgl.distributed.context import TPInfo, bind_thread, create_group, tp_context
 from minisgl.distributed.shm_queue import QueueClosed
@@ -37,6 +32,7 @@ from minisgl.engine.draft_model import DraftModel
 from minisgl.engine.forward import ForwardInput, ForwardOutput
 from minisgl.engine.graph import GraphRunner, supports_graphs
 from minisgl.engine.memory import allocate_kv_pool, release_cuda_memory
+from minisgl.engine.model_loading import attention_for, draft_arch, kv_heads, load_model
 from minisgl.engine.placement import check_tp_size, resolve_device, resolve_dtype
 from minisgl.engine.quantization import resolve_quantization
 from minisgl.engine.runner import ModelRunner
@@ -47,15 +43,11 @@ from minisgl.engine.tp_message import StepMessage
 from minisgl.env import cuda_wait_mode
 from minisgl.errors import EngineFailed
 from minisgl.kvcache import KVPool
-from minisgl.layers.linear import can_prepack
 from minisgl.layers.moe import syncs_on_host
 from minisgl.models import (
     ModelArch,
-    build_model,
     check_supported,
     load_config,
-    load_weights,
-    log_weight_memory,
     resolve_model_path,
 )
 
@@ -94,7 +86,8 @@ class Engine:
         self.arch = dataclasses.replace(self.arch, served_context=self.context_len)
         if self.tp.size > 1:
             check_tp_size(self.arch, self.tp.size, self.model_path.name)
-        self.draft_arch = self._draft_arch() if self.tp.is_primary else None
+        self.draft_arch = (draft_arch(config, self.arch, self.context_len)
+                           if self.tp.is_primary else None)
         try:
             if self.tp.size > 1 and self.tp.is_primary and group is None:
                 self.workers = TPWorkers(self.tp.size, self.device, config.log_level,
@@ -123,33 +116,29 @@ class Engine:
             self.group = create_group(self.workers.store, 0, self.tp.size, self.device,
                                       GLOO_TIMEOUT_S)
         with tp_context(self.tp, self.group):
-            self.model = self._build_model(self.arch, self.model_path, self.quantization,
-                                           config.model_path)
+            self.model = self._load(self.arch, self.model_path, self.quantization,
+                                    config.model_path)
         draft = None
         if self.draft_arch is not None:
             with tp_context(TPInfo(), None):  # NOTE: the draft model runs whole on rank 0
-                draft = self._build_draft_model(*self.draft_arch)
+                draft = self._load_draft(*self.draft_arch)
         with tp_context(self.tp, self.group):
             device_type = self.device.type
             self.max_running = (config.max_running_requests
                                 or device_default("max_running_requests", device_type))
             self.page_size = config.page_size or device_default("page_size", device_type)
             self.kv_pool = allocate_kv_pool(
-                config, self.arch, _kv_heads(self.model), self.page_size, self.dtype,
+                config, self.arch, kv_heads(self.model), self.page_size, self.dtype,
                 self.device, self.tp.size,
                 draft_bytes_per_token=0 if draft is None else KVPool.bytes_per_token(
-                    draft[1].num_layers, _kv_heads(draft[0]), draft[1].head_dim, self.dtype))
+                    draft[1].num_layers, kv_heads(draft[0]), draft[1].head_dim, self.dtype))
         rows = self.max_running + 1  # the request rows, then the dummy row
         self.page_table = torch.zeros(rows, self.context_len, dtype=torch.int32, device=self.device)
         self.token_pool = torch.zeros(rows, self.context_len, dtype=torch.int32, device=self.device)
         self.page_table[self.dummy_row].fill_(self.kv_pool.dummy_loc)
-        windows = self.arch.layer_windows if self.arch.sliding_window else ()
-        softcap = self.arch.attn_logit_softcap
-        self.attn_backend = create_attention_backend(
-            config.attention_backend or default_attention_backend(
-                self.device, self.dtype, torch_only_features(windows, softcap)),
-            self.kv_pool, self.page_table, self.arch.head_dim ** -0.5, windows, softcap,
-            num_qo_heads=self.model.layers[0].self_attn.qkv_proj.num_heads)  # flashinfer only
+        self.attn_backend = attention_for(config.attention_backend, self.arch, self.model,
+                                          self.kv_pool, self.page_table, self.device,
+                                          self.dtype)
         self.sampler = Sampler(self.arch.vocab_size, self.device, list(self.arch.eos_token_ids),
                                seed=config.seed)
         graph_runner = None
@@ -185,59 +174,27 @@ class Engine:
             self.workers.wait_for("ready")
             self.workers.start_monitor()
 
-    def _build_model(self, arch: ModelArch, folder: Path, quantization: str,
-                     model_path: str | None) -> torch.nn.Module:
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        try:
-            with torch.device(self.device):
-                model = build_model(arch)
-        finally:
-            torch.set_default_dtype(default_dtype)
+    def _load(self, arch: ModelArch, folder: Path, quantization: str, model_path: str | None
+              ) -> torch.nn.Module:
         config = self.config
-        load_weights(model, folder, arch, quantization, self.dtype, self.device,
-                     load_format=config.load_format, seed=config.seed, model_path=model_path)
-        if can_prepack(next(model.parameters())):
-            for module in model.modules():
-                if hasattr(module, "prepack_for_cpu"):
-                    module.prepack_for_cpu()
-        if self.tp.is_primary:
-            log_weight_memory(model, quantization, self.dtype)
-        return model.eval()
+        return load_model(arch, folder, quantization, self.dtype, self.device,
+                          load_format=config.load_format, seed=config.seed,
+                          model_path=model_path, log=self.tp.is_primary)
 
-    def _draft_arch(self) -> tuple[Path, ModelArch] | None:
-        """STANDALONE's draft model folder and shape: the target's vocabulary, its context."""
-        path = self.config.speculative_draft_model_path
-        if self.config.speculative_algorithm != "STANDALONE" or path is None:
-            return None
-        folder = resolve_model_path(path)
-        arch = ModelArch.from_config(load_config(folder))
-        check_supported(arch)
-        if arch.vocab_size != self.arch.vocab_size:
-            raise ValueError(f"--speculative-draft-model-path {path}: its vocabulary has "
-                             f"{arch.vocab_size} tokens, the target's {self.arch.vocab_size}; "
-                             "a draft model must share the target's tokenizer")
-        return folder, dataclasses.replace(arch, served_context=self.context_len)
-
-    def _build_draft_model(self, folder: Path, arch: ModelArch
-                           ) -> tuple[torch.nn.Module, ModelArch]:
+    def _load_draft(self, folder: Path, arch: ModelArch) -> tuple[torch.nn.Module, ModelArch]:
         """STANDALONE's draft model, whole on rank 0."""
         path = self.config.speculative_draft_model_path
         quantization = resolve_quantization(self.config.speculative_draft_model_quantization,
                                             path, self.device, self.dtype,
                                             self.config.load_format)
-        return self._build_model(arch, folder, quantization, path), arch
+        return self._load(arch, folder, quantization, path), arch
 
     def _draft_runner(self, model: torch.nn.Module, arch: ModelArch) -> DraftModel:
         """The draft model with a KV pool laid out as the target's (same pages, same table)."""
-        pool = KVPool(arch.num_layers, self.kv_pool.num_pages, self.page_size,
-                      _kv_heads(model), arch.head_dim, self.dtype, self.device)
-        windows = arch.layer_windows if arch.sliding_window else ()
-        backend = create_attention_backend(
-            self.config.attention_backend or default_attention_backend(
-                self.device, self.dtype, torch_only_features(windows, arch.attn_logit_softcap)),
-            pool, self.page_table, arch.head_dim ** -0.5, windows, arch.attn_logit_softcap,
-            num_qo_heads=model.layers[0].self_attn.qkv_proj.num_heads)
+        pool = KVPool(arch.num_layers, self.kv_pool.num_pages, self.page_size, kv_heads(model),
+                      arch.head_dim, self.dtype, self.device)
+        backend = attention_for(self.config.attention_backend, arch, model, pool,
+                                self.page_table, self.device, self.dtype)
         assert self.speculation is not None
         return DraftModel(model, backend, self.sampler, self.token_pool, self.page_table,
                           self.speculation.catch_up_tokens)
@@ -416,11 +373,6 @@ def worker_step_runner(config: EngineConfig, tp: TPInfo, group: object
     """What a tensor-parallel worker process runs: its own engine on its shard (the target
     `TPWorkers` spawns ranks 1..N-1 with), fed one step message at a time."""
     return Engine(config, tp=tp, group=group).run_step_message
-
-
-def _kv_heads(model: torch.nn.Module) -> int:
-    """KV heads per rank."""
-    return model.layers[0].self_attn.qkv_proj.num_kv_heads
 
 
 def _share_cores(threads: int) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -13,7 +13,6 @@ from minisgl.engine.sampler import SamplingArgs
 
 if TYPE_CHECKING:
     from minisgl.engine.tp_message import StepMessage
-    from minisgl.grammar.backend import Matcher
 
 
 @dataclass
@@ -77,8 +76,9 @@ class VerifyRows:
     max_drafts: list[int]
     max_lens: list[int]
     greedy: list[bool]  # per row: accepted by argmax (else by speculative sampling)
-    # per row: the grammar a speculating row follows (engine.speculation walks its drafts)
-    matchers: list[Matcher | None] = field(default_factory=list)
+    # per row: the grammar matcher (grammar.backend.Matcher) of a speculating row, which
+    # engine.speculation walks through its drafts
+    matchers: list[Any] = field(default_factory=list)
     # set by Speculator.resolve (rank 0): tokens each row forwards, and its drafts
     counts: list[int] = field(default_factory=list)
     drafts: list[list[int]] = field(default_factory=list)

@@ -1,0 +1,85 @@
+"""A model built on its device with its weights, and the attention backend over its KV pool:
+the target's, and a STANDALONE draft model's (which must share the target's vocabulary)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from minisgl.attention import (
+    create_attention_backend,
+    default_attention_backend,
+    torch_only_features,
+)
+from minisgl.attention.base import AttentionBackend
+from minisgl.engine.config import EngineConfig
+from minisgl.kvcache import KVPool
+from minisgl.layers.linear import can_prepack
+from minisgl.models import (
+    ModelArch,
+    build_model,
+    check_supported,
+    load_config,
+    load_weights,
+    log_weight_memory,
+    resolve_model_path,
+)
+
+
+def load_model(arch: ModelArch, folder: Path, quantization: str, dtype: torch.dtype,
+               device: torch.device, *, load_format: str, seed: int, model_path: str | None,
+               log: bool) -> torch.nn.Module:
+    """The model of `arch` (this thread's TP shard) with its weights, prepacked for the CPU
+    kernels where they run."""
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = build_model(arch)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    load_weights(model, folder, arch, quantization, dtype, device, load_format=load_format,
+                 seed=seed, model_path=model_path)
+    if can_prepack(next(model.parameters())):
+        for module in model.modules():
+            if hasattr(module, "prepack_for_cpu"):
+                module.prepack_for_cpu()
+    if log:
+        log_weight_memory(model, quantization, dtype)
+    return model.eval()
+
+
+def kv_heads(model: torch.nn.Module) -> int:
+    """KV heads per rank."""
+    return model.layers[0].self_attn.qkv_proj.num_kv_heads
+
+
+def attention_for(name: str | None, arch: ModelArch, model: torch.nn.Module, pool: KVPool,
+                  page_table: torch.Tensor, device: torch.device, dtype: torch.dtype
+                  ) -> AttentionBackend:
+    """`--attention-backend` `name` (None: the default for the device, dtype and model)."""
+    windows = arch.layer_windows if arch.sliding_window else ()
+    softcap = arch.attn_logit_softcap
+    return create_attention_backend(
+        name or default_attention_backend(device, dtype, torch_only_features(windows, softcap)),
+        pool, page_table, arch.head_dim ** -0.5, windows, softcap,
+        num_qo_heads=model.layers[0].self_attn.qkv_proj.num_heads)  # flashinfer only
+
+
+def draft_arch(config: EngineConfig, target: ModelArch, context_len: int
+               ) -> tuple[Path, ModelArch] | None:
+    """STANDALONE's draft model folder and shape (served at the target's context), checked
+    before any weights load: ValueError if its vocabulary is not the target's."""
+    path = config.speculative_draft_model_path
+    if config.speculative_algorithm != "STANDALONE" or path is None:
+        return None
+    folder = resolve_model_path(path)
+    arch = ModelArch.from_config(load_config(folder))
+    check_supported(arch)
+    if arch.vocab_size != target.vocab_size:
+        raise ValueError(f"--speculative-draft-model-path {path}: its vocabulary has "
+                         f"{arch.vocab_size} tokens, the target's {target.vocab_size}; a draft "
+                         "model must share the target's tokenizer")
+    return folder, dataclasses.replace(arch, served_context=context_len)
