@@ -44,19 +44,19 @@ class DraftModel:
         self.context_len = token_pool.shape[1]
         self.device = token_pool.device
         self.catch_up_tokens = catch_up_tokens
-        rows = token_pool.shape[0]
-        self.valid = torch.zeros(rows, dtype=torch.int64, device=self.device)
-        self.written = torch.zeros(rows, dtype=torch.int64, device=self.device)
+        self.valid = torch.zeros(token_pool.shape[0], dtype=torch.int64, device=self.device)
 
     def forget(self, rows: list[int]) -> None:
         """Rows being prefilled: their draft KV holds nothing of theirs."""
         if rows:
             self.valid[self._ints(rows)] = 0
 
-    def accepted(self, rows: torch.Tensor, committed: torch.Tensor, kept: torch.Tensor) -> None:
+    def accepted(self, rows: torch.Tensor, committed: torch.Tensor, drafted: torch.Tensor,
+                 kept: torch.Tensor) -> None:
         """After a verify step (device tensors, no sync): table rows that drafted, their
-        committed lengths before it and the drafts each kept."""
-        self.valid[rows] = torch.minimum(self.written[rows], committed + kept)
+        committed lengths before it, the drafts each verified and kept. Drafting wrote KV
+        from the last committed token through the next-to-last draft."""
+        self.valid[rows] = committed + torch.minimum(kept, drafted - 1)
 
     def draft(self, rows: list[int], committed: list[int], most: list[int], greedy: list[bool],
               args: SamplingArgs) -> Drafts:
@@ -73,27 +73,24 @@ class DraftModel:
             if count > 0:
                 spans.append((i, start, count))
                 budget -= count
-        drafting = [i for i, start, count in spans if start + count == committed[i]]
+        reaching = [n for n, (i, start, count) in enumerate(spans)
+                    if start + count == committed[i]]
+        drafting = [spans[n][0] for n in reaching]
         with tp_context(TPInfo(), None):  # NOTE: the draft is whole on rank 0: no collectives
-            first = self._catch_up(rows, spans, committed)
-            out = self._chain(rows, committed, most, greedy, args, drafting, first)
+            first = self._catch_up(rows, spans, reaching)
+            ids, probs = self._chain(rows, committed, most, greedy, args, drafting, first)
         behind = [(rows[i], start + count) for i, start, count in spans
                   if start + count < committed[i]]
         if behind:
             self.valid[self._ints([r for r, _ in behind])] = self._ints([v for _, v in behind])
-        if drafting:
-            self.written[self._ints([rows[i] for i in drafting])] = self._ints(
-                [committed[i] + most[i] - 1 for i in drafting])
-            ids, probs = out
-            for j, row in enumerate(ids.tolist()):
-                tokens[drafting[j]] = row[:most[drafting[j]]]
-            return Drafts(tokens, probs)
-        return Drafts(tokens, None)
+        for j, row in enumerate(ids.tolist()):
+            tokens[drafting[j]] = row[:most[drafting[j]]]
+        return Drafts(tokens, probs)
 
     def _catch_up(self, rows: list[int], spans: list[tuple[int, int, int]],
-                  committed: list[int]) -> torch.Tensor:
+                  reaching: list[int]) -> torch.Tensor:
         """One forward over each span's committed tokens; the logits at the last token of
-        each span that reaches its row's committed length (the drafting rows, in span order)."""
+        the spans `reaching` their row's committed length (the drafting rows)."""
         if not spans:
             return torch.empty(0)
         table_rows = [rows[i] for i, _, _ in spans]
@@ -102,7 +99,6 @@ class DraftModel:
         positions, flat = span_indices(table_rows, starts, counts, self.context_len)
         flat_d = to_device(flat, self.device)
         ends = torch.tensor(counts).cumsum(0) - 1
-        reaching = [n for n, (i, s, c) in enumerate(spans) if s + c == committed[i]]
         last = to_device(ends[reaching] if reaching else ends[:1], self.device)
         batch = Batch("prefill", len(spans), table_rows=table_rows, cached_lens=starts,
                       seq_lens=[s + c for s, c in zip(starts, counts)], extend_lens=counts)
@@ -116,7 +112,7 @@ class DraftModel:
         """The drafting rows' tokens [D, K] (K: the most any drafts), each draft forward fed
         the previous draft at its position; and the sampled rows' draft distributions."""
         if not drafting:
-            return torch.empty(0), None
+            return torch.empty(0, 0, dtype=torch.int64), None
         width = max(most[i] for i in drafting)
         ids = torch.zeros(len(drafting), width, dtype=torch.int64, device=self.device)
         probs = (torch.zeros(len(rows), width, first_logits.shape[-1], device=self.device)

@@ -230,7 +230,7 @@ class Speculator:
         table_rows = to_device(torch.tensor(batch.table_rows[:size]), device)
         if drafting and self.draft_model is not None:
             drafted = table_rows[rows]
-            self.draft_model.accepted(drafted, self.committed[drafted], kept)
+            self.draft_model.accepted(drafted, self.committed[drafted], lens, kept)
         self.committed[table_rows] += accepted + 1
         token_row = [i for i, c in enumerate(verify.counts) for _ in range(c)]
         column = [j for c in verify.counts for j in range(c)]
