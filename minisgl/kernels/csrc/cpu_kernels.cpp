@@ -312,6 +312,12 @@ torch::Tensor int8_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
                           int64_t group);
 // expert_matmul.cpp
 torch::Tensor expert_matmul(torch::Tensor x, torch::Tensor weight, torch::Tensor ends);
+// block_matmul.cpp
+bool block_kernel_available();
+torch::Tensor block_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+                           torch::Tensor subs, int64_t bits, int64_t mode);
+torch::Tensor block_dequantize(torch::Tensor codes, torch::Tensor scales, torch::Tensor subs,
+                               int64_t bits, int64_t mode, torch::Tensor rows);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention,
@@ -334,6 +340,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_matmul", &quant_matmul, "4/8-bit block weights x bfloat16 activations (CPU)",
         py::call_guard<py::gil_scoped_release>());
   m.def("int8_matmul", &int8_matmul, "int8 weights x per-row int8 activations (CPU, W8A8)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("block_kernel_available", &block_kernel_available,
+        "whether block_matmul was built (AVX2, FMA, F16C)");
+  m.def("block_matmul", &block_matmul, "GGUF block weights of any type x activations (AVX2)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("block_dequantize", &block_dequantize, "rows of a block_matmul weight as float32",
         py::call_guard<py::gil_scoped_release>());
   m.def("expert_matmul", &expert_matmul, "rows grouped by expert x each expert's weight (CPU)",
         py::call_guard<py::gil_scoped_release>());

@@ -1,0 +1,346 @@
+// GGUF block-quantized weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) x float32 or
+// bfloat16 activations on AVX2, every block type in one layout, the codes never dequantized:
+// activations are quantized per group of 32 inputs and each group's dot product is an integer
+// one (vpmaddubsw: unsigned codes times signed 8-bit activations), scaled once per group.
+//
+// Layout (minisgl/layers/gguf_weight.py packs it): output features in blocks of 8 lanes, input
+// features in groups of 32; per (block, group) 32-byte vectors whose byte 4 * lane + j belongs
+// to lane `lane` and the j-th of 4 consecutive inputs ("a quad"):
+//   4 nibble vectors: vector p, low nibbles = the low 4 bits of quad 2p, high = of quad 2p + 1;
+//   5-bit codes add 1 vector: bit t = bit 4 of quad t's code;
+//   6-bit codes add 2 vectors: vector 4 + h, bits 2u, 2u + 1 = bits 4, 5 of quad 4h + u's code;
+//   8-bit codes (Q8_0): 8 vectors of signed codes, vector t = quad t.
+// Scales (`mode`):
+//   kFlat (Q4_0 .. Q8_0): per (block, group) 8 float16 scales d and 8 float16 offsets m;
+//   kMins (Q4_K, Q5_K): per (block, super-block of 256) 8 float16 d and 8 float16 -dmin, per
+//     (block, group) 8 uint8 sub-scales sc and 8 uint8 mins mn: d' = d sc, m' = -dmin mn;
+//   kSixBit (Q6_K): per (block, super-block) 8 float16 d, then 8 unused; per (block, group) the
+//     int8 sub-scales of its two halves of 16 inputs, 8 each: d' = d sc, m' = -32 d'.
+// A weight is w = d' * code + m', so a group's sum_i w_i x_i = d' sum_i code_i x_i + m' sum_i x_i.
+// As in quant_matmul.cpp each activation is two int8 terms, x ~ s q + (s / 254) r (~15 bits).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define MINISGL_AVX2 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+constexpr int64_t kLanes = 8;
+constexpr int64_t kGroupsPerSuper = 8;
+constexpr int kMaxTileRows = 4;
+enum Mode : int64_t { kFlat = 0, kMins = 1, kSixBit = 2 };
+
+int64_t group_bytes(int64_t bits) {
+  return bits == 8 ? 256 : 128 + (bits - 4) * 32;
+}
+
+// ---- the reference: one weight of the layout, scalar ----------------------------------------
+
+struct Weight {
+  const uint8_t* codes;
+  const at::Half* scales;
+  const uint8_t* subs;
+  int64_t groups;
+  int64_t bits;
+  int64_t mode;
+};
+
+int code_at(const Weight& w, int64_t block, int64_t g, int lane, int i) {
+  const uint8_t* c = w.codes + (block * w.groups + g) * group_bytes(w.bits);
+  const int t = i / 4, j = i % 4;
+  if (w.bits == 8) return static_cast<int8_t>(c[t * 32 + 4 * lane + j]);
+  const uint8_t byte = c[(t / 2) * 32 + 4 * lane + j];
+  int q = (t & 1) ? byte >> 4 : byte & 15;
+  if (w.bits == 5) q |= ((c[128 + 4 * lane + j] >> t) & 1) << 4;
+  if (w.bits == 6) q |= ((c[128 + (t / 4) * 32 + 4 * lane + j] >> (2 * (t % 4))) & 3) << 4;
+  return q;
+}
+
+// d' and m' of (block, group g, lane) for input i of the group
+void scale_at(const Weight& w, int64_t block, int64_t g, int lane, int i, float& d, float& m) {
+  if (w.mode == kFlat) {
+    const at::Half* p = w.scales + (block * w.groups + g) * 2 * kLanes;
+    d = p[lane];
+    m = p[kLanes + lane];
+    return;
+  }
+  const int64_t supers = w.groups / kGroupsPerSuper;
+  const at::Half* p = w.scales + (block * supers + g / kGroupsPerSuper) * 2 * kLanes;
+  const uint8_t* s = w.subs + (block * w.groups + g) * 2 * kLanes;
+  if (w.mode == kMins) {
+    d = static_cast<float>(p[lane]) * s[lane];
+    m = static_cast<float>(p[kLanes + lane]) * s[kLanes + lane];
+  } else {
+    d = static_cast<float>(p[lane]) * static_cast<int8_t>(s[(i / 16) * kLanes + lane]);
+    m = -32.0f * d;
+  }
+}
+
+Weight weight_of(const torch::Tensor& codes, const torch::Tensor& scales,
+                 const torch::Tensor& subs, int64_t bits, int64_t mode) {
+  TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.dim() == 3);
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kHalf);
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8);
+  TORCH_CHECK(codes.size(2) == group_bytes(bits), "codes do not match the bit width");
+  TORCH_CHECK(mode == kFlat || (subs.is_contiguous() && subs.scalar_type() == at::kByte &&
+                                codes.size(1) % kGroupsPerSuper == 0));
+  return {codes.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(),
+          mode == kFlat ? nullptr : subs.data_ptr<uint8_t>(), codes.size(1), bits, mode};
+}
+
+#ifdef MINISGL_AVX2
+
+// ---- activations ----------------------------------------------------------------------------
+
+struct Activations {
+  std::vector<int8_t> q, r;     // [rows, k]: the two int8 terms
+  std::vector<float> scale;     // [rows, groups]: s / 254 (the combined dot is 254 q + r)
+  std::vector<float> sum;       // [rows, 2 * groups]: exact sums of each half group
+  int64_t k;
+};
+
+template <typename T>
+void quantize_rows(const T* x, int64_t rows, int64_t k, Activations& a) {
+  const int64_t groups = k / kGroup;
+  a.k = k;
+  a.q.resize(rows * k);
+  a.r.resize(rows * k);
+  a.scale.resize(rows * groups);
+  a.sum.resize(rows * groups * 2);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    float v[kGroup];
+    for (int64_t row = begin; row < end; ++row)
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t at = row * k + g * kGroup;
+        float amax = 0.0f, halves[2] = {0.0f, 0.0f};
+        for (int i = 0; i < kGroup; ++i) {
+          v[i] = static_cast<float>(x[at + i]);
+          amax = std::max(amax, std::fabs(v[i]));
+          halves[i / 16] += v[i];
+        }
+        const float s = amax / 127.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
+        for (int i = 0; i < kGroup; ++i) {
+          const float coarse = std::nearbyint(v[i] * inv);
+          a.q[at + i] = static_cast<int8_t>(coarse);
+          a.r[at + i] = static_cast<int8_t>(std::nearbyint((v[i] - coarse * s) * inv * 254.0f));
+        }
+        a.scale[row * groups + g] = s / 254.0f;
+        a.sum[(row * groups + g) * 2] = halves[0];
+        a.sum[(row * groups + g) * 2 + 1] = halves[1];
+      }
+  });
+}
+
+// ---- the integer dot products ---------------------------------------------------------------
+
+// The codes of quad t (inputs 4t .. 4t + 3 of the group) for the 8 lanes, as 32 bytes.
+template <int BITS>
+inline __m256i quad_codes(const uint8_t* c, int t) {
+  auto load = [](const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
+  if (BITS == 8) return load(c + t * 32);
+  const __m256i v = load(c + (t / 2) * 32), low4 = _mm256_set1_epi8(0x0F);
+  __m256i q = _mm256_and_si256(t & 1 ? _mm256_srli_epi16(v, 4) : v, low4);
+  if (BITS == 5) {  // bit t of the high-bit vector to bit 4
+    const __m256i h = load(c + 128);
+    const __m256i bit = t < 4 ? _mm256_slli_epi16(h, 4 - t) : _mm256_srli_epi16(h, t - 4);
+    q = _mm256_or_si256(q, _mm256_and_si256(bit, _mm256_set1_epi8(0x10)));
+  }
+  if (BITS == 6) {  // bits 2u, 2u + 1 of vector t / 4 to bits 4, 5
+    const __m256i h = load(c + 128 + (t / 4) * 32);
+    const int shift = 2 * (t % 4);
+    const __m256i bits = shift < 4 ? _mm256_slli_epi16(h, 4 - shift) : _mm256_srli_epi16(h, shift - 4);
+    q = _mm256_or_si256(q, _mm256_and_si256(bits, _mm256_set1_epi8(0x30)));
+  }
+  return q;
+}
+
+inline __m256i broadcast_quad(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return _mm256_set1_epi32(v);
+}
+
+inline __m256 load_half8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline __m256 bytes_to_float(const uint8_t* p, bool is_signed) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+}
+
+// ROWS activation rows times one block of 8 output features, over all groups, into out_f32.
+template <int ROWS, int BITS, int MODE>
+void tile(const Activations& a, int64_t row0, const Weight& w, int64_t block, float* out) {
+  // NOTE: vpmaddubsw sums two products into int16 with saturation: FLUSH quads of them fit
+  // (2 * max code * 127 * FLUSH < 2^15) before they are widened to int32.
+  constexpr int FLUSH = BITS == 4 ? 8 : BITS == 5 ? 4 : BITS == 6 ? 2 : 1;
+  constexpr int HALVES = MODE == kSixBit ? 2 : 1;  // sub-groups with their own scale
+  const int64_t groups = w.groups, k = a.k, gb = group_bytes(BITS);
+  const __m256i ones = _mm256_set1_epi16(1), coarse_weight = _mm256_set1_epi16(254);
+  __m256 acc[ROWS];
+  for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* c = w.codes + (block * groups + g) * gb;
+    __m256i dot[ROWS][HALVES], coarse[ROWS], fine[ROWS];
+    for (int r = 0; r < ROWS; ++r) {
+      for (int h = 0; h < HALVES; ++h) dot[r][h] = _mm256_setzero_si256();
+      coarse[r] = fine[r] = _mm256_setzero_si256();
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; ++t) {
+      __m256i codes = quad_codes<BITS>(c, t);
+      const __m256i sign_source = codes;
+      if (BITS == 8) codes = _mm256_sign_epi8(codes, codes);  // |code|; x takes its sign
+      for (int r = 0; r < ROWS; ++r) {
+        const int64_t at = (row0 + r) * k + g * kGroup + 4 * t;
+        __m256i xq = broadcast_quad(a.q.data() + at), xr = broadcast_quad(a.r.data() + at);
+        if (BITS == 8) {
+          xq = _mm256_sign_epi8(xq, sign_source);
+          xr = _mm256_sign_epi8(xr, sign_source);
+        }
+        coarse[r] = _mm256_add_epi16(coarse[r], _mm256_maddubs_epi16(codes, xq));
+        fine[r] = _mm256_add_epi16(fine[r], _mm256_maddubs_epi16(codes, xr));
+      }
+      if ((t + 1) % FLUSH == 0 || (HALVES == 2 && t == 3)) {
+        const int h = HALVES == 2 ? t / 4 : 0;
+        for (int r = 0; r < ROWS; ++r) {
+          dot[r][h] = _mm256_add_epi32(dot[r][h], _mm256_add_epi32(
+              _mm256_madd_epi16(coarse[r], coarse_weight), _mm256_madd_epi16(fine[r], ones)));
+          coarse[r] = fine[r] = _mm256_setzero_si256();
+        }
+      }
+    }
+    for (int h = 0; h < HALVES; ++h) {
+      __m256 d, m;
+      if (MODE == kFlat) {
+        const at::Half* p = w.scales + (block * groups + g) * 2 * kLanes;
+        d = load_half8(p);
+        m = load_half8(p + kLanes);
+      } else {
+        const at::Half* p = w.scales + (block * (groups / kGroupsPerSuper) + g / kGroupsPerSuper)
+                                           * 2 * kLanes;
+        const uint8_t* s = w.subs + (block * groups + g) * 2 * kLanes;
+        d = _mm256_mul_ps(load_half8(p), bytes_to_float(s + h * kLanes, MODE == kSixBit));
+        m = MODE == kMins ? _mm256_mul_ps(load_half8(p + kLanes), bytes_to_float(s + kLanes, false))
+                          : _mm256_mul_ps(d, _mm256_set1_ps(-32.0f));
+      }
+      for (int r = 0; r < ROWS; ++r) {
+        const int64_t at = (row0 + r) * groups + g;
+        const float* halves = a.sum.data() + 2 * at;
+        const float sum = HALVES == 2 ? halves[h] : halves[0] + halves[1];
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]),
+                                 _mm256_mul_ps(d, _mm256_set1_ps(a.scale[at])), acc[r]);
+        acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sum), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) _mm256_storeu_ps(out + r * kLanes, acc[r]);
+}
+
+using TileFn = void (*)(const Activations&, int64_t, const Weight&, int64_t, float*);
+
+template <int BITS, int MODE>
+TileFn tile_for(int rows) {
+  switch (rows) {
+    case 1: return tile<1, BITS, MODE>;
+    case 2: return tile<2, BITS, MODE>;
+    case 3: return tile<3, BITS, MODE>;
+    default: return tile<4, BITS, MODE>;
+  }
+}
+
+TileFn pick_tile(int64_t bits, int64_t mode, int rows) {
+  if (mode == kSixBit) return tile_for<6, kSixBit>(rows);
+  if (mode == kMins) return bits == 4 ? tile_for<4, kMins>(rows) : tile_for<5, kMins>(rows);
+  switch (bits) {
+    case 4: return tile_for<4, kFlat>(rows);
+    case 5: return tile_for<5, kFlat>(rows);
+    default: return tile_for<8, kFlat>(rows);
+  }
+}
+
+#endif  // MINISGL_AVX2
+
+}  // namespace
+
+bool block_kernel_available() {
+#ifdef MINISGL_AVX2
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x: [..., k] float32 or bfloat16; codes [n / 8, k / 32, bytes]; scales float16; subs uint8
+// (kFlat: ignored). Returns x @ w.T as [..., n] in x's dtype.
+torch::Tensor block_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+                           torch::Tensor subs, int64_t bits, int64_t mode) {
+#ifdef MINISGL_AVX2
+  TORCH_CHECK(x.is_contiguous() && (x.scalar_type() == at::kFloat ||
+                                    x.scalar_type() == at::kBFloat16));
+  const Weight w = weight_of(codes, scales, subs, bits, mode);
+  const int64_t k = x.size(-1), rows = x.numel() / k, blocks = codes.size(0);
+  TORCH_CHECK(k == w.groups * kGroup, "activations do not match the weight's input features");
+  const int64_t n = blocks * kLanes;
+  Activations a;
+  if (x.scalar_type() == at::kFloat) quantize_rows(x.data_ptr<float>(), rows, k, a);
+  else quantize_rows(x.data_ptr<at::BFloat16>(), rows, k, a);
+  auto result = torch::empty({rows, n}, x.options().dtype(at::kFloat));
+  float* out = result.data_ptr<float>();
+  // NOTE: blocks outer, rows inner: a block's codes stay in L1 while every tile passes over them
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    float tile_out[kMaxTileRows * kLanes];
+    for (int64_t b = begin; b < end; ++b)
+      for (int64_t r = 0; r < rows; r += kMaxTileRows) {
+        const int tile_rows = static_cast<int>(std::min<int64_t>(kMaxTileRows, rows - r));
+        pick_tile(bits, mode, tile_rows)(a, r, w, b, tile_out);
+        for (int i = 0; i < tile_rows; ++i)
+          std::memcpy(out + (r + i) * n + b * kLanes, tile_out + i * kLanes, sizeof(tile_out[0]) * kLanes);
+      }
+  });
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = n;
+  return result.to(x.scalar_type()).view(sizes);
+#else
+  TORCH_CHECK(false, "block_matmul needs AVX2, FMA and F16C (built with -march=native)");
+#endif
+}
+
+// The weight's rows `rows` (output features; all of them when `rows` is empty) as float32
+// [len, k], from the layout alone: the reference the tests hold the kernel to, the embedding
+// lookup, and the large-batch path's dense weight.
+torch::Tensor block_dequantize(torch::Tensor codes, torch::Tensor scales, torch::Tensor subs,
+                               int64_t bits, int64_t mode, torch::Tensor rows) {
+  const Weight w = weight_of(codes, scales, subs, bits, mode);
+  const int64_t n = codes.size(0) * kLanes, k = w.groups * kGroup;
+  torch::Tensor picked = rows.numel() ? rows.to(at::kLong).contiguous()
+                                      : torch::arange(n, codes.options().dtype(at::kLong));
+  TORCH_CHECK(picked.numel() == 0 || (picked.min().item<int64_t>() >= 0 &&
+                                      picked.max().item<int64_t>() < n), "row out of range");
+  auto out = torch::empty({picked.numel(), k}, codes.options().dtype(at::kFloat));
+  const int64_t* index = picked.data_ptr<int64_t>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, picked.numel(), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t block = index[i] / kLanes;
+      const int lane = static_cast<int>(index[i] % kLanes);
+      for (int64_t g = 0; g < w.groups; ++g)
+        for (int j = 0; j < kGroup; ++j) {
+          float d, m;
+          scale_at(w, block, g, lane, j, d, m);
+          o[i * k + g * kGroup + j] = d * code_at(w, block, g, lane, j) + m;
+        }
+    }
+  });
+  return out;
+}

@@ -1,0 +1,210 @@
+"""GGUF linear weights of every block type the AVX2 kernel runs (kernels/csrc/block_matmul.cpp):
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 ("flat": a scale per 32 values) and the k-quants Q4_K, Q5_K,
+Q6_K (super-blocks of 256 values with 6- or 8-bit sub-scales), kept in their codes.
+
+`GgufBlocks` is one tensor's blocks decoded but not dequantized (models.gguf_decode reads
+them); it slices like the dense weight (whole groups / super-blocks of columns), so the
+tensor-parallel loaders shard it unchanged. A layer's weight may come in parts of different
+types (llama.cpp's Q4_K_M gives q / k Q5_0 and v Q8_0): `BlockSlots` collects the parts in
+place of the weight and `finish` packs each run of one type (`GgufWeight`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from minisgl.kernels import cpu_kernels
+
+GROUP = 32
+SUPER = 256
+LANES = 8  # output features per block of the kernel's layout
+FLAT, MINS, SIX_BIT = 0, 1, 2  # the kernel's scale modes
+# kind -> (code bits, scale mode)
+KINDS = {"Q4_0": (4, FLAT), "Q4_1": (4, FLAT), "Q5_0": (5, FLAT), "Q5_1": (5, FLAT),
+         "Q8_0": (8, FLAT), "Q4_K": (4, MINS), "Q5_K": (5, MINS), "Q6_K": (6, SIX_BIT)}
+# NOTE: past this many rows the dequantized weight and a GEMM beat the integer dot products
+# (the crossover on the project's CPU: BENCHMARKS.md, "k-quants").
+KERNEL_MAX_ROWS = 64
+
+
+def block_kernels():
+    kernels = cpu_kernels()
+    return kernels if kernels is not None and kernels.block_kernel_available() else None
+
+
+@dataclass
+class GgufBlocks:
+    """w[o, i] = d'[o, i] * codes[o, i] + m'[o, i], where
+    flat kinds: (d', m') = scales[o, i // 32] (Q4_0: m' = -8 d', Q5_0: -16 d', Q8_0: 0);
+    Q4_K, Q5_K: d' = scales[o, i // 256, 0] * subs[o, i // 32, 0],
+                m' = scales[o, i // 256, 1] * subs[o, i // 32, 1] (scales[..., 1] = -dmin);
+    Q6_K: d' = scales[o, i // 256, 0] * subs[o, i // 32, (i // 16) % 2] (int8), m' = -32 d'.
+    Every value is exact in float32 (float16 scales times small integers)."""
+
+    kind: str
+    codes: torch.Tensor  # [out, in]: uint8, Q8_0 int8
+    scales: torch.Tensor  # [out, in / 32 (flat) or in / 256, 2] float32
+    subs: torch.Tensor | None  # [out, in / 32, 2] int16 (k-quants)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    @property
+    def data(self) -> GgufBlocks:  # NOTE: stands in for a Parameter: `param.data` is itself
+        return self
+
+    @property
+    def columns_per_scale(self) -> int:
+        return GROUP if self.subs is None else SUPER
+
+    def __getitem__(self, index: slice | tuple[slice, slice]) -> GgufBlocks:
+        """Rows (`b[a:z]`) or whole groups / super-blocks of columns (`b[:, a:z]`)."""
+        if not isinstance(index, tuple):
+            return GgufBlocks(self.kind, self.codes[index], self.scales[index],
+                              None if self.subs is None else self.subs[index])
+        rows, cols = index
+        start, stop = cols.start or 0, self.shape[1] if cols.stop is None else cols.stop
+        step = self.columns_per_scale
+        if start % step or stop % step:
+            raise ValueError(f"a shard of a {self.kind} weight must cut at multiples of {step} "
+                             f"input features (its blocks), not [{start}, {stop})")
+        subs = None if self.subs is None else self.subs[rows, start // GROUP:stop // GROUP]
+        return GgufBlocks(self.kind, self.codes[rows, cols],
+                          self.scales[rows, start // step:stop // step], subs)
+
+    def scale_and_offset(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """d' and m' per weight, [out, in] float32."""
+        out, in_features = self.shape
+        if self.subs is None:
+            d, m = self.scales.repeat_interleave(GROUP, dim=1).unbind(-1)
+            return d, m
+        supers = self.scales.repeat_interleave(SUPER, dim=1)
+        subs = self.subs.float().repeat_interleave(GROUP, dim=1)
+        if self.kind == "Q6_K":
+            half = (torch.arange(in_features) // 16) % 2
+            d = supers[..., 0] * torch.where(half.bool(), subs[..., 1], subs[..., 0])
+            return d, -32 * d
+        return supers[..., 0] * subs[..., 0], supers[..., 1] * subs[..., 1]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        d, m = self.scale_and_offset()
+        return (d * self.codes.float() + m).to(dtype)
+
+
+def cat_rows(parts: list[GgufBlocks]) -> GgufBlocks:
+    subs = None if parts[0].subs is None else torch.cat([p.subs for p in parts])
+    return GgufBlocks(parts[0].kind, torch.cat([p.codes for p in parts]),
+                      torch.cat([p.scales for p in parts]), subs)
+
+
+class GgufWeight:
+    """One type's blocks in block_matmul.cpp's layout (see there)."""
+
+    def __init__(self, blocks: GgufBlocks) -> None:
+        out, in_features = blocks.shape
+        if out % LANES or in_features % GROUP:
+            raise ValueError(f"a {blocks.kind} weight of shape {blocks.shape} does not fit the "
+                             f"kernel's blocks of {LANES} x {GROUP}")
+        self.kind, self.out_features, self.in_features = blocks.kind, out, in_features
+        self.bits, self.mode = KINDS[blocks.kind]
+        rows, groups = out // LANES, in_features // GROUP
+        codes = blocks.codes.view(torch.uint8).view(rows, LANES, groups, 8, 4)
+        quads = codes.permute(0, 2, 3, 1, 4).reshape(rows, groups, 8, 4 * LANES)
+        if self.bits == 8:
+            vectors = [quads]
+        else:
+            low = quads & 15
+            vectors = [low[:, :, 0::2] | (low[:, :, 1::2] << 4)]
+            high = (quads >> 4).to(torch.int32)
+            if self.bits == 5:
+                vectors.append(sum(high[:, :, t] << t for t in range(8))[:, :, None])
+            elif self.bits == 6:
+                vectors.append(torch.stack([sum(high[:, :, 4 * h + u] << (2 * u)
+                                                for u in range(4)) for h in range(2)], dim=2))
+        self.codes = torch.cat([v.to(torch.uint8) for v in vectors], dim=2).reshape(
+            rows, groups, -1).contiguous()
+        self.scales = _lanes_last(blocks.scales, rows).to(torch.float16).contiguous()
+        self.subs = (torch.empty(0, dtype=torch.uint8) if blocks.subs is None else
+                     _lanes_last(blocks.subs, rows).to(torch.int8).view(torch.uint8).contiguous())
+        self.kernels = block_kernels()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.subs))
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() > KERNEL_MAX_ROWS * self.in_features:
+            return F.linear(x, self.rows().to(x.dtype))
+        return self.kernels.block_matmul(x.contiguous(), self.codes, self.scales, self.subs,
+                                         self.bits, self.mode)
+
+    def rows(self, index: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows `index` of the weight (all by default) as float32 [len, in]."""
+        picked = torch.empty(0, dtype=torch.long) if index is None else index.reshape(-1)
+        return self.kernels.block_dequantize(self.codes, self.scales, self.subs, self.bits,
+                                             self.mode, picked)
+
+
+def _lanes_last(per_row: torch.Tensor, blocks: int) -> torch.Tensor:
+    """[out, n, 2] -> [out / 8, n, 2, 8]."""
+    out, n, two = per_row.shape
+    return per_row.view(blocks, LANES, n, two).permute(0, 2, 3, 1)
+
+
+class StackedWeight:
+    """Row ranges of one layer held in different block types: each runs its own kernel."""
+
+    def __init__(self, parts: list[GgufWeight]) -> None:
+        self.parts = parts
+        self.out_features = sum(p.out_features for p in parts)
+        self.in_features = parts[0].in_features
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p.matmul(x) for p in self.parts], dim=-1)
+
+
+class BlockSlots:
+    """Stands in for a linear layer's weight while its GGUF blocks load: the TP loaders
+    `narrow` it to a row range and `copy_` a part in, as into the dense weight."""
+
+    def __init__(self, out_features: int, in_features: int, start: int = 0,
+                 parts: dict[int, GgufBlocks] | None = None) -> None:
+        self.shape = (out_features, in_features)
+        self.start = start
+        self.parts = {} if parts is None else parts
+
+    @property
+    def data(self) -> BlockSlots:
+        return self
+
+    def narrow(self, dim: int, start: int, length: int) -> BlockSlots:
+        assert dim == 0
+        return BlockSlots(length, self.shape[1], self.start + start, self.parts)
+
+    def copy_(self, part: GgufBlocks) -> None:
+        if not isinstance(part, GgufBlocks):
+            raise ValueError("a layer loading GGUF blocks was given a dense tensor for part of it")
+        self.parts[self.start] = part
+
+    def finish(self) -> GgufWeight | StackedWeight:
+        starts = sorted(self.parts)
+        covered = sum(self.parts[s].shape[0] for s in starts)
+        if covered != self.shape[0]:
+            raise ValueError(f"GGUF blocks filled {covered} of {self.shape[0]} rows of a layer")
+        runs: list[list[GgufBlocks]] = []
+        for start in starts:
+            part = self.parts[start]
+            if runs and runs[-1][0].kind == part.kind:
+                runs[-1].append(part)
+            else:
+                runs.append([part])
+        weights = [GgufWeight(cat_rows(run)) for run in runs]
+        return weights[0] if len(weights) == 1 else StackedWeight(weights)
