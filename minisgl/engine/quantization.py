@@ -1,9 +1,12 @@
 """`--quantization`: which weights stay in a compact form, and where each method can run (the
 loading itself: models.loader).
 
-- `gguf`: a GGUF model's Q4_0 / Q4_1 linear weights stay 4-bit as in the file (models.
-  gguf_blocks, layers.quant), on CPU in bfloat16; the LM head adds an 8-bit copy for small
-  decode batches (layers.embedding). The default for GGUF models where the VNNI kernel is
+- `gguf`: a GGUF model's block-quantized linear weights stay in their blocks as in the file
+  (models.gguf_blocks): Q4_0 / Q4_1 / Q8_0 on the AVX-512 VNNI kernel in bfloat16 (layers.
+  quant; the LM head adds an 8-bit copy for small decode batches, layers.embedding); every
+  other type the AVX2 kernel takes (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; all of them, with the
+  embedding / LM head table, on a CPU without VNNI or in float32) on that one (layers.
+  gguf_weight). The default for GGUF models where the VNNI kernel is
   built, which makes it faster than `none`; without that kernel (torch's int4 kernel
   dequantizes per row) it stays opt-in (BENCHMARKS.md, "Quantized weights").
 - `w8a8_int8`: any model's linear weights int8 per output feature, activations int8 per token
@@ -28,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from minisgl.layers.fp8 import fp8_unavailable
+from minisgl.layers.gguf_weight import block_kernels
 from minisgl.layers.quant import vnni_kernels
 from minisgl.models.weights import gguf_file
 
@@ -48,9 +52,10 @@ def resolve_quantization(method: str | None, model: str | None, device: torch.de
         if device.type != "cpu":
             raise ValueError("--quantization gguf runs on CPU only (its kernels are CPU ones); "
                              "use --quantization none on a GPU")
-        if dtype != torch.bfloat16:
-            raise ValueError("--quantization gguf runs with --dtype bfloat16 (its kernel has "
-                             "no fast float32 path); use --quantization none for other dtypes")
+        if dtype != torch.bfloat16 and not (dtype == torch.float32 and block_kernels()):
+            raise ValueError("--quantization gguf runs with --dtype bfloat16, or float32 where "
+                             "the AVX2 block kernel is built; use --quantization none for other "
+                             "dtypes")
     if method == "w8a8_int8":
         if device.type != "cpu" or dtype != torch.bfloat16 or vnni_kernels() is None:
             raise ValueError("--quantization w8a8_int8 runs on CPU in bfloat16 where the "

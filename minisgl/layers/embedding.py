@@ -10,6 +10,7 @@ from torch import nn
 
 from minisgl.distributed import all_gather_last_dim, all_reduce, get_tp_info
 from minisgl.layers.base import Layer
+from minisgl.layers.gguf_weight import GgufBlocks, GgufWeight, cat_rows
 from minisgl.layers.quant import VnniWeight, int8_weight, vnni_kernels
 from minisgl.layers.w8a8 import Int8ChannelWeight, fits_int8
 from minisgl.layers.shard import copy_into, read_rows
@@ -27,18 +28,40 @@ class VocabParallelEmbedding(Layer):
         self.shard = -(-vocab_size // tp.size)  # padded so every rank has the same rows
         self.start = tp.rank * self.shard
         self.weight = nn.Parameter(torch.zeros(self.shard, hidden), requires_grad=False)
+        self.table_blocks: GgufWeight | None = None  # --quantization gguf: the file's table
+
+    def expect_gguf_blocks(self) -> None:
+        """The table comes as GGUF blocks (layers.gguf_weight): the dense one is never filled
+        (a tied LM head, sharing it, reads the blocks too)."""
+        self.weight.data = torch.empty(0, self.weight.shape[1], dtype=self.weight.dtype)
 
     def load(self, name: str, source: Any, shard_id: Any = None) -> None:
         rows = min(self.shard, self.vocab_size - self.start)
+        if isinstance(source, GgufBlocks):
+            part = source[self.start:self.start + rows]
+            if rows < self.shard:  # padding rows of the last rank: all-zero blocks
+                pad = GgufBlocks(part.kind, part.codes.new_zeros(self.shard - rows, part.shape[1]),
+                                 part.scales.new_zeros(self.shard - rows, *part.scales.shape[1:]),
+                                 None if part.subs is None else
+                                 part.subs.new_zeros(self.shard - rows, *part.subs.shape[1:]))
+                part = cat_rows([part, pad])
+            self.table_blocks = GgufWeight(part)
+            return
         copy_into(self.weight.data[:rows], read_rows(source, self.start, rows), name)
         self.weight.data[rows:].zero_()  # padding rows of the last rank
 
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.table_blocks is None:
+            return F.embedding(ids, self.weight)
+        rows = self.table_blocks.rows(ids).to(self.weight.dtype)
+        return rows.view(*ids.shape, rows.shape[-1])
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if get_tp_info().size == 1:
-            return F.embedding(ids, self.weight)
+            return self.lookup(ids)
         local = ids - self.start
         outside = (local < 0) | (local >= self.shard)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self.lookup(local.masked_fill(outside, 0))
         return all_reduce(out.masked_fill_(outside.unsqueeze(-1), 0))
 
 
@@ -50,6 +73,8 @@ class ParallelLMHead(VocabParallelEmbedding):
                  softcap: float = 0.0) -> None:
         super().__init__(vocab_size, hidden)
         self.softcap = softcap
+        # NOTE: not a submodule (its parameters would be listed twice, under two names)
+        object.__setattr__(self, "tied_to", tied_to)
         if tied_to is not None:
             self.weight = tied_to.weight
         self.packed: torch.Tensor | None = None
@@ -67,7 +92,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         GGUF's Q8_0 table it holds the file's codes up to the bfloat16 rounding of the loaded
         table. `per_channel` (--quantization w8a8_int8): a scale per vocabulary row
         (layers.w8a8), for every batch, as the method's linears."""
-        if vnni_kernels() is None or self.weight.dtype != torch.bfloat16:
+        if vnni_kernels() is None or self.weight.dtype != torch.bfloat16 or self.blocks_head:
             return
         if per_channel and fits_int8(self.weight):
             self.int8 = Int8ChannelWeight(self.weight.data)
@@ -77,11 +102,20 @@ class ParallelLMHead(VocabParallelEmbedding):
     def prepack_for_cpu(self) -> None:
         """See _Linear.prepack_for_cpu; the weight stays (the embedding may share it)."""
         from minisgl.layers.linear import pack_weight
-        if not self.int8_all_rows:
+        if not self.int8_all_rows and self.blocks_head is None:
             self.packed = pack_weight(self.weight.data)
 
+    @property
+    def blocks_head(self) -> GgufWeight | None:
+        """The GGUF blocks this head multiplies with (its own table's, or the tied one's)."""
+        if self.table_blocks is not None or self.tied_to is None:
+            return self.table_blocks
+        return self.tied_to.table_blocks
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.int8 is not None and (self.int8_all_rows or hidden.shape[0] <= INT8_MAX_ROWS):
+        if self.blocks_head is not None:
+            local = self.blocks_head.matmul(hidden)
+        elif self.int8 is not None and (self.int8_all_rows or hidden.shape[0] <= INT8_MAX_ROWS):
             local = self.int8.matmul(hidden)
         elif self.packed is not None:
             local = torch.ops.mkldnn._linear_pointwise(hidden, self.packed, None, "none", [], "")

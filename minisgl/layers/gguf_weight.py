@@ -138,7 +138,9 @@ class GgufWeight:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() > KERNEL_MAX_ROWS * self.in_features:
-            return F.linear(x, self.rows().to(x.dtype))
+            weight_t = self.kernels.block_dequantize_t(self.codes, self.scales, self.subs,
+                                                       self.bits, self.mode)
+            return x @ weight_t.to(x.dtype)
         return self.kernels.block_matmul(x.contiguous(), self.codes, self.scales, self.subs,
                                          self.bits, self.mode)
 

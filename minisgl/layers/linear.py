@@ -17,6 +17,7 @@ from minisgl.distributed import all_reduce, get_tp_info
 from minisgl.kernels import cpu_kernels
 from minisgl.layers.base import Layer
 from minisgl.layers.fp8 import Fp8ChannelWeight
+from minisgl.layers.gguf_weight import BlockSlots
 from minisgl.layers.quant import WeightBlocks, BlockWeight, block_weight
 from minisgl.layers.shard import copy_into, read_all, read_cols, read_rows
 from minisgl.layers.w8a8 import Int8ChannelWeight, fits_int8
@@ -44,8 +45,16 @@ class _Linear(Layer):
         # NOTE: the loaders slice it like the dense weight
         self.weight = WeightBlocks.empty(out_features, in_features, bits)
 
+    def expect_gguf_blocks(self) -> None:
+        """As expect_blocks, for GGUF blocks of any types the AVX2 kernel runs
+        (layers.gguf_weight), one type per part (q / k / v, gate / up) if need be."""
+        out_features, in_features = self.weight.shape
+        del self.weight
+        self.weight = BlockSlots(out_features, in_features)
+
     def finish_blocks(self, dtype: torch.dtype) -> None:
-        self.quantized = block_weight(self.weight, dtype)
+        self.quantized = (self.weight.finish() if isinstance(self.weight, BlockSlots)
+                          else block_weight(self.weight, dtype))
         self.weight = None
 
     def quantize_int8(self) -> None:

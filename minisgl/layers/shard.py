@@ -1,6 +1,6 @@
 """Helpers to copy a (possibly lazily read) checkpoint tensor's shard into a parameter.
 
-`source` is a torch.Tensor, a safetensors slice or 4-bit blocks (layers.quant.WeightBlocks): all
+`source` is a torch.Tensor, a safetensors slice or blocks (layers.quant, layers.gguf_weight): all
 support `src[a:b]` and `src[:, a:b]`, so a rank reads only the rows or columns it owns.
 """
 
@@ -8,11 +8,12 @@ from typing import Any
 
 import torch
 
+from minisgl.layers.gguf_weight import GgufBlocks
 from minisgl.layers.quant import WeightBlocks
 
 
 def _read(part: Any) -> Any:
-    return part if isinstance(part, WeightBlocks) else torch.as_tensor(part)
+    return part if isinstance(part, (WeightBlocks, GgufBlocks)) else torch.as_tensor(part)
 
 
 def read_rows(source: Any, start: int, length: int) -> Any:

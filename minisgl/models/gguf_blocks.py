@@ -1,7 +1,10 @@
-"""The 4- and 8-bit blocks of a GGUF file's linear weights, as they are in the file
-(`--quantization gguf`): Q4_0, Q4_1 and (where the VNNI kernel runs them) Q8_0 tensors become
-layers.quant.WeightBlocks under their Hugging Face names. Other tensors (norms, embeddings,
-other quant types) come from the converted safetensors folder, dequantized as before.
+"""The blocks of a GGUF file's linear weights, as they are in the file (`--quantization gguf`),
+under their Hugging Face names. Where the AVX-512 VNNI kernel runs them, Q4_0, Q4_1 and Q8_0
+become layers.quant.WeightBlocks; every other type the AVX2 kernel takes (Q5_0, Q5_1, the
+k-quants Q4_K, Q5_K, Q6_K, and all of them on a CPU without VNNI) becomes layers.gguf_weight.
+GgufBlocks (models.gguf_decode), as do the token embedding and the LM head. Without either
+kernel, Q4_0 / Q4_1 take torch's int4 one. Other tensors (norms, Q2_K, Q3_K, IQ types) come
+from the converted safetensors folder, dequantized.
 
 Block layouts (ggml): Q4_0 = fp16 scale d, 16 bytes of codes, w = (q - 8) * d; Q4_1 = fp16 d,
 fp16 min m, 16 bytes, w = q * d + m; byte j holds value j (low nibble) and j + 16 (high).
@@ -16,7 +19,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from minisgl.layers.gguf_weight import KINDS, GgufBlocks, block_kernels
 from minisgl.layers.quant import GROUP, LANES, WeightBlocks, vnni_kernels
+from minisgl.models.gguf_decode import decode
 
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
@@ -30,8 +35,15 @@ LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
 PERMUTED = {"llama": {"attn_q": "num_heads", "attn_k": "num_kv_heads"}}
 
 
+# the token embedding and the LM head (absent when tied to the embedding)
+TABLES = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight"}
+
+
 def hf_name(gguf_name: str) -> str | None:
-    """model.layers.{i}.<linear>.weight for a GGUF linear weight; None for anything else."""
+    """model.layers.{i}.<linear>.weight for a GGUF linear weight (or the embedding / LM head's
+    name); None for anything else."""
+    if gguf_name in TABLES:
+        return TABLES[gguf_name]
     parts = gguf_name.split(".")
     if len(parts) != 4 or parts[0] != "blk" or parts[3] != "weight" or parts[2] not in LINEARS:
         return None
@@ -56,7 +68,7 @@ def decode_blocks(kind: str, raw: np.ndarray, out_features: int, in_features: in
     return WeightBlocks(codes, scales, zeros)
 
 
-def unpermute_rows(blocks: WeightBlocks, heads: int) -> WeightBlocks:
+def unpermute_rows(blocks: WeightBlocks | GgufBlocks, heads: int) -> WeightBlocks | GgufBlocks:
     """Undo llama.cpp's q / k row permutation (row order only: blocks run along the input)."""
     rows = blocks.shape[0]
     order = torch.arange(rows).view(heads, 2, rows // heads // 2).transpose(1, 2).reshape(-1)
@@ -66,12 +78,25 @@ def unpermute_rows(blocks: WeightBlocks, heads: int) -> WeightBlocks:
     return blocks[inverse]
 
 
-def read_block_linears(path: Path, heads: dict[str, int], skips: Callable[[str], bool]
-                       ) -> tuple[dict[str, WeightBlocks], dict[str, str]]:
-    """(the Q4_0 / Q4_1 / Q8_0 linear weights by HF name (a list of one per expert for the
-    stacked experts' tensors), {HF name: GGUF type} of the other linear weights, which stay
-    dense), leaving out the names `skips` (the model's: layers past a layer-count override). `heads`: num_heads and num_kv_heads. Q8_0 needs the VNNI kernel
-    (torch has no kernel for such blocks): without it, those stay dense."""
+def kernel_for(kind: str, out_features: int, experts: bool, table: bool, dtype: torch.dtype
+               ) -> str | None:
+    """Which kernel runs a tensor of GGUF type `kind`: "vnni" or "torch" (WeightBlocks, in
+    bfloat16), "avx2" (GgufBlocks), or None (it stays dense)."""
+    vnni_runs = (vnni_kernels() is not None and out_features % LANES == 0
+                 and dtype == torch.bfloat16)
+    if kind in BLOCK_BYTES and vnni_runs:
+        return None if table else "vnni"
+    if block_kernels() is not None and kind in KINDS and not experts:
+        return "avx2"
+    return "torch" if kind in ("Q4_0", "Q4_1") and not table and dtype == torch.bfloat16 else None
+
+
+def read_block_linears(path: Path, heads: dict[str, int], skips: Callable[[str], bool],
+                       dtype: torch.dtype) -> tuple[dict[str, WeightBlocks | GgufBlocks], dict[str, str]]:
+    """(the linear weights a kernel runs, by HF name (a list of one per expert for the stacked
+    experts' tensors), {HF name: GGUF type} of the other linear weights, which stay dense),
+    leaving out the names `skips` (the model's: layers past a layer-count override). `heads`:
+    num_heads and num_kv_heads. The embedding / LM head tables come as GgufBlocks only."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))
@@ -84,41 +109,55 @@ def read_block_linears(path: Path, heads: dict[str, int], skips: Callable[[str],
             continue
         kind = tensor.tensor_type.name
         in_features, out_features = (int(n) for n in tensor.shape[:2])
-        eight_bit_runs = vnni_kernels() is not None and out_features % LANES == 0
-        if kind not in BLOCK_BYTES or (kind == "Q8_0" and not eight_bit_runs):
-            dense[name] = kind
+        kernel = kernel_for(kind, out_features, len(tensor.shape) == 3, tensor.name in TABLES,
+                            dtype)
+        if kernel is None:
+            if tensor.name not in TABLES:
+                dense[name] = kind
             continue
-        if len(tensor.shape) == 3:  # [experts, out, in]: one weight per expert
+        if kernel == "avx2":
+            weight = decode(kind, tensor.data, out_features, in_features)
+        elif len(tensor.shape) == 3:  # [experts, out, in]: one weight per expert
             raw = np.asarray(tensor.data).reshape(int(tensor.shape[2]), -1)
             blocks[name] = [decode_blocks(kind, e, out_features, in_features) for e in raw]
             continue
-        weight = decode_blocks(kind, tensor.data, out_features, in_features)
-        permuted = PERMUTED.get(arch, {}).get(tensor.name.split(".")[2])
+        else:
+            weight = decode_blocks(kind, tensor.data, out_features, in_features)
+        permuted = PERMUTED.get(arch, {}).get(tensor.name.split(".")[2]) if (
+            tensor.name not in TABLES) else None
         blocks[name] = unpermute_rows(weight, heads[permuted]) if permuted else weight
     return blocks, dense
 
 
-def stage_block_linears(model: torch.nn.Module, path: Path, heads: dict[str, int]
-                       ) -> tuple[dict[str, WeightBlocks], dict[str, str]]:
-    """Prepare every linear layer whose checkpoint tensors are all blocks of one width to take
-    them (`expect_blocks`); returns those tensors by HF name, and the GGUF types of the linear
-    weights that stay dense (a layer with any of them, or with mixed widths, stays dense
-    whole). Any GGUF type loads: the dense ones come dequantized from the converted folder."""
-    blocks, dense = read_block_linears(path, heads, model.skips)
+def stage_block_linears(model: torch.nn.Module, path: Path, heads: dict[str, int],
+                        dtype: torch.dtype) -> tuple[dict[str, WeightBlocks], dict[str, str]]:
+    """Prepare every layer whose checkpoint tensors are all blocks of one kernel to take them
+    (`expect_blocks`, `expect_gguf_blocks`); returns those tensors by HF name, and the GGUF
+    types of the linear weights that stay dense (a layer with any of them, or with parts for
+    two kernels, stays dense whole). Any GGUF type loads: the dense ones come dequantized
+    from the converted folder."""
+    blocks, dense = read_block_linears(path, heads, model.skips, dtype)
     names_by_module: dict[torch.nn.Module, list[str]] = {}
     for name in [*blocks, *dense]:
         names_by_module.setdefault(model.weight_target(name)[0], []).append(name)
     staged, kept = {}, {}
     for module, names in names_by_module.items():
+        if all(isinstance(blocks.get(name), GgufBlocks) for name in names):
+            module.expect_gguf_blocks()
+            staged.update((name, blocks[name]) for name in names)
+            continue
         widths = {_bits(blocks[name]) for name in names if name in blocks}
-        if all(name in blocks for name in names) and len(widths) == 1:
+        if all(isinstance(blocks.get(name), (WeightBlocks, list)) for name in names) and (
+                len(widths) == 1):
             module.expect_blocks(widths.pop())
             staged.update((name, blocks[name]) for name in names)
         else:
             kept.update((name, dense[name] if name in dense else
-                         f"{_bits(blocks[name])}-bit blocks beside others") for name in names)
+                         "blocks for two kernels in one layer") for name in names)
     return staged, kept
 
 
-def _bits(blocks: WeightBlocks | list[WeightBlocks]) -> int:
+def _bits(blocks: WeightBlocks | list[WeightBlocks] | GgufBlocks) -> int:
+    if isinstance(blocks, GgufBlocks):
+        return 0
     return blocks[0].bits if isinstance(blocks, list) else blocks.bits

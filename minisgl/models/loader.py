@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from minisgl.layers.gguf_weight import BlockSlots, GgufBlocks
 from minisgl.layers.quant import WeightBlocks
 from minisgl.models.arch import ModelArch
 from minisgl.models.dummy_weights import load_dummy
@@ -21,16 +22,16 @@ def load_weights(model: torch.nn.Module, folder: Path, arch: ModelArch, method: 
                  dtype: torch.dtype, device: torch.device, *, load_format: str, seed: int,
                  model_path: str | None) -> None:
     """Fill `model`: random weights (`load_format` dummy, drawn from `seed`), or the converted
-    checkpoint `folder`; with `method` gguf, its 4-bit linear weights come from the GGUF file
-    of `model_path` instead (never read dense). Then w8a8_int8 / fp8 quantize each layer's
+    checkpoint `folder`; with `method` gguf, its block-quantized linear weights (and tables)
+    come from the GGUF file of `model_path` instead (never read dense). Then w8a8_int8 / fp8 quantize each layer's
     dense weight and release it."""
     if load_format == "dummy":
         load_dummy(model, arch, seed, device, dtype, int4=method == "gguf")
     else:
-        staged: dict[str, WeightBlocks] = {}
+        staged: dict[str, WeightBlocks | GgufBlocks] = {}
         if method == "gguf":
             heads = {"num_heads": arch.num_heads, "num_kv_heads": arch.num_kv_heads}
-            staged, kept = stage_block_linears(model, gguf_file(model_path), heads)
+            staged, kept = stage_block_linears(model, gguf_file(model_path), heads, dtype)
             if kept:
                 logger.warning("--quantization gguf: %d linear weights (%s) have no block "
                                "kernel here and run dequantized", len(kept),
@@ -39,7 +40,7 @@ def load_weights(model: torch.nn.Module, folder: Path, arch: ModelArch, method: 
         for name, blocks in staged.items():
             model.load_weight(name, blocks)
     for module in model.modules():
-        if isinstance(getattr(module, "weight", None), WeightBlocks) or (
+        if isinstance(getattr(module, "weight", None), (WeightBlocks, BlockSlots)) or (
                 getattr(module, "blocks", None) is not None):  # a linear's, or experts' blocks
             module.finish_blocks(dtype)
         elif method == "w8a8_int8" and hasattr(module, "quantize_int8"):
@@ -56,7 +57,8 @@ def log_weight_memory(model: torch.nn.Module, method: str, dtype: torch.dtype) -
     """The weights' resident size (after CPU prepacking, which may keep a second copy)."""
     modules = list(model.modules())
     compact = sum(weight.nbytes for m in modules for weight in (getattr(m, "quantized", None),
-                                                                  getattr(m, "int8", None))
+                                                                  getattr(m, "int8", None),
+                                                                  getattr(m, "table_blocks", None))
                   if weight is not None)
     dense = sum(p.numel() * p.element_size() for p in model.parameters())
     packed = sum(m.packed.numel() * m.packed.element_size() for m in modules

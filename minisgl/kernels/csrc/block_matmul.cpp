@@ -178,6 +178,23 @@ inline __m256 bytes_to_float(const uint8_t* p, bool is_signed) {
   return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
 }
 
+// d' and m' of the 8 lanes of (block, group g), half h of the group for kSixBit.
+template <int MODE>
+inline void group_scales(const Weight& w, int64_t block, int64_t g, int h, __m256& d, __m256& m) {
+  if (MODE == kFlat) {
+    const at::Half* p = w.scales + (block * w.groups + g) * 2 * kLanes;
+    d = load_half8(p);
+    m = load_half8(p + kLanes);
+    return;
+  }
+  const at::Half* p = w.scales + (block * (w.groups / kGroupsPerSuper) + g / kGroupsPerSuper) *
+                                     2 * kLanes;
+  const uint8_t* s = w.subs + (block * w.groups + g) * 2 * kLanes;
+  d = _mm256_mul_ps(load_half8(p), bytes_to_float(s + h * kLanes, MODE == kSixBit));
+  m = MODE == kMins ? _mm256_mul_ps(load_half8(p + kLanes), bytes_to_float(s + kLanes, false))
+                    : _mm256_mul_ps(d, _mm256_set1_ps(-32.0f));
+}
+
 // ROWS activation rows times one block of 8 output features, over all groups, into out_f32.
 template <int ROWS, int BITS, int MODE>
 void tile(const Activations& a, int64_t row0, const Weight& w, int64_t block, float* out) {
@@ -222,18 +239,7 @@ void tile(const Activations& a, int64_t row0, const Weight& w, int64_t block, fl
     }
     for (int h = 0; h < HALVES; ++h) {
       __m256 d, m;
-      if (MODE == kFlat) {
-        const at::Half* p = w.scales + (block * groups + g) * 2 * kLanes;
-        d = load_half8(p);
-        m = load_half8(p + kLanes);
-      } else {
-        const at::Half* p = w.scales + (block * (groups / kGroupsPerSuper) + g / kGroupsPerSuper)
-                                           * 2 * kLanes;
-        const uint8_t* s = w.subs + (block * groups + g) * 2 * kLanes;
-        d = _mm256_mul_ps(load_half8(p), bytes_to_float(s + h * kLanes, MODE == kSixBit));
-        m = MODE == kMins ? _mm256_mul_ps(load_half8(p + kLanes), bytes_to_float(s + kLanes, false))
-                          : _mm256_mul_ps(d, _mm256_set1_ps(-32.0f));
-      }
+      group_scales<MODE>(w, block, g, h, d, m);
       for (int r = 0; r < ROWS; ++r) {
         const int64_t at = (row0 + r) * groups + g;
         const float* halves = a.sum.data() + 2 * at;
@@ -267,6 +273,39 @@ TileFn pick_tile(int64_t bits, int64_t mode, int rows) {
     case 5: return tile_for<5, kFlat>(rows);
     default: return tile_for<8, kFlat>(rows);
   }
+}
+
+// One block's weights into columns block * 8 .. + 7 of the transposed weight [k, n].
+template <int BITS, int MODE>
+void dequantize_block_t(const Weight& w, int64_t block, float* out, int64_t n) {
+  const int64_t gb = group_bytes(BITS);
+  for (int64_t g = 0; g < w.groups; ++g) {
+    const uint8_t* c = w.codes + (block * w.groups + g) * gb;
+    __m256 d[2], m[2];
+    group_scales<MODE>(w, block, g, 0, d[0], m[0]);
+    if (MODE == kSixBit) group_scales<MODE>(w, block, g, 1, d[1], m[1]);
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; ++t) {
+      const __m256i codes = quad_codes<BITS>(c, t);
+      const int h = MODE == kSixBit ? t / 4 : 0;
+      for (int j = 0; j < 4; ++j) {
+        const __m256i code = BITS == 8
+            ? _mm256_srai_epi32(_mm256_slli_epi32(codes, 24 - 8 * j), 24)
+            : _mm256_and_si256(_mm256_srli_epi32(codes, 8 * j), _mm256_set1_epi32(0xFF));
+        _mm256_storeu_ps(out + (g * kGroup + 4 * t + j) * n + block * kLanes,
+                         _mm256_fmadd_ps(_mm256_cvtepi32_ps(code), d[h], m[h]));
+      }
+    }
+  }
+}
+
+using DequantizeFn = void (*)(const Weight&, int64_t, float*, int64_t);
+
+DequantizeFn pick_dequantize(int64_t bits, int64_t mode) {
+  if (mode == kSixBit) return dequantize_block_t<6, kSixBit>;
+  if (mode == kMins) return bits == 4 ? dequantize_block_t<4, kMins> : dequantize_block_t<5, kMins>;
+  return bits == 4 ? dequantize_block_t<4, kFlat>
+                   : bits == 5 ? dequantize_block_t<5, kFlat> : dequantize_block_t<8, kFlat>;
 }
 
 #endif  // MINISGL_AVX2
@@ -343,4 +382,22 @@ torch::Tensor block_dequantize(torch::Tensor codes, torch::Tensor scales, torch:
     }
   });
   return out;
+}
+
+// The whole weight transposed, [k, n] float32 (large batches multiply it with a GEMM).
+torch::Tensor block_dequantize_t(torch::Tensor codes, torch::Tensor scales, torch::Tensor subs,
+                                 int64_t bits, int64_t mode) {
+#ifdef MINISGL_AVX2
+  const Weight w = weight_of(codes, scales, subs, bits, mode);
+  const int64_t blocks = codes.size(0), n = blocks * kLanes;
+  auto out = torch::empty({w.groups * kGroup, n}, codes.options().dtype(at::kFloat));
+  const DequantizeFn fn = pick_dequantize(bits, mode);
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) fn(w, b, o, n);
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "block_dequantize_t needs AVX2, FMA and F16C (built with -march=native)");
+#endif
 }

@@ -318,6 +318,8 @@ torch::Tensor block_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor s
                            torch::Tensor subs, int64_t bits, int64_t mode);
 torch::Tensor block_dequantize(torch::Tensor codes, torch::Tensor scales, torch::Tensor subs,
                                int64_t bits, int64_t mode, torch::Tensor rows);
+torch::Tensor block_dequantize_t(torch::Tensor codes, torch::Tensor scales, torch::Tensor subs,
+                                 int64_t bits, int64_t mode);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention,
@@ -346,6 +348,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_matmul", &block_matmul, "GGUF block weights of any type x activations (AVX2)",
         py::call_guard<py::gil_scoped_release>());
   m.def("block_dequantize", &block_dequantize, "rows of a block_matmul weight as float32",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("block_dequantize_t", &block_dequantize_t, "a block_matmul weight as float32 [k, n]",
         py::call_guard<py::gil_scoped_release>());
   m.def("expert_matmul", &expert_matmul, "rows grouped by expert x each expert's weight (CPU)",
         py::call_guard<py::gil_scoped_release>());
