@@ -22,6 +22,8 @@ from gguf import GGMLQuantizationType as Kind
 from gguf import quants
 
 from minisgl import LLM
+from minisgl.layers.gguf_weight import block_kernels
+from minisgl.layers.quant import vnni_kernels
 from minisgl.models import resolve_model_path
 from tests import reference as ref
 from tests.gguf_requant import encode, requant_gguf
@@ -139,24 +141,30 @@ def test_every_gguf_type_loads_and_matches_transformers():
                                         FLOAT32_LOGPROB_TOLERANCE)
 
 
+@pytest.mark.skipif(block_kernels() is None, reason="needs the AVX2 block kernel")
 def test_every_gguf_type_loads_with_gguf_quantization(caplog):
-    """--quantization gguf: Q4_0 / Q4_1 groups run as 4-bit blocks (Q8_0 ones too where the
-    VNNI kernel runs), everything else dequantized, named in one warning line; a group that
-    mixes blocks with other types (Q4_K_M's fallbacks) stays dense whole."""
+    """--quantization gguf: every block type a kernel runs stays in its blocks (Q4_0 / Q4_1 /
+    Q8_0 on the VNNI kernel where it runs in bfloat16, the others on the AVX2 one, types mixed
+    within a layer), everything else dequantized, named in one warning line; a layer whose
+    parts need two kernels (VNNI's Q4_1 beside AVX2's Q5_0) stays dense whole."""
     model = str(every_type_gguf())
     with caplog.at_level(logging.WARNING), \
             LLM(model, dtype="bfloat16", quantization="gguf", **ENGINE_ARGS) as llm:
         layers = llm.runtime.engine.model.layers
         assert layers[0].self_attn.qkv_proj.quantized is not None
         assert layers[0].mlp.gate_up_proj.quantized is not None
-        assert layers[1].self_attn.o_proj.quantized is None  # Q5_0
-        assert layers[1].self_attn.qkv_proj.quantized is None  # Q4_1 beside Q5_0, Q8_0
-        assert layers[0].mlp.down_proj.quantized is None  # Q4_K
+        assert layers[0].mlp.down_proj.quantized is not None  # Q4_K
+        assert layers[1].mlp.down_proj.quantized is not None  # Q6_K
+        assert layers[1].self_attn.o_proj.quantized is not None  # Q5_0
+        assert layers[1].mlp.gate_up_proj.quantized is not None  # Q5_1 beside Q5_0
+        assert layers[2].self_attn.qkv_proj.quantized is None  # F32, F16, BF16
+        two_kernels = vnni_kernels() is not None  # Q4_1 beside Q5_0, Q8_0
+        assert (layers[1].self_attn.qkv_proj.quantized is None) == two_kernels
         for prompt, out in generate(llm):
             assert_matches_transformers(hf_model(model), prompt, out, TOP2_MARGIN_BF16,
                                         BF16_LOGPROB_TOLERANCE)
     warnings = [r.getMessage() for r in caplog.records if "run dequantized" in r.getMessage()]
-    assert len(warnings) == 1 and "Q4_K" in warnings[0] and "Q6_K" in warnings[0], warnings
+    assert len(warnings) == 1 and "MXFP4" in warnings[0] and "Q4_K" not in warnings[0], warnings
 
 
 @pytest.mark.parametrize("quantization", ["none", "gguf"])

@@ -226,7 +226,7 @@ def test_dummy_4bit_weights_build_for_the_shipped_shapes(config: str):
 
 
 @pytest.mark.parametrize("flags,message", [
-    (("--quantization", "gguf", "--dtype", "float32"), "--dtype bfloat16"),
+    (("--quantization", "gguf", "--dtype", "float16"), "--dtype bfloat16"),
     (("--quantization", "gguf", "--model", "qwen3-0.6b"), "needs a .gguf model"),
     (("--quantization", "int3"), "--quantization"),
 ])

@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from minisgl.kernels import cpu_kernels
 
@@ -27,7 +26,7 @@ KINDS = {"Q4_0": (4, FLAT), "Q4_1": (4, FLAT), "Q5_0": (5, FLAT), "Q5_1": (5, FL
          "Q8_0": (8, FLAT), "Q4_K": (4, MINS), "Q5_K": (5, MINS), "Q6_K": (6, SIX_BIT)}
 # NOTE: past this many rows the dequantized weight and a GEMM beat the integer dot products
 # (the crossover on the project's CPU: BENCHMARKS.md, "k-quants").
-KERNEL_MAX_ROWS = 64
+KERNEL_MAX_ROWS = 128
 
 
 def block_kernels():
