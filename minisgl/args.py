@@ -138,9 +138,11 @@ class ServerArgs:
         "where the AVX-512 VNNI kernel is built), w8a8_int8 (linear weights int8 per output "
         "feature, activations int8 per token: for high-batch throughput on CPU in bfloat16), "
         "fp8 (linear weights float8 per output feature, weight-only: for decode speed on "
-        "CUDA GPUs of compute capability 8.9+) "
+        "CUDA GPUs of compute capability 8.9+; an fp8 checkpoint's own weights on CPU), "
+        "awq / gptq / compressed-tensors (int4 checkpoints, on CPU; a quantized checkpoint "
+        "takes its own method by default) "
         "or none (every weight dequantized to --dtype; the default otherwise).",
-        choices=["gguf", "w8a8_int8", "fp8", "none"])
+        choices=["gguf", "w8a8_int8", "fp8", "awq", "gptq", "compressed-tensors", "none"])
     disable_radix_cache: bool = _flag(False, "Use no prefix cache.")
     speculative_algorithm: str | None = _flag(
         None, "Speculative decoding: NGRAM drafts each request's next tokens from n-grams of "

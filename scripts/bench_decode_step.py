@@ -1,7 +1,7 @@
 """Time one decode forward (model only: no scheduler, no sampler) at several batch sizes.
 
     python scripts/bench_decode_step.py --batch 1 8 32 64 --context 128 [--dtype bfloat16]
-        [--quantization gguf|w8a8_int8|none] [--json-model-override-args '{...}']
+        [--quantization gguf|w8a8_int8|none] [--model PATH] [--json-model-override-args '{...}']
 
 The windowed attention path (BENCHMARKS.md, "Sliding windows"): the bundled weights served as
 a Mistral with a window, beside the same model without one:
@@ -79,10 +79,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--quantization", default=None, choices=["gguf", "w8a8_int8", "none"])
+    parser.add_argument("--model", default=None, help="a model path (default: the bundled one)")
     parser.add_argument("--json-model-override-args", default=None)
     args = parser.parse_args()
     most = max(args.batch)
-    engine = Engine(EngineConfig(dtype=args.dtype, max_running_requests=most,
+    engine = Engine(EngineConfig(model_path=args.model, dtype=args.dtype,
+                                 max_running_requests=most,
                                  quantization=args.quantization,
                                  json_model_override_args=args.json_model_override_args,
                                  max_total_tokens=most * (args.context + 8) + 16))

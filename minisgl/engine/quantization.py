@@ -21,6 +21,9 @@ loading itself: models.loader).
   second session"). As SGLang quantizes a bf16 checkpoint online: it loads dense, then each
   layer's weight is quantized and released; the LM head and the embedding stay in the serving
   dtype.
+- `awq`, `gptq`, `compressed-tensors` (int4) and `fp8` checkpoints (config.json's
+  quantization_config; the method is then the checkpoint's): linear weights read as blocks
+  for the AVX2 kernel on CPU (models.hf_quant); no GPU kernel for them yet.
 - `none`: every weight dequantized to the serving dtype.
 With `--load-format dummy`, `gguf` makes the linear weights random 4-bit blocks (large shapes
 in a quarter of the memory); `w8a8_int8` and `fp8` quantize random dense weights layer by layer.
@@ -33,14 +36,31 @@ import torch
 from minisgl.layers.fp8 import fp8_unavailable
 from minisgl.layers.gguf_weight import block_kernels
 from minisgl.layers.quant import vnni_kernels
-from minisgl.models.weights import gguf_file
+from minisgl.models.hf_quant import quant_spec
+from minisgl.models.weights import gguf_file, load_config, resolve_model_path
 
 
 def resolve_quantization(method: str | None, model: str | None, device: torch.device,
                          dtype: torch.dtype, load_format: str) -> str:
-    """The method to use; ValueError (one line) if it cannot run here. The default (None) is
+    """The method to use; ValueError (one line) if it cannot run here. A quantized checkpoint
+    (its config's quantization_config) takes its own method. Otherwise the default (None) is
     gguf for a GGUF model (or the bundled one) served in bfloat16 on a CPU where the VNNI
     kernel is built, none otherwise."""
+    spec = None if load_format == "dummy" or gguf_file(model) is not None else quant_spec(
+        load_config(resolve_model_path(model)))
+    if spec is not None:
+        if method not in (None, spec.method):
+            raise ValueError(f"the checkpoint is quantized ({spec.method}): --quantization "
+                             f"{method} cannot load it; leave it unset or give {spec.method}")
+        if device.type != "cpu" or block_kernels() is None:
+            raise ValueError(f"{spec.method} checkpoints run on CPU where the AVX2 block kernel "
+                             "is built (no GPU kernel for them yet); use a CPU here")
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"{spec.method} checkpoints run with --dtype float32 or bfloat16")
+        return spec.method
+    if method in ("awq", "gptq", "compressed-tensors"):
+        raise ValueError(f"--quantization {method} loads checkpoints quantized so (config.json's "
+                         "quantization_config); this model has none")
     if method is None:
         fits = (device.type == "cpu" and dtype == torch.bfloat16 and load_format != "dummy"
                 and vnni_kernels() is not None and gguf_file(model) is not None)

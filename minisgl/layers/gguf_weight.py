@@ -22,8 +22,10 @@ SUPER = 256
 LANES = 8  # output features per block of the kernel's layout
 FLAT, MINS, SIX_BIT = 0, 1, 2  # the kernel's scale modes
 # kind -> (code bits, scale mode)
+# ("W4": an int4 checkpoint's groups of 32 to 128 inputs, a zero point each: models.hf_quant)
 KINDS = {"Q4_0": (4, FLAT), "Q4_1": (4, FLAT), "Q5_0": (5, FLAT), "Q5_1": (5, FLAT),
-         "Q8_0": (8, FLAT), "Q4_K": (4, MINS), "Q5_K": (5, MINS), "Q6_K": (6, SIX_BIT)}
+         "Q8_0": (8, FLAT), "Q4_K": (4, MINS), "Q5_K": (5, MINS), "Q6_K": (6, SIX_BIT),
+         "W4": (4, MINS)}
 # NOTE: past this many rows the dequantized weight and a GEMM beat the integer dot products
 # (the crossover on the project's CPU: BENCHMARKS.md, "k-quants").
 KERNEL_MAX_ROWS = 128
@@ -38,8 +40,9 @@ def block_kernels():
 class GgufBlocks:
     """w[o, i] = d'[o, i] * codes[o, i] + m'[o, i], where
     flat kinds: (d', m') = scales[o, i // 32] (Q4_0: m' = -8 d', Q5_0: -16 d', Q8_0: 0);
-    Q4_K, Q5_K: d' = scales[o, i // 256, 0] * subs[o, i // 32, 0],
-                m' = scales[o, i // 256, 1] * subs[o, i // 32, 1] (scales[..., 1] = -dmin);
+    Q4_K, Q5_K, W4: d' = scales[o, i // S, 0] * subs[o, i // 32, 0],
+                m' = scales[o, i // S, 1] * subs[o, i // 32, 1] (scales[..., 1] = -dmin),
+                S = 256 (W4: the checkpoint's group size);
     Q6_K: d' = scales[o, i // 256, 0] * subs[o, i // 32, (i // 16) % 2] (int8), m' = -32 d'.
     Every value is exact in float32 (float16 scales times small integers)."""
 
@@ -58,7 +61,7 @@ class GgufBlocks:
 
     @property
     def columns_per_scale(self) -> int:
-        return GROUP if self.subs is None else SUPER
+        return self.shape[1] // self.scales.shape[1]
 
     def __getitem__(self, index: slice | tuple[slice, slice]) -> GgufBlocks:
         """Rows (`b[a:z]`) or whole groups / super-blocks of columns (`b[:, a:z]`)."""
@@ -70,7 +73,8 @@ class GgufBlocks:
         step = self.columns_per_scale
         if start % step or stop % step:
             raise ValueError(f"a shard of a {self.kind} weight must cut at multiples of {step} "
-                             f"input features (its blocks), not [{start}, {stop})")
+                             f"input features (its blocks or groups), not [{start}, {stop}): "
+                             "a tensor-parallel size that splits no group is needed")
         subs = None if self.subs is None else self.subs[rows, start // GROUP:stop // GROUP]
         return GgufBlocks(self.kind, self.codes[rows, cols],
                           self.scales[rows, start // step:stop // step], subs)
@@ -81,7 +85,7 @@ class GgufBlocks:
         if self.subs is None:
             d, m = self.scales.repeat_interleave(GROUP, dim=1).unbind(-1)
             return d, m
-        supers = self.scales.repeat_interleave(SUPER, dim=1)
+        supers = self.scales.repeat_interleave(self.columns_per_scale, dim=1)
         subs = self.subs.float().repeat_interleave(GROUP, dim=1)
         if self.kind == "Q6_K":
             half = (torch.arange(in_features) // 16) % 2

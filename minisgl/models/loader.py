@@ -13,7 +13,9 @@ from minisgl.layers.quant import WeightBlocks
 from minisgl.models.arch import ModelArch
 from minisgl.models.dummy_weights import load_dummy
 from minisgl.models.gguf_blocks import stage_block_linears
-from minisgl.models.weights import gguf_file, load_safetensors
+from minisgl.models.hf_quant import METHODS as CHECKPOINT_METHODS
+from minisgl.models.hf_quant import quant_spec, read_quantized
+from minisgl.models.weights import gguf_file, load_config, load_safetensors
 
 logger = logging.getLogger(__name__)
 
@@ -23,20 +25,31 @@ def load_weights(model: torch.nn.Module, folder: Path, arch: ModelArch, method: 
                  model_path: str | None) -> None:
     """Fill `model`: random weights (`load_format` dummy, drawn from `seed`), or the converted
     checkpoint `folder`; with `method` gguf, its block-quantized linear weights (and tables)
-    come from the GGUF file of `model_path` instead (never read dense). Then w8a8_int8 / fp8 quantize each layer's
+    come from the GGUF file of `model_path` instead (never read dense); with a quantized
+    checkpoint's method (awq, gptq, compressed-tensors, fp8 with a quantization_config), its
+    linear weights are read as blocks (models.hf_quant). Then w8a8_int8 / fp8 quantize each layer's
     dense weight and release it."""
     if load_format == "dummy":
         load_dummy(model, arch, seed, device, dtype, int4=method == "gguf")
     else:
         staged: dict[str, WeightBlocks | GgufBlocks] = {}
-        if method == "gguf":
+        skip: set[str] = set()
+        if method in CHECKPOINT_METHODS and (spec := quant_spec(load_config(folder))):
+            staged, skip = read_quantized(folder, spec)
+            staged = {name: b for name, b in staged.items() if not model.skips(name)}
+            for name in staged:
+                target = model.weight_target(name)
+                if target is None:
+                    raise ValueError(f"checkpoint does not fit the model: unknown tensor {name}")
+                target[0].expect_gguf_blocks()
+        elif method == "gguf":
             heads = {"num_heads": arch.num_heads, "num_kv_heads": arch.num_kv_heads}
             staged, kept = stage_block_linears(model, gguf_file(model_path), heads, dtype)
             if kept:
                 logger.warning("--quantization gguf: %d linear weights (%s) have no block "
                                "kernel here and run dequantized", len(kept),
                                ", ".join(sorted(set(kept.values()))))
-        load_safetensors(model, folder, skip=set(staged))
+        load_safetensors(model, folder, skip=set(staged) | skip)
         for name, blocks in staged.items():
             model.load_weight(name, blocks)
     for module in model.modules():

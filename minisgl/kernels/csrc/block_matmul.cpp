@@ -12,8 +12,9 @@
 //   8-bit codes (Q8_0): 8 vectors of signed codes, vector t = quad t.
 // Scales (`mode`):
 //   kFlat (Q4_0 .. Q8_0): per (block, group) 8 float16 scales d and 8 float16 offsets m;
-//   kMins (Q4_K, Q5_K): per (block, super-block of 256) 8 float16 d and 8 float16 -dmin, per
-//     (block, group) 8 uint8 sub-scales sc and 8 uint8 mins mn: d' = d sc, m' = -dmin mn;
+//   kMins (Q4_K, Q5_K; int4 checkpoints' groups of 32-128 as sc = 1, mn = zero point): per
+//     (block, super-block of 256 or the checkpoint's group) 8 float16 d and 8 float16 -dmin,
+//     per (block, group) 8 uint8 sub-scales sc and 8 uint8 mins mn: d' = d sc, m' = -dmin mn;
 //   kSixBit (Q6_K): per (block, super-block) 8 float16 d, then 8 unused; per (block, group) the
 //     int8 sub-scales of its two halves of 16 inputs, 8 each: d' = d sc, m' = -32 d'.
 // A weight is w = d' * code + m', so a group's sum_i w_i x_i = d' sum_i code_i x_i + m' sum_i x_i.
@@ -35,7 +36,6 @@ namespace {
 
 constexpr int64_t kGroup = 32;
 constexpr int64_t kLanes = 8;
-constexpr int64_t kGroupsPerSuper = 8;
 constexpr int kMaxTileRows = 4;
 enum Mode : int64_t { kFlat = 0, kMins = 1, kSixBit = 2 };
 
@@ -52,6 +52,7 @@ struct Weight {
   int64_t groups;
   int64_t bits;
   int64_t mode;
+  int64_t groups_per_super;  // kMins / kSixBit: groups sharing one d (and dmin)
 };
 
 int code_at(const Weight& w, int64_t block, int64_t g, int lane, int i) {
@@ -73,8 +74,8 @@ void scale_at(const Weight& w, int64_t block, int64_t g, int lane, int i, float&
     m = p[kLanes + lane];
     return;
   }
-  const int64_t supers = w.groups / kGroupsPerSuper;
-  const at::Half* p = w.scales + (block * supers + g / kGroupsPerSuper) * 2 * kLanes;
+  const int64_t supers = w.groups / w.groups_per_super;
+  const at::Half* p = w.scales + (block * supers + g / w.groups_per_super) * 2 * kLanes;
   const uint8_t* s = w.subs + (block * w.groups + g) * 2 * kLanes;
   if (w.mode == kMins) {
     d = static_cast<float>(p[lane]) * s[lane];
@@ -91,10 +92,13 @@ Weight weight_of(const torch::Tensor& codes, const torch::Tensor& scales,
   TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kHalf);
   TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8);
   TORCH_CHECK(codes.size(2) == group_bytes(bits), "codes do not match the bit width");
-  TORCH_CHECK(mode == kFlat || (subs.is_contiguous() && subs.scalar_type() == at::kByte &&
-                                codes.size(1) % kGroupsPerSuper == 0));
+  const int64_t groups = codes.size(1), supers = scales.size(1);
+  TORCH_CHECK(scales.size(0) == codes.size(0) && supers > 0 && groups % supers == 0);
+  TORCH_CHECK(mode == kFlat ? supers == groups
+                            : subs.is_contiguous() && subs.scalar_type() == at::kByte);
   return {codes.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(),
-          mode == kFlat ? nullptr : subs.data_ptr<uint8_t>(), codes.size(1), bits, mode};
+          mode == kFlat ? nullptr : subs.data_ptr<uint8_t>(), groups, bits, mode,
+          groups / supers};
 }
 
 #ifdef MINISGL_AVX2
@@ -187,8 +191,8 @@ inline void group_scales(const Weight& w, int64_t block, int64_t g, int h, __m25
     m = load_half8(p + kLanes);
     return;
   }
-  const at::Half* p = w.scales + (block * (w.groups / kGroupsPerSuper) + g / kGroupsPerSuper) *
-                                     2 * kLanes;
+  const at::Half* p = w.scales + (block * (w.groups / w.groups_per_super) +
+                                  g / w.groups_per_super) * 2 * kLanes;
   const uint8_t* s = w.subs + (block * w.groups + g) * 2 * kLanes;
   d = _mm256_mul_ps(load_half8(p), bytes_to_float(s + h * kLanes, MODE == kSixBit));
   m = MODE == kMins ? _mm256_mul_ps(load_half8(p + kLanes), bytes_to_float(s + kLanes, false))
