@@ -133,8 +133,8 @@ class ServerArgs:
         False, "Run the decodes in the same forward as a prefill chunk, so streams keep "
         "producing tokens while a long prompt is prefilled.")
     quantization: str | None = _flag(
-        None, "Weights kept compact: gguf (a GGUF model's Q4_0 / Q4_1 linear weights run "
-        "4-bit, as in the file, on CPU in bfloat16; the default for a GGUF model served so "
+        None, "Weights kept compact: gguf (a GGUF model's block-quantized weights, k-quants "
+        "included, run as in the file on CPU; the default for a GGUF model served in bfloat16 "
         "where the AVX-512 VNNI kernel is built), w8a8_int8 (linear weights int8 per output "
         "feature, activations int8 per token: for high-batch throughput on CPU in bfloat16), "
         "fp8 (linear weights float8 per output feature, weight-only: for decode speed on "
