@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType as Kind
 from gguf import quants
 
 from minisgl import LLM
-from minisgl.layers.gguf_weight import KINDS, GgufWeight, StackedWeight, block_kernels
+from minisgl.layers.gguf_weight import GgufWeight, StackedWeight, block_kernels
 from minisgl.models.gguf_decode import BLOCK_BYTES, decode
 from tests import reference as ref
 from tests.gguf_requant import encode, requant_gguf
@@ -53,7 +53,7 @@ def quantized_blocks(kind: str, out: int, in_features: int) -> np.ndarray:
     return encode(weights * 0.05, getattr(Kind, kind))
 
 
-@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("kind", sorted(BLOCK_BYTES))
 def test_blocks_decode_exactly_as_the_gguf_package(kind: str):
     sources = [random_blocks(kind, 16, 512)]
     if kind not in ("Q5_K",):  # no encoder for Q5_K here: random blocks only
@@ -67,7 +67,7 @@ def test_blocks_decode_exactly_as_the_gguf_package(kind: str):
         assert np.array_equal(GgufWeight(blocks).rows(rows).numpy(), want[[3, 0, 15]])
 
 
-@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("kind", sorted(BLOCK_BYTES))
 def test_kernel_against_float64(kind: str):
     out, in_features = 40, 768
     raw = random_blocks(kind, out, in_features, seed=3)
