@@ -114,6 +114,24 @@ def test_int4_groups_run_on_the_kernel(group: int):
         assert ((weight.matmul(x) - exact).abs().max() / exact.abs().max()) < 2e-4
 
 
+def test_gptq_v1_and_v2_zero_points_read_alike():
+    """AutoGPTQ's format stores each zero point minus one, gptq_v2 the zero point itself."""
+    from minisgl.models.hf_quant import quant_spec, read_int4
+    from tests.hf_quant_writers import gptq_tensors, int4_groups, pack_rows
+    weight = torch.randn(64, 256, generator=torch.Generator().manual_seed(0)) * 0.05
+    codes, scales, zeros = int4_groups(weight, 64, symmetric=False)
+    zeros = zeros.clamp(min=1)  # v1 cannot store a zero point of 0
+    v1 = gptq_tensors(codes, scales, zeros)
+    v2 = dict(v1, qzeros=pack_rows(zeros.t().contiguous()))
+    base = {"quant_method": "gptq", "bits": 4, "group_size": 64, "desc_act": False}
+    one = read_int4(quant_spec({"quantization_config": base}), v1)
+    two = read_int4(quant_spec({"quantization_config": {**base, "checkpoint_format":
+                                                        "gptq_v2"}}), v2)
+    want = (codes - zeros.repeat_interleave(64, 1)).float() * scales.float().repeat_interleave(
+        64, 1)
+    assert torch.equal(one.dequantize(), want) and torch.equal(two.dequantize(), want)
+
+
 def test_a_shard_that_splits_a_group_is_refused():
     codes = torch.zeros(8, 576, dtype=torch.uint8)
     blocks = int4_blocks(codes, torch.ones(8, 576 // 64), torch.zeros(8, 576 // 64))

@@ -5,8 +5,9 @@ Layouts (w[o, i] is the Hugging Face weight; an int32 word holds 8 codes, code j
 - `awq` (AutoAWQ, version "gemm"): qweight [in, out / 8], the word's codes along the outputs
   in the order 0 2 4 6 1 3 5 7; qzeros [in / g, out / 8] likewise; scales [in / g, out];
   w = (q - z) * s.
-- `gptq` (checkpoint_format "gptq", desc_act false): qweight [in / 8, out], codes along the
-  inputs; qzeros [in / g, out / 8] along the outputs, holding z - 1; scales [in / g, out].
+- `gptq` (desc_act false): qweight [in / 8, out], codes along the inputs; qzeros [in / g,
+  out / 8] along the outputs, holding z - 1 (checkpoint_format "gptq", AutoGPTQ's) or z
+  ("gptq_v2"); scales [in / g, out].
 - `compressed-tensors`, format "pack-quantized", int4, strategy group or channel:
   weight_packed [out, in / 8] along the inputs, holding q + 8 when symmetric (w = q * s), the
   code itself when not, with weight_zero_point [out / 8, in / g] packed along the outputs.
@@ -44,6 +45,7 @@ class QuantSpec:
     method: str
     group: int = 0  # int4: inputs per scale; -1: the whole row
     symmetric: bool = False
+    zero_stored_minus_one: bool = False  # AutoGPTQ's v1 format
 
 
 def quant_spec(config: dict) -> QuantSpec | None:
@@ -53,7 +55,8 @@ def quant_spec(config: dict) -> QuantSpec | None:
     if not qc:
         return None
     method = str(qc.get("quant_method", "")).lower()
-    supported = ("supported: awq (gemm, 4-bit), gptq (4-bit, desc_act false), "
+    supported = ("supported: awq (gemm, 4-bit), gptq (4-bit, desc_act false, gptq or gptq_v2 "
+                 "format), "
                  "compressed-tensors (pack-quantized int4), fp8 (e4m3, block-wise or "
                  "per-channel)")
     if method not in METHODS:
@@ -73,14 +76,15 @@ def quant_spec(config: dict) -> QuantSpec | None:
         problems.append(f"AWQ version {qc.get('version')!r}")
     if method == "gptq" and qc.get("desc_act"):
         problems.append("desc_act true (act-order)")
-    if method == "gptq" and qc.get("checkpoint_format", "gptq") != "gptq":
+    if method == "gptq" and qc.get("checkpoint_format", "gptq") not in ("gptq", "gptq_v2"):
         problems.append(f"checkpoint_format {qc.get('checkpoint_format')!r}")
     if not isinstance(group, int) or (group != -1 and (group <= 0 or group % GROUP)):
         problems.append(f"group_size {group}")
     if problems:
         raise ValueError(f"{method} checkpoint with {', '.join(problems)} cannot be loaded; "
                          f"{supported}")
-    return QuantSpec(method, group, bool(qc.get("sym", qc.get("zero_point") is False)))
+    return QuantSpec(method, group, bool(qc.get("sym", qc.get("zero_point") is False)),
+                     method == "gptq" and qc.get("checkpoint_format", "gptq") == "gptq")
 
 
 def _compressed_tensors_spec(qc: dict, supported: str) -> QuantSpec:
@@ -131,7 +135,7 @@ def read_int4(spec: QuantSpec, get: dict[str, torch.Tensor]) -> GgufBlocks:
             if not torch.equal(get["g_idx"].long(), want):
                 raise ValueError("gptq g_idx is not in order (act-order): cannot be loaded")
         codes = _unpack(get["qweight"].t()).contiguous()  # [out, in]
-        zeros = (_unpack(get["qzeros"]).to(torch.int16) + 1).t()
+        zeros = (_unpack(get["qzeros"]).to(torch.int16) + spec.zero_stored_minus_one).t()
         scales = get["scales"].t()
     else:  # compressed-tensors
         codes = _unpack(get["weight_packed"])
