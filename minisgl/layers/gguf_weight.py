@@ -11,6 +11,7 @@ place of the weight and `finish` packs each run of one type (`GgufWeight`).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,12 @@ KINDS = {"Q4_0": (4, FLAT), "Q4_1": (4, FLAT), "Q5_0": (5, FLAT), "Q5_1": (5, FL
 # NOTE: past this many rows the dequantized weight and a GEMM beat the integer dot products
 # (the crossover on the project's CPU: BENCHMARKS.md, "k-quants").
 KERNEL_MAX_ROWS = 128
+
+
+@functools.lru_cache(maxsize=1)
+def native_bf16_gemm() -> bool:
+    return torch.backends.mkldnn.is_available() and bool(
+        torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def block_kernels():
@@ -143,6 +150,9 @@ class GgufWeight:
         if x.numel() > KERNEL_MAX_ROWS * self.in_features:
             weight_t = self.kernels.block_dequantize_t(self.codes, self.scales, self.subs,
                                                        self.bits, self.mode)
+            if x.dtype == torch.float32 or not native_bf16_gemm():
+                # NOTE: without AVX-512 BF16 a bfloat16 GEMM is emulated, ~250x slower here
+                return (x.float() @ weight_t).to(x.dtype)
             return x @ weight_t.to(x.dtype)
         return self.kernels.block_matmul(x.contiguous(), self.codes, self.scales, self.subs,
                                          self.bits, self.mode)
