@@ -168,6 +168,13 @@ def test_what_we_cannot_run_is_a_one_line_error(root: str, tmp_path: Path, chang
     assert message in serve_error(bad)
 
 
+def test_a_tp_size_that_splits_a_group_is_a_one_line_error(root: str):
+    """Channel-wise scales (one group per row): o_proj / down_proj cannot be row-sharded."""
+    folder, _ = checkpoint(root, "compressed-tensors", -1, True)
+    line = serve_error(folder, "--tp-size", "3")
+    assert "must cut at multiples of" in line and "tensor-parallel size" in line, line
+
+
 def test_another_method_than_the_checkpoints_is_refused(root: str):
     folder, _ = checkpoint(root, "awq", 64, False)
     line = serve_error(folder, "--quantization", "gptq")

@@ -105,7 +105,9 @@ class Engine:
             if self.workers is not None:
                 error = self.workers.first_error()
                 self.workers.shutdown(graceful=False)
-                if error is not None:
+                # NOTE: a ValueError here is bad input every rank meets (a checkpoint the TP
+                # size cannot shard): it is reported as such, in one line
+                if error is not None and not isinstance(exc, ValueError):
                     raise RuntimeError(error) from exc
             raise
 
