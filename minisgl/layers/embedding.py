@@ -113,8 +113,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         return self.tied_to.table_blocks
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.blocks_head is not None:
-            local = self.blocks_head.matmul(hidden)
+        blocks = self.blocks_head
+        if blocks is not None:
+            local = blocks.matmul(hidden)
         elif self.int8 is not None and (self.int8_all_rows or hidden.shape[0] <= INT8_MAX_ROWS):
             local = self.int8.matmul(hidden)
         elif self.packed is not None:

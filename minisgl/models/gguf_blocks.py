@@ -142,22 +142,19 @@ def stage_block_linears(model: torch.nn.Module, path: Path, heads: dict[str, int
         names_by_module.setdefault(model.weight_target(name)[0], []).append(name)
     staged, kept = {}, {}
     for module, names in names_by_module.items():
-        if all(isinstance(blocks.get(name), GgufBlocks) for name in names):
+        parts = [blocks.get(name) for name in names]
+        if all(isinstance(p, GgufBlocks) for p in parts):
             module.expect_gguf_blocks()
-            staged.update((name, blocks[name]) for name in names)
-            continue
-        widths = {_bits(blocks[name]) for name in names if name in blocks}
-        if all(isinstance(blocks.get(name), (WeightBlocks, list)) for name in names) and (
-                len(widths) == 1):
+        elif all(isinstance(p, (WeightBlocks, list)) for p in parts) and (
+                len(widths := {_bits(p) for p in parts}) == 1):
             module.expect_blocks(widths.pop())
-            staged.update((name, blocks[name]) for name in names)
         else:
             kept.update((name, dense[name] if name in dense else
                          "blocks for two kernels in one layer") for name in names)
+            continue
+        staged.update(zip(names, parts))
     return staged, kept
 
 
-def _bits(blocks: WeightBlocks | list[WeightBlocks] | GgufBlocks) -> int:
-    if isinstance(blocks, GgufBlocks):
-        return 0
+def _bits(blocks: WeightBlocks | list[WeightBlocks]) -> int:
     return blocks[0].bits if isinstance(blocks, list) else blocks.bits

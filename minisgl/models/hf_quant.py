@@ -178,26 +178,26 @@ def read_fp8(get: dict[str, torch.Tensor], rows_at_once: int = 256) -> GgufBlock
 def read_quantized(folder: Path, spec: QuantSpec) -> tuple[dict[str, GgufBlocks], set[str]]:
     """({HF weight name: blocks} of every quantized linear, the checkpoint tensors they came
     from, which the dense loader skips)."""
+    from contextlib import ExitStack
+
     from safetensors import safe_open
 
-    by_prefix: dict[str, dict[str, tuple[Path, str]]] = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
+    by_prefix: dict[str, dict[str, tuple]] = {}
+    blocks, used = {}, set()
+    with ExitStack() as files:  # NOTE: each file opened once, tensors read as they are needed
+        for file in sorted(folder.glob("*.safetensors")):
+            f = files.enter_context(safe_open(str(file), framework="pt"))
             for name in f.keys():
                 prefix, _, suffix = name.rpartition(".")
                 if suffix in SUFFIXES[spec.method]:
-                    by_prefix.setdefault(prefix, {})[suffix] = (file, name)
-    blocks, used = {}, set()
-    for prefix, parts in by_prefix.items():
-        quantized = ("weight_scale_inv" in parts or "weight_scale" in parts) if \
-            spec.method == "fp8" else ("qweight" in parts or "weight_packed" in parts)
-        if not quantized:
-            continue
-        get = {}
-        for suffix, (file, name) in parts.items():
-            with safe_open(str(file), framework="pt") as f:
-                get[suffix] = f.get_tensor(name)
-            used.add(name)
-        blocks[f"{prefix}.weight"] = read_fp8(get) if spec.method == "fp8" else \
-            read_int4(spec, get)
+                    by_prefix.setdefault(prefix, {})[suffix] = (f, name)
+        for prefix, parts in by_prefix.items():
+            quantized = ("weight_scale_inv" in parts or "weight_scale" in parts) if \
+                spec.method == "fp8" else ("qweight" in parts or "weight_packed" in parts)
+            if not quantized:
+                continue
+            get = {suffix: f.get_tensor(name) for suffix, (f, name) in parts.items()}
+            used.update(name for _, name in parts.values())
+            blocks[f"{prefix}.weight"] = read_fp8(get) if spec.method == "fp8" else \
+                read_int4(spec, get)
     return blocks, used
