@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from minisgl.flag_checks import check_lora, check_speculation, lora_adapters
+
 T = TypeVar("T")
 
 # Flags whose default (None in ServerArgs) depends on the device the engine runs on.
@@ -21,8 +23,6 @@ DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
 # engine.chunking), with --enable-mixed-chunk CPU_MIXED_CHUNK.
 DEFAULT_CHUNK = 8192
 CPU_MIXED_CHUNK = 256
-SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
-MAX_DRAFT_TOKENS = 64
 
 
 def device_default(name: str, device_type: str) -> Any:
@@ -172,6 +172,21 @@ class ServerArgs:
     speculative_draft_model_quantization: str | None = _flag(
         None, "STANDALONE: the draft model's --quantization (default: as --quantization's "
         "default for that model).", choices=["gguf", "w8a8_int8", "fp8", "none"])
+    enable_lora: bool = _flag(
+        False, "Serve LoRA adapters (PEFT folders) on top of the model, any mix of them in a "
+        "batch; implied by --lora-paths.")
+    lora_paths: list[str] | None = _flag(
+        None, "Adapters to load at start: PATH, NAME=PATH or JSON {\"lora_name\": ..., "
+        "\"lora_path\": ..., \"pinned\": ...}.", nargs="+")
+    max_loras_per_batch: int = _flag(8, "Distinct adapters in one batch (its slots).")
+    max_lora_rank: int | None = _flag(
+        None, "Largest adapter rank served (default: the largest of --lora-paths, else 16).")
+    lora_target_modules: list[str] | None = _flag(
+        None, "Linears that take adapters: q_proj k_proj v_proj o_proj gate_proj up_proj "
+        "down_proj, or all (default: those of --lora-paths, else all).", nargs="+")
+    max_loaded_loras: int | None = _flag(
+        None, "Adapters loaded at a time (default: no limit); at least "
+        "--max-loras-per-batch.")
     disable_overlap_schedule: bool = _flag(
         False, "Process each batch's results before launching the next one.")
     attention_backend: str | None = _flag(
@@ -226,7 +241,8 @@ class ServerArgs:
             if value not in choices or (isinstance(value, bool) and f.type != "bool"):
                 raise ValueError(f"{flag(f.name)} must be one of "
                                  f"{', '.join(str(c) for c in choices)}, got {value!r}")
-        self._check_speculation()
+        check_speculation(self)
+        check_lora(self)
         names = self.served_model_names
         if self.served_model_name is not None and not (
                 names and all(isinstance(n, str) and n for n in names)):
@@ -240,56 +256,9 @@ class ServerArgs:
             raise ValueError(f"--chat-template {template!r} is neither a file nor a Jinja "
                              "template")
 
-    def _check_speculation(self) -> None:
-        algorithm = self.speculative_algorithm
-        if algorithm is None:
-            given = [name for name in ("speculative_num_draft_tokens", "speculative_num_steps",
-                                       "speculative_always_draft",
-                                       "speculative_eagle_topk", "speculative_draft_model_path",
-                                       "speculative_draft_model_quantization")
-                     if getattr(self, name) not in (None, False)]
-            if given:
-                raise ValueError(f"--{given[0].replace('_', '-')} needs "
-                                 "--speculative-algorithm")
-            return
-        if not isinstance(algorithm, str) or algorithm.upper() not in SPECULATIVE_ALGORITHMS:
-            raise ValueError(f"--speculative-algorithm {algorithm} is not supported; minisgl "
-                             f"speculates with {' or '.join(SPECULATIVE_ALGORITHMS)} (EAGLE and "
-                             "the rest are not implemented)")
-        self.speculative_algorithm = algorithm = algorithm.upper()
-        draft = self.speculative_draft_model_path
-        if algorithm == "STANDALONE" and draft is None:
-            raise ValueError("--speculative-algorithm STANDALONE needs "
-                             "--speculative-draft-model-path")
-        if algorithm != "STANDALONE":
-            for name in ("speculative_draft_model_path", "speculative_draft_model_quantization"):
-                if getattr(self, name) is not None:
-                    raise ValueError(f"--{name.replace('_', '-')} needs --speculative-algorithm "
-                                     "STANDALONE")
-        for name in ("speculative_num_draft_tokens", "speculative_num_steps",
-                     "speculative_eagle_topk", "speculative_ngram_min_match_window_size",
-                     "speculative_ngram_max_match_window_size"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or not 1 <= value <= MAX_DRAFT_TOKENS):
-                raise ValueError(f"--{name.replace('_', '-')} must be an integer in "
-                                 f"[1, {MAX_DRAFT_TOKENS}], got {value!r}")
-        if self.speculative_eagle_topk not in (None, 1):
-            raise ValueError("--speculative-eagle-topk must be 1: minisgl drafts chains, not "
-                             "trees")
-        steps, tokens = self.speculative_num_steps, self.speculative_num_draft_tokens
-        if tokens is not None and tokens < 2:
-            raise ValueError("--speculative-num-draft-tokens must be >= 2 (the last token and "
-                             "at least one draft)")
-        if steps is not None and tokens is not None and tokens != steps + 1:
-            raise ValueError(f"--speculative-num-draft-tokens ({tokens}) must be "
-                             f"--speculative-num-steps ({steps}) + 1 for a chain")
-        if steps is not None:
-            self.speculative_num_draft_tokens = steps + 1
-        if (self.speculative_ngram_min_match_window_size
-                > self.speculative_ngram_max_match_window_size):
-            raise ValueError("--speculative-ngram-min-match-window-size must not exceed "
-                             "--speculative-ngram-max-match-window-size")
+    def lora_adapters(self) -> list[tuple[str, str, bool]]:
+        """--lora-paths as (name, path, pinned), in order."""
+        return lora_adapters(self.lora_paths)
 
     @property
     def served_model_names(self) -> list[str]:

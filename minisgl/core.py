@@ -233,13 +233,15 @@ class Req:
                  "input_logprobs", "input_top_logprobs", "table_idx", "kv_len", "device_len",
                  "shared_len", "tail_loc", "cache_handle", "admitted_at", "cached_tokens",
                  "finish_reason", "speculative", "spec_verify_ct", "spec_drafted",
-                 "spec_accepted")
+                 "spec_accepted", "lora_uid")
 
     def __init__(self, uid: int, rid: str, prompt_ids: list[int], params: SamplingParams,
                  max_device_len: int, stop_ids: frozenset[int] = frozenset(),
                  logprob_num: int = -1, logprob_start_len: int = -1, matcher: Any = None,
-                 generator: torch.Generator | None = None, priority: int = 0) -> None:
+                 generator: torch.Generator | None = None, priority: int = 0,
+                 lora_uid: int = 0) -> None:
         self.uid, self.rid = uid, rid
+        self.lora_uid = lora_uid  # its LoRA adapter (scheduler.lora), 0: the base model
         self.priority = priority  # with priority scheduling: higher first (scheduler.policy)
         self.host_ids = list(prompt_ids)
         self.prompt_len = len(self.host_ids)
@@ -270,6 +272,15 @@ class Req:
     def __repr__(self) -> str:
         return (f"Req(uid={self.uid}, rid={self.rid!r}, tokens={len(self.host_ids)}, "
                 f"kv_len={self.kv_len}, finish_reason={self.finish_reason})")
+
+    def cache_ids(self, end: int | None = None) -> list[int]:
+        """host_ids[:end] as the prefix cache keys them: an adapter's tokens are offset by
+        its uid, so one adapter's KV never serves another's (or the base model's) requests."""
+        ids = self.host_ids[:end]
+        if not self.lora_uid:
+            return ids
+        offset = self.lora_uid << 32
+        return [t + offset for t in ids]
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -340,6 +351,8 @@ class Batch:
     out_loc: torch.Tensor | None = None  # [num_tokens] KV slot each new token writes to
     attn_metadata: Any = None
     decode_rows: int = 0  # mixed: the trailing rows that decode
+    # --enable-lora: per row the adapter slot it uses (-1: none); None when no row uses one
+    lora_slots: list[int] | None = None
 
     @property
     def is_decode(self) -> bool:

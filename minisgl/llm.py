@@ -71,6 +71,13 @@ class LLM:
         await asyncio.gather(*(requests.wait(h) for h in handles))
         return generate_results(req, handles, self._tokens)
 
+    def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> None:
+        """Serve a PEFT adapter folder under `lora_name` (SGLang's Engine method)."""
+        _run(self._loop, self.runtime.load_adapter(lora_name, lora_path, pinned))
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        _run(self._loop, self.runtime.unload_adapter(lora_name))
+
     def check_integrity(self) -> None:
         self.runtime.check_integrity()
 

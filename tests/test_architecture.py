@@ -13,7 +13,7 @@ MAX_LINES = 400
 # Bottom to top. A file may import files of its own component or of a lower layer; components
 # that share a layer never import each other.
 LAYERS: list[set[str]] = [
-    {"errors", "version"}, {"env"}, {"args"}, {"core", "stop_regex"},
+    {"errors", "version"}, {"env"}, {"flag_checks"}, {"args"}, {"core", "stop_regex"},
     {"kvcache", "kernels", "distributed"},
     {"attention"}, {"layers"}, {"models"}, {"engine"}, {"grammar"}, {"scheduler"},
     {"runtime"},

@@ -30,4 +30,10 @@ class EngineConfig:
     speculative_ngram_max_match_window_size: int
     speculative_draft_model_path: str | None
     speculative_draft_model_quantization: str | None
+    enable_lora: bool
+    lora_paths: list[str] | None
+    max_loras_per_batch: int
+    max_lora_rank: int | None
+    lora_target_modules: list[str] | None
+    max_loaded_loras: int | None
     log_level: str  # of the tensor-parallel worker processes

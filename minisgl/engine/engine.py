@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from minisgl.args import device_default
+from minisgl.flag_checks import lora_adapters
 from minisgl.core import Batch
 from minisgl.distributed.context import TPInfo, bind_thread, create_group, tp_context
 from minisgl.distributed.shm_queue import QueueClosed
@@ -31,6 +32,7 @@ from minisgl.engine.config import EngineConfig
 from minisgl.engine.draft_model import DraftModel
 from minisgl.engine.forward import ForwardInput, ForwardOutput
 from minisgl.engine.graph import GraphRunner, supports_graphs
+from minisgl.engine.lora import LoraModules, lora_settings
 from minisgl.engine.memory import allocate_kv_pool, release_cuda_memory
 from minisgl.engine.model_loading import attention_for, draft_arch, kv_heads, load_model
 from minisgl.engine.placement import check_tp_size, resolve_device, resolve_dtype
@@ -120,6 +122,11 @@ class Engine:
         with tp_context(self.tp, self.group):
             self.model = self._load(self.arch, self.model_path, self.quantization,
                                     config.model_path)
+            settings = lora_settings(config.enable_lora, lora_adapters(config.lora_paths),
+                                     config.max_loras_per_batch, config.max_lora_rank,
+                                     config.lora_target_modules, config.max_loaded_loras)
+            self.lora = (None if settings is None else
+                         LoraModules(self.model, settings, self.dtype, self.device))
         draft = None
         if self.draft_arch is not None:
             with tp_context(TPInfo(), None):  # NOTE: the draft model runs whole on rank 0
@@ -161,7 +168,7 @@ class Engine:
             speculator = Speculator(self.speculation, self.token_pool, self.page_table,
                                     draft_model)
         self.runner = ModelRunner(self.model, self.attn_backend, self.sampler, self.token_pool,
-                                  graph_runner, self.tp, speculator)
+                                  graph_runner, self.tp, speculator, self.lora)
         if not self.tp.is_primary:
             return  # a worker runs its steps on its main thread
         binding = (self.tp, self.group) if self.tp.size > 1 else None
@@ -313,7 +320,8 @@ class Engine:
         self.runner.forward(ForwardInput(
             batch, message.load_indices.to(device), message.write_indices.to(device),
             logit_rows=None if message.logit_rows is None else message.logit_rows.to(device),
-            sample_args=None, logits_only=message.logits_only, verify_step=message.verify_step))
+            sample_args=None, logits_only=message.logits_only, verify_step=message.verify_step,
+            lora_loads=message.lora_loads))
 
     # ---- failure and shutdown ----------------------------------------------------------------
 

@@ -101,6 +101,8 @@ class ForwardInput:
     # a speculating decode step: the engine lays it out when it runs (engine.speculation)
     verify: VerifyRows | None = None
     verify_step: bool = False  # every rank: a verify step (logit rows are its tokens, unscored)
+    # --enable-lora: adapters to put into slots before this step, (slot, uid, folder)
+    lora_loads: list[tuple[int, int, str]] = field(default_factory=list)
 
     @property
     def num_scored_rows(self) -> int:

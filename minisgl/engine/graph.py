@@ -132,7 +132,7 @@ class GraphRunner:
         fields already padded (a tensor-parallel worker rebuilds its batch from rank 0's padded
         lists but unpadded positions). Call before `prepare_metadata`."""
         bs = self.graph_size(batch)
-        if bs is None:
+        if bs is None or batch.lora_slots is not None:  # NOTE: adapter rows run eagerly
             return 0
         for name, value in (("table_rows", self.dummy_row), ("seq_lens", 1),
                             ("cached_lens", 0), ("extend_lens", 1)):
@@ -144,7 +144,8 @@ class GraphRunner:
 
     def can_run(self, batch: Batch) -> bool:
         bs = batch.padded_size
-        return (batch.is_decode and bs in self.graphs and self.graph_size(batch) == bs
+        return (batch.is_decode and batch.lora_slots is None and bs in self.graphs
+                and self.graph_size(batch) == bs
                 and batch.out_loc.numel() == bs and batch.input_positions.numel() == bs)
 
     def replay(self, batch: Batch, input_ids: torch.Tensor, positions: torch.Tensor

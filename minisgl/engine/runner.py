@@ -12,6 +12,7 @@ from minisgl.core import Batch
 from minisgl.distributed.context import TPInfo, broadcast
 from minisgl.engine.forward import ForwardInput, ForwardOutput, InputLogprobs, to_host
 from minisgl.engine.graph import GraphRunner
+from minisgl.engine.lora import LoraModules
 from minisgl.engine.sampler import Sampler
 from minisgl.engine.scoring import score_rows
 from minisgl.engine.speculation import Speculator
@@ -21,10 +22,12 @@ from minisgl.engine.tp_message import PHASES
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, attn_backend, sampler: Sampler,
                  token_pool: torch.Tensor, graph_runner: GraphRunner | None, tp: TPInfo,
-                 speculator: Speculator | None = None) -> None:
+                 speculator: Speculator | None = None, lora: LoraModules | None = None
+                 ) -> None:
         self.model, self.attn_backend, self.sampler = model, attn_backend, sampler
         self.token_pool, self.graph_runner, self.tp = token_pool, graph_runner, tp
         self.speculator = speculator  # rank 0 of a speculating engine
+        self.lora = lora  # --enable-lora
         self.device = token_pool.device
         self.phase_seconds = {phase: 0.0 for phase in PHASES}
         self.phase_steps = {phase: 0 for phase in PHASES}
@@ -46,6 +49,8 @@ class ModelRunner:
     def forward(self, fwd: ForwardInput) -> ForwardOutput:
         """Runs on the engine stream (GPU) or the engine thread (CPU), in launch order."""
         started = time.perf_counter()
+        if self.lora is not None:
+            self.lora.begin_step(fwd.lora_loads, fwd.batch)
         logits, scored = self._logits(fwd)
         if fwd.logits_only:
             return ForwardOutput(logits=logits.float())

@@ -36,6 +36,8 @@ class StepMessage:
     verify_step: bool = False
     token_writes: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
     location_writes: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    lora_slots: list[int] | None = None  # Batch.lora_slots
+    lora_loads: list[tuple[int, int, str]] = field(default_factory=list)  # ForwardInput's
 
     def pack(self) -> list[np.ndarray]:
         tokens, locations = self.token_writes, self.location_writes
@@ -53,13 +55,19 @@ class StepMessage:
             _ints([len(idx) for idx, _ in locations]),
             _ints(torch.cat([idx for idx, _ in locations]) if locations else []),
             _ints(torch.cat([loc for _, loc in locations]) if locations else []),
+            _ints([-2] if self.lora_slots is None else self.lora_slots),
+            _ints([slot for slot, _, _ in self.lora_loads]),
+            _ints([uid for _, uid, _ in self.lora_loads]),
+            _ints([len(path.encode()) for _, _, path in self.lora_loads]),
+            np.frombuffer(b"".join(path.encode() for _, _, path in self.lora_loads),
+                          dtype=np.uint8).astype(np.int64),
         ]
 
     @classmethod
     def unpack(cls, arrays: list[np.ndarray]) -> StepMessage:
         (meta, rows, cached, seq_lens, extend, positions, out_loc, load, write, logit_rows,
          token_rows, token_starts, token_lens, token_ids, location_lens, location_idx,
-         location_vals) = arrays
+         location_vals, lora_slots, load_slots, load_uids, path_lens, path_bytes) = arrays
         phase, size, logits_only, has_logit_rows, decode_rows, verify_step = meta.tolist()
         tokens, at = [], 0
         for row, start, n in zip(token_rows.tolist(), token_starts.tolist(), token_lens.tolist()):
@@ -70,11 +78,18 @@ class StepMessage:
             locations.append((torch.from_numpy(location_idx[at:at + n]),
                               torch.from_numpy(location_vals[at:at + n])))
             at += n
+        loads, at = [], 0
+        raw = path_bytes.astype(np.uint8).tobytes()
+        for slot, uid, n in zip(load_slots.tolist(), load_uids.tolist(), path_lens.tolist()):
+            loads.append((slot, uid, raw[at:at + n].decode()))
+            at += n
+        slots = lora_slots.tolist()
         return cls(PHASES[phase], size, rows.tolist(), cached.tolist(), seq_lens.tolist(),
                    extend.tolist(), torch.from_numpy(positions), torch.from_numpy(out_loc),
                    torch.from_numpy(load), torch.from_numpy(write),
                    torch.from_numpy(logit_rows) if has_logit_rows else None, bool(logits_only),
-                   decode_rows, bool(verify_step), tokens, locations)
+                   decode_rows, bool(verify_step), tokens, locations,
+                   None if slots == [-2] else slots, loads)
 
     def resolve(self, batch: Batch, load_indices: torch.Tensor, write_indices: torch.Tensor,
                 logit_rows: torch.Tensor | None,
@@ -101,7 +116,8 @@ class StepMessage:
     def batch(self, device: torch.device) -> Batch:
         return Batch(self.phase, self.size, self.table_rows, self.cached_lens, self.seq_lens,
                      self.extend_lens, input_positions=self.positions.to(device),
-                     out_loc=self.out_loc.to(device), decode_rows=self.decode_rows)
+                     out_loc=self.out_loc.to(device), decode_rows=self.decode_rows,
+                     lora_slots=self.lora_slots)
 
 
 def _ints(values: object) -> np.ndarray:

@@ -18,6 +18,7 @@ from minisgl.kernels import cpu_kernels
 from minisgl.layers.base import Layer
 from minisgl.layers.fp8 import Fp8ChannelWeight
 from minisgl.layers.gguf_weight import BlockSlots
+from minisgl.layers.lora import LoraSlots
 from minisgl.layers.quant import WeightBlocks, BlockWeight, block_weight
 from minisgl.layers.shard import copy_into, read_all, read_cols, read_rows
 from minisgl.layers.w8a8 import Int8ChannelWeight, fits_int8
@@ -32,10 +33,12 @@ def divide(total: int, parts: int, what: str) -> int:
 class _Linear(Layer):
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features  # this rank's
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None
         self.quantized: BlockWeight | None = None  # any compact form (layers.quant, w8a8, fp8)
+        self.lora: LoraSlots | None = None  # --enable-lora: the adapters' terms (layers.lora)
 
     def expect_blocks(self, bits: int = 4) -> None:
         """The checkpoint gives this layer 4- or 8-bit blocks (layers.quant): load them in
@@ -91,7 +94,13 @@ class _Linear(Layer):
         return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+        out = self.matmul(x, self.bias)
+        return out if self.lora is None else self.lora.add(x, out)
+
+    def output_rows(self, shard_id: Any) -> tuple[int, int, int]:
+        """Where part `shard_id`'s output rows go in this rank's shard and come from in the
+        checkpoint's tensor: (offset here, first source row, rows)."""
+        raise NotImplementedError
 
 
 # Up to this many rows (a verify step of speculative decoding, a small decode batch) a CPU
@@ -141,8 +150,11 @@ class ColumnParallelLinear(_Linear):
         super().__init__(in_features, self.shard, bias)
 
     def load(self, name: str, source: Any, shard_id: Any = None) -> None:
-        param = getattr(self, name)
-        copy_into(param.data, read_rows(source, get_tp_info().rank * self.shard, self.shard), name)
+        _, start, size = self.output_rows(shard_id)
+        copy_into(getattr(self, name).data, read_rows(source, start, size), name)
+
+    def output_rows(self, shard_id: Any) -> tuple[int, int, int]:
+        return 0, get_tp_info().rank * self.shard, self.shard
 
 
 class MergedColumnParallelLinear(_Linear):
@@ -154,10 +166,13 @@ class MergedColumnParallelLinear(_Linear):
         super().__init__(in_features, sum(self.shards), bias)
 
     def load(self, name: str, source: Any, shard_id: int) -> None:
-        size = self.shards[shard_id]
-        offset = sum(self.shards[:shard_id])
+        offset, start, size = self.output_rows(shard_id)
         part = getattr(self, name).data.narrow(0, offset, size)
-        copy_into(part, read_rows(source, get_tp_info().rank * size, size), name)
+        copy_into(part, read_rows(source, start, size), name)
+
+    def output_rows(self, shard_id: int) -> tuple[int, int, int]:
+        size = self.shards[shard_id]
+        return sum(self.shards[:shard_id]), get_tp_info().rank * size, size
 
 
 class QKVParallelLinear(_Linear):
@@ -181,14 +196,15 @@ class QKVParallelLinear(_Linear):
         super().__init__(hidden, self.q_size + 2 * self.kv_size, bias)
 
     def load(self, name: str, source: Any, shard_id: str) -> None:
-        tp = get_tp_info()
-        if shard_id == "q":
-            offset, size, start = 0, self.q_size, tp.rank * self.q_size
-        else:
-            offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
-            size, start = self.kv_size, self.kv_head_start * self.head_dim
+        offset, start, size = self.output_rows(shard_id)
         part = getattr(self, name).data.narrow(0, offset, size)
         copy_into(part, read_rows(source, start, size), f"{name}[{shard_id}]")
+
+    def output_rows(self, shard_id: str) -> tuple[int, int, int]:
+        if shard_id == "q":
+            return 0, get_tp_info().rank * self.q_size, self.q_size
+        offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
+        return offset, self.kv_head_start * self.head_dim, self.kv_size
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -204,10 +220,16 @@ class RowParallelLinear(_Linear):
         if name == "bias":
             copy_into(self.bias.data, read_all(source), name)
         else:
-            src = read_cols(source, get_tp_info().rank * self.shard, self.shard)
-            copy_into(self.weight.data, src, name)
+            copy_into(self.weight.data, read_cols(source, *self.input_cols()), name)
+
+    def input_cols(self) -> tuple[int, int]:
+        """(first source column, columns) of this rank's input features."""
+        return get_tp_info().rank * self.shard, self.shard
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = all_reduce(self.matmul(x, None))
+        partial = self.matmul(x, None)
+        if self.lora is not None:  # NOTE: x_shard A_shard^T B^T sums over ranks to x A^T B^T
+            partial = self.lora.add(x, partial)
+        out = all_reduce(partial)
         # NOTE: the bias is added once, after the reduction, not once per rank.
         return out + self.bias if self.bias is not None else out

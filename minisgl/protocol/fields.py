@@ -86,3 +86,13 @@ def per_item(value: Any, count: int, name: str, check: Callable[[Any], Any],
             raise InvalidRequest(f"{name} has {len(value)} elements for {count} prompts")
         return [check(v) for v in value]
     return [check(value)] * count
+
+
+def check_adapter_name(name: Any) -> str | None:
+    """lora_path: a loaded adapter's name (or path), or null / "" for the base model."""
+    if name is None or name == "":
+        return None
+    if not isinstance(name, str):
+        raise InvalidRequest(f"lora_path must be an adapter name (a string) or null, got "
+                             f"{name!r}")
+    return name

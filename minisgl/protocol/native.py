@@ -13,8 +13,9 @@ from typing import Any
 
 from minisgl.core import SamplingParams
 from minisgl.errors import InvalidRequest
-from minisgl.protocol.fields import (UnknownFields, check_bool, check_int, check_priority, flag,
-                                     none_as, per_item, refuse_unsupported)
+from minisgl.protocol.fields import (UnknownFields, check_adapter_name, check_bool, check_int,
+                                     check_priority, flag, none_as, per_item,
+                                     refuse_unsupported)
 from minisgl.protocol.prompts import ids_prompts, text_prompts
 from minisgl.runtime import Prompt
 from minisgl.scheduler import expand_samples
@@ -24,7 +25,7 @@ MAX_TOP_LOGPROBS = 100  # native API; the OpenAI endpoints allow 20, as OpenAI d
 SUPPORTED_FIELDS = frozenset({
     "text", "input_ids", "sampling_params", "rid", "stream", "return_logprob",
     "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs", "log_metrics",
-    "return_prompt_token_ids", "priority"})
+    "return_prompt_token_ids", "priority", "lora_path"})
 # Bookkeeping, routing and tracing hints: nothing of the output depends on them.
 INERT_FIELDS = frozenset({
     "no_logs", "conversation_id", "custom_labels", "external_trace_header",
@@ -37,7 +38,7 @@ UNSUPPORTED_FIELDS = frozenset({
     "return_sampling_mask", "sampling_logprobs_mode", "return_flat_raw_top_logprobs",
     "return_flat_raw_output_top_logprobs", "return_flat_raw_top_logprobs_b64",
     "return_hidden_states", "return_routed_experts", "routed_experts_start_len",
-    "return_indexer_topk", "modalities", "session_id", "session_params", "lora_path", "lora_id",
+    "return_indexer_topk", "modalities", "session_id", "session_params", "lora_id",
     "custom_logit_processor", "positional_embed_overrides", "bootstrap_host", "bootstrap_port",
     "bootstrap_room", "bootstrap_pair_key", "decode_tp_size", "routed_dp_rank",
     "data_parallel_rank", "disagg_prefill_dp_rank", "background", "require_reasoning",
@@ -88,9 +89,11 @@ def parse_generate(body: dict[str, Any], max_sequences: int,
     starts = per_item(body.get("logprob_start_len"), count, "logprob_start_len",
                       lambda v: check_int(none_as(v, -1), "logprob_start_len", -1), single)
     priorities = per_item(body.get("priority"), count, "priority", check_priority, single)
-    for p, sp, r, w, k, start, prio in zip(prompts, params, rids, want, tops, starts,
-                                           priorities):
+    adapters = per_item(body.get("lora_path"), count, "lora_path", check_adapter_name, single)
+    for p, sp, r, w, k, start, prio, lora in zip(prompts, params, rids, want, tops, starts,
+                                                 priorities, adapters):
         p.params, p.rid, p.logprob_num, p.priority = sp, r, (k if w else -1), prio
+        p.lora = lora
         p.logprob_start_len = start if w else -1
 
     flag(body, "log_metrics", True)
@@ -145,3 +148,26 @@ def parse_abort(body: dict[str, Any]) -> AbortRequest:
     if not isinstance(rid, str):
         raise InvalidRequest("give rid (a string) or abort_all: true")
     return AbortRequest(rid)
+
+
+# ---- /load_lora_adapter, /unload_lora_adapter --------------------------------------------------
+
+@dataclass
+class AdapterRequest:
+    name: str
+    path: str | None  # None: an unload
+    pinned: bool = False
+
+
+def parse_adapter_request(body: dict[str, Any], load: bool) -> AdapterRequest:
+    """SGLang's {lora_name, lora_path, pinned} (vLLM's {lora_name, lora_path} alike)."""
+    name = body.get("lora_name")
+    if not isinstance(name, str) or not name:
+        raise InvalidRequest("lora_name must be a non-empty string")
+    if not load:
+        return AdapterRequest(name, None)
+    path = body.get("lora_path")
+    if not isinstance(path, str) or not path:
+        raise InvalidRequest("lora_path must be a non-empty string (the adapter's folder)")
+    return AdapterRequest(name, path, check_bool(none_as(body.get("pinned"), False), "pinned"))
+

@@ -43,7 +43,7 @@ INERT_STRUCTURED_OPTIONS = frozenset({"backend", "_backend", "disable_fallback",
 COMMON_FIELDS = frozenset({"model", "stream", "stream_options", "max_tokens", "rid",
                            "response_format", "best_of", "priority", "structured_outputs",
                            *GUIDED_FIELDS, "guided_decoding_backend",
-                           "guided_whitespace_pattern"})
+                           "guided_whitespace_pattern", "lora_path"})
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens",
                                "tools", "tool_choice", "continue_final_message",
@@ -62,7 +62,7 @@ UNSUPPORTED_FIELDS = frozenset({
     "return_token_ids", "return_prompt_token_ids", "return_meta_info",
     "return_input_ids_in_sglext", "return_output_ids_in_sglext", "return_sampling_mask",
     "sampling_logprobs_mode", "return_flat_raw_output_top_logprobs",
-    "return_flat_raw_top_logprobs_b64", "lora_path", "session_id", "session_params",
+    "return_flat_raw_top_logprobs_b64", "session_id", "session_params",
     "custom_logit_processor", "watermark", "images_config", "video_config",
     "mm_processor_kwargs", "max_dynamic_patch", "min_dynamic_patch", "use_audio_in_video",
     "data_parallel_rank", "routed_dp_rank", "disagg_prefill_dp_rank", "bootstrap_host",

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from minisgl.errors import InvalidRequest
 from minisgl.models import generation_defaults
@@ -31,6 +31,7 @@ class OpenAIModel:
     context_len: int
     sampling_defaults: dict[str, Any]  # what chat requests that leave a sampling field out get
     tool_call_parser: str
+    adapters: Callable[[], dict[str, str]] = dict  # the loaded LoRA adapters: name -> path
     created: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod
@@ -43,32 +44,58 @@ class OpenAIModel:
         aliases = {*runtime.served_names, str(runtime.model_path),
                    *([args.model_path] if args.model_path else [])}
         return cls(list(runtime.served_names), aliases, args.strict_model_name,
-                   runtime.context_len, defaults, args.tool_call_parser)
+                   runtime.context_len, defaults, args.tool_call_parser,
+                   runtime.loaded_adapters)
 
-    def card(self, name: str) -> dict[str, Any]:
+    def card(self, name: str, root: str | None = None, parent: str | None = None
+             ) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": self.created, "owned_by": "minisgl",
-                "root": name, "parent": None, "max_model_len": self.context_len}
+                "root": root or name, "parent": parent, "max_model_len": self.context_len}
 
     def listing(self) -> dict[str, Any]:
-        """/v1/models."""
-        return {"object": "list", "data": [self.card(name) for name in self.names]}
+        """/v1/models: the model's names, then each LoRA adapter (its parent: the model)."""
+        adapters = [self.card(name, path, self.names[0])
+                    for name, path in self.adapters().items()]
+        return {"object": "list", "data": [self.card(name) for name in self.names] + adapters}
 
     def named_card(self, name: str) -> dict[str, Any]:
-        """/v1/models/{name}: any name the model goes by."""
+        """/v1/models/{name}: any name the model goes by, or a loaded adapter's."""
+        adapters = self.adapters()
+        if name in adapters:
+            return self.card(name, adapters[name], self.names[0])
         if name not in self.aliases:
             raise UnknownModel(f"The model '{name}' does not exist")
         return self.card(name)
 
-    def resolve(self, body: dict[str, Any]) -> str:
-        """The name an answer reports: the requested one if it is a served name, else the
-        first served name. Any `model` is served (one model per server, as SGLang does),
-        unless --strict-model-name asks for a 404 on names that are not the model's."""
+    def resolve(self, body: dict[str, Any]) -> tuple[str, str | None]:
+        """(the name an answer reports, the LoRA adapter to use or None). `model` names an
+        adapter as `base:adapter` (SGLang) or by its name alone (vLLM), and is reported as
+        given. Otherwise the requested name if it is a served name, else the first served
+        name: any `model` is served (one model per server, as SGLang does), unless
+        --strict-model-name asks for a 404 on names that are not the model's."""
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise InvalidRequest("model must be a string")
         if model == ROUTER_PLACEHOLDER_MODEL:
             model = None
+        adapter = self._adapter(model) if model else None
+        if adapter is not None:
+            return model, adapter
         if self.strict and model and model not in self.aliases:
             raise UnknownModel(f"The model `{model}` does not exist (this server serves "
                                f"`{self.names[0]}`).")
-        return model if model in self.names else self.names[0]
+        return (model if model in self.names else self.names[0]), None
+
+    def _adapter(self, model: str) -> str | None:
+        adapters = self.adapters()
+        if model in adapters:
+            return model
+        base, colon, adapter = model.rpartition(":")
+        if not colon or (base not in self.aliases and self.strict):
+            return None
+        if adapter in adapters:
+            return adapter
+        if base in self.aliases:  # NOTE: the model's name with an adapter not loaded
+            raise UnknownModel(f"The model `{model}` does not exist: no LoRA adapter "
+                               f"`{adapter}` is loaded (loaded: {', '.join(adapters) or 'none'})")
+        return None

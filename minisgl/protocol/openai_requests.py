@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from minisgl.errors import InvalidRequest
-from minisgl.protocol.fields import UnknownFields, check_int, check_priority, flag
+from minisgl.protocol.fields import (UnknownFields, check_adapter_name, check_int, check_priority,
+                                     flag)
 from minisgl.protocol.openai_fields import (CHAT_FIELDS, COMPLETION_FIELDS, MAX_TOP_LOGPROBS,
                                             StreamOptions, chat_template_kwargs, check_fields,
                                             normalize_messages, sampling_params, split_prefill,
@@ -61,7 +62,8 @@ def _completion_prompts(raw: Any) -> list[Prompt]:
 def parse_completion(body: dict[str, Any], model: OpenAIModel, max_sequences: int,
                      unknown: UnknownFields) -> CompletionRequest:
     check_fields(body, "/v1/completions", COMPLETION_FIELDS, unknown)
-    name = model.resolve(body)
+    name, adapter = model.resolve(body)
+    adapter = adapter or check_adapter_name(body.get("lora_path"))
     prompts = _completion_prompts(body.get("prompt"))
     max_tokens = body.get("max_tokens")
     params = sampling_params(body, 16 if max_tokens is None else max_tokens)
@@ -75,6 +77,7 @@ def parse_completion(body: dict[str, Any], model: OpenAIModel, max_sequences: in
     for p in prompts:
         p.params, p.logprob_num = params, (-1 if logprobs is None else logprobs)
         p.logprob_start_len, p.priority = (0 if echo_logprobs else -1), priority
+        p.lora = adapter
     rid = _rid(body.get("rid"), "cmpl")
     groups = expand_samples(prompts, max_sequences)
     return CompletionRequest(name, rid, groups, _name_samples(groups, rid), stream, options,
@@ -97,7 +100,8 @@ class ChatRequest:
 def parse_chat(body: dict[str, Any], model: OpenAIModel, template_takes_tools: bool,
                max_sequences: int, unknown: UnknownFields) -> ChatRequest:
     check_fields(body, "/v1/chat/completions", CHAT_FIELDS, unknown)
-    name = model.resolve(body)
+    name, adapter = model.resolve(body)
+    adapter = adapter or check_adapter_name(body.get("lora_path"))
     continue_final = flag(body, "continue_final_message")
     generation_prompt = flag(body, "add_generation_prompt", True)
     if continue_final and generation_prompt and body.get("add_generation_prompt"):
@@ -129,7 +133,7 @@ def parse_chat(body: dict[str, Any], model: OpenAIModel, template_takes_tools: b
         params.json_schema = tools.grammar()
     chat = ChatPrompt(messages, template_kwargs, prefix)
     prompt = Prompt([], params, logprob_num=(top or 0) if logprobs else -1,
-                    priority=check_priority(body.get("priority")), chat=chat)
+                    priority=check_priority(body.get("priority")), chat=chat, lora=adapter)
     rid = _rid(body.get("rid"), "chatcmpl")
     groups = expand_samples([prompt], max_sequences)
     return ChatRequest(name, rid, groups, _name_samples(groups, rid), tools, stream, options)

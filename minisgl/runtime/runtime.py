@@ -16,7 +16,9 @@ from minisgl.runtime.manager import RequestManager
 from minisgl.runtime.metrics import Metrics
 from minisgl.runtime.request_log import RequestLog
 from minisgl.runtime.tokenizer import Tokenizer
+from minisgl.errors import InvalidRequest
 from minisgl.scheduler import Scheduler, SchedulerConfig
+from minisgl.scheduler.lora import add_adapter
 
 class Runtime:
     def __init__(self, args: ServerArgs) -> None:
@@ -39,6 +41,11 @@ class Runtime:
             self.model_name = self.served_names[0]
             self.requests = RequestManager(self.scheduler, self.tokenizer, grammar,
                                            Metrics(self.model_name), self._request_log())
+            for name, path, pinned in args.lora_adapters():
+                try:
+                    add_adapter(self.scheduler.adapters, self.engine.lora, name, path, pinned)
+                except InvalidRequest as exc:  # NOTE: bad start-up input: one line, exit 2
+                    raise ValueError(f"--lora-paths: {exc}") from None
         except BaseException:
             self.engine.shutdown()
             raise
@@ -98,6 +105,20 @@ class Runtime:
 
     def state(self) -> dict[str, Any]:
         return self.scheduler.state()
+
+    # ---- LoRA adapters -----------------------------------------------------------------------
+
+    def loaded_adapters(self) -> dict[str, str]:
+        """name -> folder of every loaded LoRA adapter, in load order."""
+        return {name: a.path for name, a in self.scheduler.adapters.by_name.items()}
+
+    async def load_adapter(self, name: str, path: str, pinned: bool) -> None:
+        """Raises InvalidRequest (LoRA off, a taken name, an adapter that cannot serve)."""
+        await self.scheduler.load_adapter(name, path, pinned)
+
+    async def unload_adapter(self, name: str) -> None:
+        """New requests cannot name it at once; returns once its requests finished."""
+        await self.scheduler.unload_adapter(name)
 
     def model_info(self) -> dict[str, Any]:
         """SGLang's /model_info fields."""

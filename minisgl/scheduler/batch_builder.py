@@ -17,6 +17,7 @@ from minisgl.core import Batch, Phase, Req, span_indices
 from minisgl.engine import (Engine, ForwardInput, GrammarMask, InputLogprobRows, StepMessage,
                             VerifyRows)
 from minisgl.engine.completion import Completion
+from minisgl.scheduler.lora import AdapterTable
 from minisgl.scheduler.prefill import PrefillChunk
 from minisgl.scheduler.table import TableManager
 
@@ -46,8 +47,10 @@ class ScheduledBatch:
 
 
 class BatchBuilder:
-    def __init__(self, engine: Engine, table: TableManager, page_size: int) -> None:
+    def __init__(self, engine: Engine, table: TableManager, page_size: int,
+                 adapters: AdapterTable) -> None:
         self.engine, self.table, self.page_size = engine, table, page_size
+        self.adapters = adapters
         self.multi_rank = engine.tp.size > 1
 
     def prefill(self, chunks: list[PrefillChunk]) -> ScheduledBatch:
@@ -128,9 +131,12 @@ class BatchBuilder:
         dummy_write = self.table.dummy_row * ctx
         write = torch.tensor([r * ctx + e if last and not req.scores_only else dummy_write
                               for req, r, e, last in zip(reqs, rows, ends, last_chunk)])
+        slots = [self.adapters.slot_of(r.lora_uid) for r in reqs]
         batch = Batch(phase, len(reqs), table_rows=rows, cached_lens=starts, seq_lens=ends,
                       extend_lens=counts, input_positions=positions.to(device, non_blocking=True),
-                      out_loc=locations.to(device, non_blocking=True), decode_rows=decode_rows)
+                      out_loc=locations.to(device, non_blocking=True), decode_rows=decode_rows,
+                      lora_slots=slots if max(slots) >= 0 else None)
+        loads = self.adapters.take_loads()
         self.engine.plan_batch(batch)
         sample_args = self.engine.sampler.sampling_args(
             reqs, prompt_lens=[len(r.prompt_ids) for r in reqs],
@@ -158,13 +164,14 @@ class BatchBuilder:
                                   batch.seq_lens, batch.extend_lens, positions, locations, load,
                                   write, rows_host, decode_rows=decode_rows,
                                   token_writes=tokens,
-                                  location_writes=location_writes)
+                                  location_writes=location_writes,
+                                  lora_slots=batch.lora_slots, lora_loads=loads)
         fwd = ForwardInput(batch=batch, load_indices=load.to(device, non_blocking=True),
                            write_indices=write.to(device, non_blocking=True),
                            logit_rows=None if rows_host is None else rows_host.to(
                                device, non_blocking=True),
                            sample_args=sample_args, message=message, input_logprobs=scored,
-                           grammar=self._grammar_rows(reqs, last_chunk))
+                           grammar=self._grammar_rows(reqs, last_chunk), lora_loads=loads)
         return ScheduledBatch(reqs, last_chunk, fwd)
 
     def _grammar_rows(self, reqs: list[Req], last_chunk: list[bool]) -> GrammarMask | None:

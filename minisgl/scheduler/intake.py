@@ -26,6 +26,7 @@ class RequestSpec:
     logprob_start_len: int = -1  # first prompt position of the input logprobs (-1: none)
     matcher: Any = None  # params.grammar's matcher (grammar.backend.Matcher), made on submission
     priority: int | None = None  # used with --enable-priority-scheduling
+    lora: str | None = None  # a loaded LoRA adapter's name (--enable-lora), None: the base model
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from minisgl.core import Req
 from minisgl.kvcache import CacheHandle
 from minisgl.scheduler.cache import CacheManager, locations_for, pages_spanned
 from minisgl.scheduler.decode import DecodeManager
+from minisgl.scheduler.lora import AdapterTable
 from minisgl.scheduler.policy import WaitingOrder
 from minisgl.scheduler.table import TableManager
 
@@ -67,8 +68,9 @@ class NewTokenRatio:
 
 class PrefillManager:
     def __init__(self, cache: CacheManager, table: TableManager, decode: DecodeManager,
-                 order: WaitingOrder) -> None:
+                 order: WaitingOrder, adapters: AdapterTable) -> None:
         self.cache, self.table, self.decode = cache, table, decode
+        self.adapters = adapters
         self.order = order
         self.waiting: deque[Req] = deque()
         self.chunked: Req | None = None  # admitted, prompt only partly prefilled
@@ -98,8 +100,9 @@ class PrefillManager:
         """Give an admitted request's slot back, and its KV: whole pages to the prefix cache,
         the rest to the free pages."""
         locations = self.table.locations(req.table_idx, req.kv_len)
-        self.cache.release(req.host_ids[:req.cacheable_len], locations, req.shared_len,
+        self.cache.release(req.cache_ids(req.cacheable_len), locations, req.shared_len,
                            req.cache_handle)
+        self.adapters.release(req.lora_uid)
         self.table.free(req.table_idx)
         req.table_idx, req.cache_handle = -1, None
 
@@ -132,7 +135,7 @@ class PrefillManager:
             """One prefix match per request and round, redone only once pages were evicted."""
             found = matches.get(req)
             if found is None or found[2] != self.cache.evictions:
-                found = (*self.cache.match(req.host_ids, self._matched_len(req)),
+                found = (*self.cache.match(req.cache_ids(), self._matched_len(req)),
                          self.cache.evictions)
                 matches[req] = found
             return found[0], found[1]
@@ -140,6 +143,8 @@ class PrefillManager:
         for req in self.order.order(self.waiting, lambda r: match(r)[0].length):
             if budget <= 0 or self.chunked is not None or self.table.num_free == 0:
                 break
+            if not self.adapters.can_admit(req.lora_uid):
+                continue  # NOTE: its adapter needs a slot the running requests' adapters hold
             if self.order.shares_in_batch and self._shares_uncached(req, match(req)[0].length,
                                                                     admitted):
                 continue  # NOTE: next round, once this round's pages are cached, it hits them
@@ -171,11 +176,11 @@ class PrefillManager:
             return False
         ids = req.host_ids
         return any(common_prefix_len(ids, other.host_ids) - cached >= IN_BATCH_SHARE
-                   for other in admitted)
+                   for other in admitted if other.lora_uid == req.lora_uid)
 
     def share(self, req: Req) -> None:
         """Let later requests match this request's prefilled pages while it runs."""
-        shared = self.cache.share(req.host_ids, self.table.locations(req.table_idx, req.kv_len),
+        shared = self.cache.share(req.cache_ids(), self.table.locations(req.table_idx, req.kv_len),
                                   req.shared_len, req.cache_handle)
         if shared is not None:
             req.shared_len, req.cache_handle = shared
@@ -206,6 +211,7 @@ class PrefillManager:
         req.tail_loc = int(prefix[-1]) if handle.length else -1
         self._admissions += 1
         req.admitted_at = self._admissions
+        self.adapters.admit(req.lora_uid)
         return True
 
     def _next_chunk(self, req: Req, budget: int) -> PrefillChunk | None:

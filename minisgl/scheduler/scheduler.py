@@ -21,7 +21,7 @@ import torch
 
 from minisgl.core import Req
 from minisgl.engine import Engine, ForwardOutput
-from minisgl.errors import EngineFailed, IntegrityError
+from minisgl.errors import EngineFailed, IntegrityError, InvalidRequest
 from minisgl.kvcache import NaiveCache, RadixCache
 from minisgl.scheduler.batch_builder import BatchBuilder, ScheduledBatch
 from minisgl.scheduler.cache import CacheManager
@@ -31,6 +31,7 @@ from minisgl.scheduler.events import Queued, ReqEvent
 from minisgl.scheduler.intake import (RequestLimits, RequestSpec, check_batch,
                                      fill_max_new_tokens)
 from minisgl.scheduler.integrity import check_kv_integrity
+from minisgl.scheduler.lora import Adapter, AdapterTable, load_adapter, unload_adapter
 from minisgl.scheduler.policy import WaitingOrder
 from minisgl.scheduler.prefill import PrefillManager
 from minisgl.scheduler.results import collect_events, finished_event
@@ -60,8 +61,11 @@ class Scheduler:
         self.order = WaitingOrder(config.schedule_policy, config.enable_priority_scheduling,
                                   config.schedule_low_priority_values_first,
                                   config.priority_scheduling_preemption_threshold, config.seed)
-        self.prefill = PrefillManager(self.cache, self.table, self.decode, self.order)
-        self.builder = BatchBuilder(engine, self.table, ps)
+        self.adapters = AdapterTable(engine.config.max_loras_per_batch if engine.lora else 0,
+                                     engine.config.max_loaded_loras)
+        self.prefill = PrefillManager(self.cache, self.table, self.decode, self.order,
+                                      self.adapters)
+        self.builder = BatchBuilder(engine, self.table, ps, self.adapters)
         self.governor = (DraftGovernor() if engine.speculation is not None
                          and not config.speculative_always_draft else None)
         self.selector = BatchSelector(config, self.prefill, self.decode, self.cache, self.builder,
@@ -94,6 +98,10 @@ class Scheduler:
             return rid in self.reqs or (rid_taken is not None and rid_taken(rid))
 
         specs = [fill_max_new_tokens(spec, self.limits) for spec in specs]
+        if any(spec.lora is not None for spec in specs) and self.engine.lora is None:
+            raise InvalidRequest("lora_path needs a server started with --enable-lora")
+        for spec in specs:
+            self.adapters.uid_of(spec.lora)  # NOTE: an unknown adapter refuses the batch
         waiting = len(self.prefill.waiting) + self._pending_new()
         displaced = self._displaceable(specs, waiting)
         check_batch(specs, self.limits, taken, waiting - len(displaced))
@@ -122,7 +130,7 @@ class Scheduler:
                   stop_ids=frozenset(params.stop_token_ids or ()) | (
                       frozenset() if params.ignore_eos else self.eos_ids),
                   logprob_num=spec.logprob_num, matcher=spec.matcher,
-                  priority=spec.priority or 0,
+                  priority=spec.priority or 0, lora_uid=self.adapters.uid_of(spec.lora),
                   logprob_start_len=-1 if spec.logprob_num < 0 else
                   (prompt_len - 1 if start < 0 else start))
         if params.sampling_seed is not None:
@@ -133,6 +141,15 @@ class Scheduler:
         self.reqs[rid] = req
         self._post("new", req)
         return Queued(rid, params)
+
+    # ---- LoRA adapters (scheduler.lora) -------------------------------------------------------
+
+    async def load_adapter(self, name: str, path: str, pinned: bool = False) -> Adapter:
+        return await load_adapter(self.adapters, self.engine.lora, name, path, pinned)
+
+    async def unload_adapter(self, name: str) -> Adapter:
+        return await unload_adapter(self.adapters, self.engine.lora, name, lambda uid: any(
+            r.lora_uid == uid for r in (*self.reqs.values(), *self.to_release)))
 
     def abort(self, rid: str, message: str = "aborted") -> None:
         self._post("finish", (rid, {"type": "abort", "message": message}))

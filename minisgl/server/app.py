@@ -7,14 +7,14 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable
 
 from aiohttp import web
 
 from minisgl.core import SamplingParams
 from minisgl.errors import InvalidRequest, QueueFull
 from minisgl.protocol.fields import UnknownFields
-from minisgl.protocol.native import parse_abort, parse_generate
+from minisgl.protocol.native import parse_abort, parse_adapter_request, parse_generate
 from minisgl.protocol.native_results import GenerateStream, generate_results
 from minisgl.protocol.openai_models import UnknownModel
 from minisgl.protocol.token_texts import TokenTexts
@@ -68,6 +68,9 @@ class Server:
             web.post("/abort_request", self.abort_request),
             web.get("/metrics", self.metrics),
             web.post("/generate", self.generate),
+            *(web.post(f"{prefix}/{action}_lora_adapter", handler)
+              for prefix in ("", "/v1") for action, handler in
+              (("load", self.load_adapter), ("unload", self.unload_adapter))),
             *self.openai.routes(),
             *self.dashboard.routes(),
         ])
@@ -168,6 +171,28 @@ class Server:
             return json_response({"success": True, "aborted": rids})
         found = self.manager.abort(abort.rid, "aborted by /abort_request")
         return json_response({"success": found, "aborted": [abort.rid] if found else []})
+
+    async def load_adapter(self, request: web.Request) -> web.Response:
+        """SGLang's /load_lora_adapter (vLLM's /v1/load_lora_adapter alike)."""
+        adapter = parse_adapter_request(await read_json(request), load=True)
+        return await self._adapter_result(
+            self.runtime.load_adapter(adapter.name, adapter.path, adapter.pinned))
+
+    async def unload_adapter(self, request: web.Request) -> web.Response:
+        adapter = parse_adapter_request(await read_json(request), load=False)
+        return await self._adapter_result(self.runtime.unload_adapter(adapter.name))
+
+    async def _adapter_result(self, change: Awaitable[None]) -> web.Response:
+        """SGLang's LoRAUpdateResult: success, error_message, loaded_adapters."""
+        try:
+            await change
+        except InvalidRequest as exc:
+            return json_response({"success": False, "error_message": str(exc),
+                                  "loaded_adapters": self.runtime.loaded_adapters(),
+                                  "error": {"message": str(exc), "type": "BadRequestError",
+                                            "code": 400}}, status=400)
+        return json_response({"success": True, "error_message": "",
+                              "loaded_adapters": self.runtime.loaded_adapters()})
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.manager.metrics.render(),

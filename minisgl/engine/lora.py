@@ -1,0 +1,181 @@
+"""--enable-lora on one rank: the model's LoRA-capable linears with their slot buffers
+(layers.lora), the adapters read from disk (this rank's shards), and each step's part: load the
+adapters the scheduler put into slots, then the token -> slot mask every LoRA linear reads.
+
+Slot loads travel with the step that first needs them and run on the engine's thread or stream
+just before it, so they follow every step launched earlier (which may still use the slot's old
+adapter) and precede every later one.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from minisgl.core import Batch
+from minisgl.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear,
+                                   QKVParallelLinear, RowParallelLinear)
+from minisgl.layers.lora import LoraContext, LoraSlots, LoraStepMask
+from minisgl.models.peft import AdapterError, PeftAdapter, read_adapter
+
+logger = logging.getLogger(__name__)
+
+LINEARS = (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
+           RowParallelLinear)
+# an adapter slot load: (slot, adapter uid, its folder)
+SlotLoad = tuple[int, int, str]
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    slots: int  # --max-loras-per-batch
+    rank: int  # --max-lora-rank
+    targets: frozenset[str]  # --lora-target-modules (PEFT leaf names: q_proj, ...); empty: all
+    cached: int  # adapters a tensor-parallel worker keeps read (--max-loaded-loras)
+
+
+Shard = tuple[LoraSlots, int, torch.Tensor, torch.Tensor]  # buffers, part, A, B^T (this rank)
+
+
+def lora_capable(model: nn.Module) -> dict[str, list[tuple[str, object]]]:
+    """Module path -> the PEFT leaf names it computes, as (leaf, shard id) in output order,
+    for every linear a LoRA adapter may target (q/k/v/o, gate/up/down)."""
+    stacked = getattr(model, "STACKED", {})
+    found = {}
+    for path, module in model.named_modules():
+        if not isinstance(module, LINEARS) or ".layers." not in f".{path}":
+            continue
+        own = path.rpartition(".")[2]
+        hosted = [(leaf, sid) for leaf, (merged, sid) in stacked.items() if merged == own]
+        if not hosted:
+            if isinstance(module, (QKVParallelLinear, MergedColumnParallelLinear)):
+                continue  # a fused checkpoint tensor (Phi-3's qkv_proj): not adaptable here
+            hosted = [(own, None)]
+        found[path] = sorted(hosted, key=lambda h: module.output_rows(h[1])[0]
+                             if h[1] is not None else 0)
+    return found
+
+
+class LoraModules:
+    def __init__(self, model: nn.Module, settings: LoraSettings, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.model, self.settings, self.dtype, self.device = model, settings, dtype, device
+        self.context = LoraContext()
+        capable = lora_capable(model)
+        self.capable_targets = {leaf for hosted in capable.values() for leaf, _ in hosted}
+        self.targets = settings.targets or frozenset(self.capable_targets)
+        unknown = self.targets - self.capable_targets
+        if unknown:
+            raise ValueError(f"--lora-target-modules: this model has no LoRA-capable "
+                             f"{', '.join(sorted(unknown))} (it has "
+                             f"{', '.join(sorted(self.capable_targets))})")
+        self.buffers: list[LoraSlots] = []
+        for path, hosted in capable.items():
+            if not any(leaf in self.targets for leaf, _ in hosted):
+                continue
+            module = model.get_submodule(path)
+            sizes = [module.out_features if sid is None else module.output_rows(sid)[2]
+                     for _, sid in hosted]
+            module.lora = LoraSlots(self.context, settings.slots, settings.rank,
+                                    module.in_features, sizes, dtype, device)
+            module.lora_parts = [sid for _, sid in hosted]
+            self.buffers.append(module.lora)
+        self.adapters: OrderedDict[int, list[Shard]] = OrderedDict()  # uid -> shards
+
+    def register(self, uid: int, path: str) -> PeftAdapter:
+        """Read and check an adapter (raises AdapterError); keep its shards for slot loads."""
+        adapter = read_adapter(path)
+        if adapter.rank > self.settings.rank:
+            raise AdapterError(f"{path}: rank {adapter.rank} is above --max-lora-rank "
+                               f"{self.settings.rank}")
+        extra = adapter.targets - self.targets
+        if extra:
+            raise AdapterError(f"{path}: targets {', '.join(sorted(extra))}, outside "
+                               f"--lora-target-modules ({', '.join(sorted(self.targets))})")
+        self.adapters[uid] = self._shards(adapter)
+        return adapter
+
+    def drop(self, uid: int) -> None:
+        self.adapters.pop(uid, None)
+
+    def _shards(self, adapter: PeftAdapter) -> list[Shard]:
+        shards = []
+        for name, (a, b_t) in adapter.weights.items():
+            if self.model.skips(f"{name}.weight"):
+                continue  # a layer past a reduced depth (json_model_override_args)
+            target = self.model.weight_target(f"{name}.weight")
+            module = target[0] if target is not None else None
+            slots = getattr(module, "lora", None)
+            if slots is None or target[2] not in module.lora_parts:
+                raise AdapterError(f"{adapter.path}: {name} is not a linear layer minisgl "
+                                   "applies LoRA to")
+            part = module.lora_parts.index(target[2])
+            if isinstance(module, RowParallelLinear):
+                start, count = module.input_cols()
+                a = a[:, start:start + count]
+            else:
+                _, start, count = module.output_rows(target[2])
+                b_t = b_t[:, start:start + count]
+            if a.shape[1] != slots.a.shape[2] or b_t.shape[1] != slots.parts[part]:
+                raise AdapterError(f"{adapter.path}: {name} has shape {tuple(a.shape)} x "
+                                   f"{tuple(b_t.shape)}, not this model's")
+            shards.append((slots, part, a.to(self.dtype).contiguous(),
+                           b_t.to(self.dtype).contiguous()))
+        return shards
+
+    def begin_step(self, loads: list[SlotLoad], batch: Batch) -> None:
+        """On the engine's thread / stream, before the forward: fill the slots the step loads
+        (a worker reads an adapter it has not seen), then set the token -> slot mask."""
+        for slot, uid, path in loads:
+            shards = self.adapters.get(uid)
+            if shards is None:  # a tensor-parallel worker: rank 0 checked it
+                shards = self.adapters[uid] = self._shards(read_adapter(path))
+                while len(self.adapters) > self.settings.cached:
+                    self.adapters.popitem(last=False)
+            self.adapters.move_to_end(uid)
+            for buffers in self.buffers:
+                buffers.clear(slot)
+            for buffers, part, a, b_t in shards:
+                buffers.write(slot, part, a, b_t)
+        self.context.step = step_mask(batch, self.dtype, self.device)
+
+
+DEFAULT_RANK = 16
+ALL_TARGETS = "all"
+
+
+def lora_settings(enable: bool, paths: list[tuple[str, str, bool]], slots: int,
+                  rank: int | None, targets: list[str] | None, loaded: int | None
+                  ) -> LoraSettings | None:
+    """The flags, with --max-lora-rank and --lora-target-modules taken from the start-up
+    adapters where not given (raises AdapterError for an unreadable one)."""
+    if not enable:
+        return None
+    adapters = [read_adapter(path) for _, path, _ in paths] if (
+        rank is None or targets is None) else []
+    if rank is None:
+        rank = max((a.rank for a in adapters), default=DEFAULT_RANK)
+    chosen = set(targets or ()) - {ALL_TARGETS}
+    if targets is None:
+        chosen = {leaf for a in adapters for leaf in a.targets}
+    all_targets = not chosen or ALL_TARGETS in (targets or ())
+    return LoraSettings(slots, rank, frozenset(chosen) if not all_targets else frozenset(),
+                        loaded or 2 * slots)
+
+
+def step_mask(batch: Batch, dtype: torch.dtype, device: torch.device) -> LoraStepMask | None:
+    """Each token's adapter slot as a one-hot row (none: the base model); None when no row
+    of the batch uses an adapter."""
+    if batch.lora_slots is None:
+        return None
+    slots = torch.tensor(batch.lora_slots[:batch.size])
+    width = int(slots.max()) + 1
+    if width == 0:
+        return None
+    token_slots = torch.repeat_interleave(slots, torch.tensor(batch.extend_lens[:batch.size]))
+    mask = (token_slots[:, None] == torch.arange(width)).to(dtype)
+    return LoraStepMask(mask.to(device, non_blocking=True), width)
