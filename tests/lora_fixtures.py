@@ -1,11 +1,14 @@
 """Tiny random Llama models and random PEFT LoRA adapters for them, built in the test (fixed
-seeds, PEFT's own save format), and PEFT's merged model as the float32 reference."""
+seeds, saved by PEFT itself), and PEFT's merged model in float32 as the reference."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
+
+from tests.reference import TOP2_MARGIN_BOUND
 
 # 6 query / 3 KV heads: shards over 1 and 3 ranks
 TINY_LORA_BASE = dict(vocab_size=512, hidden_size=96, intermediate_size=192, num_hidden_layers=2,
@@ -20,34 +23,64 @@ def save_base(path: Path) -> None:
     transformers.LlamaForCausalLM(config).eval().save_pretrained(path)
 
 
-def save_adapter(base: Path, path: Path, seed: int, rank: int = 8, alpha: int = 16,
-                 targets: list[str] | None = None, **extra) -> None:
-    """A PEFT LoRA adapter with random A and B (init_lora_weights=False), B scaled up so the
-    adapter visibly changes greedy outputs."""
-    import peft
+def _base_model(base: Path, layers: int | None):
     import transformers
-    model = transformers.LlamaForCausalLM.from_pretrained(base)
+    extra = {} if layers is None else {"num_hidden_layers": layers}
+    return transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, **extra)
+
+
+def save_adapter(base: Path, path: Path, seed: int, rank: int = 8, alpha: int = 16,
+                 targets: list[str] | None = None, layers: int | None = None,
+                 b_scale: float = 4.0, **extra) -> Path:
+    """A PEFT LoRA adapter with random A and B (init_lora_weights=False), B scaled by `b_scale`
+    so that the adapter visibly changes greedy outputs. `layers`: of a reduced-depth base."""
+    import peft
     torch.manual_seed(seed)
     config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets or ALL_TARGETS,
                              init_lora_weights=False, **extra)
-    peft_model = peft.get_peft_model(model, config)
+    peft_model = peft.get_peft_model(_base_model(base, layers), config)
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
             if "lora_B" in name:
-                param.mul_(4.0)
+                param.mul_(b_scale)
     peft_model.save_pretrained(path)
+    return path
 
 
-def merged_greedy(base: Path, adapter: Path | None, prompts: list[list[int]],
-                  new_tokens: int) -> list[list[int]]:
-    """Greedy continuations by PEFT's merged model in float32 (the base alone: None)."""
+@functools.lru_cache(maxsize=8)
+def merged_model(base: Path, adapter: Path | None, layers: int | None = None):
+    """PEFT's merged model in float32 (the base alone for None)."""
     import peft
-    import transformers
-    model = transformers.LlamaForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model = _base_model(base, layers)
     if adapter is not None:
         model = peft.PeftModel.from_pretrained(model, adapter).merge_and_unload()
-    model.eval()
-    with torch.inference_mode():
-        return [model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False,
-                               pad_token_id=0, eos_token_id=None)[0, len(ids):].tolist()
-                for ids in prompts]
+    return model.eval()
+
+
+@torch.inference_mode()
+def merged_greedy(base: Path, adapter: Path | None, prompts: list[list[int]], new_tokens: int,
+                  layers: int | None = None) -> list[list[int]]:
+    model = merged_model(base, adapter, layers)
+    outputs = []
+    for ids in prompts:
+        prompt = torch.tensor([ids])  # NOTE: the mask given: a prompt may hold the pad id
+        outputs.append(model.generate(prompt, attention_mask=torch.ones_like(prompt),
+                                      max_new_tokens=new_tokens, do_sample=False,
+                                      pad_token_id=0, eos_token_id=None)[0, len(ids):].tolist())
+    return outputs
+
+
+@torch.inference_mode()
+def assert_lora_greedy(base: Path, adapter: Path | None, prompt: list[int], ours: list[int],
+                       ref: list[int], layers: int | None = None) -> None:
+    """Equal to the reference token for token, or first differing where the reference's
+    top-2 logit margin is below TOP2_MARGIN_BOUND."""
+    if ours == ref:
+        return
+    at = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), min(len(ours), len(ref)))
+    logits = merged_model(base, adapter, layers)(torch.tensor([prompt + ref[:at]])).logits[0, -1]
+    top = logits.float().topk(2).values
+    margin = float(top[0] - top[1])
+    assert margin < TOP2_MARGIN_BOUND, (
+        f"adapter {adapter}: greedy outputs differ at token {at} (reference top-2 margin "
+        f"{margin:.4g}): ours {ours[at:at + 5]}, reference {ref[at:at + 5]}")

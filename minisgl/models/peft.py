@@ -58,9 +58,10 @@ def read_adapter(path: str | Path) -> PeftAdapter:
     for name, tensor in tensors.items():
         match = re.fullmatch(r"(.+)\.lora_([AB])(?:\.[\w-]+)?\.weight", name.removeprefix(PREFIX))
         if match is None:
-            kind = "embedding" if "lora_embedding" in name else "unsupported"
-            raise AdapterError(f"{path}: tensor {name} is an {kind} LoRA weight; minisgl "
-                               "adapts linear layers only (lora_A / lora_B)")
+            what = ("LoRA on the token embedding or the LM head" if "embed" in name
+                    or "lm_head" in name else f"tensor {name}")
+            raise AdapterError(f"{path}: {what} is not supported; minisgl adapts the "
+                               "decoder's linear layers only (lora_A / lora_B)")
         pairs.setdefault(match[1], {})[match[2]] = tensor
     weights, rank = {}, 0
     for module, pair in pairs.items():
