@@ -219,3 +219,39 @@ def test_start_up_flags_are_checked(lora_models) -> None:
     with pytest.raises(ValueError, match="--lora-paths: cannot load LoRA adapter 'x'"):
         LLM(model=str(lora_models["base"]), dtype="float32", max_lora_rank=16,
             lora_target_modules=ALL_TARGETS, lora_paths=[f"x={lora_models['base']}"])
+
+
+@pytest.mark.parametrize("segmented", [True, False], ids=["segmented", "masked"])
+def test_both_lora_paths_equal_per_token_products(segmented) -> None:
+    """The CPU kernel path and the masked path (what CUDA runs) against x A^T B^T per token,
+    on a batch of prefill and decode rows, some of no adapter, one slot unused."""
+    from minisgl.core import Batch
+    from minisgl.engine.lora import lora_step
+    from minisgl.kernels import cpu_kernels
+    from minisgl.layers.lora import LoraContext, LoraSlots
+
+    if segmented and cpu_kernels() is None:
+        pytest.skip("no compiled CPU kernels")
+    torch.manual_seed(0)
+    context, parts, rank, width = LoraContext(), [24, 8, 8], 4, 40
+    slots = LoraSlots(context, 4, rank, width, parts, torch.float32, torch.device("cpu"))
+    weights = {}
+    for slot in (0, 2, 3):
+        for part, size in enumerate(parts):
+            r = rank - part  # ranks below the buffer's
+            weights[slot, part] = (torch.randn(r, width), torch.randn(size, r))
+            slots.write(slot, part, *weights[slot, part])
+    row_slots, extend = [2, -1, 0, 3, 2, -1], [5, 3, 1, 1, 1, 2]
+    batch = Batch("mixed", len(row_slots), list(range(6)), [0] * 6, extend, extend,
+                  input_positions=torch.zeros(sum(extend), dtype=torch.int64),
+                  lora_slots=row_slots)
+    context.step = lora_step(batch, segmented, torch.float32)
+    x, base = torch.randn(sum(extend), width), torch.randn(sum(extend), sum(parts))
+    out = slots.add(x, base.clone())
+    token_slots = torch.repeat_interleave(torch.tensor(row_slots), torch.tensor(extend))
+    expected = base.clone()
+    for t, slot in enumerate(token_slots.tolist()):
+        if slot >= 0:
+            expected[t] += torch.cat([x[t] @ a.t() @ b.t() for a, b in
+                                      (weights[slot, p] for p in range(len(parts)))])
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)

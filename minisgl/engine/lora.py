@@ -1,6 +1,6 @@
 """--enable-lora on one rank: the model's LoRA-capable linears with their slot buffers
 (layers.lora), the adapters read from disk (this rank's shards), and each step's part: load the
-adapters the scheduler put into slots, then the token -> slot mask every LoRA linear reads.
+adapters the scheduler put into slots, then the token -> slot layout every LoRA linear reads.
 
 Slot loads travel with the step that first needs them and run on the engine's thread or stream
 just before it, so they follow every step launched earlier (which may still use the slot's old
@@ -19,7 +19,8 @@ from torch import nn
 from minisgl.core import Batch
 from minisgl.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear,
                                    QKVParallelLinear, RowParallelLinear)
-from minisgl.layers.lora import LoraContext, LoraSlots, LoraStepMask
+from minisgl.kernels import cpu_kernels
+from minisgl.layers.lora import LoraContext, LoraSlots, LoraStep
 from minisgl.models.peft import AdapterError, PeftAdapter, read_adapter
 
 logger = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ class LoraSettings:
     cached: int  # adapters a tensor-parallel worker keeps read (--max-loaded-loras)
 
 
-Shard = tuple[LoraSlots, int, torch.Tensor, torch.Tensor]  # buffers, part, A, B^T (this rank)
+Shard = tuple[LoraSlots, int, torch.Tensor, torch.Tensor]  # buffers, part, A, B (this rank)
 
 
 def lora_capable(model: nn.Module) -> dict[str, list[tuple[str, object]]]:
@@ -85,6 +86,9 @@ class LoraModules:
             module.lora_parts = [sid for _, sid in hosted]
             self.buffers.append(module.lora)
         self.adapters: OrderedDict[int, list[Shard]] = OrderedDict()  # uid -> shards
+        # NOTE: the grouped-GEMM kernel takes float32 and bfloat16 on CPU (layers.lora)
+        self.segmented = (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+                          and cpu_kernels() is not None)
 
     def register(self, uid: int, path: str) -> PeftAdapter:
         """Read and check an adapter (raises AdapterError); keep its shards for slot loads."""
@@ -104,7 +108,7 @@ class LoraModules:
 
     def _shards(self, adapter: PeftAdapter) -> list[Shard]:
         shards = []
-        for name, (a, b_t) in adapter.weights.items():
+        for name, (a, b) in adapter.weights.items():
             if self.model.skips(f"{name}.weight"):
                 continue  # a layer past a reduced depth (json_model_override_args)
             target = self.model.weight_target(f"{name}.weight")
@@ -119,17 +123,17 @@ class LoraModules:
                 a = a[:, start:start + count]
             else:
                 _, start, count = module.output_rows(target[2])
-                b_t = b_t[:, start:start + count]
-            if a.shape[1] != slots.a.shape[2] or b_t.shape[1] != slots.parts[part]:
+                b = b[start:start + count]
+            if a.shape[1] != slots.a.shape[2] or b.shape[0] != slots.parts[part]:
                 raise AdapterError(f"{adapter.path}: {name} has shape {tuple(a.shape)} x "
-                                   f"{tuple(b_t.shape)}, not this model's")
+                                   f"{tuple(b.shape)}, not this model's")
             shards.append((slots, part, a.to(self.dtype).contiguous(),
-                           b_t.to(self.dtype).contiguous()))
+                           b.to(self.dtype).contiguous()))
         return shards
 
     def begin_step(self, loads: list[SlotLoad], batch: Batch) -> None:
         """On the engine's thread / stream, before the forward: fill the slots the step loads
-        (a worker reads an adapter it has not seen), then set the token -> slot mask."""
+        (a worker reads an adapter it has not seen), then set the token -> slot layout."""
         for slot, uid, path in loads:
             shards = self.adapters.get(uid)
             if shards is None:  # a tensor-parallel worker: rank 0 checked it
@@ -139,9 +143,9 @@ class LoraModules:
             self.adapters.move_to_end(uid)
             for buffers in self.buffers:
                 buffers.clear(slot)
-            for buffers, part, a, b_t in shards:
-                buffers.write(slot, part, a, b_t)
-        self.context.step = step_mask(batch, self.dtype, self.device)
+            for buffers, part, a, b in shards:
+                buffers.write(slot, part, a, b)
+        self.context.step = lora_step(batch, self.segmented, self.dtype)
 
 
 DEFAULT_RANK = 16
@@ -167,9 +171,8 @@ def lora_settings(enable: bool, paths: list[tuple[str, str, bool]], slots: int,
                         loaded or 2 * slots)
 
 
-def step_mask(batch: Batch, dtype: torch.dtype, device: torch.device) -> LoraStepMask | None:
-    """Each token's adapter slot as a one-hot row (none: the base model); None when no row
-    of the batch uses an adapter."""
+def lora_step(batch: Batch, segmented: bool, dtype: torch.dtype) -> LoraStep | None:
+    """The step's token -> slot layout (layers.lora); None when no row uses an adapter."""
     if batch.lora_slots is None:
         return None
     slots = torch.tensor(batch.lora_slots[:batch.size])
@@ -177,5 +180,11 @@ def step_mask(batch: Batch, dtype: torch.dtype, device: torch.device) -> LoraSte
     if width == 0:
         return None
     token_slots = torch.repeat_interleave(slots, torch.tensor(batch.extend_lens[:batch.size]))
-    mask = (token_slots[:, None] == torch.arange(width)).to(dtype)
-    return LoraStepMask(mask.to(device, non_blocking=True), width)
+    device = batch.input_positions.device
+    if not segmented:
+        mask = (token_slots[:, None] == torch.arange(width)).to(device, dtype)
+        return LoraStep(width, mask=mask)
+    order = torch.argsort(token_slots, stable=True)
+    rows = order[(token_slots[order] >= 0)]
+    ends = torch.bincount(token_slots[rows], minlength=width).cumsum(0).to(torch.int32)
+    return LoraStep(width, rows=rows.to(device), ends=ends)

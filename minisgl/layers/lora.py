@@ -2,13 +2,15 @@
 multi-adapter batching).
 
 Each LoRA-capable linear holds `slots` adapters stacked in one buffer: per slot A [P*R, in]
-(P parts of R rows: q / k / v of a merged qkv projection, gate / up) and per part B^T [R, out_p],
-zero-padded to the largest rank R, the adapter's scaling folded into B. One forward computes
-x @ A^T for every slot in use with one GEMM, zeroes the columns of the slots a token does not
-use (a one-hot [tokens, slots] mask, shared by every layer of the step), and adds
-(masked) @ B^T. A decode step reads each adapter's weights once, as a per-adapter (segmented)
-GEMM would; the extra multiply-adds on zeroed columns are what the one GEMM costs instead of a
-launch per adapter.
+(P parts of R rows: q / k / v of a merged qkv projection, gate / up) and per part B [out_p, R],
+zero-padded to the largest rank R, the adapter's scaling folded into B. A step computes each
+token's term with its own adapter only:
+- on CPU, segmented: the adapter tokens sorted by slot, a grouped GEMM (kernels/csrc/
+  expert_matmul.cpp: each slot's weights streamed once for its rows) for x A^T and for h B^T,
+  added back with one index_add;
+- elsewhere (CUDA, no compiled kernels), masked: x A^T for every slot the step uses in one
+  GEMM, the columns of other slots zeroed by a one-hot [tokens, slots] mask, then B.
+The step's layout (`LoraStep`) is shared by every linear of the model.
 """
 
 from __future__ import annotations
@@ -17,22 +19,28 @@ from dataclasses import dataclass
 
 import torch
 
+from minisgl.kernels import cpu_kernels
+
 
 @dataclass
-class LoraStepMask:
-    """Which adapter slot each token of a step uses: `mask` [tokens, width] one-hot (a row of
-    zeros: the base model), over the slots [0, width) the step needs."""
+class LoraStep:
+    """Which adapter slot each token of a step uses, over the slots [0, width) it needs:
+    `rows` (the adapter tokens, sorted by slot) and `ends` (int32, each slot's end in them)
+    for the segmented path; `mask` [tokens, width] one-hot (a zero row: the base model) for
+    the masked one."""
 
-    mask: torch.Tensor
     width: int
+    rows: torch.Tensor | None = None
+    ends: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
 
 
 class LoraContext:
-    """The one object every LoRA linear of a model reads its step's mask from; the engine
-    sets it on the thread (stream) that runs the forward, just before it."""
+    """The one object every LoRA linear of a model reads its step from; the engine sets it on
+    the thread (stream) that runs the forward, just before it."""
 
     def __init__(self) -> None:
-        self.step: LoraStepMask | None = None
+        self.step: LoraStep | None = None
 
 
 class LoraSlots:
@@ -42,32 +50,43 @@ class LoraSlots:
                  parts: list[int], dtype: torch.dtype, device: torch.device) -> None:
         self.context, self.rank, self.parts = context, rank, parts
         self.a = torch.zeros(slots, len(parts) * rank, in_features, dtype=dtype, device=device)
-        self.b = [torch.zeros(slots, rank, size, dtype=dtype, device=device) for size in parts]
+        self.b = [torch.zeros(slots, size, rank, dtype=dtype, device=device) for size in parts]
 
     def clear(self, slot: int) -> None:
         self.a[slot].zero_()
         for b in self.b:
             b[slot].zero_()
 
-    def write(self, slot: int, part: int, a: torch.Tensor, b_t: torch.Tensor) -> None:
-        """Adapter weights of one part: a [r, in], b_t [r, out_p] (scaled), r <= rank."""
+    def write(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Adapter weights of one part: a [r, in], b [out_p, r] (scaled), r <= rank."""
         r = a.shape[0]
         self.a[slot, part * self.rank:part * self.rank + r].copy_(a)
-        self.b[part][slot, :r].copy_(b_t)
+        self.b[part][slot, :, :r].copy_(b)
 
     def add(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out (x's base projection) plus each token's adapter term."""
         step = self.context.step
         if step is None:
             return out
-        k, rank, parts = step.width, self.rank, len(self.parts)
-        a = self.a[:k].view(k * parts * rank, -1)
-        hidden = (x @ a.t()).view(-1, k, parts, rank) * step.mask.view(-1, k, 1, 1)
-        if parts == 1:
-            return out.addmm_(hidden.view(-1, k * rank), self.b[0][:k].view(k * rank, -1))
+        if step.rows is not None:
+            return self._add_segmented(x, out, step)
+        k, rank = step.width, self.rank
+        hidden = (x @ self.a[:k].view(k * len(self.parts) * rank, -1).t()).view(
+            x.shape[0], k, len(self.parts), rank) * step.mask.view(-1, k, 1, 1)
         offset = 0
         for part, size in enumerate(self.parts):
-            b = self.b[part][:k].view(k * rank, size)
-            out[:, offset:offset + size] += hidden[:, :, part].reshape(-1, k * rank) @ b
+            out[:, offset:offset + size] += torch.einsum("tkr,kor->to", hidden[:, :, part],
+                                                         self.b[part][:k])
             offset += size
         return out
+
+    def _add_segmented(self, x: torch.Tensor, out: torch.Tensor, step: LoraStep
+                       ) -> torch.Tensor:
+        grouped = cpu_kernels().expert_matmul
+        k, rank = step.width, self.rank
+        hidden = grouped(x.index_select(0, step.rows), self.a[:k], step.ends)
+        terms = [grouped(hidden if len(self.parts) == 1 else
+                         hidden[:, part * rank:(part + 1) * rank].contiguous(),
+                         self.b[part][:k], step.ends) for part in range(len(self.parts))]
+        return out.index_add_(0, step.rows, terms[0] if len(terms) == 1 else
+                              torch.cat(terms, dim=1))

@@ -38,7 +38,7 @@ class PeftAdapter:
     path: str
     rank: int  # the largest of its modules
     targets: set[str]  # module leaf names it adapts (q_proj, ...)
-    # "model.layers.0.self_attn.q_proj" -> (A [r, in], B^T scaled [r, out]), float32, host
+    # "model.layers.0.self_attn.q_proj" -> (A [r, in], B scaled [out, r]), float32, host
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -73,7 +73,7 @@ def read_adapter(path: str | Path) -> PeftAdapter:
         if a.dim() != 2 or b.dim() != 2 or b.shape[1] != r:
             raise AdapterError(f"{path}: {module}: lora_A {tuple(a.shape)} and lora_B "
                                f"{tuple(b.shape)} do not make a rank-r product")
-        weights[module] = (a.float(), (b.float() * _scaling(config, module, r)).t().contiguous())
+        weights[module] = (a.float(), b.float() * _scaling(config, module, r))
         rank = max(rank, r)
     if not weights:
         raise AdapterError(f"{path}: the adapter has no LoRA weights")
