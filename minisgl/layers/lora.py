@@ -2,14 +2,13 @@
 multi-adapter batching).
 
 Each LoRA-capable linear holds `slots` adapters stacked in one buffer: per slot A [P*R, in]
-(P parts of R rows: q / k / v of a merged qkv projection, gate / up) and per part B [out_p, R],
-zero-padded to the largest rank R, the adapter's scaling folded into B. A step computes each
-token's term with its own adapter only:
-- on CPU, segmented: the adapter tokens sorted by slot, a grouped GEMM (kernels/csrc/
-  expert_matmul.cpp: each slot's weights streamed once for its rows) for x A^T and for h B^T,
-  added back with one index_add;
+(P parts of R rows: q / k / v of a merged qkv projection, gate / up) and per part B^T
+[R, out_p], zero-padded to the largest rank R, the adapter's scaling folded into B. A step
+computes each token's term with its own adapter only:
+- on CPU, segmented: the adapter tokens sorted by slot, one kernel call per linear
+  (kernels/csrc/lora_matmul.cpp) for x A^T and its product with B^T, added in place;
 - elsewhere (CUDA, no compiled kernels), masked: x A^T for every slot the step uses in one
-  GEMM, the columns of other slots zeroed by a one-hot [tokens, slots] mask, then B.
+  GEMM, the columns of other slots zeroed by a one-hot [tokens, slots] mask, then B^T.
 The step's layout (`LoraStep`) is shared by every linear of the model.
 """
 
@@ -50,7 +49,8 @@ class LoraSlots:
                  parts: list[int], dtype: torch.dtype, device: torch.device) -> None:
         self.context, self.rank, self.parts = context, rank, parts
         self.a = torch.zeros(slots, len(parts) * rank, in_features, dtype=dtype, device=device)
-        self.b = [torch.zeros(slots, size, rank, dtype=dtype, device=device) for size in parts]
+        self.b = [torch.zeros(slots, rank, size, dtype=dtype, device=device) for size in parts]
+        self.offsets = [sum(parts[:i]) for i in range(len(parts))]  # each part's first column
 
     def clear(self, slot: int) -> None:
         self.a[slot].zero_()
@@ -61,7 +61,7 @@ class LoraSlots:
         """Adapter weights of one part: a [r, in], b [out_p, r] (scaled), r <= rank."""
         r = a.shape[0]
         self.a[slot, part * self.rank:part * self.rank + r].copy_(a)
-        self.b[part][slot, :, :r].copy_(b)
+        self.b[part][slot, :r].copy_(b.t())
 
     def add(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out (x's base projection) plus each token's adapter term."""
@@ -75,18 +75,12 @@ class LoraSlots:
             x.shape[0], k, len(self.parts), rank) * step.mask.view(-1, k, 1, 1)
         offset = 0
         for part, size in enumerate(self.parts):
-            out[:, offset:offset + size] += torch.einsum("tkr,kor->to", hidden[:, :, part],
+            out[:, offset:offset + size] += torch.einsum("tkr,kro->to", hidden[:, :, part],
                                                          self.b[part][:k])
             offset += size
         return out
 
     def _add_segmented(self, x: torch.Tensor, out: torch.Tensor, step: LoraStep
                        ) -> torch.Tensor:
-        grouped = cpu_kernels().expert_matmul
-        k, rank = step.width, self.rank
-        hidden = grouped(x.index_select(0, step.rows), self.a[:k], step.ends)
-        terms = [grouped(hidden if len(self.parts) == 1 else
-                         hidden[:, part * rank:(part + 1) * rank].contiguous(),
-                         self.b[part][:k], step.ends) for part in range(len(self.parts))]
-        return out.index_add_(0, step.rows, terms[0] if len(terms) == 1 else
-                              torch.cat(terms, dim=1))
+        cpu_kernels().lora_add(x, out, step.rows, step.ends, self.a, self.b, self.offsets)
+        return out

@@ -7,7 +7,8 @@
 // - silu(gate) * up over a merged [rows, 2 * d] projection, one pass (float32 math);
 // - rotary embedding ("rotate half") of q and k in place, one pass (float32 math);
 // - 4- and 8-bit block-quantized weight matmuls (quant_matmul.cpp), the W8A8 int8 one
-//   (int8_matmul.cpp) and the mixture-of-experts one (expert_matmul.cpp).
+//   (int8_matmul.cpp), the mixture-of-experts one (expert_matmul.cpp) and multi-LoRA's
+//   (lora_matmul.cpp).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -312,6 +313,9 @@ torch::Tensor int8_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
                           int64_t group);
 // expert_matmul.cpp
 torch::Tensor expert_matmul(torch::Tensor x, torch::Tensor weight, torch::Tensor ends);
+// lora_matmul.cpp
+void lora_add(torch::Tensor x, torch::Tensor out, torch::Tensor rows, torch::Tensor ends,
+              torch::Tensor a, std::vector<torch::Tensor> bt, std::vector<int64_t> offsets);
 // block_matmul.cpp
 bool block_kernel_available();
 torch::Tensor block_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
@@ -352,5 +356,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_dequantize_t", &block_dequantize_t, "a block_matmul weight as float32 [k, n]",
         py::call_guard<py::gil_scoped_release>());
   m.def("expert_matmul", &expert_matmul, "rows grouped by expert x each expert's weight (CPU)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("lora_add", &lora_add, "each adapter token's LoRA term added to its row (CPU)",
         py::call_guard<py::gil_scoped_release>());
 }

@@ -1,0 +1,163 @@
+// Multi-LoRA on CPU: out[t] += (x[t] A_s^T) B_s^T for each adapter token t of slot s, in one
+// call per linear (layers.lora). Tokens come sorted by slot (`rows`, `ends`); a decode step
+// gives each slot a few rows, so both products are written for small row counts:
+//   h = x A^T: dot products over the input features (A's rows stream once per row block);
+//   out += h B^T: per output block, axpy over the rank (B^T's [R, block] tile stays in L1
+//   for all rows of the slot), so a rank of 16 costs no horizontal sums.
+// A slot with more than kMaxKernelRows rows is compute-bound: ATen GEMMs.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kMaxKernelRows = 32;
+constexpr int64_t kColBlock = 64;
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4)));
+typedef uint16_t u16x8 __attribute__((vector_size(16), aligned(2)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+inline v8 load8(const float* p) { return *reinterpret_cast<const v8u*>(p); }
+
+inline v8 load8(const at::BFloat16* p) {
+  const u32x8 wide = __builtin_convertvector(*reinterpret_cast<const u16x8*>(p), u32x8) << 16;
+  v8 out;
+  std::memcpy(&out, &wide, sizeof(out));
+  return out;
+}
+
+inline float scalar(const float* p, int64_t i) { return p[i]; }
+inline float scalar(const at::BFloat16* p, int64_t i) { return static_cast<float>(p[i]); }
+
+template <typename T>
+float dot(const T* a, const T* b, int64_t k) {
+  v8 acc = {};
+  int64_t i = 0;
+  for (; i + 8 <= k; i += 8) acc += load8(a + i) * load8(b + i);
+  float total = 0.f;
+  for (int j = 0; j < 8; ++j) total += acc[j];
+  for (; i < k; ++i) total += scalar(a, i) * scalar(b, i);
+  return total;
+}
+
+template <typename T>
+void lora_small(const T* x, T* out, const int64_t* rows, const std::vector<int64_t>& starts,
+                const std::vector<int64_t>& stops, const std::vector<int64_t>& slots,
+                const T* a, const std::vector<const T*>& bt, const std::vector<int64_t>& widths,
+                const std::vector<int64_t>& offsets, int64_t in, int64_t out_stride,
+                int64_t rank) {
+  const int64_t parts = static_cast<int64_t>(bt.size()), pr = parts * rank;
+  int64_t count = 0;
+  std::vector<int64_t> first(starts.size());  // each group's first row in h
+  for (size_t g = 0; g < starts.size(); ++g) {
+    first[g] = count;
+    count += stops[g] - starts[g];
+  }
+  std::vector<float> h(count * pr);
+  std::vector<std::pair<int64_t, int64_t>> row_items;  // (group, row index in rows)
+  for (size_t g = 0; g < starts.size(); ++g)
+    for (int64_t r = starts[g]; r < stops[g]; ++r) row_items.emplace_back(g, r);
+  at::parallel_for(0, static_cast<int64_t>(row_items.size()), 1, [&](int64_t b, int64_t e) {
+    for (int64_t item = b; item < e; ++item) {
+      const auto [g, r] = row_items[item];
+      const T* xr = x + rows[r] * in;
+      const T* as = a + slots[g] * pr * in;
+      float* hr = h.data() + (first[g] + r - starts[g]) * pr;
+      for (int64_t j = 0; j < pr; ++j) hr[j] = dot(xr, as + j * in, in);
+    }
+  });
+  std::vector<std::pair<int64_t, int64_t>> col_items;  // (part, first column)
+  for (int64_t p = 0; p < parts; ++p)
+    for (int64_t c = 0; c < widths[p]; c += kColBlock) col_items.emplace_back(p, c);
+  at::parallel_for(0, static_cast<int64_t>(col_items.size()), 1, [&](int64_t b, int64_t e) {
+    float acc[kColBlock];
+    for (int64_t item = b; item < e; ++item) {
+      const auto [p, c0] = col_items[item];
+      const int64_t n = std::min(kColBlock, widths[p] - c0), width = widths[p];
+      for (size_t g = 0; g < starts.size(); ++g) {
+        const T* bs = bt[p] + slots[g] * rank * width + c0;
+        for (int64_t r = starts[g]; r < stops[g]; ++r) {
+          const float* hr = h.data() + (first[g] + r - starts[g]) * pr + p * rank;
+          T* o = out + rows[r] * out_stride + offsets[p] + c0;
+          for (int64_t c = 0; c < n; ++c) acc[c] = scalar(o, c);
+          for (int64_t j = 0; j < rank; ++j) {
+            const float coef = hr[j];
+            if (coef == 0.f) continue;  // NOTE: the rank's zero padding
+            const T* bj = bs + j * width;
+            int64_t c = 0;
+            for (; c + 8 <= n; c += 8) {
+              v8 v = load8(acc + c) + coef * load8(bj + c);
+              std::memcpy(acc + c, &v, sizeof(v));
+            }
+            for (; c < n; ++c) acc[c] += coef * scalar(bj, c);
+          }
+          for (int64_t c = 0; c < n; ++c) o[c] = static_cast<T>(acc[c]);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// x: [tokens, in]; out: [tokens, out] contiguous, updated in place; rows: int64, the adapter
+// tokens sorted by slot; ends: int32 [slots], each slot's end in rows (a cumulative count);
+// a: [all slots, parts * rank, in]; bt: per part [all slots, rank, width_p]; offsets: each
+// part's first column in out. One dtype throughout: float32 or bfloat16.
+void lora_add(torch::Tensor x, torch::Tensor out, torch::Tensor rows, torch::Tensor ends,
+              torch::Tensor a, std::vector<torch::Tensor> bt, std::vector<int64_t> offsets) {
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && out.is_contiguous() && a.is_contiguous());
+  TORCH_CHECK(x.scalar_type() == out.scalar_type() && x.scalar_type() == a.scalar_type());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16);
+  TORCH_CHECK(rows.scalar_type() == at::kLong && ends.scalar_type() == at::kInt);
+  TORCH_CHECK(bt.size() == offsets.size() && !bt.empty());
+  const auto xc = x.contiguous();
+  const int64_t in = xc.size(1), rank = bt[0].size(1);
+  TORCH_CHECK(a.size(1) == static_cast<int64_t>(bt.size()) * rank && a.size(2) == in);
+  std::vector<int64_t> widths;
+  for (auto& b : bt) {
+    TORCH_CHECK(b.is_contiguous() && b.scalar_type() == x.scalar_type() && b.size(1) == rank);
+    widths.push_back(b.size(2));
+  }
+  const int32_t* end_of = ends.data_ptr<int32_t>();
+  std::vector<int64_t> starts, stops, slots;
+  int64_t start = 0;
+  for (int64_t s = 0; s < ends.numel(); ++s) {
+    const int64_t stop = end_of[s];
+    TORCH_CHECK(stop >= start && stop <= rows.numel(), "ends must be a cumulative row count");
+    if (stop - start > kMaxKernelRows) {
+      const auto idx = rows.narrow(0, start, stop - start);
+      const auto h = xc.index_select(0, idx).mm(a[s].t());
+      std::vector<torch::Tensor> terms;
+      for (size_t p = 0; p < bt.size(); ++p)
+        terms.push_back(h.narrow(1, p * rank, rank).mm(bt[p][s]));
+      auto term = torch::zeros({idx.numel(), out.size(1)}, out.options());
+      for (size_t p = 0; p < bt.size(); ++p)
+        term.narrow(1, offsets[p], widths[p]).copy_(terms[p]);
+      out.index_add_(0, idx, term);
+    } else if (stop > start) {
+      starts.push_back(start);
+      stops.push_back(stop);
+      slots.push_back(s);
+    }
+    start = stop;
+  }
+  if (slots.empty()) return;
+  const int64_t* row_ids = rows.data_ptr<int64_t>();
+  if (x.scalar_type() == at::kFloat) {
+    std::vector<const float*> bp;
+    for (auto& b : bt) bp.push_back(b.data_ptr<float>());
+    lora_small<float>(xc.data_ptr<float>(), out.data_ptr<float>(), row_ids, starts, stops,
+                      slots, a.data_ptr<float>(), bp, widths, offsets, in, out.size(1), rank);
+  } else {
+    std::vector<const at::BFloat16*> bp;
+    for (auto& b : bt) bp.push_back(b.data_ptr<at::BFloat16>());
+    lora_small<at::BFloat16>(xc.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(),
+                             row_ids, starts, stops, slots, a.data_ptr<at::BFloat16>(), bp,
+                             widths, offsets, in, out.size(1), rank);
+  }
+}
