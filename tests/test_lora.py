@@ -48,8 +48,9 @@ def prompts() -> list[list[int]]:
 
 
 def lora_llm(models: dict[str, Path], names=ADAPTERS, **flags) -> LLM:
-    return LLM(model=str(models["base"]), dtype="float32", max_total_tokens=4096,
-               lora_paths=[f"{n}={models[n]}" for n in names], **flags)
+    return LLM(model=str(models["base"]), dtype="float32",
+               lora_paths=[f"{n}={models[n]}" for n in names],
+               **{"max_total_tokens": 4096, **flags})
 
 
 def reference(models: dict[str, Path], name: str | None) -> list[list[int]]:
@@ -142,6 +143,24 @@ def test_adapters_wait_for_slots(lora_models) -> None:
                                                      lora_path=names)]
         llm.check_integrity()
     check_rows(lora_models, names, out)
+
+
+def test_retraction_keeps_each_rows_adapter(lora_models) -> None:
+    """A pool too small for everything at once: retracted requests (their adapters' slots
+    released) come back under the same adapter, and every row equals its reference."""
+    names = [ADAPTERS[i % 4] if i % 3 else None for i in range(9)]
+    rows = [prompts()[i % len(LENGTHS)] for i in range(len(names))]
+    params = {**GREEDY, "max_new_tokens": 40}
+    with lora_llm(lora_models, max_total_tokens=240, page_size=8,
+                  max_loras_per_batch=3) as llm:
+        out = [r["output_ids"] for r in llm.generate(input_ids=rows, sampling_params=params,
+                                                     lora_path=names)]
+        assert llm.runtime.state()["retractions"] > 0, "the pool was meant to be too small"
+        llm.check_integrity()
+    for i, (name, ours) in enumerate(zip(names, out)):
+        adapter = None if name is None else lora_models[name]
+        ref = merged_greedy(lora_models["base"], adapter, [rows[i]], 40)[0]
+        assert_lora_greedy(lora_models["base"], adapter, rows[i], ours, ref)
 
 
 def test_load_and_unload_at_run_time(lora_models) -> None:

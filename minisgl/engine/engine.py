@@ -126,7 +126,7 @@ class Engine:
                                      config.max_loras_per_batch, config.max_lora_rank,
                                      config.lora_target_modules, config.max_loaded_loras)
             self.lora = (None if settings is None else
-                         LoraModules(self.model, settings, self.dtype, self.device))
+                         LoraModules(self.model, settings, self.dtype, self.device, self.tp))
         draft = None
         if self.draft_arch is not None:
             with tp_context(TPInfo(), None):  # NOTE: the draft model runs whole on rank 0

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from minisgl.core import Batch
+from minisgl.distributed.context import TPInfo, tp_context
 from minisgl.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear,
                                    QKVParallelLinear, RowParallelLinear)
 from minisgl.kernels import cpu_kernels
@@ -63,8 +64,9 @@ def lora_capable(model: nn.Module) -> dict[str, list[tuple[str, object]]]:
 
 class LoraModules:
     def __init__(self, model: nn.Module, settings: LoraSettings, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, tp: TPInfo) -> None:
         self.model, self.settings, self.dtype, self.device = model, settings, dtype, device
+        self.tp = tp  # NOTE: register() runs on any thread; the shards are this rank's
         self.context = LoraContext()
         capable = lora_capable(model)
         self.capable_targets = {leaf for hosted in capable.values() for leaf, _ in hosted}
@@ -100,7 +102,8 @@ class LoraModules:
         if extra:
             raise AdapterError(f"{path}: targets {', '.join(sorted(extra))}, outside "
                                f"--lora-target-modules ({', '.join(sorted(self.targets))})")
-        self.adapters[uid] = self._shards(adapter)
+        with tp_context(self.tp, None):
+            self.adapters[uid] = self._shards(adapter)
         return adapter
 
     def drop(self, uid: int) -> None:
