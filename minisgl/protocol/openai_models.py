@@ -32,6 +32,7 @@ class OpenAIModel:
     sampling_defaults: dict[str, Any]  # what chat requests that leave a sampling field out get
     tool_call_parser: str
     adapters: Callable[[], dict[str, str]] = dict  # the loaded LoRA adapters: name -> path
+    lora: bool = False  # --enable-lora: `base:adapter` names an adapter
     created: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod
@@ -45,7 +46,7 @@ class OpenAIModel:
                    *([args.model_path] if args.model_path else [])}
         return cls(list(runtime.served_names), aliases, args.strict_model_name,
                    runtime.context_len, defaults, args.tool_call_parser,
-                   runtime.loaded_adapters)
+                   runtime.loaded_adapters, args.enable_lora)
 
     def card(self, name: str, root: str | None = None, parent: str | None = None
              ) -> dict[str, Any]:
@@ -78,7 +79,7 @@ class OpenAIModel:
             raise InvalidRequest("model must be a string")
         if model == ROUTER_PLACEHOLDER_MODEL:
             model = None
-        adapter = self._adapter(model) if model else None
+        adapter = self._adapter(model) if model and self.lora else None
         if adapter is not None:
             return model, adapter
         if self.strict and model and model not in self.aliases:

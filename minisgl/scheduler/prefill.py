@@ -180,8 +180,8 @@ class PrefillManager:
 
     def share(self, req: Req) -> None:
         """Let later requests match this request's prefilled pages while it runs."""
-        shared = self.cache.share(req.cache_ids(), self.table.locations(req.table_idx, req.kv_len),
-                                  req.shared_len, req.cache_handle)
+        locations = self.table.locations(req.table_idx, req.kv_len)
+        shared = self.cache.share(req.cache_ids(), locations, req.shared_len, req.cache_handle)
         if shared is not None:
             req.shared_len, req.cache_handle = shared
 
