@@ -52,7 +52,7 @@ def throughput(llm: LLM, streams: int, adapters: int, args: argparse.Namespace) 
     kwargs = {"lora_path": names} if adapters else {}
     llm.generate(input_ids=prompts[:2], sampling_params={**params, "max_new_tokens": 4},
                  **({"lora_path": names[:2]} if adapters else {}))  # warm-up
-    best = 0.0  # NOTE: the best of --repeats runs: this machine's noise is +-10% per run
+    best = 0.0  # NOTE: the best of --repeats runs: one run is noisy on a small machine
     for _ in range(args.repeats):
         started = time.perf_counter()
         llm.generate(input_ids=prompts, sampling_params=params, **kwargs)

@@ -73,11 +73,9 @@ class LoraSlots:
         k, rank = step.width, self.rank
         hidden = (x @ self.a[:k].view(k * len(self.parts) * rank, -1).t()).view(
             x.shape[0], k, len(self.parts), rank) * step.mask.view(-1, k, 1, 1)
-        offset = 0
-        for part, size in enumerate(self.parts):
+        for part, (offset, size) in enumerate(zip(self.offsets, self.parts)):
             out[:, offset:offset + size] += torch.einsum("tkr,kro->to", hidden[:, :, part],
                                                          self.b[part][:k])
-            offset += size
         return out
 
     def _add_segmented(self, x: torch.Tensor, out: torch.Tensor, step: LoraStep

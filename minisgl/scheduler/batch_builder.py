@@ -131,11 +131,10 @@ class BatchBuilder:
         dummy_write = self.table.dummy_row * ctx
         write = torch.tensor([r * ctx + e if last and not req.scores_only else dummy_write
                               for req, r, e, last in zip(reqs, rows, ends, last_chunk)])
-        slots = [self.adapters.slot_of(r.lora_uid) for r in reqs]
         batch = Batch(phase, len(reqs), table_rows=rows, cached_lens=starts, seq_lens=ends,
                       extend_lens=counts, input_positions=positions.to(device, non_blocking=True),
                       out_loc=locations.to(device, non_blocking=True), decode_rows=decode_rows,
-                      lora_slots=slots if max(slots) >= 0 else None)
+                      lora_slots=self.adapters.row_slots(reqs))
         loads = self.adapters.take_loads()
         self.engine.plan_batch(batch)
         sample_args = self.engine.sampler.sampling_args(

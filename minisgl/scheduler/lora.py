@@ -16,9 +16,11 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from minisgl.core import Req
 from minisgl.errors import InvalidRequest
 
 
+LORA_OFF = "lora_path and LoRA adapters need a server started with --enable-lora"
 UNLOAD_POLL_S = 0.02  # an unload waits for the adapter's requests in flight
 
 
@@ -37,9 +39,9 @@ class AdapterTable:
         self.slot_uids: list[int] = [0] * slots  # 0: empty
         self.slot_used: list[int] = [0] * slots  # the admission clock at last use (LRU)
         self.active: Counter[int] = Counter()  # uid -> admitted requests using it
-        self.pinned: set[int] = set()
         self.pending: list[tuple[int, int, str]] = []  # slot loads for the next step
-        self._paths: dict[int, str] = {}
+        # NOTE: also an unloaded adapter until its requests finished (they still need a slot)
+        self._by_uid: dict[int, Adapter] = {}
         self._uids = itertools.count(1)
         self._clock = 0
 
@@ -55,7 +57,7 @@ class AdapterTable:
         if self.max_loaded is not None and len(self.by_name) >= self.max_loaded:
             raise InvalidRequest(f"{self.max_loaded} LoRA adapters are loaded "
                                  "(--max-loaded-loras); unload one first")
-        if pinned and len(self.pinned) + 1 >= len(self.slot_uids):
+        if pinned and sum(a.pinned for a in self.by_name.values()) + 1 >= len(self.slot_uids):
             raise InvalidRequest(f"at most {len(self.slot_uids) - 1} adapters may be pinned "
                                  "(--max-loras-per-batch - 1)")
 
@@ -67,10 +69,7 @@ class AdapterTable:
         InvalidRequest."""
         self.check_new(name, pinned)
         adapter = Adapter(uid, name, path, pinned)
-        self.by_name[name] = adapter
-        self._paths[adapter.uid] = path
-        if pinned:
-            self.pinned.add(adapter.uid)
+        self.by_name[name] = self._by_uid[uid] = adapter
         return adapter
 
     def remove(self, name: str) -> Adapter:
@@ -78,7 +77,6 @@ class AdapterTable:
         adapter = self.by_name.pop(name, None)
         if adapter is None:
             raise InvalidRequest(f"no LoRA adapter named {name!r} is loaded")
-        self.pinned.discard(adapter.uid)
         return adapter
 
     def evict(self, uid: int) -> None:
@@ -86,13 +84,15 @@ class AdapterTable:
         for slot, held in enumerate(self.slot_uids):
             if held == uid:
                 self.slot_uids[slot] = 0
-        self._paths.pop(uid, None)
+        self._by_uid.pop(uid, None)
 
     def uid_of(self, name: str | None) -> int:
         """0 for the base model; a loaded adapter's uid, by name (or by path, as SGLang's
         lora_path once was); raises InvalidRequest."""
         if name is None:
             return 0
+        if not self.slot_uids:
+            raise InvalidRequest(LORA_OFF)
         adapter = self.by_name.get(name) or next(
             (a for a in self.by_name.values() if a.path == name), None)
         if adapter is None:
@@ -115,7 +115,7 @@ class AdapterTable:
             slot = self._free_slot()
             assert slot is not None, "admitted without a free adapter slot (can_admit)"
             self.slot_uids[slot] = uid
-            self.pending.append((slot, uid, self._paths[uid]))
+            self.pending.append((slot, uid, self._by_uid[uid].path))
         self.slot_used[self.slot_uids.index(uid)] = self._clock
         self.active[uid] += 1
 
@@ -125,8 +125,13 @@ class AdapterTable:
             if not self.active[uid]:
                 del self.active[uid]
 
-    def slot_of(self, uid: int) -> int:
-        return self.slot_uids.index(uid) if uid else -1
+    def row_slots(self, reqs: list[Req]) -> list[int] | None:
+        """Each request's adapter slot (-1: none), or None when no admitted request uses an
+        adapter (a batch of the base model alone)."""
+        if not self.active:
+            return None
+        slots = [self.slot_uids.index(r.lora_uid) if r.lora_uid else -1 for r in reqs]
+        return slots if max(slots) >= 0 else None
 
     def take_loads(self) -> list[tuple[int, int, str]]:
         loads, self.pending = self.pending, []
@@ -136,9 +141,14 @@ class AdapterTable:
         """An empty slot, else the least recently used one no admitted request and no pin
         holds; None if every slot is held."""
         free = [slot for slot, uid in enumerate(self.slot_uids)
-                if uid == 0 or (self.active[uid] == 0 and uid not in self.pinned)]
+                if uid == 0 or (self.active[uid] == 0 and not self._pinned(uid))]
         return min(free, key=lambda s: (self.slot_uids[s] != 0, self.slot_used[s]),
                    default=None)
+
+    def _pinned(self, uid: int) -> bool:
+        adapter = self._by_uid.get(uid)
+        return (adapter is not None and adapter.pinned
+                and self.by_name.get(adapter.name) is adapter)  # NOTE: unloaded: pin gone
 
 
 def add_adapter(table: AdapterTable, engine_lora: Any, name: str, path: str,
@@ -160,7 +170,7 @@ async def load_adapter(table: AdapterTable, engine_lora: Any, name: str, path: s
 def _new_adapter(table: AdapterTable, engine_lora: Any, name: str, path: str,
                  pinned: bool) -> int:
     if engine_lora is None:
-        raise InvalidRequest("LoRA adapters need a server started with --enable-lora")
+        raise InvalidRequest(LORA_OFF)
     if not isinstance(path, str) or not path:
         raise InvalidRequest("lora_path must be a non-empty string")
     table.check_new(name, pinned)
@@ -192,7 +202,7 @@ async def unload_adapter(table: AdapterTable, engine_lora: Any, name: str,
     """Stop serving `name` at once (new requests naming it are refused); its requests in
     flight finish first, then its slot and weights are freed."""
     if engine_lora is None:
-        raise InvalidRequest("LoRA adapters need a server started with --enable-lora")
+        raise InvalidRequest(LORA_OFF)
     adapter = table.remove(name)
     while in_use(adapter.uid):
         await asyncio.sleep(UNLOAD_POLL_S)

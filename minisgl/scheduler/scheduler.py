@@ -21,7 +21,7 @@ import torch
 
 from minisgl.core import Req
 from minisgl.engine import Engine, ForwardOutput
-from minisgl.errors import EngineFailed, IntegrityError, InvalidRequest
+from minisgl.errors import EngineFailed, IntegrityError
 from minisgl.kvcache import NaiveCache, RadixCache
 from minisgl.scheduler.batch_builder import BatchBuilder, ScheduledBatch
 from minisgl.scheduler.cache import CacheManager
@@ -98,17 +98,14 @@ class Scheduler:
             return rid in self.reqs or (rid_taken is not None and rid_taken(rid))
 
         specs = [fill_max_new_tokens(spec, self.limits) for spec in specs]
-        if any(spec.lora is not None for spec in specs) and self.engine.lora is None:
-            raise InvalidRequest("lora_path needs a server started with --enable-lora")
-        for spec in specs:
-            self.adapters.uid_of(spec.lora)  # NOTE: an unknown adapter refuses the batch
+        adapters = [self.adapters.uid_of(spec.lora) for spec in specs]  # NOTE: all or none
         waiting = len(self.prefill.waiting) + self._pending_new()
         displaced = self._displaceable(specs, waiting)
         check_batch(specs, self.limits, taken, waiting - len(displaced))
         for req in displaced:  # NOTE: only once the whole batch is known to be accepted
             self._post("finish", (req.rid, {"type": "abort", "message": "displaced from the "
                                   "full waiting queue by a more urgent request"}))
-        return [self._queue(spec) for spec in specs]
+        return [self._queue(spec, uid) for spec, uid in zip(specs, adapters)]
 
     def _displaceable(self, specs: list[RequestSpec], waiting: int) -> list[Req]:
         """With priority scheduling and the waiting queue full: the waiting requests the
@@ -121,7 +118,7 @@ class Scheduler:
                                     [r for r in queued if not r.is_finished],
                                     waiting + len(specs) - limit) or []
 
-    def _queue(self, spec: RequestSpec) -> Queued:
+    def _queue(self, spec: RequestSpec, lora_uid: int) -> Queued:
         params, prompt_len = spec.params, len(spec.input_ids)
         rid = spec.rid if spec.rid is not None else uuid.uuid4().hex
         start = spec.logprob_start_len
@@ -130,7 +127,7 @@ class Scheduler:
                   stop_ids=frozenset(params.stop_token_ids or ()) | (
                       frozenset() if params.ignore_eos else self.eos_ids),
                   logprob_num=spec.logprob_num, matcher=spec.matcher,
-                  priority=spec.priority or 0, lora_uid=self.adapters.uid_of(spec.lora),
+                  priority=spec.priority or 0, lora_uid=lora_uid,
                   logprob_start_len=-1 if spec.logprob_num < 0 else
                   (prompt_len - 1 if start < 0 else start))
         if params.sampling_seed is not None:
