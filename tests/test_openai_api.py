@@ -234,3 +234,59 @@ def test_openai_client_sees_errors(client):
     assert "8192" in str(info.value)
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt=PROMPT, temperature=-1)
+
+
+# ---- /tokenize and /detokenize (vLLM's shapes, SGLang's list forms) ------------------------
+
+def post(server: Any, path: str, body: dict[str, Any], status: int = 200) -> Any:
+    r = requests.post(server.url + path, json=body, timeout=60)
+    assert r.status_code == status, r.text
+    return r.json()
+
+
+def test_tokenize_detokenize_round_trip(minisgl_server):
+    from tests.reference import tokenizer
+    hf = tokenizer()
+    text = "Tokenizers split text: naïve café, 42 emojis 🎉 and\ttabs."
+    out = post(minisgl_server, "/tokenize", {"model": MODEL, "prompt": text,
+                                             "return_token_strs": True})
+    assert out["tokens"] == hf(text)["input_ids"] and out["count"] == len(out["tokens"])
+    assert out["token_strs"] == hf.convert_ids_to_tokens(out["tokens"])
+    assert out["max_model_len"] == client_context_len(minisgl_server)
+    back = post(minisgl_server, "/v1/detokenize", {"model": MODEL, "tokens": out["tokens"]})
+    assert back["prompt"] == back["text"] == text
+    many = post(minisgl_server, "/v1/tokenize", {"prompt": [text, "two"]})
+    assert many["tokens"][0] == out["tokens"] and many["count"] == [out["count"], 1]
+    texts = post(minisgl_server, "/detokenize", {"tokens": many["tokens"]})["text"]
+    assert texts == [text, "two"]
+
+
+def client_context_len(server: Any) -> int:
+    return requests.get(server.url + "/get_server_info", timeout=30).json()["context_length"]
+
+
+def test_tokenize_messages_counts_what_chat_prefills(client, minisgl_server):
+    from tests.reference import tokenizer
+    out = post(minisgl_server, "/tokenize", {"messages": CHAT})
+    expected = tokenizer().apply_chat_template(CHAT, add_generation_prompt=True,
+                                               tokenize=True, return_dict=False)
+    assert out["tokens"] == list(expected)
+    answer = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1)
+    assert answer.usage.prompt_tokens == out["count"]
+    text = post(minisgl_server, "/detokenize", {"tokens": out["tokens"],
+                                                "skip_special_tokens": False})["text"]
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("path,body,contains", [
+    ("/tokenize", {}, "prompt or messages"),
+    ("/tokenize", {"prompt": "a", "messages": CHAT}, "prompt or messages"),
+    ("/tokenize", {"prompt": 7}, "prompt"),
+    ("/tokenize", {"messages": [{"role": "wizard", "content": "x"}]}, "role"),
+    ("/detokenize", {"tokens": [1, 10**9]}, "tokens"),
+    ("/detokenize", {"tokens": "abc"}, "tokens"),
+    ("/v1/detokenize", {"tokens": [[1], ["a"]]}, "tokens"),
+])
+def test_tokenize_bad_requests(minisgl_server, path, body, contains):
+    error = post(minisgl_server, path, body, status=400)["error"]
+    assert contains in error["message"]

@@ -1,5 +1,6 @@
 """OpenAI-compatible endpoints: /v1/models (and /v1/models/{id}), /v1/completions,
-/v1/chat/completions. Bodies are parsed and answers shaped in protocol.openai_*."""
+/v1/chat/completions, and vLLM's /tokenize and /detokenize (also under /v1/). Bodies are parsed
+and answers shaped in protocol.openai_* and protocol.tokenize."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from minisgl.protocol.openai_models import OpenAIModel
 from minisgl.protocol.openai_requests import parse_chat, parse_completion
 from minisgl.protocol.openai_results import ChatAnswer, CompletionAnswer
 from minisgl.protocol.token_texts import TokenTexts
+from minisgl.protocol.tokenize import detokenize, tokenize
 from minisgl.runtime import Runtime
 from minisgl.server.http import json_response, read_json
 from minisgl.server.sse import stream_response, wait_all
@@ -28,13 +30,24 @@ class OpenAIAPI:
         return [web.get("/v1/models", self.models),
                 web.get("/v1/models/{model:.+}", self.named_model),
                 web.post("/v1/completions", self.completions),
-                web.post("/v1/chat/completions", self.chat_completions)]
+                web.post("/v1/chat/completions", self.chat_completions),
+                *(web.post(f"{prefix}/{name}", handler) for prefix in ("", "/v1")
+                  for name, handler in (("tokenize", self.tokenize),
+                                        ("detokenize", self.detokenize)))]
 
     async def models(self, request: web.Request) -> web.Response:
         return json_response(self.model.listing())
 
     async def named_model(self, request: web.Request) -> web.Response:
         return json_response(self.model.named_card(request.match_info["model"]))
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        return json_response(await tokenize(await read_json(request), self.manager.tokenizer,
+                                            self.model, self.unknown))
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        return json_response(detokenize(await read_json(request), self.manager.tokenizer,
+                                        self.model, self.unknown))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         self.ensure_ready()
