@@ -87,6 +87,9 @@ class ServerArgs:
         None, "Comma-separated origins (e.g. http://localhost:3000) whose web pages may call "
         "this server; '*' for any. Default: none (browsers' cross-origin requests get 403).")
     max_request_bytes: int = _flag(32 * 2**20, "Largest request body; larger ones get 413.")
+    max_stored_responses: int = _flag(
+        1000, "Responses (/v1/responses with store) kept in memory for previous_response_id "
+        "and GET /v1/responses/{id}; the oldest go first; 0 stores none.")
     max_sequences_per_request: int = _flag(
         1024, "Sequences one request may ask for (prompts x n).")
     max_stop_strings: int = _flag(64, "Stop strings one request may give.")

@@ -27,6 +27,7 @@ from minisgl.server.guard import Guard, Handler
 from minisgl.server.http import (MAX_BODY, HTTPError, error_response, json_response, read_json,
                                  too_large)
 from minisgl.server.openai_api import OpenAIAPI
+from minisgl.server.responses_api import ResponsesAPI
 from minisgl.server.sse import stream_response, wait_all
 from minisgl.server.timeline import Timeline
 from minisgl.version import __version__
@@ -45,6 +46,8 @@ class Server:
         self.tokens = TokenTexts(runtime.tokenizer)
         self.unknown_fields = UnknownFields()  # shared by every endpoint: each name logged once
         self.openai = OpenAIAPI(runtime, self.tokens, self.unknown_fields, self.ensure_ready)
+        self.responses = ResponsesAPI(runtime, self.openai.model, self.tokens,
+                                      self.unknown_fields, self.ensure_ready)
         self.timeline = Timeline(runtime.state, self.manager.metrics)
         self.manager.metrics.watch_scheduler(runtime.state, self.timeline.gen_throughput)
         self.dashboard = Dashboard(runtime, self.timeline)
@@ -72,6 +75,7 @@ class Server:
               for prefix in ("", "/v1") for action, handler in
               (("load", self.load_adapter), ("unload", self.unload_adapter))),
             *self.openai.routes(),
+            *self.responses.routes(),
             *self.dashboard.routes(),
         ])
         return app

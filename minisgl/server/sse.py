@@ -24,6 +24,12 @@ def encode_event(obj: Any) -> bytes:
 DONE = ServerSentEvent(data="[DONE]", sep="\n").encode()
 
 
+def encode_typed_event(obj: dict[str, Any]) -> bytes:
+    """`event: <its type>` then its data line, as OpenAI streams the Responses API."""
+    return ServerSentEvent(data=orjson.dumps(obj).decode(), event=obj["type"],
+                           sep="\n").encode()
+
+
 async def follow(manager: RequestManager, handles: list[ReqHandle]
                  ) -> AsyncIterator[tuple[int, ReqHandle]]:
     """Yields (index, handle) whenever a handle's state changed, until all finished; each
@@ -65,26 +71,31 @@ async def wait_all(manager: RequestManager, handles: list[ReqHandle]) -> None:
 async def stream_response(request: web.Request, manager: RequestManager,
                           handles: list[ReqHandle],
                           chunk: Callable[[int, ReqHandle], Any | None],
-                          first: list[Any] = (), last: Callable[[], list[Any]] | None = None
-                          ) -> web.StreamResponse:
+                          first: list[Any] = (), last: Callable[[], list[Any]] | None = None,
+                          typed: bool = False) -> web.StreamResponse:
     """Stream the handles' progress: the `first` events, then `chunk(i, handle)` each time
-    handle i changed (None: nothing new to send), then the `last()` events and [DONE]. A client
-    that goes away, before or during the stream, aborts the requests still running."""
+    handle i changed (None: nothing new to send; a list: several events), then the `last()`
+    events and [DONE], or with `typed`, each event named by its type and no [DONE] (the
+    Responses API). A client that goes away, before or during the stream, aborts the requests
+    still running."""
     response = web.StreamResponse(headers=SSE_HEADERS)
     response.content_type = "text/event-stream"
     response.charset = "utf-8"
     try:
+        encode = encode_typed_event if typed else encode_event
         await response.prepare(request)
         for event in first:
-            await response.write(encode_event(event))
+            await response.write(encode(event))
         async with aclosing(follow(manager, handles)) as updates:
             async for i, handle in updates:
-                event = chunk(i, handle)
-                if event is not None:
-                    await response.write(encode_event(event))
+                news = chunk(i, handle)
+                for event in news if isinstance(news, list) else [news]:
+                    if event is not None:
+                        await response.write(encode(event))
         for event in (last() if last is not None else []):
-            await response.write(encode_event(event))
-        await response.write(DONE)
+            await response.write(encode(event))
+        if not typed:
+            await response.write(DONE)
     except ConnectionResetError:
         pass  # the client went away
     finally:
