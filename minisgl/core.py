@@ -20,9 +20,9 @@ SAMPLING_EPS = 1e-6
 # how the stream is cut; custom_params feed a custom logit processor, which is refused).
 INERT_SAMPLING_FIELDS = frozenset({"stream_interval", "custom_params"})
 # SGLang sampling parameters minisgl does not act on: accepted only when they ask for nothing.
-UNSUPPORTED_SAMPLING_FIELDS = frozenset({"beam_width", "structural_tag", "watermark",
+UNSUPPORTED_SAMPLING_FIELDS = frozenset({"beam_width", "watermark",
                                          "choice"})
-GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")  # at most one per request
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")  # at most one per request
 
 
 def asks_nothing(value: Any, nested: bool = False) -> bool:
@@ -62,6 +62,7 @@ class SamplingParams:
     json_schema: str | None = None  # a JSON schema, as a string (a JSON object is dumped)
     regex: str | None = None
     ebnf: str | None = None
+    structural_tag: str | None = None  # xgrammar's (or SGLang's older) structural tag, as JSON
 
     @classmethod
     def from_dict(cls, values: dict[str, Any] | None) -> SamplingParams:
@@ -147,11 +148,12 @@ class SamplingParams:
             raise InvalidRequest("sampling_seed must be an integer")
         if self.logit_bias is not None:
             self.logit_bias = _check_logit_bias(self.logit_bias)
-        if isinstance(self.json_schema, dict):
-            self.json_schema = json.dumps(self.json_schema)
+        for name in ("json_schema", "structural_tag"):
+            if isinstance(getattr(self, name), dict):
+                setattr(self, name, json.dumps(getattr(self, name)))
         given = [name for name in GRAMMAR_FIELDS if getattr(self, name) not in (None, "")]
         if len(given) > 1:
-            raise InvalidRequest(f"give at most one of json_schema, regex and ebnf, got "
+            raise InvalidRequest(f"give at most one of {', '.join(GRAMMAR_FIELDS)}, got "
                                  f"{' and '.join(given)}")
         for name in given:
             if not isinstance(getattr(self, name), str):

@@ -139,7 +139,7 @@ def test_constraints_that_cannot_be_honoured_are_refused(minisgl_server):
     for extra, field in (
             ({"structured_outputs": {"json": PERSON, "whitespace_pattern": " "}},
              "structured_outputs.whitespace_pattern"),
-            ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag"),
+            ({"structured_outputs": {"structural_tag": "{}"}}, "invalid structural_tag"),
             ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
             ({"structured_outputs": "json"}, "structured_outputs"),
             ({"guided_choice": []}, None),  # an empty list asks for nothing

@@ -61,8 +61,7 @@ ASKS_SOMETHING: dict[str, Any] = {
     "return_routed_experts": True, "session_params": {"id": "s"}, "cache_salt": "tenant-a",
     "token_ids_logprob": [1, 2], "custom_logit_processor": "{}", "data_parallel_rank": 1,
     "input_embeds": [[0.0]], "bootstrap_host": "h", "max_thinking_tokens": 10}
-SAMPLING_ASKS_SOMETHING = {"beam_width": 2, "structural_tag": "{}",
-                           "watermark": {"key": 1}}
+SAMPLING_ASKS_SOMETHING = {"beam_width": 2, "watermark": {"key": 1}}
 
 
 def test_field_tables_cover_sglang_without_overlap():

@@ -1,12 +1,14 @@
 """Grammar backends: compile a (kind, text) grammar once, then make one matcher per request.
 
 Kinds, with SGLang's names: `json_schema` (a JSON schema, as a string), `regex`, `ebnf`
-(xgrammar's EBNF).
+(xgrammar's EBNF), `structural_tag` (JSON: xgrammar's `{"type": "structural_tag", "format":
+...}`, or SGLang's older `{"structures": [{"begin", "schema", "end"}], "triggers": [...]}`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 from collections import OrderedDict
@@ -74,7 +76,25 @@ class XGrammarBackend(GrammarBackend):
             return self._compiler.compile_regex(text)
         if kind == "ebnf":
             return self._compiler.compile_grammar(text)
+        if kind == "structural_tag":
+            return self._compile_structural_tag(text)
         raise InvalidRequest(f"unknown grammar kind {kind!r}")
+
+    def _compile_structural_tag(self, text: str) -> Any:
+        tag = json.loads(text)
+        if not isinstance(tag, dict):
+            raise InvalidRequest("structural_tag must be a JSON object")
+        if "structures" not in tag:
+            return self._compiler.compile_structural_tag(text)
+        structures, triggers = tag.get("structures"), tag.get("triggers")
+        if not (isinstance(structures, list) and isinstance(triggers, list) and all(
+                isinstance(s, dict) and {"begin", "schema", "end"} <= set(s)
+                for s in structures)):
+            raise InvalidRequest("structural_tag: structures must be a list of {begin, schema, "
+                                 "end} and triggers a list of strings")
+        items = [self._xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]),
+                                             end=s["end"]) for s in structures]
+        return self._compiler.compile_structural_tag(items, triggers)
 
     async def compile(self, kind: str, text: str) -> Any:
         """The compiled grammar (cached by kind and text), compiled on a worker thread: the

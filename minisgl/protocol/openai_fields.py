@@ -27,12 +27,13 @@ SAMPLING_FIELDS = {  # OpenAI (or SGLang extension) name -> SamplingParams name
     "skip_special_tokens": "skip_special_tokens", "no_stop_trim": "no_stop_trim",
     "spaces_between_special_tokens": "spaces_between_special_tokens",
     "logit_bias": "logit_bias", "json_schema": "json_schema", "regex": "regex", "ebnf": "ebnf",
-    "stop_regex": "stop_regex",
+    "stop_regex": "stop_regex", "structural_tag": "structural_tag",
 }
 # Other servers' ways to ask for a constrained answer (vLLM's structured_outputs and older
 # guided_*, llama.cpp's grammar), honoured through the same grammar kinds: key -> grammar kind.
 STRUCTURED_OUTPUT_KINDS = {"json": "json_schema", "regex": "regex", "grammar": "ebnf",
-                           "choice": "choice", "json_object": "json_object"}
+                           "choice": "choice", "json_object": "json_object",
+                           "structural_tag": "structural_tag"}
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_grammar": "grammar",
                  "guided_choice": "choice", "grammar": "grammar"}
 # Options of vLLM's structured outputs that change nothing here (minisgl has one backend and
@@ -81,9 +82,11 @@ def check_fields(body: dict[str, Any], endpoint: str, own: frozenset[str] | set[
         raise InvalidRequest("best_of other than n is not supported by minisgl")
 
 
-def response_format_schema(fmt: Any) -> str | None:
-    """OpenAI's response_format as a JSON schema string (None: free text). llama.cpp's
-    `{"type": "json_object", "schema": {...}}` constrains to that schema."""
+def response_format_grammar(fmt: Any) -> tuple[str, str] | None:
+    """(grammar kind, text) of OpenAI's response_format (None: free text). llama.cpp's
+    `{"type": "json_object", "schema": {...}}` constrains to that schema; SGLang's
+    `{"type": "structural_tag", ...}` (xgrammar's `format`, or the older `structures` and
+    `triggers`) is a structural tag."""
     if fmt is None:
         return None
     kind = fmt.get("type") if isinstance(fmt, dict) else None
@@ -92,18 +95,21 @@ def response_format_schema(fmt: Any) -> str | None:
     if kind == "json_object":
         schema = fmt.get("schema")
         if schema is None:
-            return '{"type": "object"}'
+            return "json_schema", '{"type": "object"}'
         if not isinstance(schema, dict):
             raise InvalidRequest("response_format.schema must be a JSON schema object")
-        return json.dumps(schema)
+        return "json_schema", json.dumps(schema)
     if kind == "json_schema":  # {"json_schema": {"name", "schema", "strict"}}, or SGLang's
         spec = fmt.get("json_schema") or fmt  # shorter {"type": "json_schema", "schema": ...}
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
             raise InvalidRequest("response_format json_schema needs json_schema.schema, a JSON "
                                  "object")
-        return json.dumps(schema)
-    raise InvalidRequest("response_format.type must be text, json_object or json_schema")
+        return "json_schema", json.dumps(schema)
+    if kind == "structural_tag":
+        return "structural_tag", json.dumps(fmt)
+    raise InvalidRequest("response_format.type must be text, json_object, json_schema or "
+                         "structural_tag")
 
 
 def structured_output(body: dict[str, Any]) -> tuple[str, str, str] | None:
@@ -133,7 +139,7 @@ def structured_output(body: dict[str, Any]) -> tuple[str, str, str] | None:
     kind = STRUCTURED_OUTPUT_KINDS[key]
     if kind == "json_object":
         return name, "json_schema", '{"type": "object"}'
-    if kind == "json_schema" and isinstance(value, dict):
+    if kind in ("json_schema", "structural_tag") and isinstance(value, dict):
         return name, kind, json.dumps(value)
     if kind == "choice":
         if not (isinstance(value, list) and value and all(isinstance(c, str) for c in value)):
@@ -153,11 +159,13 @@ def sampling_params(body: dict[str, Any], max_new_tokens: Any,
     grammar become the grammar field they ask for (at most one constraint per request)."""
     values = {ours: body[theirs] for theirs, ours in SAMPLING_FIELDS.items()
               if body.get(theirs) is not None}
-    schema = response_format_schema(body.get("response_format"))
+    schema = response_format_grammar(body.get("response_format"))
     if schema is not None:
-        if values.get("json_schema") not in (None, schema):
-            raise InvalidRequest("give either response_format or json_schema, not both")
-        values["json_schema"] = schema
+        kind, text = schema
+        if any(values.get(field) not in (None, "", text) for field in GRAMMAR_FIELDS):
+            raise InvalidRequest("give either response_format or a grammar field "
+                                 f"({', '.join(GRAMMAR_FIELDS)}), not both")
+        values[kind] = text
     constraint = structured_output(body)
     if constraint is not None:
         name, kind, text = constraint

@@ -7,6 +7,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from minisgl.core import GRAMMAR_FIELDS
 from minisgl.errors import InvalidRequest
 from minisgl.protocol.fields import (UnknownFields, check_adapter_name, check_int, check_priority,
                                      flag)
@@ -126,11 +127,12 @@ def parse_chat(body: dict[str, Any], model: OpenAIModel, template_takes_tools: b
         max_tokens = body.get("max_tokens")
     # NOTE: None is OpenAI's default: whatever room the context leaves
     params = sampling_params(body, max_tokens, model.sampling_defaults)
-    if tools is not None and tools.grammar() is not None:
-        if params.grammar is not None:
-            raise InvalidRequest("tool_choice required or a named function constrains the "
-                                 "answer already: drop response_format / regex / ebnf")
-        params.json_schema = tools.grammar()
+    if tools is not None:
+        grammar = tools.grammar(model.tool_call_parser, params.grammar)
+        if grammar != params.grammar:
+            for name in GRAMMAR_FIELDS:
+                setattr(params, name, None)
+            setattr(params, *grammar)
     chat = ChatPrompt(messages, template_kwargs, prefix)
     prompt = Prompt([], params, logprob_num=(top or 0) if logprobs else -1,
                     priority=check_priority(body.get("priority")), chat=chat, lora=adapter)

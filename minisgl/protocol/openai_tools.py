@@ -1,7 +1,9 @@
 """Tool calls on /v1/chat/completions: the tools go into the prompt, `required` and a named
 function are grammar-constrained (the call always parses and its arguments follow the
 function's schema), and `auto` output is parsed (`--tool-call-parser`), as it streams, by
-openai_tool_parser. `parallel_tool_calls: false` bounds `required` to one call and keeps only
+openai_tool_parser; when a tool is `strict`, each call the model opens under `auto` is
+constrained to its function's schema too (a structural tag: free text until the call's
+opening tag, then the call's form). `parallel_tool_calls: false` bounds `required` to one call and keeps only
 the first call of an `auto` answer.
 
 Prompt: a chat template that takes `tools` gets them. Otherwise a system message lists them
@@ -26,6 +28,13 @@ from minisgl.protocol.openai_tool_parser import ToolCallParser
 # hermes-style <tool_call> blocks
 PARSER_STYLES = {"hermes": "hermes", "qwen25": "hermes", "llama3": "llama3",
                  "mistral": "mistral", "pythonic": "pythonic"}
+# parser style -> (trigger, begin with the function's JSON name, end) of a call the strict
+# tools' grammar constrains (the forms the parsers read)
+STRICT_CALL_FORMATS = {
+    "hermes": ("<tool_call>", '<tool_call>\n{{"name": {name}, "arguments": ', "}\n</tool_call>"),
+    "llama3": ('{"name": ', '{{"name": {name}, "parameters": ', "}"),
+    "mistral": ("[TOOL_CALLS]", '[TOOL_CALLS] [{{"name": {name}, "arguments": ', "}]"),
+}
 DEFAULT_PROMPT = (
     "You can call functions. Here they are, as JSON schemas:\n{tools}\n"
     "To call one, answer with\n<tool_call>\n"
@@ -42,16 +51,26 @@ class ToolUse:
     def names(self) -> list[str]:
         return [t["function"]["name"] for t in self.tools]
 
-    def grammar(self) -> str | None:
-        """The JSON schema the answer must follow: one call's arguments for a named function,
-        a non-empty list of calls for `required` (one at most without parallel calls); None
-        for `auto` (free text, parsed)."""
+    @property
+    def strict(self) -> bool:
+        return any(t["function"].get("strict") for t in self.tools)
+
+    def grammar(self, parser: str, answer: tuple[str, str] | None
+                ) -> tuple[str, str] | None:
+        """(kind, text) of the grammar the answer must follow, given `answer`'s (the request's
+        own format, or None). A named function: its arguments; `required`: a non-empty JSON
+        list of calls (one at most without parallel calls); `auto`: free text (or `answer`)
+        where, if a tool is strict, each call the model opens in --tool-call-parser's format
+        follows its function's schema (an xgrammar structural tag)."""
         schemas = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"}
                    for t in self.tools}
         if self.choice == "auto":
-            return None
+            return self._strict_calls(parser, schemas, answer) if self.strict else answer
+        if answer is not None:
+            raise InvalidRequest("tool_choice required or a named function constrains the "
+                                 "answer already: drop response_format / regex / ebnf")
         if self.choice != "required":
-            return json.dumps(schemas[self.choice])
+            return "json_schema", json.dumps(schemas[self.choice])
         calls = [{"type": "object", "properties": {"name": {"const": name},
                                                    "arguments": schema},
                   "required": ["name", "arguments"], "additionalProperties": False}
@@ -59,7 +78,34 @@ class ToolUse:
         array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
         if not self.parallel:
             array["maxItems"] = 1
-        return json.dumps(array)
+        return "json_schema", json.dumps(array)
+
+    def _strict_calls(self, parser: str, schemas: dict[str, Any],
+                      answer: tuple[str, str] | None) -> tuple[str, str]:
+        call_format = STRICT_CALL_FORMATS.get(PARSER_STYLES[parser])
+        if call_format is None:
+            raise InvalidRequest(f"strict function tools under tool_choice auto need calls "
+                                 f"written as JSON; --tool-call-parser {parser} reads Python "
+                                 "calls (set strict false, or serve with hermes, qwen25, "
+                                 "llama3 or mistral)")
+        trigger, begin, end = call_format
+        tags = [{"type": "tag", "begin": begin.format(name=json.dumps(name)),
+                 "content": {"type": "json_schema", "json_schema": schema}, "end": end}
+                for name, schema in schemas.items()]
+        if answer is None:
+            form: dict[str, Any] = {"type": "triggered_tags", "triggers": [trigger],
+                                    "tags": tags, "at_least_one": False,
+                                    "stop_after_first": not self.parallel}
+        elif answer[0] == "json_schema":  # either the answer's JSON or calls
+            form = {"type": "or", "elements": [
+                {"type": "json_schema", "json_schema": json.loads(answer[1])},
+                {"type": "tags_with_separator", "tags": tags, "separator": "\n",
+                 "at_least_one": True, "stop_after_first": not self.parallel}]}
+        else:
+            raise InvalidRequest(f"strict function tools with a {answer[0]} answer format are "
+                                 "not supported by minisgl (set strict false, or ask for a "
+                                 "JSON schema)")
+        return "structural_tag", json.dumps({"type": "structural_tag", "format": form})
 
     def parser(self, parser: str) -> ToolCallParser | PythonicCallParser:
         """A fresh parser for one choice: `parser` (--tool-call-parser) reads `auto` text."""
