@@ -225,3 +225,9 @@ def test_tp3_matches_transformers():
         llm.check_integrity()
     for item, text in zip(out, INPUTS):
         assert_matches_reference(item["embedding"], ref.prompt_ids(text))
+
+
+def test_is_embedding_refuses_speculation():
+    from minisgl.args import ServerArgs
+    with pytest.raises(ValueError, match="--is-embedding"):
+        ServerArgs(is_embedding=True, speculative_algorithm="NGRAM")
