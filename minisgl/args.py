@@ -147,6 +147,10 @@ class ServerArgs:
         "or none (every weight dequantized to --dtype; the default otherwise).",
         choices=["gguf", "w8a8_int8", "fp8", "awq", "gptq", "compressed-tensors", "none"])
     disable_radix_cache: bool = _flag(False, "Use no prefix cache.")
+    is_embedding: bool = _flag(
+        False, "Serve the model as an embedding model: /v1/embeddings and /encode answer each "
+        "input's final hidden state at its last token, L2-normalised (SGLang's pooling for "
+        "decoder models); the generation endpoints are refused.")
     speculative_algorithm: str | None = _flag(
         None, "Speculative decoding: NGRAM drafts each request's next tokens from n-grams of "
         "its own prompt and output, STANDALONE with a smaller draft model "
@@ -246,6 +250,9 @@ class ServerArgs:
                                  f"{', '.join(str(c) for c in choices)}, got {value!r}")
         check_speculation(self)
         check_lora(self)
+        if self.is_embedding and self.speculative_algorithm is not None:
+            raise ValueError("--is-embedding generates no tokens: --speculative-algorithm "
+                             "does not apply")
         names = self.served_model_names
         if self.served_model_name is not None and not (
                 names and all(isinstance(n, str) and n for n in names)):

@@ -235,14 +235,16 @@ class Req:
                  "input_logprobs", "input_top_logprobs", "table_idx", "kv_len", "device_len",
                  "shared_len", "tail_loc", "cache_handle", "admitted_at", "cached_tokens",
                  "finish_reason", "speculative", "spec_verify_ct", "spec_drafted",
-                 "spec_accepted", "lora_uid")
+                 "spec_accepted", "lora_uid", "embed")
 
     def __init__(self, uid: int, rid: str, prompt_ids: list[int], params: SamplingParams,
                  max_device_len: int, stop_ids: frozenset[int] = frozenset(),
                  logprob_num: int = -1, logprob_start_len: int = -1, matcher: Any = None,
                  generator: torch.Generator | None = None, priority: int = 0,
-                 lora_uid: int = 0) -> None:
+                 lora_uid: int = 0, embed: bool = False) -> None:
         self.uid, self.rid = uid, rid
+        # --is-embedding: its last prompt token's final hidden state is the answer
+        self.embed = embed
         self.lora_uid = lora_uid  # its LoRA adapter (scheduler.lora), 0: the base model
         self.priority = priority  # with priority scheduling: higher first (scheduler.policy)
         self.host_ids = list(prompt_ids)
@@ -312,9 +314,10 @@ class Req:
         return range(0) if self.num_outputs else self.scored_positions
 
     @property
-    def scores_only(self) -> bool:
-        """max_new_tokens 0 with prompt tokens to score: one prefill, then finished."""
-        return self.params.max_new_tokens == 0 and bool(self.scored_positions)
+    def prefill_only(self) -> bool:
+        """max_new_tokens 0 with prompt tokens to score or an embedding to take: one prefill,
+        then finished; nothing is sampled into its row of the token pool."""
+        return self.params.max_new_tokens == 0 and (self.embed or bool(self.scored_positions))
 
     @property
     def cacheable_len(self) -> int:

@@ -10,6 +10,8 @@ from minisgl.args import ServerArgs
 from minisgl.core import SamplingParams
 from minisgl.env import no_openmp_on_this_thread
 from minisgl.errors import InvalidRequest
+from minisgl.protocol.embeddings import (EMBEDDING_ONLY, EmbeddingRequest, EmbeddingShape,
+                                         abort_message, encode_results, parse_encode)
 from minisgl.protocol.native import KNOWN_FIELDS, GenerateRequest, parse_generate
 from minisgl.protocol.native_results import generate_results
 from minisgl.protocol.token_texts import TokenTexts
@@ -70,6 +72,28 @@ class LLM:
         handles = await requests.submit_prompts(req.prompts)
         await asyncio.gather(*(requests.wait(h) for h in handles))
         return generate_results(req, handles, self._tokens)
+
+    def encode(self, prompt: str | list[str] | None = None,
+               input_ids: list[int] | list[list[int]] | None = None,
+               **fields: Any) -> dict[str, Any] | list[dict[str, Any]]:
+        """SGLang's `Engine.encode` (an `--is-embedding` server's `/encode`) offline: one
+        {"embedding", "meta_info"} for one input, else a list. Needs `is_embedding=True`."""
+        if not self._finalizer.alive:
+            raise RuntimeError("this LLM was shut down")
+        if not self.args.is_embedding:
+            raise InvalidRequest(f"LLM.encode: {EMBEDDING_ONLY} (is_embedding=True)")
+        req = parse_encode({"text": prompt, **fields, "input_ids": input_ids},
+                           EmbeddingShape.of(self.runtime), None)
+        return _run(self._loop, self._encode(req))
+
+    async def _encode(self, req: EmbeddingRequest) -> Any:
+        requests = self.runtime.requests
+        handles = await requests.submit_prompts(req.prompts)
+        await asyncio.gather(*(requests.wait(h) for h in handles))
+        message = abort_message(handles)
+        if message is not None:
+            raise RuntimeError(message)
+        return encode_results(req, handles)
 
     def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> None:
         """Serve a PEFT adapter folder under `lora_name` (SGLang's Engine method)."""

@@ -216,6 +216,8 @@ BAD_OPENAI = [
     ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, "logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
     ("/v1/chat/completions", {"messages": CHAT, "stream": "yes"}, "stream"),
+    ("/v1/embeddings", {"input": PROMPT}, "--is-embedding"),  # a generation server
+    ("/encode", {"text": PROMPT}, "--is-embedding"),
 ]
 
 
@@ -226,6 +228,13 @@ def test_bad_requests(minisgl_server, path, body, contains):
     error = r.json()["error"]
     assert error["code"] == 400 and error["type"] == "invalid_request_error"
     assert contains in error["message"]
+
+
+def test_generation_server_refuses_embeddings(client, minisgl_server):
+    with pytest.raises(openai.BadRequestError, match="--is-embedding"):
+        client.embeddings.create(model=MODEL, input=PROMPT)
+    info = requests.get(minisgl_server.url + "/model_info", timeout=30).json()
+    assert info["is_generation"] is True
 
 
 def test_openai_client_sees_errors(client):

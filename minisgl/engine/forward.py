@@ -103,6 +103,9 @@ class ForwardInput:
     verify_step: bool = False  # every rank: a verify step (logit rows are its tokens, unscored)
     # --enable-lora: adapters to put into slots before this step, (slot, uid, folder)
     lora_loads: list[tuple[int, int, str]] = field(default_factory=list)
+    # rank 0, a prefill: the batch rows (int64 on the device) whose last token's final hidden
+    # state is an embedding to return (--is-embedding); None when no row wants one
+    embed_rows: torch.Tensor | None = None
 
     @property
     def num_scored_rows(self) -> int:
@@ -125,6 +128,7 @@ class ForwardOutput:
     drafted: torch.Tensor | None = None  # verify: [B] int64, drafts each row verified
     input_logprobs: InputLogprobs | None = None
     logits: torch.Tensor | None = None  # logits_only: [rows, vocab] float32, not sampled
+    embeddings: torch.Tensor | None = None  # [len(embed_rows), hidden] float32, L2-normalised
 
 
 def to_host(x: torch.Tensor | None) -> torch.Tensor | None:

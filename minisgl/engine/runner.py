@@ -13,6 +13,7 @@ from minisgl.distributed.context import TPInfo, broadcast
 from minisgl.engine.forward import ForwardInput, ForwardOutput, InputLogprobs, to_host
 from minisgl.engine.graph import GraphRunner
 from minisgl.engine.lora import LoraModules
+from minisgl.engine.pooling import last_token_embeddings
 from minisgl.engine.sampler import Sampler
 from minisgl.engine.scoring import score_rows
 from minisgl.engine.speculation import Speculator
@@ -51,7 +52,7 @@ class ModelRunner:
         started = time.perf_counter()
         if self.lora is not None:
             self.lora.begin_step(fwd.lora_loads, fwd.batch)
-        logits, scored = self._logits(fwd)
+        logits, scored, embeddings = self._logits(fwd)
         if fwd.logits_only:
             return ForwardOutput(logits=logits.float())
         if not self.tp.is_primary:  # rank 0 samples; every rank stores its choice
@@ -60,25 +61,34 @@ class ModelRunner:
             self.token_pool.view(-1)[fwd.write_indices] = broadcast(next_tokens, 0)
             return ForwardOutput()
         output = self._sample(fwd, logits, scored)
+        output.embeddings = embeddings
         if self.speculator is not None and fwd.verify is None:
             self.speculator.record_step(fwd)
         self._count(fwd.batch, started, verify=fwd.verify is not None)
         return output
 
-    def _logits(self, fwd: ForwardInput) -> tuple[torch.Tensor, InputLogprobs | None]:
-        """The batch's next-token logits (replayed from a CUDA graph where one fits), and the
-        input logprobs of its scored prompt rows (None without any)."""
+    def _logits(self, fwd: ForwardInput
+                ) -> tuple[torch.Tensor, InputLogprobs | None, torch.Tensor | None]:
+        """The batch's next-token logits (replayed from a CUDA graph where one fits), the
+        input logprobs of its scored prompt rows and the embeddings of its embedding rows
+        (each None without any)."""
         batch = fwd.batch
         input_ids = self.token_pool.view(-1)[fwd.load_indices]
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
-            return self.graph_runner.replay(batch, input_ids, batch.input_positions), None
-        if fwd.num_scored_rows:
+            return self.graph_runner.replay(batch, input_ids, batch.input_positions), None, None
+        if fwd.num_scored_rows or fwd.embed_rows is not None:
+            # NOTE: the same collectives as the model's forward on the other ranks: the LM
+            # head on the sampling rows, then (every rank) on the scored rows
             hidden = self.model.hidden_states(input_ids, batch.input_positions, batch,
                                               self.attn_backend, fwd.logit_rows)
-            return (self.model.lm_head(hidden[: batch.size]),
-                    score_rows(self.model.lm_head, hidden[batch.size:], fwd.input_logprobs))
+            embeddings = (None if fwd.embed_rows is None
+                          else last_token_embeddings(hidden, fwd.embed_rows))
+            logits = self.model.lm_head(hidden[: batch.size])
+            scored = (score_rows(self.model.lm_head, hidden[batch.size:], fwd.input_logprobs)
+                      if fwd.num_scored_rows else None)
+            return logits, scored, embeddings
         return self.model(input_ids, batch.input_positions, batch, self.attn_backend,
-                          fwd.logit_rows), None
+                          fwd.logit_rows), None, None
 
     def _sample(self, fwd: ForwardInput, logits: torch.Tensor,
                 scored: InputLogprobs | None) -> ForwardOutput:

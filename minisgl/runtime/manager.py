@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+import torch
+
 from minisgl.core import SamplingParams
 from minisgl.errors import EngineFailed, InvalidRequest
 from minisgl.grammar import GrammarBackend
@@ -67,6 +69,7 @@ class ReqHandle:
     logprob_start_len: int = -1  # first prompt position of input_token_logprobs (-1: none)
     input_logprobs: list[float] = field(default_factory=list)
     input_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    embedding: torch.Tensor | None = None  # an embedding request's: [hidden] float32, normalised
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     @classmethod
@@ -272,6 +275,8 @@ class RequestManager:
                 if event.logprob is not None:
                     handle.token_logprobs.append((event.logprob, event.token))
                     handle.top_logprobs.append(event.top_logprobs or [])
+            if event.embedding is not None:
+                handle.embedding = event.embedding
             if event.input_logprobs is not None:  # with the first token, or alone (scoring)
                 handle.input_logprobs = event.input_logprobs
                 handle.input_top_logprobs = event.input_top_logprobs or []

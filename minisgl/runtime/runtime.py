@@ -4,6 +4,7 @@ HTTP server and the offline `LLM` hold this object and reach nothing below it.""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,10 @@ class Runtime:
     def __init__(self, args: ServerArgs) -> None:
         self.args = args
         quiet_tokenizer_threads()  # NOTE: before the engine spawns its TP workers
-        self.engine = Engine(args.pick(EngineConfig))
+        engine_config = args.pick(EngineConfig)
+        if args.is_embedding:  # NOTE: it never decodes, so decode graphs would be dead weight
+            engine_config = replace(engine_config, disable_cuda_graph=True)
+        self.engine = Engine(engine_config)
         try:
             self.tokenizer = Tokenizer.load(args.tokenizer_path or self.engine.model_path)
             template = args.chat_template_text()
@@ -124,7 +128,8 @@ class Runtime:
         """SGLang's /model_info fields."""
         arch = self.engine.arch
         return {"model_path": str(self.model_path), "tokenizer_path": self.tokenizer_path,
-                "served_model_name": self.model_name, "is_generation": True,
+                "served_model_name": self.model_name,
+                "is_generation": not self.args.is_embedding,
                 "model_type": arch.model_type, "architectures": [arch.architecture],
                 "preferred_sampling_params": None, "weight_version": "default"}
 

@@ -33,6 +33,11 @@ class ScheduledBatch:
     completion: Completion | None = None  # set when launched
     reserved: list[int] | None = None  # a verify step: KV slots reserved per row
 
+    @property
+    def embed_rows(self) -> list[int]:
+        """Rows whose embedding the forward returns (ForwardOutput.embeddings, in order)."""
+        return embedding_rows(self.reqs, self.last_chunk)
+
     def fill_masks(self) -> None:
         """Each grammar row's allowed next tokens, from its matcher (which must have accepted
         every token sampled before this batch); then sampling may go on. Idempotent."""
@@ -44,6 +49,12 @@ class ScheduledBatch:
             if not req.is_finished:  # NOTE: a finished row's token is dropped anyway
                 req.matcher.fill_next_token_bitmask(grammar.bitmask, j)
         grammar.release()
+
+
+def embedding_rows(reqs: list[Req], last_chunk: list[bool]) -> list[int]:
+    """Rows that end an embedding request's prompt: their last token's hidden state is its
+    embedding (earlier chunks only fill the KV cache)."""
+    return [i for i, (req, last) in enumerate(zip(reqs, last_chunk)) if last and req.embed]
 
 
 class BatchBuilder:
@@ -129,7 +140,7 @@ class BatchBuilder:
             positions, load = span_indices(rows, starts, counts, ctx)
         self.table.write_locations(load, locations)
         dummy_write = self.table.dummy_row * ctx
-        write = torch.tensor([r * ctx + e if last and not req.scores_only else dummy_write
+        write = torch.tensor([r * ctx + e if last and not req.prefill_only else dummy_write
                               for req, r, e, last in zip(reqs, rows, ends, last_chunk)])
         batch = Batch(phase, len(reqs), table_rows=rows, cached_lens=starts, seq_lens=ends,
                       extend_lens=counts, input_positions=positions.to(device, non_blocking=True),
@@ -142,6 +153,7 @@ class BatchBuilder:
             output_counts=[e - len(r.prompt_ids) for r, e in zip(reqs, ends)],
             table_rows=rows, seq_lens=ends, logprob_nums=[r.logprob_num for r in reqs])
         rows_host, scored = None, None  # prefill: each last token, then any scored rows
+        embed_rows = embedding_rows(reqs, last_chunk) if phase != "decode" else []
         if phase != "decode":
             rows_host = counts_t.cumsum(0) - 1
             prefills = len(reqs) - decode_rows
@@ -154,7 +166,7 @@ class BatchBuilder:
             req.kv_len = ends[i]
             if tails is not None:
                 req.tail_loc = tails[i]
-            if last_chunk[i] and not req.scores_only:
+            if last_chunk[i] and not req.prefill_only:
                 req.device_len = ends[i] + 1
         message = None
         if self.multi_rank:  # the table writes since the last step travel with it
@@ -170,13 +182,15 @@ class BatchBuilder:
                            logit_rows=None if rows_host is None else rows_host.to(
                                device, non_blocking=True),
                            sample_args=sample_args, message=message, input_logprobs=scored,
-                           grammar=self._grammar_rows(reqs, last_chunk), lora_loads=loads)
+                           grammar=self._grammar_rows(reqs, last_chunk), lora_loads=loads,
+                           embed_rows=torch.tensor(embed_rows, dtype=torch.int64).to(
+                               device, non_blocking=True) if embed_rows else None)
         return ScheduledBatch(reqs, last_chunk, fwd)
 
     def _grammar_rows(self, reqs: list[Req], last_chunk: list[bool]) -> GrammarMask | None:
         """The rows whose token must follow a grammar (mask not filled yet); None if none."""
         rows = [i for i, (req, last) in enumerate(zip(reqs, last_chunk))
-                if req.matcher is not None and last and not req.scores_only]
+                if req.matcher is not None and last and not req.prefill_only]
         if not rows:
             return None
         words = -(-self.engine.arch.vocab_size // 32)

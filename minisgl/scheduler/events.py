@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from minisgl.core import SamplingParams
 
 
@@ -37,6 +39,8 @@ class ReqEvent:
     input_top_logprobs: list[list[tuple[float, int]]] | None = None
     # a speculating request's running totals: (verify steps, drafted, accepted drafts)
     spec: tuple[int, int, int] | None = None
+    # an embedding request's answer: [hidden] float32 on the host, L2-normalised
+    embedding: torch.Tensor | None = None
 
     @property
     def finished(self) -> bool:

@@ -27,6 +27,7 @@ class RequestSpec:
     matcher: Any = None  # params.grammar's matcher (grammar.backend.Matcher), made on submission
     priority: int | None = None  # used with --enable-priority-scheduling
     lora: str | None = None  # a loaded LoRA adapter's name (--enable-lora), None: the base model
+    embed: bool = False  # answer the last prompt token's final hidden state (max_new_tokens 0)
 
 
 @dataclass(frozen=True)
@@ -145,6 +146,8 @@ def check_one(spec: RequestSpec, limits: RequestLimits, rid_taken: Callable[[str
         raise InvalidRequest(
             f"the request needs {total} tokens of KV cache but the pool holds only "
             f"{limits.pool_tokens} (--max-total-tokens)")
+    if spec.embed and params.max_new_tokens:
+        raise InvalidRequest("an embedding request generates no tokens (max_new_tokens 0)")
     if spec.rid is not None and rid_taken(spec.rid):
         raise InvalidRequest(f"a request with rid {spec.rid!r} is already running")
     if spec.logprob_num >= 0:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import torch
+
 from minisgl.core import Req
 from minisgl.engine import ForwardOutput
 from minisgl.scheduler.batch_builder import ScheduledBatch
@@ -59,6 +61,8 @@ def collect_events(done: ScheduledBatch, out: ForwardOutput,
     if out.input_logprobs is not None:
         store_input_logprobs(done, out)
     drafted = out.drafted.tolist() if out.drafted is not None else None
+    embeddings = ({} if out.embeddings is None
+                  else dict(zip(done.embed_rows, out.embeddings.unbind(0))))
     events: list[ReqEvent] = []
     for i, req in enumerate(done.reqs):
         if not done.last_chunk[i] or req.is_finished:
@@ -79,9 +83,9 @@ def collect_events(done: ScheduledBatch, out: ForwardOutput,
                 req.spec_accepted += counts[i] - 1
         # NOTE: input logprobs go out with the request's first event, read before it appends
         first = req.logprob_num >= 0 and req.num_outputs == 0
-        if req.scores_only:  # prefilled for its input logprobs; the sample is unused
+        if req.prefill_only:  # prefilled for its input logprobs or embedding; nothing sampled
             finish(req, {"type": "length", "length": 0})
-            events.append(_event(req, None, None, None, first))
+            events.append(_event(req, None, None, None, first, embeddings.get(i)))
             continue
         for j, token in enumerate(row_tokens):
             req.host_ids.append(token)
@@ -104,10 +108,12 @@ def collect_events(done: ScheduledBatch, out: ForwardOutput,
 
 
 def _event(req: Req, token: int | None, logprob: float | None,
-           top: list[tuple[float, int]] | None, first: bool) -> ReqEvent:
+           top: list[tuple[float, int]] | None, first: bool,
+           embedding: torch.Tensor | None = None) -> ReqEvent:
     return ReqEvent(req.rid, token, req.finish_reason, req.cached_tokens, logprob, top,
                     req.input_logprobs if first else None,
-                    req.input_top_logprobs if first else None, spec=_spec_counts(req))
+                    req.input_top_logprobs if first else None, spec=_spec_counts(req),
+                    embedding=embedding)
 
 
 def _spec_counts(req: Req) -> tuple[int, int, int] | None:

@@ -127,7 +127,7 @@ class Scheduler:
                   stop_ids=frozenset(params.stop_token_ids or ()) | (
                       frozenset() if params.ignore_eos else self.eos_ids),
                   logprob_num=spec.logprob_num, matcher=spec.matcher,
-                  priority=spec.priority or 0, lora_uid=lora_uid,
+                  priority=spec.priority or 0, lora_uid=lora_uid, embed=spec.embed,
                   logprob_start_len=-1 if spec.logprob_num < 0 else
                   (prompt_len - 1 if start < 0 else start))
         if params.sampling_seed is not None:
@@ -178,7 +178,7 @@ class Scheduler:
                 req: Req = payload
                 if req.is_finished:
                     continue  # aborted before it was ever queued
-                if req.params.max_new_tokens == 0 and not req.scores_only:
+                if req.params.max_new_tokens == 0 and not req.prefill_only:
                     self._finish(req, {"type": "length", "length": 0})
                     events.append(finished_event(req))
                     continue

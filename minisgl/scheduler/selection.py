@@ -95,7 +95,7 @@ class BatchSelector:
             batch = self.builder.prefill(chunks)
         for chunk in chunks:
             self.prefill.share(chunk.req)
-            if chunk.is_last and not chunk.req.scores_only:
+            if chunk.is_last and not chunk.req.prefill_only:
                 self.decode.add(chunk.req)
         return batch
 

@@ -23,6 +23,7 @@ from minisgl.runtime.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from minisgl.scheduler import RequestSpec
 from minisgl.server.dashboard import OPEN_PATHS as DASHBOARD_OPEN_PATHS
 from minisgl.server.dashboard import Dashboard
+from minisgl.server.embeddings_api import EmbeddingsAPI
 from minisgl.server.guard import Guard, Handler
 from minisgl.server.http import (MAX_BODY, HTTPError, error_response, json_response, read_json,
                                  too_large)
@@ -48,6 +49,8 @@ class Server:
         self.openai = OpenAIAPI(runtime, self.tokens, self.unknown_fields, self.ensure_ready)
         self.responses = ResponsesAPI(runtime, self.openai.model, self.tokens,
                                       self.unknown_fields, self.ensure_ready)
+        self.embeddings = EmbeddingsAPI(runtime, self.openai.model, self.unknown_fields,
+                                        self.ensure_ready)
         self.timeline = Timeline(runtime.state, self.manager.metrics)
         self.manager.metrics.watch_scheduler(runtime.state, self.timeline.gen_throughput)
         self.dashboard = Dashboard(runtime, self.timeline)
@@ -56,7 +59,8 @@ class Server:
 
     def build_app(self) -> web.Application:
         app = web.Application(client_max_size=self.args.max_request_bytes,
-                              middlewares=[self.errors_middleware, self.guard.middleware])
+                              middlewares=[self.errors_middleware, self.guard.middleware,
+                                           self.embeddings.middleware])
         app[MAX_BODY] = self.args.max_request_bytes
         app.on_response_prepare.append(self.guard.add_cors_headers)
         app.cleanup_ctx.append(self._timeline_sampling)
@@ -76,6 +80,7 @@ class Server:
               (("load", self.load_adapter), ("unload", self.unload_adapter))),
             *self.openai.routes(),
             *self.responses.routes(),
+            *self.embeddings.routes(),
             *self.dashboard.routes(),
         ])
         return app
