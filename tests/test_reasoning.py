@@ -337,11 +337,17 @@ def test_grammar_applies_after_the_reasoning(client):
     jsonschema.validate(json.loads(closed.content), COLOR)
 
 
-@pytest.mark.parametrize("field, value", [("separate_reasoning", "no"),
-                                          ("stream_reasoning", 1)])
+@pytest.mark.parametrize("field, value", [
+    ("separate_reasoning", "no"), ("stream_reasoning", 1),
+    ("chat_template_kwargs.enable_thinking", "no")])
 def test_bad_reasoning_fields_are_refused(server, field, value):
-    r = requests.post(server.url + "/v1/chat/completions", timeout=60,
-                      json={"messages": SHOTS, "max_tokens": 1, field: value})
+    body: dict[str, Any] = {"messages": SHOTS, "max_tokens": 1}
+    if "." in field:
+        outer, inner = field.split(".")
+        body[outer] = {inner: value}
+    else:
+        body[field] = value
+    r = requests.post(server.url + "/v1/chat/completions", timeout=60, json=body)
     assert r.status_code == 400 and field in r.text
 
 

@@ -149,16 +149,18 @@ class ChatAnswer(_Answer):
         reasoning, text = None, h.text
         if self.reasoning is not None:
             reasoning, text = self.reasoning.new_parser().parse(h.text)
-        message: dict[str, Any] = {"role": "assistant",
-                                   "content": None if reasoning and not text else text,
+        message: dict[str, Any] = {"role": "assistant", "content": text,
                                    "reasoning_content": reasoning}
-        if self.tools is None:
-            return message, finish_reason(h.finish_reason)
-        parser = self.tools.parser(self.parser_name)
-        message["content"], calls = parser.parse(text)
-        if calls:
-            message["tool_calls"] = calls
-        return message, parser.finish_reason(finish_reason(h.finish_reason))
+        reason = finish_reason(h.finish_reason)
+        if self.tools is not None:
+            parser = self.tools.parser(self.parser_name)
+            message["content"], calls = parser.parse(text)
+            if calls:
+                message["tool_calls"] = calls
+            reason = parser.finish_reason(reason)
+        if reasoning and not message["content"]:
+            message["content"] = None  # NOTE: as SGLang: only thoughts, no answer
+        return message, reason
 
     def stream_first(self) -> list[dict[str, Any]]:
         """The role comes first, alone, for each choice."""

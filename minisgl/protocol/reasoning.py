@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from minisgl.errors import InvalidRequest
 from minisgl.protocol.fields import check_bool, none_as
 
 THINK_START, THINK_END = "<think>", "</think>"
@@ -203,5 +204,9 @@ def request_reasoning(body: dict[str, Any], parser: str | None, template: Templa
     stream = check_bool(none_as(body.get("stream_reasoning"), True), "stream_reasoning")
     if parser is None:
         return None, False
+    switch = template_kwargs.get(THINKING_SWITCH)
+    if switch is not None and not isinstance(switch, bool):
+        raise InvalidRequest(f"chat_template_kwargs.{THINKING_SWITCH} must be true or false, "
+                             f"got {switch!r}")
     inside = starts_in_reasoning(parser, template, template_kwargs, prefix)
     return (Reasoning(parser, inside, stream) if separate else None), inside
