@@ -58,6 +58,10 @@ class ServerArgs:
         "mistral ([TOOL_CALLS] and a JSON array of calls) or pythonic (a Python list of calls, "
         "[f(a=1), g(b=\"x\")]).",
         choices=["hermes", "qwen25", "llama3", "mistral", "pythonic"])
+    reasoning_parser: str | None = _flag(
+        None, "Return a chat answer's thinking (<think>...</think>) as reasoning_content apart "
+        "from content: qwen3 (Qwen3's templates, enable_thinking) or deepseek-r1 (the answer "
+        "always starts inside the thinking).", choices=["qwen3", "deepseek-r1"])
     sampling_defaults: str = _flag(
         "model", "model: chat requests that leave temperature, top_p, top_k, min_p or "
         "repetition_penalty out take them from the model's generation_config.json; openai: "

@@ -23,6 +23,7 @@ INERT_SAMPLING_FIELDS = frozenset({"stream_interval", "custom_params"})
 UNSUPPORTED_SAMPLING_FIELDS = frozenset({"beam_width", "watermark",
                                          "choice"})
 GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")  # at most one per request
+INTERNAL_SAMPLING_FIELDS = frozenset({"grammar_after"})  # set by minisgl, never by a request
 
 
 def asks_nothing(value: Any, nested: bool = False) -> bool:
@@ -63,6 +64,9 @@ class SamplingParams:
     regex: str | None = None
     ebnf: str | None = None
     structural_tag: str | None = None  # xgrammar's (or SGLang's older) structural tag, as JSON
+    # NOTE: set by the chat endpoint, never by a client: the grammar applies to the output
+    # after this text (a reasoning model's `</think>`); anything goes before it
+    grammar_after: str | None = None
 
     @classmethod
     def from_dict(cls, values: dict[str, Any] | None) -> SamplingParams:
@@ -74,8 +78,8 @@ class SamplingParams:
             if not asks_nothing(values[name]) and not (name == "beam_width"
                                                        and values[name] == 1):
                 raise InvalidRequest(f"sampling parameter {name} is not supported by minisgl")
-        known = cls.__dataclass_fields__
-        unknown = sorted(set(values) - set(known) - INERT_SAMPLING_FIELDS
+        known = set(cls.__dataclass_fields__) - INTERNAL_SAMPLING_FIELDS
+        unknown = sorted(set(values) - known - INERT_SAMPLING_FIELDS
                          - UNSUPPORTED_SAMPLING_FIELDS)
         if unknown:  # NOTE: as SGLang: a misspelt sampling parameter must not pass unseen
             raise InvalidRequest(f"unknown sampling parameter(s): {', '.join(unknown)}")

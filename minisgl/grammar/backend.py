@@ -12,24 +12,16 @@ import json
 import logging
 import re
 from collections import OrderedDict
-from typing import Any, Protocol
+from typing import Any
 
 from minisgl.errors import InvalidRequest
+from minisgl.grammar.matcher import Matcher, ReasonerMatcher
 
 logger = logging.getLogger(__name__)
 
 CACHE_SIZE = 1024  # compiled grammars kept (least recently used go first)
 # xgrammar's messages start with "[hh:mm:ss] /project/cpp/file.cc:123: "
 _LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
-
-
-class Matcher(Protocol):
-    """One request's position in its grammar (xgrammar.GrammarMatcher has these)."""
-
-    def accept_token(self, token_id: int) -> bool: ...
-    def fill_next_token_bitmask(self, bitmask: Any, index: int = 0) -> Any: ...
-    def is_terminated(self) -> bool: ...
-    def rollback(self, num_tokens: int = 1) -> None: ...
 
 
 class GrammarBackend:
@@ -44,7 +36,7 @@ class GrammarBackend:
     async def compile(self, kind: str, text: str) -> Any:
         raise InvalidRequest(f"{kind}: {self.reason}")
 
-    def matcher(self, compiled: Any) -> Matcher:
+    def matcher(self, compiled: Any, after: str | None = None) -> Matcher:
         raise InvalidRequest(self.reason)
 
 
@@ -64,6 +56,7 @@ class XGrammarBackend(GrammarBackend):
         self._xgr = xgrammar
         self.any_whitespace = any_whitespace
         info = xgrammar.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size)
+        self._token_bytes: list[bytes] = info.decoded_vocab
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
 
@@ -116,8 +109,11 @@ class XGrammarBackend(GrammarBackend):
             self._cache.popitem(last=False)
         return compiled
 
-    def matcher(self, compiled: Any) -> Matcher:
-        return self._xgr.GrammarMatcher(compiled)
+    def matcher(self, compiled: Any, after: str | None = None) -> Matcher:
+        """A fresh matcher; `after`: the grammar applies to the output after this text
+        (the end of a reasoning model's thinking), anything goes before it."""
+        matcher = self._xgr.GrammarMatcher(compiled)
+        return ReasonerMatcher(matcher, after.encode(), self._token_bytes) if after else matcher
 
 
 def create_grammar_backend(name: str, hf_tokenizer: Any | None, vocab_size: int,

@@ -45,14 +45,15 @@ COMMON_FIELDS = frozenset({"model", "stream", "stream_options", "max_tokens", "r
                            "response_format", "best_of", "priority", "structured_outputs",
                            *GUIDED_FIELDS, "guided_decoding_backend",
                            "guided_whitespace_pattern", "lora_path"})
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs"}
+# How a chat answer's reasoning is returned (--reasoning-parser); a completion is never split.
+REASONING_FIELDS = frozenset({"separate_reasoning", "stream_reasoning"})
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs"} | REASONING_FIELDS
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens",
                                "tools", "tool_choice", "continue_final_message",
                                "add_generation_prompt", "chat_template_kwargs",
-                               "parallel_tool_calls"}
+                               "parallel_tool_calls"} | REASONING_FIELDS
 # Nothing a client sees depends on these.
-INERT_FIELDS = frozenset({"user", "metadata", "store", "service_tier",
-                          "separate_reasoning", "stream_reasoning", "custom_labels",
+INERT_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "custom_labels",
                           "custom_params"})
 # Features minisgl lacks: accepted only at their default.
 UNSUPPORTED_FIELDS = frozenset({

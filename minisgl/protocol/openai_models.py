@@ -1,6 +1,6 @@
 """What the OpenAI endpoints know of the served model: the names a request's `model` may use,
 the model cards of /v1/models, and the settings chat requests follow (--sampling-defaults,
---tool-call-parser)."""
+--tool-call-parser, --reasoning-parser and what the chat template does with the thinking)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 from minisgl.errors import InvalidRequest
 from minisgl.models import generation_defaults
+from minisgl.protocol.reasoning import TemplateThinking
 from minisgl.runtime import Runtime
 
 logger = logging.getLogger(__name__)
@@ -31,6 +32,8 @@ class OpenAIModel:
     context_len: int
     sampling_defaults: dict[str, Any]  # what chat requests that leave a sampling field out get
     tool_call_parser: str
+    reasoning_parser: str | None = None
+    template_thinking: TemplateThinking = field(default_factory=TemplateThinking)
     adapters: Callable[[], dict[str, str]] = dict  # the loaded LoRA adapters: name -> path
     lora: bool = False  # --enable-lora: `base:adapter` names an adapter
     created: int = field(default_factory=lambda: int(time.time()))
@@ -44,9 +47,12 @@ class OpenAIModel:
             logger.info("chat requests default to the model's sampling parameters %s", defaults)
         aliases = {*runtime.served_names, str(runtime.model_path),
                    *([args.model_path] if args.model_path else [])}
+        tokenizer = runtime.tokenizer
+        thinking = (TemplateThinking.probe(tokenizer.chat_prompt)
+                    if args.reasoning_parser and tokenizer is not None else TemplateThinking())
         return cls(list(runtime.served_names), aliases, args.strict_model_name,
                    runtime.context_len, defaults, args.tool_call_parser,
-                   runtime.loaded_adapters, args.enable_lora)
+                   args.reasoning_parser, thinking, runtime.loaded_adapters, args.enable_lora)
 
     def card(self, name: str, root: str | None = None, parent: str | None = None
              ) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from minisgl.protocol.openai_fields import (CHAT_FIELDS, COMPLETION_FIELDS, MAX_
 from minisgl.protocol.openai_models import OpenAIModel
 from minisgl.protocol.openai_tools import ToolUse, parse_tool_use, render_tools
 from minisgl.protocol.prompts import ids_prompts, text_prompts
+from minisgl.protocol.reasoning import THINK_END, Reasoning, request_reasoning
 from minisgl.runtime import ChatPrompt, Prompt
 from minisgl.scheduler import expand_samples
 
@@ -96,6 +97,7 @@ class ChatRequest:
     tools: ToolUse | None
     stream: bool
     options: StreamOptions
+    reasoning: Reasoning | None = None  # how the answer's reasoning is split out (None: not)
 
 
 def parse_chat(body: dict[str, Any], model: OpenAIModel, template_takes_tools: bool,
@@ -111,6 +113,8 @@ def parse_chat(body: dict[str, Any], model: OpenAIModel, template_takes_tools: b
                              "final message")
     messages, prefix = split_prefill(normalize_messages(body.get("messages")), continue_final)
     template_kwargs = {**chat_template_kwargs(body), "add_generation_prompt": generation_prompt}
+    reasoning, thinking = request_reasoning(body, model.reasoning_parser,
+                                            model.template_thinking, template_kwargs, prefix)
     tools = parse_tool_use(body)
     if tools is not None:
         messages, extra = render_tools(messages, tools, template_takes_tools)
@@ -133,9 +137,12 @@ def parse_chat(body: dict[str, Any], model: OpenAIModel, template_takes_tools: b
             for name in GRAMMAR_FIELDS:
                 setattr(params, name, None)
             setattr(params, *grammar)
+    if thinking and params.grammar is not None:
+        params.grammar_after = THINK_END  # NOTE: the reasoning is free text, the answer is not
     chat = ChatPrompt(messages, template_kwargs, prefix)
     prompt = Prompt([], params, logprob_num=(top or 0) if logprobs else -1,
                     priority=check_priority(body.get("priority")), chat=chat, lora=adapter)
     rid = _rid(body.get("rid"), "chatcmpl")
     groups = expand_samples([prompt], max_sequences)
-    return ChatRequest(name, rid, groups, _name_samples(groups, rid), tools, stream, options)
+    return ChatRequest(name, rid, groups, _name_samples(groups, rid), tools, stream, options,
+                       reasoning)

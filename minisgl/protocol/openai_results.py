@@ -14,6 +14,7 @@ from minisgl.protocol.openai_models import OpenAIModel
 from minisgl.protocol.openai_requests import ChatRequest, CompletionRequest
 from minisgl.protocol.openai_pythonic import PythonicCallParser
 from minisgl.protocol.openai_tool_parser import ToolCallParser
+from minisgl.protocol.reasoning import ReasoningParser
 from minisgl.protocol.token_texts import TokenTexts
 from minisgl.runtime import Prompt, ReqHandle
 from minisgl.runtime.tokenizer import Tokenizer
@@ -114,14 +115,22 @@ class CompletionAnswer(_Answer):
 
 
 class ChatAnswer(_Answer):
+    """Chat answers. With --reasoning-parser (and separate_reasoning) each choice's text is
+    split first (protocol.reasoning): the message's `reasoning_content` (null when there is
+    none) and a stream's `delta.reasoning_content` (null in deltas without any, as SGLang's),
+    then `content`, which alone the tool-call parser reads."""
+
     def __init__(self, req: ChatRequest, handles: list[ReqHandle], model: OpenAIModel,
                  tokens: TokenTexts) -> None:
         head = {"id": req.rid, "object": "chat.completion.chunk" if req.stream
                 else "chat.completion", "created": int(time.time()), "model": req.model}
         super().__init__(head, req.groups, handles, req.options, tokens)
-        self.tools, self.parser_name = req.tools, model.tool_call_parser
-        # a stream's tool-call parser per choice
+        self.tools, self.parser_name, self.reasoning = (req.tools, model.tool_call_parser,
+                                                        req.reasoning)
+        # a stream's parsers per choice: reasoning, tool calls; and the content sent so far
+        self._reasoners: dict[int, ReasoningParser] = {}
         self._parsers: dict[int, ToolCallParser | PythonicCallParser] = {}
+        self._content_sent: dict[int, int] = {}
 
     def body(self) -> dict[str, Any]:
         choices = []
@@ -136,61 +145,73 @@ class ChatAnswer(_Answer):
 
     def _message(self, h: ReqHandle) -> tuple[dict[str, Any], str | None]:
         """A finished choice's message and finish_reason ("tool_calls" when it called and
-        stopped by itself), read by the same parser a stream uses."""
-        if self.tools is None:
-            return {"role": "assistant", "content": h.text}, finish_reason(h.finish_reason)
-        parser = self.tools.parser(self.parser_name)
-        content, calls = parser.parse(h.text)
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        if calls:
-            message["tool_calls"] = calls
-        return message, parser.finish_reason(finish_reason(h.finish_reason))
+        stopped by itself), read by the same parsers a stream uses."""
+        reasoning, text = None, h.text
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.new_parser().parse(h.text)
+        message: dict[str, Any] = {"role": "assistant", "content": text,
+                                   "reasoning_content": reasoning}
+        reason = finish_reason(h.finish_reason)
+        if self.tools is not None:
+            parser = self.tools.parser(self.parser_name)
+            message["content"], calls = parser.parse(text)
+            if calls:
+                message["tool_calls"] = calls
+            reason = parser.finish_reason(reason)
+        if reasoning and not message["content"]:
+            message["content"] = None  # NOTE: as SGLang: only thoughts, no answer
+        return message, reason
 
     def stream_first(self) -> list[dict[str, Any]]:
         """The role comes first, alone, for each choice."""
         return [{**self.head, "choices": [{"index": k, "delta": {"role": "assistant",
-                                                                   "content": ""},
+                                                                   "content": "",
+                                                                   "reasoning_content": None},
                                            "logprobs": None, "finish_reason": None}],
                  **self._no_usage} for k in range(len(self.handles))]
 
-    def _choice(self, k: int, h: ReqHandle, cursor: Cursor) -> dict[str, Any] | None:
-        if self.tools is not None:
-            return self._tool_delta(k, h, cursor)
-        text = h.text
-        delta = {"content": text[cursor.chars:]} if len(text) > cursor.chars else {}
-        choice: dict[str, Any] = {
-            "index": k, "delta": delta,
-            "logprobs": chat_logprobs(self.tokens, h, cursor) if h.logprob_num >= 0 else None,
-            "finish_reason": finish_reason(h.finish_reason) if h.finished else None}
+    def _split(self, k: int, h: ReqHandle) -> tuple[str, str]:
+        """(the reasoning choice k's text adds, its content so far)."""
+        if self.reasoning is None:
+            return "", h.text
+        if k not in self._reasoners:
+            self._reasoners[k] = self.reasoning.new_parser()
+        parser = self._reasoners[k]
+        reasoning = parser.feed(h.text).reasoning
         if h.finished:
-            choice["matched_stop"] = matched_stop(h.finish_reason)
-        cursor.chars = len(text)
-        return choice
+            reasoning += parser.finish().reasoning
+        return reasoning, parser.content
 
-    def _tool_delta(self, k: int, h: ReqHandle, cursor: Cursor) -> dict[str, Any] | None:
-        """What choice k's text adds, as OpenAI streams calls: content as it comes; for call
-        i a delta.tool_calls entry with its index, id, type and name, then its arguments in
-        pieces (openai_tool_parser)."""
-        assert self.tools is not None
-        if k not in self._parsers:
-            self._parsers[k] = self.tools.parser(self.parser_name)
-        parser = self._parsers[k]
-        new = parser.feed(h.text)
-        if h.finished:
-            new += parser.finish()
+    def _choice(self, k: int, h: ReqHandle, cursor: Cursor) -> dict[str, Any] | None:
+        """What choice k's text adds, as a delta: reasoning_content, then content (with tools:
+        content and tool calls as openai_tool_parser reads them)."""
+        reasoning, content = self._split(k, h)
         cursor.chars = len(h.text)
         delta: dict[str, Any] = {}
-        if new.content:
-            delta["content"] = new.content
-        if new.tool_calls:
-            delta["tool_calls"] = new.tool_calls
+        if self.tools is None:
+            if len(content) > self._content_sent.get(k, 0):
+                delta["content"] = content[self._content_sent.get(k, 0):]
+            self._content_sent[k] = len(content)
+            reason = finish_reason(h.finish_reason)
+        else:
+            if k not in self._parsers:
+                self._parsers[k] = self.tools.parser(self.parser_name)
+            parser = self._parsers[k]
+            new = parser.feed(content)
+            if h.finished:
+                new += parser.finish()
+            if new.content:
+                delta["content"] = new.content
+            if new.tool_calls:
+                delta["tool_calls"] = new.tool_calls
+            reason = parser.finish_reason(finish_reason(h.finish_reason))
         logprobs = chat_logprobs(self.tokens, h, cursor) if h.logprob_num >= 0 else None
-        if not delta and not h.finished and not (logprobs and logprobs["content"]):
-            return None  # held back (what may be a call's start), no new token either
-        choice: dict[str, Any] = {
-            "index": k, "delta": delta, "logprobs": logprobs,
-            "finish_reason": (parser.finish_reason(finish_reason(h.finish_reason))
-                              if h.finished else None)}
+        if (not delta and not reasoning and not h.finished
+                and not (logprobs and logprobs["content"])):
+            return None  # held back (a marker or call that may be starting), no new token
+        delta["reasoning_content"] = reasoning or None
+        choice: dict[str, Any] = {"index": k, "delta": delta, "logprobs": logprobs,
+                                  "finish_reason": reason if h.finished else None}
         if h.finished:
             choice["matched_stop"] = matched_stop(h.finish_reason)
         return choice

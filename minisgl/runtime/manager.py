@@ -194,7 +194,8 @@ class RequestManager:
         for spec in specs:
             grammar = spec.params.grammar
             if grammar is not None and spec.matcher is None:
-                spec.matcher = self.grammar.matcher(await self.grammar.compile(*grammar))
+                spec.matcher = self.grammar.matcher(await self.grammar.compile(*grammar),
+                                                    spec.params.grammar_after)
 
     async def encode(self, texts: list[str]) -> list[list[int]]:
         """Token ids of prompt texts; a text longer than the context could hold at the
