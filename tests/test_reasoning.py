@@ -355,3 +355,24 @@ def test_grammar_after_cannot_be_sent(server):
     r = requests.post(server.url + "/generate", timeout=60, json={
         "text": "Hi", "sampling_params": {"max_new_tokens": 1, "grammar_after": "</think>"}})
     assert r.status_code == 400 and "grammar_after" in r.text
+
+
+def test_responses_api_gives_a_reasoning_item(client):
+    """/v1/responses: the thoughts as a reasoning item before the message, streamed as
+    response.reasoning_text events."""
+    whole = ask(client).choices[0].message
+    kw = dict(model="", instructions=SYSTEM, input=SHOTS[1:], temperature=0,
+              max_output_tokens=60)
+    response = client.responses.create(**kw)
+    thought, message = response.output
+    assert thought.type == "reasoning" and thought.content[0].text == whole.reasoning_content
+    assert message.type == "message" and response.output_text == whole.content
+    assert response.usage.output_tokens_details.reasoning_tokens > 0
+    events = list(client.responses.create(stream=True, **kw))
+    added = [e.item.type for e in events if e.type == "response.output_item.added"]
+    assert added == ["reasoning", "message"]
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") \
+        == whole.reasoning_content
+    final = events[-1].response
+    assert final.output[0].content[0].text == whole.reasoning_content
+    assert final.output_text == whole.content
