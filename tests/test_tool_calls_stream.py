@@ -238,9 +238,11 @@ def test_random_texts_stream_as_they_parse(style):
 
 
 def test_parallel_tool_calls_bounds_the_required_grammar():
-    bounded = json.loads(ToolUse([WEATHER, TIME], "required", parallel=False).grammar())
-    assert bounded["maxItems"] == 1 and bounded["minItems"] == 1
-    assert "maxItems" not in json.loads(ToolUse([WEATHER, TIME], "required").grammar())
+    kind, text = ToolUse([WEATHER, TIME], "required", parallel=False).grammar("hermes", None)
+    bounded = json.loads(text)
+    assert kind == "json_schema" and bounded["maxItems"] == 1 and bounded["minItems"] == 1
+    assert "maxItems" not in json.loads(ToolUse([WEATHER, TIME], "required").grammar(
+        "hermes", None)[1])
 
 
 # ---- a real server: the openai SDK and LangChain ----------------------------------------------
