@@ -11,7 +11,7 @@ from minisgl.core import SamplingParams
 from minisgl.env import no_openmp_on_this_thread
 from minisgl.errors import InvalidRequest
 from minisgl.protocol.embeddings import (EMBEDDING_ONLY, EmbeddingRequest, EmbeddingShape,
-                                         abort_message, encode_results, parse_encode)
+                                         embed, encode_results, parse_encode)
 from minisgl.protocol.native import KNOWN_FIELDS, GenerateRequest, parse_generate
 from minisgl.protocol.native_results import generate_results
 from minisgl.protocol.token_texts import TokenTexts
@@ -87,13 +87,7 @@ class LLM:
         return _run(self._loop, self._encode(req))
 
     async def _encode(self, req: EmbeddingRequest) -> Any:
-        requests = self.runtime.requests
-        handles = await requests.submit_prompts(req.prompts)
-        await asyncio.gather(*(requests.wait(h) for h in handles))
-        message = abort_message(handles)
-        if message is not None:
-            raise RuntimeError(message)
-        return encode_results(req, handles)
+        return encode_results(req, await embed(self.runtime.requests, req))
 
     def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> None:
         """Serve a PEFT adapter folder under `lora_name` (SGLang's Engine method)."""

@@ -7,19 +7,20 @@ token, L2-normalised: one prefill, nothing generated. The field policy is protoc
 
 from __future__ import annotations
 
+import asyncio
 import base64
 from dataclasses import dataclass
 from typing import Any
 
 from minisgl.core import SamplingParams
 from minisgl.errors import InvalidRequest
-from minisgl.protocol.fields import (UnknownFields, check_adapter_name, check_priority, is_int,
-                                     per_item, refuse_unsupported)
+from minisgl.protocol.fields import (UnknownFields, batch_rids, check_adapter_name,
+                                     check_priority, is_int, per_item, refuse_unsupported)
 from minisgl.protocol.native import INERT_FIELDS as NATIVE_INERT_FIELDS
 from minisgl.protocol.native import UNSUPPORTED_FIELDS as NATIVE_UNSUPPORTED_FIELDS
 from minisgl.protocol.openai_models import OpenAIModel
 from minisgl.protocol.prompts import ids_prompts, text_prompts
-from minisgl.runtime import Prompt, ReqHandle, Runtime
+from minisgl.runtime import Prompt, ReqHandle, RequestManager, Runtime
 
 ENCODING_FORMATS = ("float", "base64")
 OPENAI_FIELDS = frozenset({"input", "model", "encoding_format", "dimensions", "user",
@@ -97,10 +98,7 @@ def parse_encode(body: dict[str, Any], shape: EmbeddingShape, unknown: UnknownFi
         raise InvalidRequest("give text or input_ids")
     _check_dimensions(body.get("dimensions"), shape)
     count = len(prompts)
-    rid = body.get("rid")
-    if not single and isinstance(rid, str):  # as /generate: one rid names a batch's items
-        rid = [f"{rid}_{i}" for i in range(count)]
-    rids = per_item(rid, count, "rid", _check_rid, single)
+    rids = batch_rids(body.get("rid"), count, single)
     priorities = per_item(body.get("priority"), count, "priority", check_priority, single)
     adapters = per_item(body.get("lora_path"), count, "lora_path", check_adapter_name, single)
     for p, r, prio, lora in zip(prompts, rids, priorities, adapters):
@@ -148,21 +146,23 @@ def _check_dimensions(value: Any, shape: EmbeddingShape) -> None:
             "dimensions out")
 
 
-def _check_rid(rid: Any) -> str | None:
-    if rid is not None and (not isinstance(rid, str) or not rid):
-        raise InvalidRequest(f"rid must be a non-empty string, got {rid!r}")
-    return rid
-
-
 # ---- answers -----------------------------------------------------------------------------------
 
-def abort_message(handles: list[ReqHandle]) -> str | None:
-    """Why an input got no embedding (it was aborted), or None when every one has its own."""
+class EmbeddingAborted(RuntimeError):
+    """An input got no embedding: it was aborted (a shutdown, /abort_request)."""
+
+
+async def embed(requests: RequestManager, req: EmbeddingRequest) -> list[ReqHandle]:
+    """Submit every input (one prefill each, batched by the scheduler) and wait for all;
+    raises EmbeddingAborted if one was aborted. Cancelling the wait aborts the rest."""
+    handles = await requests.submit_prompts(req.prompts)
+    await asyncio.gather(*(requests.wait(h) for h in handles))
     for handle in handles:
         if handle.embedding is None:
             reason = handle.finish_reason or {}
-            return f"the request was aborted: {reason.get('message', 'no embedding')}"
-    return None
+            raise EmbeddingAborted(f"the request was aborted: "
+                                   f"{reason.get('message', 'no embedding')}")
+    return handles
 
 
 def openai_embeddings_body(req: EmbeddingRequest, handles: list[ReqHandle]) -> dict[str, Any]:

@@ -88,6 +88,20 @@ def per_item(value: Any, count: int, name: str, check: Callable[[Any], Any],
     return [check(value)] * count
 
 
+def batch_rids(rid: Any, count: int, single: bool) -> list[str | None]:
+    """Each prompt's rid: one rid, a list with one per prompt, or (as SGLang) one rid naming a
+    batch's items `{rid}_{i}`."""
+    if not single and isinstance(rid, str):
+        rid = [f"{rid}_{i}" for i in range(count)]
+    return per_item(rid, count, "rid", _check_rid, single)
+
+
+def _check_rid(rid: Any) -> str | None:
+    if rid is not None and (not isinstance(rid, str) or not rid):
+        raise InvalidRequest(f"rid must be a non-empty string, got {rid!r}")
+    return rid
+
+
 def check_adapter_name(name: Any) -> str | None:
     """lora_path: a loaded adapter's name (or path), or null / "" for the base model."""
     if name is None or name == "":

@@ -13,9 +13,9 @@ from typing import Any
 
 from minisgl.core import SamplingParams
 from minisgl.errors import InvalidRequest
-from minisgl.protocol.fields import (UnknownFields, check_adapter_name, check_bool, check_int,
-                                     check_priority, flag, none_as, per_item,
-                                     refuse_unsupported)
+from minisgl.protocol.fields import (UnknownFields, batch_rids, check_adapter_name,
+                                     check_bool, check_int, check_priority, flag, none_as,
+                                     per_item, refuse_unsupported)
 from minisgl.protocol.prompts import ids_prompts, text_prompts
 from minisgl.runtime import Prompt
 from minisgl.scheduler import expand_samples
@@ -78,10 +78,7 @@ def parse_generate(body: dict[str, Any], max_sequences: int,
 
     params = per_item(body.get("sampling_params"), count, "sampling_params", _sampling_params,
                       single)
-    rid = body.get("rid")
-    if not single and isinstance(rid, str):  # as SGLang: one rid names a batch's items
-        rid = [f"{rid}_{i}" for i in range(count)]
-    rids = per_item(rid, count, "rid", _check_rid, single)
+    rids = batch_rids(body.get("rid"), count, single)
     want = per_item(body.get("return_logprob"), count, "return_logprob",
                     lambda v: check_bool(none_as(v, False), "return_logprob"), single)
     tops = per_item(none_as(body.get("top_logprobs_num"), 0), count, "top_logprobs_num",
@@ -126,12 +123,6 @@ def _sampling_params(value: Any) -> SamplingParams:
         params.validate()
         return params
     return SamplingParams.from_dict(value)
-
-
-def _check_rid(rid: Any) -> str | None:
-    if rid is not None and (not isinstance(rid, str) or not rid):
-        raise InvalidRequest(f"rid must be a non-empty string, got {rid!r}")
-    return rid
 
 
 # ---- /abort_request ----------------------------------------------------------------------------

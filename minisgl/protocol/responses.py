@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from minisgl.errors import InvalidRequest
-from minisgl.protocol.fields import UnknownFields, check_int, flag
+from minisgl.protocol.fields import UnknownFields, check_int, flag, refuse_unsupported
 from minisgl.protocol.openai_fields import SAMPLING_FIELDS
 from minisgl.protocol.openai_models import OpenAIModel
 from minisgl.protocol.openai_requests import ChatRequest, parse_chat
@@ -184,11 +184,10 @@ def _response_format(text: Any) -> tuple[dict[str, Any] | None, dict[str, Any]]:
 
 
 def _check_fields(body: dict[str, Any], unknown: UnknownFields) -> None:
-    for name in sorted(UNSUPPORTED_FIELDS & set(body)):
-        value = body[name]
-        if value not in (None, {}, [], 0) and not (name == "reasoning" and isinstance(
-                value, dict) and all(v is None for v in value.values())):
-            raise InvalidRequest(f"{name} is not supported by minisgl")
+    reasoning = body.get("reasoning")
+    if isinstance(reasoning, dict):  # {"effort": null, "summary": null} asks for nothing
+        reasoning = {k: v for k, v in reasoning.items() if v is not None}
+    refuse_unsupported({**body, "reasoning": reasoning}, UNSUPPORTED_FIELDS)
     if flag(body, "background"):
         raise InvalidRequest("background is not supported by minisgl (responses run while "
                              "the request waits or streams)")

@@ -100,8 +100,8 @@ class ResponseAnswer:
     def _item_status(self) -> str:
         return "completed" if self._status()[0] == "completed" else "incomplete"
 
-    def stored(self) -> StoredResponse:
-        """The finished response with its conversation: the input's, then what it said."""
+    def stored(self, response: dict[str, Any]) -> StoredResponse:
+        """The finished `response` with its conversation: the input's, then what it said."""
         answer: dict[str, Any] = {"role": "assistant", "content": ""}
         for item in self.output:
             if item["type"] == "message":
@@ -110,7 +110,7 @@ class ResponseAnswer:
                 answer.setdefault("tool_calls", []).append(
                     {"id": item["call_id"], "type": "function",
                      "function": {"name": item["name"], "arguments": item["arguments"]}})
-        return StoredResponse(self.response(), [*self.req.messages, answer],
+        return StoredResponse(response, [*self.req.messages, answer],
                               self.req.input_items)
 
     # ---- the stream --------------------------------------------------------------------------

@@ -183,7 +183,7 @@ class RequestManager:
         for p in prompts:
             if p.chat is not None:
                 if id(p.chat) not in chats:
-                    chats[id(p.chat)] = await self._encode_chat(p.chat)
+                    chats[id(p.chat)] = await self.encode_chat(p.chat)
                 p.input_ids = chats[id(p.chat)]
         await self.attach_grammars(prompts)
         return self.submit(list(prompts), streaming)
@@ -197,14 +197,16 @@ class RequestManager:
                 spec.matcher = self.grammar.matcher(await self.grammar.compile(*grammar),
                                                     spec.params.grammar_after)
 
-    async def encode(self, texts: list[str]) -> list[list[int]]:
+    async def encode(self, texts: list[str], add_special_tokens: bool = True
+                     ) -> list[list[int]]:
         """Token ids of prompt texts; a text longer than the context could hold at the
         tokenizer's most characters per token is refused before it is tokenized."""
         if self.tokenizer is None:
             raise InvalidRequest("this model has no tokenizer: send input_ids instead of text")
-        return await self.tokenizer.encode(texts, self.scheduler.context_len)
+        return await self.tokenizer.encode(texts, self.scheduler.context_len,
+                                           add_special_tokens)
 
-    async def _encode_chat(self, chat: ChatPrompt) -> list[int]:
+    async def encode_chat(self, chat: ChatPrompt) -> list[int]:
         if self.tokenizer is None:
             raise InvalidRequest("this model has no tokenizer, so no chat template")
         return await self.tokenizer.encode_chat(chat.messages, self.scheduler.context_len,

@@ -29,8 +29,8 @@ class Tokenizer:
         from transformers import AutoTokenizer
         return cls(AutoTokenizer.from_pretrained(str(path)))
 
-    def _encode(self, texts: list[str]) -> list[list[int]]:
-        return self.hf(texts, add_special_tokens=True)["input_ids"]
+    def _encode(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        return self.hf(texts, add_special_tokens=add_special_tokens)["input_ids"]
 
     def check_length(self, chars: int, context_len: int) -> None:
         """Refuse, before tokenizing it, a text that cannot fit in `context_len` tokens."""
@@ -40,12 +40,13 @@ class Tokenizer:
                 f"The input ({chars} characters) is longer than the model's context length "
                 f"({context_len} tokens, at most {self.max_chars_per_token} characters each)")
 
-    async def encode(self, texts: list[str], context_len: int) -> list[list[int]]:
+    async def encode(self, texts: list[str], context_len: int,
+                     add_special_tokens: bool = True) -> list[list[int]]:
         for text in texts:
             self.check_length(len(text), context_len)
         if sum(len(t) for t in texts) > OFF_LOOP_CHARS:
-            return await asyncio.to_thread(self._encode, texts)
-        return self._encode(texts)
+            return await asyncio.to_thread(self._encode, texts, add_special_tokens)
+        return self._encode(texts, add_special_tokens)
 
     @property
     def takes_tools(self) -> bool:

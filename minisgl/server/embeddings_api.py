@@ -8,16 +8,15 @@ from typing import Callable
 
 from aiohttp import web
 
-from minisgl.protocol.embeddings import (EMBEDDING_ONLY, GENERATION_ONLY, EmbeddingRequest,
-                                         EmbeddingShape, abort_message, encode_results,
-                                         openai_embeddings_body, parse_encode,
+from minisgl.protocol.embeddings import (EMBEDDING_ONLY, GENERATION_ONLY, EmbeddingAborted,
+                                         EmbeddingRequest, EmbeddingShape, embed,
+                                         encode_results, openai_embeddings_body, parse_encode,
                                          parse_openai_embeddings)
 from minisgl.protocol.fields import UnknownFields
 from minisgl.protocol.openai_models import OpenAIModel
 from minisgl.runtime import ReqHandle, Runtime
 from minisgl.server.guard import Handler
 from minisgl.server.http import HTTPError, json_response, read_json
-from minisgl.server.sse import wait_all
 
 GENERATION_PATHS = frozenset({"/generate", "/v1/completions", "/v1/chat/completions",
                               "/v1/responses"})
@@ -58,11 +57,8 @@ class EmbeddingsAPI:
         self.ensure_ready()
 
     async def _run(self, req: EmbeddingRequest) -> list[ReqHandle]:
-        """Submit every input (one prefill each, batched by the scheduler) and wait for all;
-        503 if one was aborted (a shutdown, /abort_request)."""
-        handles = await self.manager.submit_prompts(req.prompts)
-        await wait_all(self.manager, handles)
-        message = abort_message(handles)
-        if message is not None:
-            raise HTTPError(503, message)
-        return handles
+        """The inputs' handles, each with its embedding; 503 if one was aborted."""
+        try:
+            return await embed(self.manager, req)
+        except EmbeddingAborted as exc:
+            raise HTTPError(503, str(exc)) from None

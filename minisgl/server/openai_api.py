@@ -42,8 +42,8 @@ class OpenAIAPI:
         return json_response(self.model.named_card(request.match_info["model"]))
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        return json_response(await tokenize(await read_json(request), self.manager.tokenizer,
-                                            self.model, self.unknown))
+        return json_response(await tokenize(await read_json(request), self.manager, self.model,
+                                            self.unknown))
 
     async def detokenize(self, request: web.Request) -> web.Response:
         return json_response(detokenize(await read_json(request), self.manager.tokenizer,

@@ -51,7 +51,7 @@ class ResponsesAPI:
 
         def last() -> list[dict]:
             events = answer.stream_last()
-            self._keep(answer)
+            self._keep(answer, events[-1]["response"])
             return events
 
         if req.stream:
@@ -59,12 +59,12 @@ class ResponsesAPI:
                                          answer.stream_first(), last, typed=True)
         await wait_all(self.manager, handles)
         body = answer.body()
-        self._keep(answer)
+        self._keep(answer, body)
         return json_response(body)
 
-    def _keep(self, answer: ResponseAnswer) -> None:
+    def _keep(self, answer: ResponseAnswer, response: dict) -> None:
         if answer.req.store:
-            self.store.put(answer.stored())
+            self.store.put(answer.stored(response))
 
     def _stored(self, request: web.Request):
         try:
