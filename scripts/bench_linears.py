@@ -5,7 +5,9 @@ bundled model's shapes (random weights, so the weights stream from memory as in 
     python scripts/bench_linears.py --rows 64 --rounds 3
 
 Forms: `bf16` (the prepacked oneDNN GEMM, `--quantization none`), `gguf-4bit` (4-bit blocks
-through quant_matmul, dequantized for a GEMM past VNNI_MAX_ROWS), `w8a8` (int8_matmul, an
+through quant_matmul, dequantized for a GEMM past VNNI_MAX_ROWS), `Q5_0` and `Q4_K_M` (GGUF
+blocks through block_matmul, dequantized for a GEMM past its KERNEL_MAX_ROWS_BF16; Q4_K_M as
+llama.cpp lays out the bundled model: down Q4_K, the rest Q5_0), `w8a8` (int8_matmul, an
 activation scale per 32 inputs, as `--quantization w8a8_int8` runs), `w8a8-per-token` (one
 activation scale per row, as SGLang's w8a8_int8 quantizes).
 """
@@ -18,6 +20,7 @@ from typing import Callable
 
 import torch
 
+from minisgl.layers.gguf_weight import GROUP, KINDS, SUPER, GgufBlocks, GgufWeight
 from minisgl.layers.linear import pack_weight
 from minisgl.layers.quant import BlockWeight, WeightBlocks, block_weight, vnni_kernels
 from minisgl.layers.w8a8 import Int8ChannelWeight
@@ -32,9 +35,22 @@ def random_4bit(out_features: int, in_features: int) -> BlockWeight:
     return block_weight(WeightBlocks(codes, scales, torch.zeros_like(scales)), torch.bfloat16)
 
 
+def random_gguf(kind: str, out_features: int, in_features: int) -> GgufWeight:
+    bits, _ = KINDS[kind]
+    low, high = (-128, 128) if kind == "Q8_0" else (0, 1 << bits)
+    codes = torch.randint(low, high, (out_features, in_features),
+                          dtype=torch.int8 if kind == "Q8_0" else torch.uint8)
+    per_scale = SUPER if kind.endswith("_K") else GROUP
+    scales = torch.rand(out_features, in_features // per_scale, 2) * 0.01
+    subs = (torch.randint(0, 64, (out_features, in_features // GROUP, 2), dtype=torch.int16)
+            if kind.endswith("_K") else None)
+    return GgufWeight(GgufBlocks(kind, codes, scales.half().float(), subs))
+
+
 def forms() -> dict[str, list[Callable[[torch.Tensor], torch.Tensor]]]:
     """Per form, one matmul per (layer, linear)."""
-    out: dict[str, list] = {"bf16": [], "gguf-4bit": [], "w8a8": [], "w8a8-per-token": []}
+    out: dict[str, list] = {"bf16": [], "gguf-4bit": [], "Q5_0": [], "Q4_K_M": [], "w8a8": [],
+                            "w8a8-per-token": []}
     kernels = vnni_kernels()
     for _ in range(LAYERS):
         for out_features, in_features in SHAPES:
@@ -43,6 +59,10 @@ def forms() -> dict[str, list[Callable[[torch.Tensor], torch.Tensor]]]:
             out["bf16"].append(lambda x, p=packed: torch.ops.mkldnn._linear_pointwise(
                 x, p, None, "none", [], ""))
             out["gguf-4bit"].append(random_4bit(out_features, in_features).matmul)
+            q5_0 = random_gguf("Q5_0", out_features, in_features).matmul
+            out["Q5_0"].append(q5_0)
+            out["Q4_K_M"].append(random_gguf("Q4_K", out_features, in_features).matmul
+                                 if in_features % SUPER == 0 else q5_0)
             int8 = Int8ChannelWeight(dense)
             out["w8a8"].append(int8.matmul)
             out["w8a8-per-token"].append(lambda x, w=int8: kernels.int8_matmul(

@@ -84,9 +84,19 @@ def test_kernel_against_float64(kind: str):
             assert got.dtype == dtype and got.shape == (rows, out)
             error = ((got.double() - want).abs().max() / want.abs().max()).item()
             assert error < bound, (rows, dtype, error)
-        # the layer's own choice (past KERNEL_MAX_ROWS: the dequantized weight and a GEMM)
-        error = ((weight.matmul(x).double() - want).abs().max() / want.abs().max()).item()
-        assert error < KERNEL_BOUND_F32, (rows, error)
+        # the layer's own choice (past KERNEL_MAX_ROWS[_BF16]: the dequantized weight, float32
+        # or bfloat16, and a GEMM)
+        for dtype, bound in ((torch.float32, KERNEL_BOUND_F32),
+                             (torch.bfloat16, KERNEL_BOUND_BF16)):
+            got = weight.matmul(x.to(dtype))
+            error = ((got.double() - want).abs().max() / want.abs().max()).item()
+            assert got.dtype == dtype and error < bound, (rows, dtype, error)
+    dequantized = weight.kernels.block_dequantize_t(weight.codes, weight.scales, weight.subs,
+                                                    weight.bits, weight.mode, False)
+    assert torch.equal(dequantized, dense.float().t())
+    as_bf16 = weight.kernels.block_dequantize_t(weight.codes, weight.scales, weight.subs,
+                                                weight.bits, weight.mode, True)
+    assert torch.equal(as_bf16, dense.t().to(torch.bfloat16))
 
 
 def test_a_shard_must_cut_whole_blocks():

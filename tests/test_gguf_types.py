@@ -22,8 +22,7 @@ from gguf import GGMLQuantizationType as Kind
 from gguf import quants
 
 from minisgl import LLM
-from minisgl.layers.gguf_weight import block_kernels
-from minisgl.layers.quant import vnni_kernels
+from minisgl.layers.gguf_weight import StackedWeight, block_kernels
 from minisgl.models import resolve_model_path
 from tests import reference as ref
 from tests.gguf_requant import encode, requant_gguf
@@ -146,7 +145,8 @@ def test_every_gguf_type_loads_with_gguf_quantization(caplog):
     """--quantization gguf: every block type a kernel runs stays in its blocks (Q4_0 / Q4_1 /
     Q8_0 on the VNNI kernel where it runs in bfloat16, the others on the AVX2 one, types mixed
     within a layer), everything else dequantized, named in one warning line; a layer whose
-    parts need two kernels (VNNI's Q4_1 beside AVX2's Q5_0) stays dense whole."""
+    parts would need two kernels (VNNI's Q4_1 beside AVX2's Q5_0) runs them all on the AVX2
+    one."""
     model = str(every_type_gguf())
     with caplog.at_level(logging.WARNING), \
             LLM(model, dtype="bfloat16", quantization="gguf", **ENGINE_ARGS) as llm:
@@ -158,8 +158,9 @@ def test_every_gguf_type_loads_with_gguf_quantization(caplog):
         assert layers[1].self_attn.o_proj.quantized is not None  # Q5_0
         assert layers[1].mlp.gate_up_proj.quantized is not None  # Q5_1 beside Q5_0
         assert layers[2].self_attn.qkv_proj.quantized is None  # F32, F16, BF16
-        two_kernels = vnni_kernels() is not None  # Q4_1 beside Q5_0, Q8_0
-        assert (layers[1].self_attn.qkv_proj.quantized is None) == two_kernels
+        mixed = layers[1].self_attn.qkv_proj.quantized  # Q4_1 beside Q5_0, Q8_0
+        assert isinstance(mixed, StackedWeight)
+        assert [p.kind for p in mixed.parts] == ["Q4_1", "Q5_0", "Q8_0"]
         for prompt, out in generate(llm):
             assert_matches_transformers(hf_model(model), prompt, out, TOP2_MARGIN_BF16,
                                         BF16_LOGPROB_TOLERANCE)

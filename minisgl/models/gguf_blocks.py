@@ -2,7 +2,8 @@
 under their Hugging Face names. Where the AVX-512 VNNI kernel runs them, Q4_0, Q4_1 and Q8_0
 become layers.quant.WeightBlocks; every other type the AVX2 kernel takes (Q5_0, Q5_1, the
 k-quants Q4_K, Q5_K, Q6_K, and all of them on a CPU without VNNI) becomes layers.gguf_weight.
-GgufBlocks (models.gguf_decode), as do the token embedding and the LM head. Without either
+GgufBlocks (models.gguf_decode), as do the token embedding and the LM head, and the VNNI
+types of a layer that also holds other types. Without either
 kernel, Q4_0 / Q4_1 take torch's int4 one. Other tensors (norms, Q2_K, Q3_K, IQ types) come
 from the converted safetensors folder, dequantized.
 
@@ -131,11 +132,11 @@ def read_block_linears(path: Path, heads: dict[str, int], skips: Callable[[str],
 
 def stage_block_linears(model: torch.nn.Module, path: Path, heads: dict[str, int],
                         dtype: torch.dtype) -> tuple[dict[str, WeightBlocks], dict[str, str]]:
-    """Prepare every layer whose checkpoint tensors are all blocks of one kernel to take them
-    (`expect_blocks`, `expect_gguf_blocks`); returns those tensors by HF name, and the GGUF
-    types of the linear weights that stay dense (a layer with any of them, or with parts for
-    two kernels, stays dense whole). Any GGUF type loads: the dense ones come dequantized
-    from the converted folder."""
+    """Prepare every layer whose checkpoint tensors are all blocks a kernel runs to take them
+    (`expect_blocks`, `expect_gguf_blocks`; a layer with parts for both kernels runs them all
+    on the AVX2 one); returns those tensors by HF name, and the GGUF types of the linear
+    weights that stay dense (a layer with any of them stays dense whole). Any GGUF type
+    loads: the dense ones come dequantized from the converted folder."""
     blocks, dense = read_block_linears(path, heads, model.skips, dtype)
     names_by_module: dict[torch.nn.Module, list[str]] = {}
     for name in [*blocks, *dense]:
@@ -143,17 +144,31 @@ def stage_block_linears(model: torch.nn.Module, path: Path, heads: dict[str, int
     staged, kept = {}, {}
     for module, names in names_by_module.items():
         parts = [blocks.get(name) for name in names]
-        if all(isinstance(p, GgufBlocks) for p in parts):
-            module.expect_gguf_blocks()
-        elif all(isinstance(p, (WeightBlocks, list)) for p in parts) and (
+        if all(isinstance(p, (WeightBlocks, list)) for p in parts) and (
                 len(widths := {_bits(p) for p in parts}) == 1):
             module.expect_blocks(widths.pop())
+        elif all(isinstance(p, (GgufBlocks, WeightBlocks)) for p in parts) and (
+                block_kernels() is not None):
+            # NOTE: a layer with parts for both kernels (llama.cpp's Q4_K_M: q / k Q5_0 and v
+            # Q8_0) runs every part on the one that takes all types
+            parts = [as_gguf_blocks(p) if isinstance(p, WeightBlocks) else p for p in parts]
+            module.expect_gguf_blocks()
         else:
             kept.update((name, dense[name] if name in dense else
                          "blocks for two kernels in one layer") for name in names)
             continue
         staged.update(zip(names, parts))
     return staged, kept
+
+
+def as_gguf_blocks(blocks: WeightBlocks) -> GgufBlocks:
+    """The same weights in GgufBlocks' terms: w = scale (code - center) + zero = d' c + m'
+    (8-bit: the signed code c = code - center, m' = zero)."""
+    if blocks.bits == 8:
+        codes = (blocks.codes.to(torch.int16) - blocks.center).to(torch.int8)
+        return GgufBlocks("Q8_0", codes, torch.stack([blocks.scales, blocks.zeros], dim=-1), None)
+    offsets = blocks.zeros - blocks.center * blocks.scales
+    return GgufBlocks("Q4_1", blocks.codes, torch.stack([blocks.scales, offsets], dim=-1), None)
 
 
 def _bits(blocks: WeightBlocks | list[WeightBlocks]) -> int:

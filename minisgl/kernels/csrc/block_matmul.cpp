@@ -1,7 +1,8 @@
 // GGUF block-quantized weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) x float32 or
 // bfloat16 activations on AVX2, every block type in one layout, the codes never dequantized:
 // activations are quantized per group of 32 inputs and each group's dot product is an integer
-// one (vpmaddubsw: unsigned codes times signed 8-bit activations), scaled once per group.
+// one (unsigned codes times signed 8-bit activations: vpmaddubsw, or vpdpbusd where AVX-512
+// VNNI is built), scaled once per group.
 //
 // Layout (minisgl/layers/gguf_weight.py packs it): output features in blocks of 8 lanes, input
 // features in groups of 32; per (block, group) 32-byte vectors whose byte 4 * lane + j belongs
@@ -30,6 +31,9 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define MINISGL_AVX2 1
 #include <immintrin.h>
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define MINISGL_BLOCK_VNNI 1  // the same layout, the dot products through 256-bit vpdpbusd
+#endif
 #endif
 
 namespace {
@@ -53,6 +57,7 @@ struct Weight {
   int64_t bits;
   int64_t mode;
   int64_t groups_per_super;  // kMins / kSixBit: groups sharing one d (and dmin)
+  int64_t blocks;  // of 8 output features
 };
 
 int code_at(const Weight& w, int64_t block, int64_t g, int lane, int i) {
@@ -98,7 +103,7 @@ Weight weight_of(const torch::Tensor& codes, const torch::Tensor& scales,
                             : subs.is_contiguous() && subs.scalar_type() == at::kByte);
   return {codes.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(),
           mode == kFlat ? nullptr : subs.data_ptr<uint8_t>(), groups, bits, mode,
-          groups / supers};
+          groups / supers, codes.size(0)};
 }
 
 #ifdef MINISGL_AVX2
@@ -112,6 +117,46 @@ struct Activations {
   int64_t k;
 };
 
+inline __m256 load_float8(const float* p) { return _mm256_loadu_ps(p); }
+
+inline __m256 load_float8(const at::BFloat16* p) {  // a bfloat16 is a float32's top half
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+inline void store_float8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+
+inline void store_float8(at::BFloat16* p, __m256 v) {  // rounded to nearest even
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(
+      _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(rounded),
+                                          _mm256_extracti128_si256(rounded, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+
+// 32 int32 values (4 vectors) saturated to 32 int8 bytes in order.
+inline void store_int8x32(const __m256i (&v)[4], int8_t* out) {
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]),
+                                            _mm256_packs_epi32(v[2], v[3]));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
+                      _mm256_permutevar8x32_epi32(packed, order));
+}
+
+inline float horizontal_sum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+inline float horizontal_max(__m256 v) {
+  const __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+}
+
 template <typename T>
 void quantize_rows(const T* x, int64_t rows, int64_t k, Activations& a) {
   const int64_t groups = k / kGroup;
@@ -121,25 +166,29 @@ void quantize_rows(const T* x, int64_t rows, int64_t k, Activations& a) {
   a.scale.resize(rows * groups);
   a.sum.resize(rows * groups * 2);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    float v[kGroup];
+    const __m256 sign_bit = _mm256_set1_ps(-0.0f);
     for (int64_t row = begin; row < end; ++row)
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t at = row * k + g * kGroup;
-        float amax = 0.0f, halves[2] = {0.0f, 0.0f};
-        for (int i = 0; i < kGroup; ++i) {
-          v[i] = static_cast<float>(x[at + i]);
-          amax = std::max(amax, std::fabs(v[i]));
-          halves[i / 16] += v[i];
+        __m256 v[4], amax = _mm256_setzero_ps();
+        for (int i = 0; i < 4; ++i) {
+          v[i] = load_float8(x + at + 8 * i);
+          amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[i]));
         }
-        const float s = amax / 127.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
-        for (int i = 0; i < kGroup; ++i) {
-          const float coarse = std::nearbyint(v[i] * inv);
-          a.q[at + i] = static_cast<int8_t>(coarse);
-          a.r[at + i] = static_cast<int8_t>(std::nearbyint((v[i] - coarse * s) * inv * 254.0f));
+        const float s = horizontal_max(amax) / 127.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
+        __m256i coarse[4], fine[4];
+        for (int i = 0; i < 4; ++i) {  // cvtps rounds to nearest even
+          const __m256 c = _mm256_round_ps(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)),
+                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+          coarse[i] = _mm256_cvtps_epi32(c);
+          const __m256 rest = _mm256_fnmadd_ps(c, _mm256_set1_ps(s), v[i]);
+          fine[i] = _mm256_cvtps_epi32(_mm256_mul_ps(rest, _mm256_set1_ps(inv * 254.0f)));
         }
+        store_int8x32(coarse, a.q.data() + at);
+        store_int8x32(fine, a.r.data() + at);
         a.scale[row * groups + g] = s / 254.0f;
-        a.sum[(row * groups + g) * 2] = halves[0];
-        a.sum[(row * groups + g) * 2 + 1] = halves[1];
+        a.sum[(row * groups + g) * 2] = horizontal_sum(_mm256_add_ps(v[0], v[1]));
+        a.sum[(row * groups + g) * 2 + 1] = horizontal_sum(_mm256_add_ps(v[2], v[3]));
       }
   });
 }
@@ -199,7 +248,92 @@ inline void group_scales(const Weight& w, int64_t block, int64_t g, int h, __m25
                     : _mm256_mul_ps(d, _mm256_set1_ps(-32.0f));
 }
 
+// acc[r] += a group's integer dots (254 q + r terms), scaled by d' s, plus m' times the
+// activations' exact sum.
+template <int ROWS, int MODE, int HALVES>
+inline void accumulate_group(const Activations& a, int64_t row0, const Weight& w, int64_t block,
+                             int64_t g, const __m256i (&dot)[ROWS][HALVES], __m256 (&acc)[ROWS]) {
+  for (int h = 0; h < HALVES; ++h) {
+    __m256 d, m;
+    group_scales<MODE>(w, block, g, h, d, m);
+    for (int r = 0; r < ROWS; ++r) {
+      const int64_t at = (row0 + r) * w.groups + g;
+      const float* halves = a.sum.data() + 2 * at;
+      const float sum = HALVES == 2 ? halves[h] : halves[0] + halves[1];
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]),
+                               _mm256_mul_ps(d, _mm256_set1_ps(a.scale[at])), acc[r]);
+      acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sum), acc[r]);
+    }
+  }
+}
+
 // ROWS activation rows times one block of 8 output features, over all groups, into out_f32.
+#ifdef MINISGL_BLOCK_VNNI
+// vpdpbusd sums the 4 products of a quad straight into int32 (no saturation, no widening), and
+// AVX-512's 32 registers hold a tile of ROWS rows times BLOCKS blocks (16 lanes: each broadcast
+// activation quad serves both blocks) into out[ROWS][BLOCKS * 8].
+// NOTE: vpdpbusd's latency is several cycles: with few accumulators, CHAINS independent ones
+// per term keep the unit busy instead of waiting on one chain.
+template <int ROWS, int BITS, int MODE, int BLOCKS>
+void tile(const Activations& a, int64_t row0, const Weight& w, int64_t block, float* out) {
+  constexpr int HALVES = MODE == kSixBit ? 2 : 1;  // sub-groups with their own scale
+  constexpr int CHAINS = ROWS * BLOCKS >= 3 ? 1 : 2;
+  const int64_t groups = w.groups, k = a.k, gb = group_bytes(BITS);
+  __m256 acc[ROWS][BLOCKS];
+  for (int r = 0; r < ROWS; ++r)
+    for (int b = 0; b < BLOCKS; ++b) acc[r][b] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* c[BLOCKS];
+    for (int b = 0; b < BLOCKS; ++b) c[b] = w.codes + ((block + b) * groups + g) * gb;
+    __m256i coarse[ROWS][BLOCKS][CHAINS], fine[ROWS][BLOCKS][CHAINS];
+    for (int r = 0; r < ROWS; ++r)
+      for (int b = 0; b < BLOCKS; ++b)
+        for (int i = 0; i < CHAINS; ++i) coarse[r][b][i] = fine[r][b][i] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; ++t) {
+      __m256i codes[BLOCKS], sign_source[BLOCKS];
+      for (int b = 0; b < BLOCKS; ++b) {
+        codes[b] = sign_source[b] = quad_codes<BITS>(c[b], t);
+        if (BITS == 8) codes[b] = _mm256_sign_epi8(codes[b], codes[b]);  // x takes the sign
+      }
+      const int chain = t % CHAINS;
+      for (int r = 0; r < ROWS; ++r) {
+        const int64_t at = (row0 + r) * k + g * kGroup + 4 * t;
+        const __m256i xq = broadcast_quad(a.q.data() + at), xr = broadcast_quad(a.r.data() + at);
+        for (int b = 0; b < BLOCKS; ++b) {
+          const __m256i q = BITS == 8 ? _mm256_sign_epi8(xq, sign_source[b]) : xq;
+          const __m256i f = BITS == 8 ? _mm256_sign_epi8(xr, sign_source[b]) : xr;
+          coarse[r][b][chain] = _mm256_dpbusd_epi32(coarse[r][b][chain], codes[b], q);
+          fine[r][b][chain] = _mm256_dpbusd_epi32(fine[r][b][chain], codes[b], f);
+        }
+      }
+      if (t != 7 && !(HALVES == 2 && t == 3)) continue;
+      const int h = HALVES == 2 ? t / 4 : 0;
+      for (int b = 0; b < BLOCKS; ++b) {
+        __m256 d, m;
+        group_scales<MODE>(w, block + b, g, h, d, m);
+        for (int r = 0; r < ROWS; ++r) {
+          __m256i cs = coarse[r][b][0], fs = fine[r][b][0];
+          for (int i = 1; i < CHAINS; ++i) {
+            cs = _mm256_add_epi32(cs, coarse[r][b][i]);
+            fs = _mm256_add_epi32(fs, fine[r][b][i]);
+          }
+          for (int i = 0; i < CHAINS; ++i) coarse[r][b][i] = fine[r][b][i] = _mm256_setzero_si256();
+          const __m256i dot = _mm256_add_epi32(_mm256_mullo_epi32(cs, _mm256_set1_epi32(254)), fs);
+          const int64_t at = (row0 + r) * groups + g;
+          const float* halves = a.sum.data() + 2 * at;
+          const float sum = HALVES == 2 ? halves[h] : halves[0] + halves[1];
+          acc[r][b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                                      _mm256_mul_ps(d, _mm256_set1_ps(a.scale[at])), acc[r][b]);
+          acc[r][b] = _mm256_fmadd_ps(m, _mm256_set1_ps(sum), acc[r][b]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int b = 0; b < BLOCKS; ++b) _mm256_storeu_ps(out + (r * BLOCKS + b) * kLanes, acc[r][b]);
+}
+#else
 template <int ROWS, int BITS, int MODE>
 void tile(const Activations& a, int64_t row0, const Weight& w, int64_t block, float* out) {
   // NOTE: vpmaddubsw sums two products into int16 with saturation: FLUSH quads of them fit
@@ -241,47 +375,52 @@ void tile(const Activations& a, int64_t row0, const Weight& w, int64_t block, fl
         }
       }
     }
-    for (int h = 0; h < HALVES; ++h) {
-      __m256 d, m;
-      group_scales<MODE>(w, block, g, h, d, m);
-      for (int r = 0; r < ROWS; ++r) {
-        const int64_t at = (row0 + r) * groups + g;
-        const float* halves = a.sum.data() + 2 * at;
-        const float sum = HALVES == 2 ? halves[h] : halves[0] + halves[1];
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]),
-                                 _mm256_mul_ps(d, _mm256_set1_ps(a.scale[at])), acc[r]);
-        acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sum), acc[r]);
-      }
-    }
+    accumulate_group<ROWS, MODE, HALVES>(a, row0, w, block, g, dot, acc);
   }
   for (int r = 0; r < ROWS; ++r) _mm256_storeu_ps(out + r * kLanes, acc[r]);
 }
+#endif
 
 using TileFn = void (*)(const Activations&, int64_t, const Weight&, int64_t, float*);
 
-template <int BITS, int MODE>
+#ifdef MINISGL_BLOCK_VNNI
+constexpr int kTileBlocks = 2;  // blocks a tile spans (the last of an odd count: 1)
+#define MINISGL_TILE(ROWS, BITS, MODE, BLOCKS) tile<ROWS, BITS, MODE, BLOCKS>
+#else
+constexpr int kTileBlocks = 1;
+#define MINISGL_TILE(ROWS, BITS, MODE, BLOCKS) tile<ROWS, BITS, MODE>
+#endif
+
+template <int BITS, int MODE, int BLOCKS>
 TileFn tile_for(int rows) {
   switch (rows) {
-    case 1: return tile<1, BITS, MODE>;
-    case 2: return tile<2, BITS, MODE>;
-    case 3: return tile<3, BITS, MODE>;
-    default: return tile<4, BITS, MODE>;
+    case 1: return MINISGL_TILE(1, BITS, MODE, BLOCKS);
+    case 2: return MINISGL_TILE(2, BITS, MODE, BLOCKS);
+    case 3: return MINISGL_TILE(3, BITS, MODE, BLOCKS);
+    default: return MINISGL_TILE(4, BITS, MODE, BLOCKS);
   }
 }
 
+template <int BLOCKS>
 TileFn pick_tile(int64_t bits, int64_t mode, int rows) {
-  if (mode == kSixBit) return tile_for<6, kSixBit>(rows);
-  if (mode == kMins) return bits == 4 ? tile_for<4, kMins>(rows) : tile_for<5, kMins>(rows);
+  if (mode == kSixBit) return tile_for<6, kSixBit, BLOCKS>(rows);
+  if (mode == kMins) return bits == 4 ? tile_for<4, kMins, BLOCKS>(rows)
+                                      : tile_for<5, kMins, BLOCKS>(rows);
   switch (bits) {
-    case 4: return tile_for<4, kFlat>(rows);
-    case 5: return tile_for<5, kFlat>(rows);
-    default: return tile_for<8, kFlat>(rows);
+    case 4: return tile_for<4, kFlat, BLOCKS>(rows);
+    case 5: return tile_for<5, kFlat, BLOCKS>(rows);
+    default: return tile_for<8, kFlat, BLOCKS>(rows);
   }
+}
+
+TileFn pick_tile(int64_t bits, int64_t mode, int rows, int blocks) {
+  return blocks == kTileBlocks ? pick_tile<kTileBlocks>(bits, mode, rows)
+                               : pick_tile<1>(bits, mode, rows);
 }
 
 // One block's weights into columns block * 8 .. + 7 of the transposed weight [k, n].
-template <int BITS, int MODE>
-void dequantize_block_t(const Weight& w, int64_t block, float* out, int64_t n) {
+template <int BITS, int MODE, typename T>
+void dequantize_block_t(const Weight& w, int64_t block, T* out, int64_t n) {
   const int64_t gb = group_bytes(BITS);
   for (int64_t g = 0; g < w.groups; ++g) {
     const uint8_t* c = w.codes + (block * w.groups + g) * gb;
@@ -296,20 +435,56 @@ void dequantize_block_t(const Weight& w, int64_t block, float* out, int64_t n) {
         const __m256i code = BITS == 8
             ? _mm256_srai_epi32(_mm256_slli_epi32(codes, 24 - 8 * j), 24)
             : _mm256_and_si256(_mm256_srli_epi32(codes, 8 * j), _mm256_set1_epi32(0xFF));
-        _mm256_storeu_ps(out + (g * kGroup + 4 * t + j) * n + block * kLanes,
-                         _mm256_fmadd_ps(_mm256_cvtepi32_ps(code), d[h], m[h]));
+        store_float8(out + (g * kGroup + 4 * t + j) * n + block * kLanes,
+                     _mm256_fmadd_ps(_mm256_cvtepi32_ps(code), d[h], m[h]));
       }
     }
   }
 }
 
-using DequantizeFn = void (*)(const Weight&, int64_t, float*, int64_t);
+template <typename T>
+using DequantizeFn = void (*)(const Weight&, int64_t, T*, int64_t);
 
-DequantizeFn pick_dequantize(int64_t bits, int64_t mode) {
-  if (mode == kSixBit) return dequantize_block_t<6, kSixBit>;
-  if (mode == kMins) return bits == 4 ? dequantize_block_t<4, kMins> : dequantize_block_t<5, kMins>;
-  return bits == 4 ? dequantize_block_t<4, kFlat>
-                   : bits == 5 ? dequantize_block_t<5, kFlat> : dequantize_block_t<8, kFlat>;
+template <typename T>
+DequantizeFn<T> pick_dequantize(int64_t bits, int64_t mode) {
+  if (mode == kSixBit) return dequantize_block_t<6, kSixBit, T>;
+  if (mode == kMins) return bits == 4 ? dequantize_block_t<4, kMins, T>
+                                      : dequantize_block_t<5, kMins, T>;
+  return bits == 4 ? dequantize_block_t<4, kFlat, T>
+                   : bits == 5 ? dequantize_block_t<5, kFlat, T> : dequantize_block_t<8, kFlat, T>;
+}
+
+template <typename T>
+void dequantize_all_t(const Weight& w, T* out) {
+  const DequantizeFn<T> fn = pick_dequantize<T>(w.bits, w.mode);
+  at::parallel_for(0, w.blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) fn(w, b, out, w.blocks * kLanes);
+  });
+}
+
+// Every tile of out = activations x weight ([rows, n]), written in out's dtype.
+template <typename T>
+void run_tiles(const Activations& a, const Weight& w, T* out) {
+  const int64_t rows = static_cast<int64_t>(a.q.size()) / a.k, blocks = w.blocks;
+  const int64_t n = blocks * kLanes;
+  // NOTE: blocks outer, rows inner: a block's codes stay in L1 while every tile passes over them
+  const int64_t spans = (blocks + kTileBlocks - 1) / kTileBlocks;
+  at::parallel_for(0, spans, 1, [&](int64_t begin, int64_t end) {
+    float tile_out[kMaxTileRows * kTileBlocks * kLanes];
+    for (int64_t span = begin; span < end; ++span) {
+      const int64_t b = span * kTileBlocks;
+      const int width = static_cast<int>(std::min<int64_t>(kTileBlocks, blocks - b));
+      for (int64_t r = 0; r < rows; r += kMaxTileRows) {
+        const int tile_rows = static_cast<int>(std::min<int64_t>(kMaxTileRows, rows - r));
+        pick_tile(w.bits, w.mode, tile_rows, width)(a, r, w, b, tile_out);
+        for (int i = 0; i < tile_rows; ++i) {
+          T* row = out + (r + i) * n + b * kLanes;
+          const float* from = tile_out + i * width * kLanes;
+          for (int j = 0; j < width * kLanes; ++j) row[j] = static_cast<T>(from[j]);
+        }
+      }
+    }
+  });
 }
 
 #endif  // MINISGL_AVX2
@@ -338,22 +513,12 @@ torch::Tensor block_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor s
   Activations a;
   if (x.scalar_type() == at::kFloat) quantize_rows(x.data_ptr<float>(), rows, k, a);
   else quantize_rows(x.data_ptr<at::BFloat16>(), rows, k, a);
-  auto result = torch::empty({rows, n}, x.options().dtype(at::kFloat));
-  float* out = result.data_ptr<float>();
-  // NOTE: blocks outer, rows inner: a block's codes stay in L1 while every tile passes over them
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    float tile_out[kMaxTileRows * kLanes];
-    for (int64_t b = begin; b < end; ++b)
-      for (int64_t r = 0; r < rows; r += kMaxTileRows) {
-        const int tile_rows = static_cast<int>(std::min<int64_t>(kMaxTileRows, rows - r));
-        pick_tile(bits, mode, tile_rows)(a, r, w, b, tile_out);
-        for (int i = 0; i < tile_rows; ++i)
-          std::memcpy(out + (r + i) * n + b * kLanes, tile_out + i * kLanes, sizeof(tile_out[0]) * kLanes);
-      }
-  });
+  auto result = torch::empty({rows, n}, x.options());
+  if (x.scalar_type() == at::kFloat) run_tiles(a, w, result.data_ptr<float>());
+  else run_tiles(a, w, result.data_ptr<at::BFloat16>());
   std::vector<int64_t> sizes = x.sizes().vec();
   sizes.back() = n;
-  return result.to(x.scalar_type()).view(sizes);
+  return result.view(sizes);
 #else
   TORCH_CHECK(false, "block_matmul needs AVX2, FMA and F16C (built with -march=native)");
 #endif
@@ -388,18 +553,16 @@ torch::Tensor block_dequantize(torch::Tensor codes, torch::Tensor scales, torch:
   return out;
 }
 
-// The whole weight transposed, [k, n] float32 (large batches multiply it with a GEMM).
+// The whole weight transposed, [k, n] float32 or bfloat16 (large batches multiply it with a
+// GEMM).
 torch::Tensor block_dequantize_t(torch::Tensor codes, torch::Tensor scales, torch::Tensor subs,
-                                 int64_t bits, int64_t mode) {
+                                 int64_t bits, int64_t mode, bool bf16) {
 #ifdef MINISGL_AVX2
   const Weight w = weight_of(codes, scales, subs, bits, mode);
-  const int64_t blocks = codes.size(0), n = blocks * kLanes;
-  auto out = torch::empty({w.groups * kGroup, n}, codes.options().dtype(at::kFloat));
-  const DequantizeFn fn = pick_dequantize(bits, mode);
-  float* o = out.data_ptr<float>();
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) fn(w, b, o, n);
-  });
+  auto out = torch::empty({w.groups * kGroup, w.blocks * kLanes},
+                          codes.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
+  if (bf16) dequantize_all_t(w, out.data_ptr<at::BFloat16>());
+  else dequantize_all_t(w, out.data_ptr<float>());
   return out;
 #else
   TORCH_CHECK(false, "block_dequantize_t needs AVX2, FMA and F16C (built with -march=native)");

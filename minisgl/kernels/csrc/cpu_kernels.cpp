@@ -323,7 +323,7 @@ torch::Tensor block_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor s
 torch::Tensor block_dequantize(torch::Tensor codes, torch::Tensor scales, torch::Tensor subs,
                                int64_t bits, int64_t mode, torch::Tensor rows);
 torch::Tensor block_dequantize_t(torch::Tensor codes, torch::Tensor scales, torch::Tensor subs,
-                                 int64_t bits, int64_t mode);
+                                 int64_t bits, int64_t mode, bool bf16);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention,
@@ -353,7 +353,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("block_dequantize", &block_dequantize, "rows of a block_matmul weight as float32",
         py::call_guard<py::gil_scoped_release>());
-  m.def("block_dequantize_t", &block_dequantize_t, "a block_matmul weight as float32 [k, n]",
+  m.def("block_dequantize_t", &block_dequantize_t,
+        "a block_matmul weight as float32 or bfloat16 [k, n]",
         py::call_guard<py::gil_scoped_release>());
   m.def("expert_matmul", &expert_matmul, "rows grouped by expert x each expert's weight (CPU)",
         py::call_guard<py::gil_scoped_release>());
