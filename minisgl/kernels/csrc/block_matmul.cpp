@@ -467,13 +467,15 @@ template <typename T>
 void run_tiles(const Activations& a, const Weight& w, T* out) {
   const int64_t rows = static_cast<int64_t>(a.q.size()) / a.k, blocks = w.blocks;
   const int64_t n = blocks * kLanes;
-  // NOTE: blocks outer, rows inner: a block's codes stay in L1 while every tile passes over them
-  const int64_t spans = (blocks + kTileBlocks - 1) / kTileBlocks;
+  // NOTE: blocks outer, rows inner: a block's codes stay in L1 while every tile passes over them.
+  // One row reads each block once whatever the tile: tiles of one block stream the weight best.
+  const int64_t per_span = rows == 1 ? 1 : kTileBlocks;
+  const int64_t spans = (blocks + per_span - 1) / per_span;
   at::parallel_for(0, spans, 1, [&](int64_t begin, int64_t end) {
     float tile_out[kMaxTileRows * kTileBlocks * kLanes];
     for (int64_t span = begin; span < end; ++span) {
-      const int64_t b = span * kTileBlocks;
-      const int width = static_cast<int>(std::min<int64_t>(kTileBlocks, blocks - b));
+      const int64_t b = span * per_span;
+      const int width = static_cast<int>(std::min<int64_t>(per_span, blocks - b));
       for (int64_t r = 0; r < rows; r += kMaxTileRows) {
         const int tile_rows = static_cast<int>(std::min<int64_t>(kMaxTileRows, rows - r));
         pick_tile(w.bits, w.mode, tile_rows, width)(a, r, w, b, tile_out);
