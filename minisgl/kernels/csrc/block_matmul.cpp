@@ -285,6 +285,10 @@ void tile(const Activations& a, int64_t row0, const Weight& w, int64_t block, fl
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* c[BLOCKS];
     for (int b = 0; b < BLOCKS; ++b) c[b] = w.codes + ((block + b) * groups + g) * gb;
+    if (ROWS == 1) {  // the next block's group g: one row's tiles wait on memory, not compute
+      const char* next = reinterpret_cast<const char*>(c[BLOCKS - 1] + groups * gb);
+      for (int64_t at = 0; at < gb; at += 64) _mm_prefetch(next + at, _MM_HINT_T0);
+    }
     __m256i coarse[ROWS][BLOCKS][CHAINS], fine[ROWS][BLOCKS][CHAINS];
     for (int r = 0; r < ROWS; ++r)
       for (int b = 0; b < BLOCKS; ++b)
