@@ -6,7 +6,7 @@ bundled model's shapes (random weights, so the weights stream from memory as in 
 
 Forms: `bf16` (the prepacked oneDNN GEMM, `--quantization none`), `gguf-4bit` (4-bit blocks
 through quant_matmul, dequantized for a GEMM past VNNI_MAX_ROWS), `Q5_0` and `Q4_K_M` (GGUF
-blocks through block_matmul, dequantized for a GEMM past its KERNEL_MAX_ROWS_BF16; Q4_K_M as
+blocks through block_matmul, dequantized for a GEMM past its KERNEL_MAX_ROWS; Q4_K_M as
 llama.cpp lays out the bundled model: down Q4_K, the rest Q5_0), `w8a8` (int8_matmul, an
 activation scale per 32 inputs, as `--quantization w8a8_int8` runs), `w8a8-per-token` (one
 activation scale per row, as SGLang's w8a8_int8 quantizes).

@@ -84,7 +84,7 @@ def test_kernel_against_float64(kind: str):
             assert got.dtype == dtype and got.shape == (rows, out)
             error = ((got.double() - want).abs().max() / want.abs().max()).item()
             assert error < bound, (rows, dtype, error)
-        # the layer's own choice (past KERNEL_MAX_ROWS[_BF16]: the dequantized weight, float32
+        # the layer's own choice (past KERNEL_MAX_ROWS: the dequantized weight, float32
         # or bfloat16, and a GEMM)
         for dtype, bound in ((torch.float32, KERNEL_BOUND_F32),
                              (torch.bfloat16, KERNEL_BOUND_BF16)):

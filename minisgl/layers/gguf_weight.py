@@ -28,9 +28,8 @@ KINDS = {"Q4_0": (4, FLAT), "Q4_1": (4, FLAT), "Q5_0": (5, FLAT), "Q5_1": (5, FL
          "Q8_0": (8, FLAT), "Q4_K": (4, MINS), "Q5_K": (5, MINS), "Q6_K": (6, SIX_BIT),
          "W4": (4, MINS)}
 # NOTE: past this many rows the dequantized weight and a GEMM beat the integer dot products
-# (the crossovers: BENCHMARKS.md, "k-quants"): float32, or bfloat16 where the CPU has it
+# (the crossover, float32 or bfloat16: BENCHMARKS.md, "k-quants" and "k-quants on VNNI")
 KERNEL_MAX_ROWS = 128
-KERNEL_MAX_ROWS_BF16 = 64
 
 
 @functools.lru_cache(maxsize=1)
@@ -148,9 +147,9 @@ class GgufWeight:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.subs))
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        # NOTE: without AVX-512 BF16 a bfloat16 GEMM is emulated, ~250x slower: float32
-        bf16 = x.dtype == torch.bfloat16 and native_bf16_gemm()
-        if x.numel() > (KERNEL_MAX_ROWS_BF16 if bf16 else KERNEL_MAX_ROWS) * self.in_features:
+        if x.numel() > KERNEL_MAX_ROWS * self.in_features:
+            # NOTE: without AVX-512 BF16 a bfloat16 GEMM is emulated, ~250x slower: float32
+            bf16 = x.dtype == torch.bfloat16 and native_bf16_gemm()
             weight_t = self.kernels.block_dequantize_t(self.codes, self.scales, self.subs,
                                                        self.bits, self.mode, bf16)
             return x @ weight_t if bf16 else (x.float() @ weight_t).to(x.dtype)
