@@ -3,6 +3,7 @@ bundled model's shapes (random weights, so the weights stream from memory as in 
 
     python scripts/bench_linears.py                      # rows 1 8 64 512 2048
     python scripts/bench_linears.py --rows 64 --rounds 3
+    python scripts/bench_linears.py --rows 64 96 128 --kernel-max-rows 0   # GGUF: always GEMM
 
 Forms: `bf16` (the prepacked oneDNN GEMM, `--quantization none`), `gguf-4bit` (4-bit blocks
 through quant_matmul, dequantized for a GEMM past VNNI_MAX_ROWS), `Q5_0` and `Q4_K_M` (GGUF
@@ -20,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from minisgl.layers import gguf_weight
 from minisgl.layers.gguf_weight import GROUP, KINDS, SUPER, GgufBlocks, GgufWeight
 from minisgl.layers.linear import pack_weight
 from minisgl.layers.quant import BlockWeight, WeightBlocks, block_weight, vnni_kernels
@@ -76,7 +78,12 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 512, 2048])
     parser.add_argument("--repeats", type=int, default=5, help="passes per figure (the best)")
     parser.add_argument("--rounds", type=int, default=1, help="the whole table this many times")
+    parser.add_argument("--kernel-max-rows", type=int, default=None,
+                        help="the GGUF forms' crossover to dequantize + GEMM (0: always the "
+                             "GEMM; default: gguf_weight.KERNEL_MAX_ROWS)")
     args = parser.parse_args()
+    if args.kernel_max_rows is not None:
+        gguf_weight.KERNEL_MAX_ROWS = args.kernel_max_rows
     if vnni_kernels() is None:
         raise SystemExit("the VNNI kernels are not built here (AVX-512 VNNI and BF16 needed)")
     torch.manual_seed(0)
