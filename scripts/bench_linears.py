@@ -38,10 +38,9 @@ def random_4bit(out_features: int, in_features: int) -> BlockWeight:
 
 
 def random_gguf(kind: str, out_features: int, in_features: int) -> GgufWeight:
+    """Random codes and scales of a 4- to 6-bit GGUF kind (Q5_0, Q4_K ...)."""
     bits, _ = KINDS[kind]
-    low, high = (-128, 128) if kind == "Q8_0" else (0, 1 << bits)
-    codes = torch.randint(low, high, (out_features, in_features),
-                          dtype=torch.int8 if kind == "Q8_0" else torch.uint8)
+    codes = torch.randint(0, 1 << bits, (out_features, in_features), dtype=torch.uint8)
     per_scale = SUPER if kind.endswith("_K") else GROUP
     scales = torch.rand(out_features, in_features // per_scale, 2) * 0.01
     subs = (torch.randint(0, 64, (out_features, in_features // GROUP, 2), dtype=torch.int16)

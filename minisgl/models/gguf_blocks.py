@@ -3,9 +3,9 @@ under their Hugging Face names. Where the AVX-512 VNNI kernel runs them, Q4_0, Q
 become layers.quant.WeightBlocks; every other type the AVX2 kernel takes (Q5_0, Q5_1, the
 k-quants Q4_K, Q5_K, Q6_K, and all of them on a CPU without VNNI) becomes layers.gguf_weight.
 GgufBlocks (models.gguf_decode), as do the token embedding and the LM head, and the VNNI
-types of a layer that also holds other types. Without either
-kernel, Q4_0 / Q4_1 take torch's int4 one. Other tensors (norms, Q2_K, Q3_K, IQ types) come
-from the converted safetensors folder, dequantized.
+types of a layer that also holds other types. Without either kernel, Q4_0 / Q4_1 take
+torch's int4 one. Other tensors (norms, Q2_K, Q3_K, IQ types) come from the converted
+safetensors folder, dequantized.
 
 Block layouts (ggml): Q4_0 = fp16 scale d, 16 bytes of codes, w = (q - 8) * d; Q4_1 = fp16 d,
 fp16 min m, 16 bytes, w = q * d + m; byte j holds value j (low nibble) and j + 16 (high).

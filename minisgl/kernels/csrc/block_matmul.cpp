@@ -248,23 +248,17 @@ inline void group_scales(const Weight& w, int64_t block, int64_t g, int h, __m25
                     : _mm256_mul_ps(d, _mm256_set1_ps(-32.0f));
 }
 
-// acc[r] += a group's integer dots (254 q + r terms), scaled by d' s, plus m' times the
-// activations' exact sum.
-template <int ROWS, int MODE, int HALVES>
-inline void accumulate_group(const Activations& a, int64_t row0, const Weight& w, int64_t block,
-                             int64_t g, const __m256i (&dot)[ROWS][HALVES], __m256 (&acc)[ROWS]) {
-  for (int h = 0; h < HALVES; ++h) {
-    __m256 d, m;
-    group_scales<MODE>(w, block, g, h, d, m);
-    for (int r = 0; r < ROWS; ++r) {
-      const int64_t at = (row0 + r) * w.groups + g;
-      const float* halves = a.sum.data() + 2 * at;
-      const float sum = HALVES == 2 ? halves[h] : halves[0] + halves[1];
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]),
-                               _mm256_mul_ps(d, _mm256_set1_ps(a.scale[at])), acc[r]);
-      acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sum), acc[r]);
-    }
-  }
+// acc + one group's (or half group's, HALVES == 2) integer dot `dot` of activation row `row`
+// (254 q + r terms) times d' s, plus m' times the row's exact sum of those inputs.
+template <int HALVES>
+inline __m256 add_group(__m256 acc, __m256i dot, __m256 d, __m256 m, const Activations& a,
+                        int64_t row, int64_t groups, int64_t g, int h) {
+  const int64_t at = row * groups + g;
+  const float* halves = a.sum.data() + 2 * at;
+  const float sum = HALVES == 2 ? halves[h] : halves[0] + halves[1];
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(a.scale[at])),
+                        acc);
+  return _mm256_fmadd_ps(m, _mm256_set1_ps(sum), acc);
 }
 
 // ROWS activation rows times one block of 8 output features, over all groups, into out_f32.
@@ -324,12 +318,7 @@ void tile(const Activations& a, int64_t row0, const Weight& w, int64_t block, fl
           }
           for (int i = 0; i < CHAINS; ++i) coarse[r][b][i] = fine[r][b][i] = _mm256_setzero_si256();
           const __m256i dot = _mm256_add_epi32(_mm256_mullo_epi32(cs, _mm256_set1_epi32(254)), fs);
-          const int64_t at = (row0 + r) * groups + g;
-          const float* halves = a.sum.data() + 2 * at;
-          const float sum = HALVES == 2 ? halves[h] : halves[0] + halves[1];
-          acc[r][b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
-                                      _mm256_mul_ps(d, _mm256_set1_ps(a.scale[at])), acc[r][b]);
-          acc[r][b] = _mm256_fmadd_ps(m, _mm256_set1_ps(sum), acc[r][b]);
+          acc[r][b] = add_group<HALVES>(acc[r][b], dot, d, m, a, row0 + r, groups, g, h);
         }
       }
     }
@@ -338,8 +327,9 @@ void tile(const Activations& a, int64_t row0, const Weight& w, int64_t block, fl
     for (int b = 0; b < BLOCKS; ++b) _mm256_storeu_ps(out + (r * BLOCKS + b) * kLanes, acc[r][b]);
 }
 #else
-template <int ROWS, int BITS, int MODE>
+template <int ROWS, int BITS, int MODE, int BLOCKS>
 void tile(const Activations& a, int64_t row0, const Weight& w, int64_t block, float* out) {
+  static_assert(BLOCKS == 1, "AVX2's 16 registers hold tiles of one block");
   // NOTE: vpmaddubsw sums two products into int16 with saturation: FLUSH quads of them fit
   // (2 * max code * 127 * FLUSH < 2^15) before they are widened to int32.
   constexpr int FLUSH = BITS == 4 ? 8 : BITS == 5 ? 4 : BITS == 6 ? 2 : 1;
@@ -379,7 +369,12 @@ void tile(const Activations& a, int64_t row0, const Weight& w, int64_t block, fl
         }
       }
     }
-    accumulate_group<ROWS, MODE, HALVES>(a, row0, w, block, g, dot, acc);
+    for (int h = 0; h < HALVES; ++h) {
+      __m256 d, m;
+      group_scales<MODE>(w, block, g, h, d, m);
+      for (int r = 0; r < ROWS; ++r)
+        acc[r] = add_group<HALVES>(acc[r], dot[r][h], d, m, a, row0 + r, groups, g, h);
+    }
   }
   for (int r = 0; r < ROWS; ++r) _mm256_storeu_ps(out + r * kLanes, acc[r]);
 }
@@ -389,19 +384,17 @@ using TileFn = void (*)(const Activations&, int64_t, const Weight&, int64_t, flo
 
 #ifdef MINISGL_BLOCK_VNNI
 constexpr int kTileBlocks = 2;  // blocks a tile spans (the last of an odd count: 1)
-#define MINISGL_TILE(ROWS, BITS, MODE, BLOCKS) tile<ROWS, BITS, MODE, BLOCKS>
 #else
 constexpr int kTileBlocks = 1;
-#define MINISGL_TILE(ROWS, BITS, MODE, BLOCKS) tile<ROWS, BITS, MODE>
 #endif
 
 template <int BITS, int MODE, int BLOCKS>
 TileFn tile_for(int rows) {
   switch (rows) {
-    case 1: return MINISGL_TILE(1, BITS, MODE, BLOCKS);
-    case 2: return MINISGL_TILE(2, BITS, MODE, BLOCKS);
-    case 3: return MINISGL_TILE(3, BITS, MODE, BLOCKS);
-    default: return MINISGL_TILE(4, BITS, MODE, BLOCKS);
+    case 1: return tile<1, BITS, MODE, BLOCKS>;
+    case 2: return tile<2, BITS, MODE, BLOCKS>;
+    case 3: return tile<3, BITS, MODE, BLOCKS>;
+    default: return tile<4, BITS, MODE, BLOCKS>;
   }
 }
 
