@@ -5,8 +5,8 @@ Two workloads of chat prompts to the bundled model, greedy:
 - grounded: rewrite, repeat, extract from or continue a given text (passages of this repo's
   README): the output copies the input, where n-gram drafts are right;
 - chat: open questions, where they are mostly wrong.
-`--streams C` requests decode at once (max_running_requests C, 2C requests, so every step has C
-rows once the first prefills are done). Output tok/s = output tokens / wall time, prefill
+`--streams C` requests decode at once (max_running_requests C, max(2C, --min-requests) requests,
+so every step has C rows once the first prefills are done). Output tok/s = output tokens / wall time, prefill
 included; "accept" is the mean tokens a speculating request gained per verify step.
 
     python scripts/bench_speculation.py --streams 1 8 32 64
@@ -75,7 +75,7 @@ def run(workload: str, streams: int, spec: bool, args: argparse.Namespace,
              disable_overlap_schedule=not overlap, **extra) as llm:
         chats = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}],
                                                    tokenize=False, add_generation_prompt=True)
-                 for p in prompts(workload, 2 * streams)]
+                 for p in prompts(workload, max(2 * streams, args.min_requests))]
         params = {"temperature": 0, "max_new_tokens": args.output_len}
         llm.generate(chats[:1], {**params, "max_new_tokens": 4})  # warm up
         before = llm.runtime.state()
@@ -130,6 +130,8 @@ def main() -> None:
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--workloads", nargs="+", default=["grounded", "chat"])
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--min-requests", type=int, default=16,
+                        help="requests per row at least (2 x streams otherwise)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--pool", type=int, default=60000)
     parser.add_argument("--num-draft-tokens", type=int, default=None)

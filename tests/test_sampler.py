@@ -9,7 +9,7 @@ import torch
 
 from minisgl.core import Req, SamplingParams
 from minisgl.errors import InvalidRequest
-from minisgl.engine.sampler import SampleOutput, Sampler, SamplingArgs
+from minisgl.engine.sampler import SampleOutput, Sampler, SamplingArgs, argmax
 
 CPU = torch.device("cpu")
 EOS = 5
@@ -67,6 +67,24 @@ def test_greedy_is_argmax() -> None:
     assert not args.greedy_only
     assert torch.equal(sample(sampler, logits7, mixed).next_tokens[:6].long(),
                        logits.float().argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [1, 37, 49152, 49155])
+def test_argmax_matches_torch(dtype: torch.dtype, vocab: int) -> None:
+    """The sampler's argmax (the CPU kernel where it builds) is torch's: the first index of the
+    largest value, ties, rows of -inf and rows holding NaN included."""
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randn(2, 9, vocab, generator=gen).to(dtype)
+    x[0, 0] = float("-inf")
+    x[0, 1, vocab // 2:] = 1e4  # a tie over half the row: its first index wins
+    x[0, 2, vocab - 1] = float("inf")
+    x[0, 3, vocab // 3] = float("nan")
+    x[0, 4, ::2] = float("nan")
+    x[1] = x[1].round()  # coarse values: many ties at the top
+    assert torch.equal(argmax(x), x.argmax(-1))
+    assert torch.equal(argmax(x[:, 0]), x[:, 0].argmax(-1))  # [rows, vocab]
+    assert argmax(x[:0, 0]).shape == (0,)
 
 
 # 4000 draws: a frequency's standard deviation is at most sqrt(0.25 / 4000) ~ 0.008, so a 0.03

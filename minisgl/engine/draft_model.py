@@ -26,7 +26,7 @@ import torch
 from minisgl.attention.base import AttentionBackend
 from minisgl.core import Batch, span_indices
 from minisgl.distributed.context import TPInfo, tp_context
-from minisgl.engine.sampler import Sampler, SamplingArgs, to_device
+from minisgl.engine.sampler import Sampler, SamplingArgs, argmax, to_device
 
 
 @dataclass
@@ -131,7 +131,7 @@ class DraftModel:
                 logits = self._forward(batch, ids[self._ints(active), step - 1],
                                        to_device(positions, self.device),
                                        to_device(flat, self.device), None)
-            ids_now = logits.argmax(dim=-1)
+            ids_now = argmax(logits)
             draw = [n for n, j in enumerate(active) if not greedy[drafting[j]]]
             if draw:
                 at = self._ints(draw)

@@ -30,7 +30,7 @@ from minisgl.engine.acceptance import accept_greedy, accept_sampled
 from minisgl.engine.draft_model import DraftModel
 from minisgl.engine.forward import ForwardInput, ForwardOutput, to_host
 from minisgl.engine.ngram import NgramIndex
-from minisgl.engine.sampler import SampleOutput, Sampler, to_device, unpack_bitmask
+from minisgl.engine.sampler import SampleOutput, Sampler, argmax, to_device, unpack_bitmask
 
 MAX_COOLDOWN = 16  # steps a row drafts nothing after drafts it kept rejecting (doubling)
 # Tokens a verify step may forward before drafts stop paying: beyond them the step's cost
@@ -208,18 +208,17 @@ class Speculator:
             drafts = to_device(drafts, device)
             at = (first[rows, None] + torch.arange(width, device=device)).clamp(
                 max=len(logits) - 1)
-            row_logits = logits[at].float()  # [S, W, V]; past a row's count: ignored
             kept = torch.zeros_like(lens)
             out = torch.zeros(len(drafting), width, dtype=torch.int64, device=device)
             # NOTE: the split is known on the host: no sync inside a CUDA launch
             greedy = [j for j, i in enumerate(drafting) if verify.greedy[i]]
             sampled = [j for j, i in enumerate(drafting) if not verify.greedy[i]]
-            if greedy:
+            if greedy:  # at [S, W]: past a row's count, ignored
                 g = to_device(torch.tensor(greedy), device)
-                kept[g], out[g] = accept_greedy(drafts[g], lens[g], row_logits[g].argmax(-1))
+                kept[g], out[g] = accept_greedy(drafts[g], lens[g], argmax(logits)[at[g]])
             if sampled:
                 s = to_device(torch.tensor(sampled), device)
-                probs = sampler.target_probs(row_logits[s], args, rows[s])
+                probs = sampler.target_probs(logits[at[s]].float(), args, rows[s])
                 q = verify.draft_probs  # None: n-gram drafts, point masses
                 kept[s], out[s] = accept_sampled(
                     drafts[s], lens[s], probs,

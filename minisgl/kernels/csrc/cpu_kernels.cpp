@@ -6,6 +6,7 @@
 // - residual add + RMSNorm in one pass per row (float32 math, one rounding);
 // - silu(gate) * up over a merged [rows, 2 * d] projection, one pass (float32 math);
 // - rotary embedding ("rotate half") of q and k in place, one pass (float32 math);
+// - each row's argmax (greedy sampling over the vocabulary; torch's CPU argmax is scalar);
 // - 4- and 8-bit block-quantized weight matmuls (quant_matmul.cpp), the W8A8 int8 one
 //   (int8_matmul.cpp), the mixture-of-experts one (expert_matmul.cpp) and multi-LoRA's
 //   (lora_matmul.cpp).
@@ -185,6 +186,43 @@ void rotate_half(T* x, int64_t tokens, int64_t heads, int64_t token_stride, int6
   });
 }
 
+// The first index of a row's largest value. NOTE: the max reductions vectorise (-ffast-math);
+// the scan for the first occurrence tests 64 values at a time. NaN is found from the bits
+// (-ffast-math's float comparisons do not see it): a row holding one gets its first NaN, as
+// torch.argmax returns.
+inline uint32_t magnitude_bits(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  return bits & 0x7FFFFFFFu;
+}
+
+constexpr uint32_t kInfinityBits = 0x7F800000u;  // magnitude bits above it: NaN
+
+template <typename T>
+int64_t argmax_row(const T* p, int64_t n) {
+  float best = -std::numeric_limits<float>::infinity();
+  uint32_t largest_bits = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = load(p, i);
+    best = std::max(best, v);
+    largest_bits = std::max(largest_bits, magnitude_bits(v));
+  }
+  if (largest_bits > kInfinityBits) {
+    for (int64_t i = 0; i < n; ++i)
+      if (magnitude_bits(load(p, i)) > kInfinityBits) return i;
+  }
+  constexpr int64_t kChunk = 64;
+  for (int64_t start = 0; start < n; start += kChunk) {
+    const int64_t end = std::min(n, start + kChunk);
+    bool hit = false;
+    for (int64_t i = start; i < end; ++i) hit |= load(p, i) == best;
+    if (hit)
+      for (int64_t i = start; i < end; ++i)
+        if (load(p, i) == best) return i;
+  }
+  return 0;
+}
+
 }  // namespace
 
 // q: [tokens, heads, dim], k: [tokens, kv_heads, dim], each with contiguous heads (a token
@@ -243,6 +281,23 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
     silu_and_mul_rows<scalar_t>(x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
                                 x.numel() / (2 * d), d);
+  });
+  return out;
+}
+
+// x: [rows, n] float32 or bfloat16, contiguous -> [rows] int64.
+torch::Tensor argmax_rows(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) > 0);
+  const int64_t rows = x.size(0), n = x.size(1);
+  auto out = torch::empty({rows}, x.options().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || x.scalar_type() == at::kFloat, "argmax_rows takes float32 or bfloat16");
+  const void* xp = x.data_ptr();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      op[r] = bf16 ? argmax_row(static_cast<const at::BFloat16*>(xp) + r * n, n)
+                   : argmax_row(static_cast<const float*>(xp) + r * n, n);
   });
   return out;
 }
@@ -330,6 +385,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "paged attention of tokens over their requests' cached K/V (CPU)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("locations"), py::arg("seq_lens"),
         py::arg("scale"), py::arg("token_rows") = py::none(), py::arg("softcap") = 0.0,
+        py::call_guard<py::gil_scoped_release>());
+  m.def("argmax_rows", &argmax_rows, "each row's first index of its largest value (CPU)",
         py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "residual add + RMSNorm (CPU)",
         py::call_guard<py::gil_scoped_release>());
