@@ -30,6 +30,7 @@ class EngineConfig:
     speculative_ngram_max_match_window_size: int
     speculative_draft_model_path: str | None
     speculative_draft_model_quantization: str | None
+    speculative_always_draft: bool  # NGRAM on CPU: no draft budget either (engine.draft_budget)
     enable_lora: bool
     lora_paths: list[str] | None
     max_loras_per_batch: int

@@ -120,7 +120,10 @@ class ModelRunner:
         """NOTE: on CPU this is the real compute time; on CUDA only the launch time. A verify
         step counts as decode, every token it forwards too."""
         phase = "decode" if verify else batch.phase
-        self.phase_seconds[phase] += time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        self.phase_seconds[phase] += seconds
+        if self.speculator is not None and phase == "decode":
+            self.speculator.observe_step(sum(batch.extend_lens[:batch.size]), seconds)
         self.phase_steps[phase] += 1
         if verify:
             self.forwarded_tokens["decode"] += sum(batch.extend_lens[:batch.size])

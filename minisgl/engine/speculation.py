@@ -27,6 +27,7 @@ from minisgl.args import device_default
 from minisgl.core import span_indices
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.acceptance import accept_greedy, accept_sampled
+from minisgl.engine.draft_budget import AcceptRates, StepCost, worth_verifying
 from minisgl.engine.draft_model import DraftModel
 from minisgl.engine.forward import ForwardInput, ForwardOutput, to_host
 from minisgl.engine.ngram import NgramIndex
@@ -48,6 +49,7 @@ class SpecConfig:
     max_window: int
     batch_tokens: int
     catch_up_tokens: int  # STANDALONE (engine.draft_model)
+    budget: bool = True  # NGRAM on CPU: drafts cut to those worth their place (draft_budget)
 
     def drafts_per_row(self, rows: int) -> int:
         """Drafts each of `rows` rows may verify in one step: num_draft_tokens - 1, fewer once
@@ -64,7 +66,8 @@ def spec_config(config: EngineConfig, device_type: str) -> SpecConfig | None:
     return SpecConfig(config.speculative_algorithm, tokens,
                       config.speculative_ngram_min_match_window_size,
                       config.speculative_ngram_max_match_window_size,
-                      BATCH_TOKENS[device], CATCH_UP_TOKENS[device])
+                      BATCH_TOKENS[device], CATCH_UP_TOKENS[device],
+                      budget=not config.speculative_always_draft)
 
 
 @dataclass
@@ -89,6 +92,11 @@ class Speculator:
         # per table row: tokens in the token pool that are the request's (prompt and output)
         self.committed = torch.zeros(token_pool.shape[0], dtype=torch.int64, device=self.device)
         self.rows: dict[int, _RowDrafts] = {}
+        # NOTE: on CPU a step's time is its compute (the engine thread runs it to the end), so
+        # n-gram drafts, free to make, are cut to those worth their tokens (engine.draft_budget)
+        self.cost = (StepCost() if config.budget and draft_model is None
+                     and self.device.type == "cpu" else None)
+        self.accept_rates = AcceptRates(config.num_draft_tokens - 1)
 
     def record_step(self, fwd: ForwardInput) -> None:
         """A step that sampled one token per row at fwd.write_indices (flat token-pool indices;
@@ -115,6 +123,15 @@ class Speculator:
         if self.draft_model is None:
             verify.drafts = [self.rows[row].index.draft(m) if m > 0 else []  # type: ignore
                              for row, m in zip(table_rows, most)]
+            fit = self.cost.fit() if self.cost is not None else None
+            if fit is not None:
+                gains = [self.accept_rates.gains(row, len(d))
+                         for row, d in zip(table_rows, verify.drafts)]
+                kept = worth_verifying(verify.drafts, gains, fit)
+                for row, made, cut in zip(table_rows, verify.drafts, kept):
+                    if made and not cut:
+                        self.accept_rates.skipped(row)
+                verify.drafts = kept
         else:
             assert fwd.sample_args is not None
             drafts = self.draft_model.draft(table_rows, committed, most, verify.greedy,
@@ -160,7 +177,10 @@ class Speculator:
             index = (NgramIndex(self.config.min_window, self.config.max_window)
                      if self.draft_model is None else None)
             state = self.rows[row] = _RowDrafts(uid, index)
+            self.accept_rates.forget(row)
         elif state.last_drafts:  # how the row's previous verify went (known now, no sync)
+            self.accept_rates.observe(row, state.last_drafts,
+                                      min(committed - state.last_committed - 1, state.last_drafts))
             if committed - state.last_committed > 1:
                 state.misses = 0
             else:
@@ -176,6 +196,11 @@ class Speculator:
             state.cooldown = max(0, state.cooldown - 1)
             return 0
         return most
+
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        """A decode or verify step forwarded `tokens` in `seconds` (CPU: its compute)."""
+        if self.cost is not None:
+            self.cost.observe(tokens, seconds)
 
     # ---- after the forward -------------------------------------------------------------------
 

@@ -1,0 +1,99 @@
+"""Which n-gram drafts a CPU verify step forwards: those expected to pay for their place.
+
+On CPU a step's time grows with the tokens it forwards (past a few rows the linears are
+compute-bound: BENCHMARKS.md, "Speculative decoding"), so a draft is worth forwarding only if
+the chance that it is accepted beats what its token costs. `StepCost` fits a decode or verify
+step's seconds as t0 + c * tokens to the steps that ran; `AcceptRates` estimates each draft's
+chance of being accepted; `worth_verifying` keeps the drafts, best first, while each one raises the step's expected
+tokens per second.
+"""
+
+from __future__ import annotations
+
+
+class StepCost:
+    """Least squares of step seconds on forwarded tokens, weighting older steps down
+    geometrically (the context grows, other work comes and goes)."""
+
+    DECAY = 0.97
+    MIN_STEPS = 6.0  # weighted steps before the fit is used
+
+    def __init__(self) -> None:
+        self.weight = self.tokens = self.seconds = self.tokens_sq = self.cross = 0.0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        d = self.DECAY
+        self.weight = d * self.weight + 1.0
+        self.tokens = d * self.tokens + tokens
+        self.seconds = d * self.seconds + seconds
+        self.tokens_sq = d * self.tokens_sq + tokens * tokens
+        self.cross = d * self.cross + tokens * seconds
+
+    def fit(self) -> tuple[float, float] | None:
+        """(t0, c), or None until steps of different token counts ran."""
+        w = self.weight
+        spread = w * self.tokens_sq - self.tokens * self.tokens
+        if w < self.MIN_STEPS or spread <= 0.5 * w * w:  # NOTE: token counts' variance < 0.5
+            return None
+        per_token = max(0.0, (w * self.cross - self.tokens * self.seconds) / spread)
+        return max(0.0, (self.seconds - per_token * self.tokens) / w), per_token
+
+
+class AcceptRates:
+    """How likely drafts are accepted. Agreement comes in runs (a copied passage is copied on),
+    so a draft's chance is the row's chance that its first draft is accepted (a running mean
+    per row) times, for each draft after the first, the chance at that depth given the one
+    before was accepted (running means over all rows)."""
+
+    EMA, DRIFT = 0.3, 0.1
+    FIRST, DEEPER = 0.5, 0.8  # before anything was seen
+
+    def __init__(self, depth: int) -> None:
+        self.first: dict[int, float] = {}  # table row -> its first draft's chance
+        self.deeper = [self.DEEPER] * max(0, depth - 1)  # [i]: draft i + 2 given i + 1
+
+    def forget(self, row: int) -> None:
+        self.first.pop(row, None)
+
+    def skipped(self, row: int) -> None:
+        """The row's drafts were not worth a place: its chance drifts back toward the prior (it
+        is learnt only from drafts that are verified)."""
+        first = self.first.get(row, self.FIRST)
+        self.first[row] = first + self.DRIFT * (self.FIRST - first)
+
+    def observe(self, row: int, drafted: int, accepted: int) -> None:
+        """A verify step accepted `accepted` of the row's `drafted` drafts."""
+        first = self.first.get(row, self.FIRST)
+        self.first[row] = first + self.EMA * ((accepted > 0) - first)
+        for depth in range(1, min(drafted, accepted + 1)):  # drafts tried after an accepted one
+            self.deeper[depth - 1] += self.EMA * ((accepted > depth) - self.deeper[depth - 1])
+
+    def gains(self, row: int, drafts: int) -> list[float]:
+        """The chance that each of the row's next `drafts` drafts is accepted."""
+        chance, out = self.first.get(row, self.FIRST), []
+        for i in range(drafts):
+            if i:
+                chance *= self.deeper[min(i, len(self.deeper)) - 1]
+            out.append(chance)
+        return out
+
+
+def worth_verifying(drafts: list[list[int]], gains: list[list[float]], cost: tuple[float, float]
+                    ) -> list[list[int]]:
+    """Each row's drafts cut to those worth forwarding. `gains`: each draft's chance of being
+    accepted (AcceptRates.gains; non-increasing along a row; rows without drafts forward one
+    token all the same); `cost`: StepCost.fit()."""
+    t0, per_token = cost
+    candidates = sorted(((g, i, row) for row, row_gains in enumerate(gains)
+                         for i, g in enumerate(row_gains[:len(drafts[row])])),
+                        key=lambda c: (-c[0], c[1]))
+    tokens = expected = float(len(drafts))  # every row forwards its last token, emits one
+    keep = [0] * len(drafts)
+    for gain, i, row in candidates:  # a row's i-th draft after its (i-1)-th
+        # NOTE: adding it raises expected / (t0 + c * tokens) iff gain beats this bound
+        if gain * (t0 + per_token * tokens) <= expected * per_token:
+            break
+        keep[row] = i + 1
+        tokens += 1
+        expected += gain
+    return [d[:k] for d, k in zip(drafts, keep)]
