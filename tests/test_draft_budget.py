@@ -21,20 +21,19 @@ def test_step_cost_fits_a_linear_cost() -> None:
     assert t0 == pytest.approx(0.012) and per_token == pytest.approx(0.001)
 
 
-def test_acceptance_runs() -> None:
+def test_acceptance_by_match_length_and_depth() -> None:
     rates = AcceptRates(depth=4)
-    assert rates.gains(0, 3) == pytest.approx([0.5, 0.4, 0.32])  # priors
-    for _ in range(30):
-        rates.observe(0, drafted=3, accepted=3)  # row 0 copies
-        rates.observe(1, drafted=3, accepted=0)  # row 1's first draft always fails
-    copied, refused = rates.gains(0, 3), rates.gains(1, 3)
-    assert copied[0] > 0.99 and copied[2] > 0.99
-    assert refused[0] < 0.01
-    before = refused[0]
-    rates.skipped(1)  # not drafted: drifts back toward the prior, so it is tried again
+    assert rates.gains(1, 3) == pytest.approx([0.5, 0.4, 0.32])  # priors
+    for _ in range(200):
+        rates.observe(match=4, drafted=3, accepted=3)  # long matches: copied text
+        rates.observe(match=1, drafted=3, accepted=0)  # one-token matches: wrong
+    long, short = rates.gains(7, 3), rates.gains(1, 3)  # 4 tokens and more share a chance
+    assert long[0] > 0.99 and long[2] > 0.99
+    assert short[0] < 0.01
+    assert rates.gains(2, 1) == pytest.approx([0.5])  # not seen yet
+    before = short[0]
+    rates.skipped(1)  # not verified: drifts back toward the prior, so it is tried again
     assert before < rates.gains(1, 1)[0] < 0.5
-    rates.forget(1)  # a new request in the row
-    assert rates.gains(1, 1) == pytest.approx([0.5])
 
 
 def test_worth_verifying_weighs_chance_against_cost() -> None:

@@ -4,8 +4,8 @@ On CPU a step's time grows with the tokens it forwards (past a few rows the line
 compute-bound: BENCHMARKS.md, "Speculative decoding"), so a draft is worth forwarding only if
 the chance that it is accepted beats what its token costs. `StepCost` fits a decode or verify
 step's seconds as t0 + c * tokens to the steps that ran; `AcceptRates` estimates each draft's
-chance of being accepted; `worth_verifying` keeps the drafts, best first, while each one raises the step's expected
-tokens per second.
+chance of being accepted; `worth_verifying` keeps the drafts, best first, while each one raises
+the step's expected tokens per second.
 """
 
 from __future__ import annotations
@@ -40,37 +40,41 @@ class StepCost:
 
 
 class AcceptRates:
-    """How likely drafts are accepted. Agreement comes in runs (a copied passage is copied on),
-    so a draft's chance is the row's chance that its first draft is accepted (a running mean
-    per row) times, for each draft after the first, the chance at that depth given the one
-    before was accepted (running means over all rows)."""
+    """How likely n-gram drafts are accepted, learnt over all rows. A draft continuing a longer
+    matched suffix is likelier right, and agreement comes in runs (a copied passage is copied
+    on): so a draft's chance is the chance of a first draft at its match length (1, 2, 3, 4 or
+    more tokens) times, for each draft after the first, the chance at that depth given the one
+    before was accepted."""
 
-    EMA, DRIFT = 0.3, 0.1
+    EMA, DRIFT = 0.05, 0.05
     FIRST, DEEPER = 0.5, 0.8  # before anything was seen
+    LONGEST_MATCH = 4  # match lengths from here on share one chance
 
     def __init__(self, depth: int) -> None:
-        self.first: dict[int, float] = {}  # table row -> its first draft's chance
+        self.first = [self.FIRST] * self.LONGEST_MATCH  # [n - 1]: a first draft after n matched
         self.deeper = [self.DEEPER] * max(0, depth - 1)  # [i]: draft i + 2 given i + 1
 
-    def forget(self, row: int) -> None:
-        self.first.pop(row, None)
+    def _bucket(self, match: int) -> int:
+        return min(max(match, 1), self.LONGEST_MATCH) - 1
 
-    def skipped(self, row: int) -> None:
-        """The row's drafts were not worth a place: its chance drifts back toward the prior (it
-        is learnt only from drafts that are verified)."""
-        first = self.first.get(row, self.FIRST)
-        self.first[row] = first + self.DRIFT * (self.FIRST - first)
+    def skipped(self, match: int) -> None:
+        """Drafts at this match length were not worth a place: its chance drifts back toward the
+        prior (it is learnt only from drafts that are verified)."""
+        b = self._bucket(match)
+        self.first[b] += self.DRIFT * (self.FIRST - self.first[b])
 
-    def observe(self, row: int, drafted: int, accepted: int) -> None:
-        """A verify step accepted `accepted` of the row's `drafted` drafts."""
-        first = self.first.get(row, self.FIRST)
-        self.first[row] = first + self.EMA * ((accepted > 0) - first)
+    def observe(self, match: int, drafted: int, accepted: int) -> None:
+        """A verify step accepted `accepted` of a row's `drafted` drafts, matched on `match`
+        tokens."""
+        b = self._bucket(match)
+        self.first[b] += self.EMA * ((accepted > 0) - self.first[b])
         for depth in range(1, min(drafted, accepted + 1)):  # drafts tried after an accepted one
             self.deeper[depth - 1] += self.EMA * ((accepted > depth) - self.deeper[depth - 1])
 
-    def gains(self, row: int, drafts: int) -> list[float]:
-        """The chance that each of the row's next `drafts` drafts is accepted."""
-        chance, out = self.first.get(row, self.FIRST), []
+    def gains(self, match: int, drafts: int) -> list[float]:
+        """The chance that each of a row's `drafts` drafts, matched on `match` tokens, is
+        accepted."""
+        chance, out = self.first[self._bucket(match)], []
         for i in range(drafts):
             if i:
                 chance *= self.deeper[min(i, len(self.deeper)) - 1]

@@ -35,12 +35,16 @@ class NgramIndex:
 
     def draft(self, k: int) -> list[int]:
         """Up to k tokens that followed the longest suffix seen before (none if none was)."""
+        return self.draft_with_match(k)[0]
+
+    def draft_with_match(self, k: int) -> tuple[list[int], int]:
+        """draft(k), and the length of the suffix it matched on (0: none)."""
         end = len(self.tokens)
         for n in range(min(self.max_window, end), self.min_window - 1, -1):
             start = self.follows.get(tuple(self.tokens[end - n:]))
             if start is not None:
-                return self.tokens[start:start + k]
-        return []
+                return self.tokens[start:start + k], n
+        return [], 0
 
     def truncate(self, length: int) -> None:
         """Forget the tokens from `length` on (a retracted request re-prefills them)."""

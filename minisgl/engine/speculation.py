@@ -78,6 +78,7 @@ class _RowDrafts:
     index: NgramIndex | None  # NGRAM's
     last_committed: int = 0
     last_drafts: int = 0
+    last_match: int = 0  # NGRAM: the suffix length its last drafts were matched on
     misses: int = 0  # verifies in a row that accepted none of their drafts
     cooldown: int = 0
 
@@ -121,17 +122,20 @@ class Speculator:
                 for row, uid, length, most, cap in zip(
                     table_rows, verify.uids, committed, verify.max_drafts, verify.max_lens)]
         if self.draft_model is None:
-            verify.drafts = [self.rows[row].index.draft(m) if m > 0 else []  # type: ignore
-                             for row, m in zip(table_rows, most)]
+            matched = [self.rows[row].index.draft_with_match(m)  # type: ignore[union-attr]
+                       if m > 0 else ([], 0) for row, m in zip(table_rows, most)]
+            verify.drafts = [d for d, _ in matched]
             fit = self.cost.fit() if self.cost is not None else None
             if fit is not None:
-                gains = [self.accept_rates.gains(row, len(d))
-                         for row, d in zip(table_rows, verify.drafts)]
-                kept = worth_verifying(verify.drafts, gains, fit)
-                for row, made, cut in zip(table_rows, verify.drafts, kept):
+                rates = self.accept_rates
+                kept = worth_verifying(verify.drafts, [rates.gains(n, len(d)) for d, n in matched],
+                                       fit)
+                for (made, n), cut in zip(matched, kept):
                     if made and not cut:
-                        self.accept_rates.skipped(row)
+                        rates.skipped(n)
                 verify.drafts = kept
+            for row, (_, n) in zip(table_rows, matched):
+                self.rows[row].last_match = n
         else:
             assert fwd.sample_args is not None
             drafts = self.draft_model.draft(table_rows, committed, most, verify.greedy,
@@ -177,9 +181,8 @@ class Speculator:
             index = (NgramIndex(self.config.min_window, self.config.max_window)
                      if self.draft_model is None else None)
             state = self.rows[row] = _RowDrafts(uid, index)
-            self.accept_rates.forget(row)
         elif state.last_drafts:  # how the row's previous verify went (known now, no sync)
-            self.accept_rates.observe(row, state.last_drafts,
+            self.accept_rates.observe(state.last_match, state.last_drafts,
                                       min(committed - state.last_committed - 1, state.last_drafts))
             if committed - state.last_committed > 1:
                 state.misses = 0
