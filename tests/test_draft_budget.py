@@ -32,8 +32,13 @@ def test_acceptance_by_match_length_and_depth() -> None:
     assert short[0] < 0.01
     assert rates.gains(2, 1) == pytest.approx([0.5])  # not seen yet
     before = short[0]
-    rates.skipped(1)  # not verified: drifts back toward the prior, so it is tried again
-    assert before < rates.gains(1, 1)[0] < 0.5
+    rates.skipped([1, 1, 1])  # not verified: drifts back toward the prior, once a step
+    once = rates.gains(1, 1)[0]
+    assert before < once < 0.5 and once - before == pytest.approx(
+        AcceptRates.DRIFT * (0.5 - before))
+    for _ in range(300):
+        rates.skipped([1])
+    assert rates.gains(1, 1)[0] > 0.49  # so it is tried again
 
 
 def test_worth_verifying_weighs_chance_against_cost() -> None:

@@ -10,6 +10,8 @@ the step's expected tokens per second.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 
 class StepCost:
     """Least squares of step seconds on forwarded tokens, weighting older steps down
@@ -46,7 +48,8 @@ class AcceptRates:
     more tokens) times, for each draft after the first, the chance at that depth given the one
     before was accepted."""
 
-    EMA, DRIFT = 0.05, 0.05
+    EMA = 0.05  # per verified row
+    DRIFT = 0.02  # per step: a chance below what drafts need is tried again every ~100 steps
     FIRST, DEEPER = 0.5, 0.8  # before anything was seen
     LONGEST_MATCH = 4  # match lengths from here on share one chance
 
@@ -57,11 +60,11 @@ class AcceptRates:
     def _bucket(self, match: int) -> int:
         return min(max(match, 1), self.LONGEST_MATCH) - 1
 
-    def skipped(self, match: int) -> None:
-        """Drafts at this match length were not worth a place: its chance drifts back toward the
-        prior (it is learnt only from drafts that are verified)."""
-        b = self._bucket(match)
-        self.first[b] += self.DRIFT * (self.FIRST - self.first[b])
+    def skipped(self, matches: Iterable[int]) -> None:
+        """A step forwarded no drafts at these match lengths: their chances drift back toward
+        the prior, once a step (they are learnt only from drafts that are verified)."""
+        for b in {self._bucket(match) for match in matches}:
+            self.first[b] += self.DRIFT * (self.FIRST - self.first[b])
 
     def observe(self, match: int, drafted: int, accepted: int) -> None:
         """A verify step accepted `accepted` of a row's `drafted` drafts, matched on `match`

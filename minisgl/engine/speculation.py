@@ -130,9 +130,7 @@ class Speculator:
                 rates = self.accept_rates
                 kept = worth_verifying(verify.drafts, [rates.gains(n, len(d)) for d, n in matched],
                                        fit)
-                for (made, n), cut in zip(matched, kept):
-                    if made and not cut:
-                        rates.skipped(n)
+                rates.skipped(n for (made, n), cut in zip(matched, kept) if made and not cut)
                 verify.drafts = kept
             for row, (_, n) in zip(table_rows, matched):
                 self.rows[row].last_match = n
