@@ -5,7 +5,7 @@ compute-bound: BENCHMARKS.md, "Speculative decoding"), so a draft is worth forwa
 the chance that it is accepted beats what its token costs. `StepCost` fits a decode or verify
 step's seconds as t0 + c * tokens to the steps that ran; `AcceptRates` estimates each draft's
 chance of being accepted; `worth_verifying` keeps the drafts, best first, while each one raises
-the step's expected tokens per second.
+the step's expected tokens per second. `DraftBudget` is what engine.speculation holds of it.
 """
 
 from __future__ import annotations
@@ -104,3 +104,22 @@ def worth_verifying(drafts: list[list[int]], gains: list[list[float]], cost: tup
         tokens += 1
         expected += gain
     return [d[:k] for d, k in zip(drafts, keep)]
+
+
+class DraftBudget:
+    """The step cost and the acceptance chances one speculating CPU engine learns, and the cut
+    they make of each verify step's n-gram drafts."""
+
+    def __init__(self, depth: int) -> None:
+        self.cost, self.rates = StepCost(), AcceptRates(depth)
+
+    def cut(self, matched: list[tuple[list[int], int]]) -> list[list[int]]:
+        """Each row's (drafts, match length) -> the drafts worth forwarding (all of them until
+        the cost is known)."""
+        drafts = [d for d, _ in matched]
+        fit = self.cost.fit()
+        if fit is None:
+            return drafts
+        kept = worth_verifying(drafts, [self.rates.gains(n, len(d)) for d, n in matched], fit)
+        self.rates.skipped(n for (made, n), cut in zip(matched, kept) if made and not cut)
+        return kept

@@ -27,7 +27,7 @@ from minisgl.args import device_default
 from minisgl.core import span_indices
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.acceptance import accept_greedy, accept_sampled
-from minisgl.engine.draft_budget import AcceptRates, StepCost, worth_verifying
+from minisgl.engine.draft_budget import DraftBudget
 from minisgl.engine.draft_model import DraftModel
 from minisgl.engine.forward import ForwardInput, ForwardOutput, to_host
 from minisgl.engine.ngram import NgramIndex
@@ -95,9 +95,8 @@ class Speculator:
         self.rows: dict[int, _RowDrafts] = {}
         # NOTE: on CPU a step's time is its compute (the engine thread runs it to the end), so
         # n-gram drafts, free to make, are cut to those worth their tokens (engine.draft_budget)
-        self.cost = (StepCost() if config.budget and draft_model is None
-                     and self.device.type == "cpu" else None)
-        self.accept_rates = AcceptRates(config.num_draft_tokens - 1)
+        self.budget = (DraftBudget(config.num_draft_tokens - 1) if config.budget
+                       and draft_model is None and self.device.type == "cpu" else None)
 
     def record_step(self, fwd: ForwardInput) -> None:
         """A step that sampled one token per row at fwd.write_indices (flat token-pool indices;
@@ -124,14 +123,8 @@ class Speculator:
         if self.draft_model is None:
             matched = [self.rows[row].index.draft_with_match(m)  # type: ignore[union-attr]
                        if m > 0 else ([], 0) for row, m in zip(table_rows, most)]
-            verify.drafts = [d for d, _ in matched]
-            fit = self.cost.fit() if self.cost is not None else None
-            if fit is not None:
-                rates = self.accept_rates
-                kept = worth_verifying(verify.drafts, [rates.gains(n, len(d)) for d, n in matched],
-                                       fit)
-                rates.skipped(n for (made, n), cut in zip(matched, kept) if made and not cut)
-                verify.drafts = kept
+            verify.drafts = (self.budget.cut(matched) if self.budget is not None
+                             else [d for d, _ in matched])
             for row, (_, n) in zip(table_rows, matched):
                 self.rows[row].last_match = n
         else:
@@ -180,8 +173,9 @@ class Speculator:
                      if self.draft_model is None else None)
             state = self.rows[row] = _RowDrafts(uid, index)
         elif state.last_drafts:  # how the row's previous verify went (known now, no sync)
-            self.accept_rates.observe(state.last_match, state.last_drafts,
-                                      min(committed - state.last_committed - 1, state.last_drafts))
+            if self.budget is not None:
+                self.budget.rates.observe(state.last_match, state.last_drafts, min(
+                    committed - state.last_committed - 1, state.last_drafts))
             if committed - state.last_committed > 1:
                 state.misses = 0
             else:
@@ -200,8 +194,8 @@ class Speculator:
 
     def observe_step(self, tokens: int, seconds: float) -> None:
         """A decode or verify step forwarded `tokens` in `seconds` (CPU: its compute)."""
-        if self.cost is not None:
-            self.cost.observe(tokens, seconds)
+        if self.budget is not None:
+            self.budget.cost.observe(tokens, seconds)
 
     # ---- after the forward -------------------------------------------------------------------
 
