@@ -16,11 +16,13 @@ TINY_LORA_BASE = dict(vocab_size=512, hidden_size=96, intermediate_size=192, num
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def save_base(path: Path) -> None:
+def save_base(path: Path, family: str = "Llama", **overrides) -> None:
+    """A tiny random base of `family` (Llama, Phi3: transformers' class name prefix)."""
     import transformers
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(**TINY_LORA_BASE, tie_word_embeddings=False)
-    transformers.LlamaForCausalLM(config).eval().save_pretrained(path)
+    config = getattr(transformers, f"{family}Config")(**{**TINY_LORA_BASE, **overrides},
+                                                      tie_word_embeddings=False)
+    getattr(transformers, f"{family}ForCausalLM")(config).eval().save_pretrained(path)
 
 
 def _base_model(base: Path, layers: int | None):

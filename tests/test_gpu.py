@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from minisgl.core import Req, SamplingParams
+from minisgl.kernels.cuda import FLASHINFER_HEAD_DIMS
 from tests import paged_scenario as scenario
 
 pytestmark = [
@@ -294,11 +295,12 @@ def test_input_logprobs_and_logit_bias_on_cuda(flashinfer, real_model) -> None:
         llm.check_integrity()
 
 
-@pytest.mark.parametrize("algorithm", ["NGRAM", "STANDALONE"])
+@pytest.mark.parametrize("algorithm", ["NGRAM", "NGRAM-mixed", "STANDALONE"])
 def test_speculative_decoding_on_cuda(flashinfer, real_model, algorithm: str) -> None:
     """Speculation on CUDA (FlashInfer, graphs for steps without drafts, the settle before
     each verify step; STANDALONE: the model itself drafts, eagerly, with its own FlashInfer
-    KV pool): greedy outputs equal plain decoding (or first differ where the reference's bf16
+    KV pool; NGRAM-mixed: small prefill chunks mixed with decoding rows, which ride in them
+    undrafted): greedy outputs equal plain decoding (or first differ where the reference's bf16
     top-2 margin is tiny), drafts are accepted, every page accounted for."""
     from minisgl import LLM
     from minisgl.models import resolve_model_path
@@ -314,7 +316,9 @@ def test_speculative_decoding_on_cuda(flashinfer, real_model, algorithm: str) ->
     with LLM(**common) as llm:
         ref = llm.generate(input_ids=prompts, sampling_params=greedy, return_logprob=True,
                            top_logprobs_num=2)
-    spec = {"speculative_algorithm": algorithm}
+    spec = {"speculative_algorithm": algorithm.removesuffix("-mixed")}
+    if algorithm == "NGRAM-mixed":
+        spec.update(enable_mixed_chunk=True, chunked_prefill_size=64)
     if algorithm == "STANDALONE":
         spec["speculative_draft_model_path"] = str(resolve_model_path(None))
     with LLM(**spec, **common) as llm:
@@ -351,14 +355,14 @@ def test_grammar_rows_on_cuda(flashinfer, real_model) -> None:
         assert o["output_ids"] == r["output_ids"]
 
 
-def test_engine_captures_graphs_when_integrated(flashinfer) -> None:
-    engine = make_engine("qwen3", 1, backend="flashinfer", disable_cuda_graph=False,
-                         cuda_graph_max_bs=8)
+@pytest.mark.parametrize("model", ["qwen3", "gemma-window"])
+def test_engine_defaults_to_flashinfer_and_captures_graphs(flashinfer, model: str) -> None:
+    """The default backend on CUDA: FlashInfer (windows and soft-capping too) with graphs."""
+    from minisgl.attention.flashinfer_backend import FlashInferBackend
+    engine = make_engine(model, 1, backend=None, disable_cuda_graph=False, cuda_graph_max_bs=8)
     try:
-        runner = getattr(engine, "graph_runner", None)
-        if runner is None and not hasattr(engine, "graph_runner"):
-            pytest.skip("Engine does not create a GraphRunner yet (integration patch)")
-        assert runner is not None and sorted(runner.graphs) == [1, 2, 4, 8]
+        assert isinstance(engine.attn_backend, FlashInferBackend)
+        assert engine.graph_runner is not None and sorted(engine.graph_runner.graphs) == [1, 2, 4, 8]
     finally:
         engine.shutdown()
 
@@ -461,20 +465,23 @@ def test_moe_experts_on_cuda_match_float32_math() -> None:
         assert err < FUSED_REL_TOL * 2, err
 
 
-def test_lora_mixed_batch_on_cuda(tmp_path) -> None:
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_lora_mixed_batch_on_cuda(tmp_path, head_dim: int) -> None:
     """Rows of two adapters and of none on CUDA in bfloat16 (the masked LoRA path; batches
     with adapter rows run eagerly, base-only decode steps replay the graphs): each greedy
-    token within the bfloat16 margin of PEFT's merged float32 model, teacher-forced."""
+    token within the bfloat16 margin of PEFT's merged float32 model, teacher-forced. Head size
+    16 is one FlashInfer lacks: the torch backend serves it, without graphs."""
     from minisgl import LLM
     from tests.lora_fixtures import merged_model, save_adapter, save_base
     base = tmp_path / "base"
-    save_base(base)
+    save_base(base, hidden_size=6 * head_dim)
     adapters = {n: save_adapter(base, tmp_path / n, seed=i) for i, n in enumerate("ab")}
     prompts = [[5 + i, 17, 33, 250 - i, 7] * 4 for i in range(6)]
     names = ["a", None, "b", "a", None, "b"]
     with LLM(model=str(base), device="cuda", dtype="bfloat16",
              lora_paths=[f"{n}={p}" for n, p in adapters.items()]) as llm:
-        assert llm.runtime.engine.graph_runner is not None
+        engine = llm.runtime.engine
+        assert (engine.graph_runner is not None) == (head_dim in FLASHINFER_HEAD_DIMS)
         outs = llm.generate(input_ids=prompts, lora_path=names, sampling_params={
             "temperature": 0, "max_new_tokens": 8, "ignore_eos": True})
         llm.check_integrity()
@@ -485,3 +492,35 @@ def test_lora_mixed_batch_on_cuda(tmp_path) -> None:
             logits = model(torch.tensor([ids])).logits[0, len(prompt) - 1:-1].float()
         chosen = logits[torch.arange(len(out["output_ids"])), torch.tensor(out["output_ids"])]
         assert (logits.max(dim=-1).values - chosen).max() <= TOP2_MARGIN_BF16, name
+
+
+EMBEDDING_MIN_COSINE_BF16 = 0.998  # bfloat16 on CUDA against float32 transformers (1 - ~2e-5 in
+# float32 on CPU); a wrong row or position lands far lower, and is checked against the others too
+
+
+def test_embeddings_on_cuda(flashinfer, real_model) -> None:
+    """--is-embedding on CUDA in bfloat16: prefill-only rows, an input longer than a prefill
+    chunk, against transformers' float32 last hidden state (after the final norm) at the last
+    token, L2-normalised; a batch equals each input embedded alone within bfloat16 rounding."""
+    from transformers import AutoModel
+
+    from minisgl import LLM
+    from tests import reference as ref
+    texts = [*ref.PLAIN_PROMPTS, " ".join(f"item {i}," for i in range(40))]
+    ids = [ref.prompt_ids(t) for t in texts]
+    with LLM(dtype="bfloat16", device="cuda", is_embedding=True, max_total_tokens=8192,
+             chunked_prefill_size=32) as llm:
+        batch = [torch.tensor(o["embedding"]) for o in llm.encode(input_ids=ids)]
+        alone = [torch.tensor(llm.encode(input_ids=i)["embedding"]) for i in ids]
+        llm.check_integrity()
+    base = AutoModel.from_pretrained(ref.model_folder(), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        want = torch.stack([F.normalize(base(torch.tensor([i])).last_hidden_state[0, -1], dim=-1)
+                            for i in ids])
+    got = torch.stack(batch).float()
+    assert torch.allclose(got.norm(dim=-1), torch.ones(len(ids)), atol=1e-3)
+    cosines = got @ want.T
+    assert cosines.diagonal().min() >= EMBEDDING_MIN_COSINE_BF16, cosines
+    assert (cosines.argmax(dim=1) == torch.arange(len(ids))).all(), cosines
+    for b, a in zip(batch, alone):
+        assert torch.dot(b.float(), a.float()) >= EMBEDDING_MIN_COSINE_BF16

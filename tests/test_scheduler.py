@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 
@@ -298,3 +299,36 @@ def test_default_chunk_keeps_cpu_activations_under_the_allocator_limit() -> None
     assert default_chunk("cpu", False, 1 << 20) == 1024  # never below the floor
     with LLM(dtype="bfloat16", load_format="dummy", max_total_tokens=4096) as llm:
         assert llm.runtime.scheduler.config.chunked_prefill_size == 4096
+
+
+def test_integrity_check_finds_a_repeated_page_and_runs_idle_on_pools_it_can_afford(
+        monkeypatch) -> None:
+    """A free list holding one page twice (and so missing another) fails the check; the check
+    runs on each idle turn unless the pool is past IDLE_CHECK_MAX_PAGES, where a pass over every
+    page id would hold the scheduler up (then only check_integrity() runs it)."""
+    from minisgl.errors import IntegrityError
+    from minisgl.scheduler import scheduler as scheduler_module
+    prompts = random_prompts(2, 5, 40)
+    with LLM(dtype="float32", max_total_tokens=2048) as llm:
+        llm.generate(input_ids=prompts, sampling_params=GREEDY)
+        llm.check_integrity()
+        scheduler = llm.runtime.scheduler
+        free = scheduler.cache._free
+        kept = free[0].item()
+        free[0] = free[1]
+        with pytest.raises(IntegrityError, match="counted twice"):
+            llm.check_integrity()
+        def error_after_idle() -> str | None:
+            llm.generate(input_ids=prompts, sampling_params=GREEDY)
+            for _ in range(50):  # the idle turn follows the last request's finish
+                if scheduler.stats.integrity_error is not None:
+                    break
+                time.sleep(0.01)
+            return scheduler.stats.integrity_error
+
+        monkeypatch.setattr(scheduler_module, "IDLE_CHECK_MAX_PAGES", 0)
+        assert error_after_idle() is None  # skipped: the pool is "too big"
+        monkeypatch.undo()
+        assert "counted twice" in error_after_idle()
+        free[0] = kept
+        llm.check_integrity()

@@ -11,25 +11,23 @@ from typing import Any
 import torch
 
 from minisgl.attention.base import AttentionBackend
-from minisgl.kernels.cuda import HALF_DTYPES
+from minisgl.kernels.cuda import FLASHINFER_HEAD_DIMS, HALF_DTYPES
 from minisgl.kvcache import KVPool
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AttentionBackend", "create_attention_backend", "default_attention_backend",
-           "torch_only_features"]
+__all__ = ["AttentionBackend", "create_attention_backend", "default_attention_backend"]
 
 
 def default_attention_backend(device: torch.device, dtype: torch.dtype,
-                              torch_only: str | None = None) -> str:
-    """FlashInfer on CUDA for half-precision models when it is installed; torch otherwise, and
-    for a model that needs what only the torch backend does (`torch_only` names it)."""
+                              head_dim: int = 128) -> str:
+    """FlashInfer on CUDA for half-precision models of the head sizes it takes, when it is
+    installed; torch otherwise."""
     if device.type != "cuda":
         return "torch"
-    if torch_only:
-        logger.warning("attention: torch backend (this model's %s is verified there; "
-                       "--attention-backend flashinfer applies it too, not yet verified on a "
-                       "GPU)", torch_only)
+    if head_dim not in FLASHINFER_HEAD_DIMS:
+        logger.warning("attention: torch backend, without CUDA graphs (FlashInfer's kernels take "
+                       "head sizes %s, this model's is %d)", FLASHINFER_HEAD_DIMS, head_dim)
         return "torch"
     if dtype not in HALF_DTYPES:
         logger.info("attention: torch backend (FlashInfer runs in float16/bfloat16 only)")
@@ -39,13 +37,6 @@ def default_attention_backend(device: torch.device, dtype: torch.dtype,
                        "using the slower torch backend without CUDA graphs")
         return "torch"
     return "flashinfer"
-
-
-def torch_only_features(windows: tuple[int, ...], softcap: float) -> str | None:
-    """What of a model's attention the default backend choice keeps on the torch backend (its
-    FlashInfer path awaits a GPU check), or None."""
-    features = ["sliding window"] * any(windows) + ["logit soft-capping"] * (softcap > 0)
-    return " and ".join(features) or None
 
 
 def create_attention_backend(name: str, kv_pool: KVPool, page_table: torch.Tensor,

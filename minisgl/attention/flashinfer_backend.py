@@ -35,7 +35,7 @@ import torch
 
 from minisgl.attention.base import AttentionBackend
 from minisgl.core import Batch
-from minisgl.kernels.cuda import HALF_DTYPES
+from minisgl.kernels.cuda import FLASHINFER_HEAD_DIMS, HALF_DTYPES
 from minisgl.kvcache import KVPool
 
 FLOAT_WORKSPACE_BYTES = 128 * 1024 * 1024  # split-kv partial results (FlashInfer's advice)
@@ -138,6 +138,9 @@ class FlashInferBackend(AttentionBackend):
         self.page_size = kv_pool.page_size
         self.num_layers, self.num_kv_heads, self.head_dim = (
             buffer.shape[1], buffer.shape[2], buffer.shape[4])
+        if self.head_dim not in FLASHINFER_HEAD_DIMS:
+            raise ValueError(f"flashinfer attention takes head sizes {FLASHINFER_HEAD_DIMS}, "
+                             f"this model's is {self.head_dim}; use --attention-backend torch")
         self.context_len = page_table.shape[1]
         self.num_qo_heads: int | None = options.get("num_qo_heads")
         self._tensor_cores: bool | None = options.get("use_tensor_cores")

@@ -8,11 +8,7 @@ from pathlib import Path
 
 import torch
 
-from minisgl.attention import (
-    create_attention_backend,
-    default_attention_backend,
-    torch_only_features,
-)
+from minisgl.attention import create_attention_backend, default_attention_backend
 from minisgl.attention.base import AttentionBackend
 from minisgl.engine.config import EngineConfig
 from minisgl.kvcache import KVPool
@@ -63,7 +59,7 @@ def attention_for(name: str | None, arch: ModelArch, model: torch.nn.Module, poo
     windows = arch.layer_windows if arch.sliding_window else ()
     softcap = arch.attn_logit_softcap
     return create_attention_backend(
-        name or default_attention_backend(device, dtype, torch_only_features(windows, softcap)),
+        name or default_attention_backend(device, dtype, arch.head_dim),
         pool, page_table, arch.head_dim ** -0.5, windows, softcap,
         num_qo_heads=model.layers[0].self_attn.qkv_proj.num_heads)  # flashinfer only
 

@@ -16,6 +16,8 @@ import torch
 from minisgl.env import cuda_kernels_disabled
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
+# FlashInfer 0.6.1's attention: other head sizes fail inside its kernels (the split-KV merge)
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
 
 
 @functools.lru_cache(maxsize=1)

@@ -28,7 +28,11 @@ def check_kv_integrity(cache: CacheManager, table: TableManager, admitted: list[
         raise IntegrityError(
             f"{len(pages)} pages accounted for (free {len(free)}, cached {len(cached) // ps}, "
             f"owned {sum(len(o) for o in owned)}), the pool has {cache.num_pages}")
-    if len(np.unique(pages)) != len(pages):
+    if len(pages) and (pages.min() < 0 or pages.max() >= cache.num_pages):
+        raise IntegrityError("a page id outside the pool")
+    seen = np.zeros(cache.num_pages, dtype=np.bool_)  # O(pages); a sort took seconds on GPUs'
+    seen[pages] = True  # pools of millions of pages
+    if not seen.all():  # as many ids as pages, all in range: one missing means one repeated
         raise IntegrityError("a page is counted twice")
     rows = table.free_rows() + [r.table_idx for r in admitted]
     if sorted(rows) != list(range(table.max_running)):

@@ -41,6 +41,8 @@ from minisgl.scheduler.stats import SchedulerStats, report
 from minisgl.scheduler.table import TableManager
 
 logger = logging.getLogger(__name__)
+# The idle check reads every page id: bigger pools (a small model, a large GPU) on demand only
+IDLE_CHECK_MAX_PAGES = 1 << 22
 
 EventSink = Callable[[list[ReqEvent]], None]
 
@@ -379,6 +381,8 @@ class Scheduler:
     def _on_idle(self) -> None:
         if self.to_release:
             self._release_finished(None)
+        if self.cache.num_pages > IDLE_CHECK_MAX_PAGES:
+            return
         try:
             self.check_integrity()
         except IntegrityError as exc:
