@@ -98,6 +98,32 @@ def test_mixed_batch_rows_equal_each_alone(lora_models, flags) -> None:
     check_rows(lora_models, MIXED, out)
 
 
+PHI3_TARGETS = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+
+
+@pytest.mark.parametrize("tp_size", [1, pytest.param(3, marks=pytest.mark.slow)])
+def test_phi3_fused_targets_match_peft_merged(tmp_path, tp_size: int) -> None:
+    """Phi-3 checkpoints fuse q/k/v (qkv_proj) and gate/up (gate_up_proj), and so do its PEFT
+    adapters: each fused B is cut into the parts our merged linears hold (and shard), sharing
+    A. Greedy rows of the adapter beside base rows equal PEFT's merged model; a fused name is
+    taken by --lora-target-modules."""
+    base = tmp_path / "phi3"
+    save_base(base, family="Phi3", pad_token_id=0)  # its default, 32000, is past the vocab
+    adapter = save_adapter(base, tmp_path / "fused", seed=5, targets=PHI3_TARGETS)
+    names = [None, "fused", "fused"]
+    with LLM(model=str(base), dtype="float32", max_total_tokens=4096, tp_size=tp_size,
+             lora_paths=[f"fused={adapter}"], lora_target_modules=PHI3_TARGETS) as llm:
+        out = [r["output_ids"] for r in llm.generate(input_ids=prompts(), sampling_params=GREEDY,
+                                                     lora_path=names)]
+        llm.check_integrity()
+    for name, prompt, ours in zip(names, prompts(), out):
+        path = None if name is None else adapter
+        assert_lora_greedy(base, path, prompt, ours, merged_greedy(base, path, [prompt],
+                                                                    NEW_TOKENS)[0])
+    assert merged_greedy(base, adapter, prompts(), NEW_TOKENS) != merged_greedy(
+        base, None, prompts(), NEW_TOKENS)
+
+
 @pytest.mark.slow
 def test_tensor_parallel_3_equals_references(lora_models) -> None:
     """TP 3: column layers shard B's rows, row layers A's columns (q/k/v and gate/up parts

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -55,7 +55,7 @@ def lora_capable(model: nn.Module) -> dict[str, list[tuple[str, object]]]:
         hosted = [(leaf, sid) for leaf, (merged, sid) in stacked.items() if merged == own]
         if not hosted:
             if isinstance(module, (QKVParallelLinear, MergedColumnParallelLinear)):
-                continue  # a fused checkpoint tensor (Phi-3's qkv_proj): not adaptable here
+                continue  # a merged linear no checkpoint projection name maps to
             hosted = [(own, None)]
         found[path] = sorted(hosted, key=lambda h: module.output_rows(h[1])[0]
                              if h[1] is not None else 0)
@@ -70,7 +70,9 @@ class LoraModules:
         self.context = LoraContext()
         capable = lora_capable(model)
         self.capable_targets = {leaf for hosted in capable.values() for leaf, _ in hosted}
-        self.targets = settings.targets or frozenset(self.capable_targets)
+        self.fused = getattr(model, "fused_parts", {})  # Phi-3's qkv_proj -> q/k/v parts
+        self.targets = frozenset(unfused_leaves(settings.targets, self.fused)) or frozenset(
+            self.capable_targets)
         unknown = self.targets - self.capable_targets
         if unknown:
             raise ValueError(f"--lora-target-modules: this model has no LoRA-capable "
@@ -94,7 +96,7 @@ class LoraModules:
 
     def register(self, uid: int, path: str) -> PeftAdapter:
         """Read and check an adapter (raises AdapterError); keep its shards for slot loads."""
-        adapter = read_adapter(path)
+        adapter = unfused(read_adapter(path), self.fused)
         if adapter.rank > self.settings.rank:
             raise AdapterError(f"{path}: rank {adapter.rank} is above --max-lora-rank "
                                f"{self.settings.rank}")
@@ -140,7 +142,8 @@ class LoraModules:
         for slot, uid, path in loads:
             shards = self.adapters.get(uid)
             if shards is None:  # a tensor-parallel worker: rank 0 checked it
-                shards = self.adapters[uid] = self._shards(read_adapter(path))
+                shards = self.adapters[uid] = self._shards(unfused(read_adapter(path),
+                                                                   self.fused))
                 while len(self.adapters) > self.settings.cached:
                     self.adapters.popitem(last=False)
             self.adapters.move_to_end(uid)
@@ -149,6 +152,29 @@ class LoraModules:
             for buffers, part, a, b in shards:
                 buffers.write(slot, part, a, b)
         self.context.step = lora_step(batch, self.segmented, self.dtype)
+
+
+def unfused_leaves(leaves: frozenset[str] | set[str], fused: dict[str, list]) -> set[str]:
+    return {part for leaf in leaves for part in ([p[0] for p in fused[leaf]] if leaf in fused
+                                                 else [leaf])}
+
+
+def unfused(adapter: PeftAdapter, fused: dict[str, list[tuple[str, int, int]]]) -> PeftAdapter:
+    """An adapter of a fused checkpoint module (Phi-3's qkv_proj: A [r, in], B [q+k+v, r]) as
+    one per part sharing A, B cut by the part's rows: the same product, in the parts our merged
+    linears hold (and shard)."""
+    if not adapter.targets & fused.keys():
+        return adapter
+    weights = {}
+    for name, (a, b) in adapter.weights.items():
+        prefix, _, leaf = name.rpartition(".")
+        parts = fused.get(leaf, [(leaf, 0, b.shape[0])])
+        if b.shape[0] != sum(rows for _, _, rows in parts):
+            raise AdapterError(f"{adapter.path}: {name}: lora_B has {b.shape[0]} rows, the "
+                               f"model's {leaf} {sum(rows for _, _, rows in parts)}")
+        for part, offset, rows in parts:
+            weights[f"{prefix}.{part}"] = (a, b[offset:offset + rows])
+    return replace(adapter, targets=unfused_leaves(adapter.targets, fused), weights=weights)
 
 
 DEFAULT_RANK = 16
