@@ -76,8 +76,6 @@ def check_lora(args: Any) -> None:
     if (args.max_loaded_loras is not None
             and args.max_loaded_loras < args.max_loras_per_batch):
         raise ValueError("--max-loaded-loras must be at least --max-loras-per-batch")
-    if args.enable_lora and args.speculative_algorithm is not None:
-        raise ValueError("--enable-lora with --speculative-algorithm is not supported")
     lora_adapters(args.lora_paths)  # NOTE: refuses a malformed entry at start
 
 

@@ -124,6 +124,28 @@ def test_phi3_fused_targets_match_peft_merged(tmp_path, tp_size: int) -> None:
         base, None, prompts(), NEW_TOKENS)
 
 
+@pytest.mark.parametrize("algorithm, tp_size", [
+    ("NGRAM", 1), ("STANDALONE", 1), pytest.param("NGRAM", 3, marks=pytest.mark.slow)])
+def test_speculating_rows_keep_their_adapters(lora_models, algorithm: str, tp_size: int
+                                              ) -> None:
+    """Every token of a verify step (the row's next token and its drafts) takes its row's
+    adapter. STANDALONE's draft model (here the base) drafts without adapters, so adapter rows
+    accept fewer drafts, and output what the adapter would: rows of four adapters and of none
+    in one batch equal PEFT's merged models, and drafts were accepted."""
+    rows = [prompts()[i % len(LENGTHS)] for i in range(len(MIXED))]
+    spec = {"speculative_algorithm": algorithm, "speculative_always_draft": True,
+            "tp_size": tp_size}
+    if algorithm == "STANDALONE":
+        spec["speculative_draft_model_path"] = str(lora_models["base"])
+    with lora_llm(lora_models, **spec) as llm:
+        out = [r["output_ids"] for r in llm.generate(input_ids=rows, sampling_params=GREEDY,
+                                                     lora_path=MIXED)]
+        state = llm.runtime.state()
+        llm.check_integrity()
+    check_rows(lora_models, MIXED, out)
+    assert state["spec_accepted_tokens"] > 0, state
+
+
 @pytest.mark.slow
 def test_tensor_parallel_3_equals_references(lora_models) -> None:
     """TP 3: column layers shard B's rows, row layers A's columns (q/k/v and gate/up parts
@@ -256,8 +278,6 @@ def test_start_up_flags_are_checked(lora_models) -> None:
         ServerArgs(enable_lora=True, max_loras_per_batch=4, max_loaded_loras=2)
     with pytest.raises(ValueError, match="JSON object"):
         ServerArgs(lora_paths=['{"lora_name": "x"}'])
-    with pytest.raises(ValueError, match="speculative"):
-        ServerArgs(enable_lora=True, speculative_algorithm="NGRAM")
     with pytest.raises(ValueError, match="no LoRA-capable lm_head"):
         LLM(model=str(lora_models["base"]), dtype="float32", enable_lora=True,
             lora_target_modules=["lm_head"])

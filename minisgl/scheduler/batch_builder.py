@@ -94,14 +94,16 @@ class BatchBuilder:
             req.device_len += count
             req.tail_loc = tail
         batch = Batch("decode", len(reqs), table_rows=rows, cached_lens=[], seq_lens=[],
-                      extend_lens=[])
+                      extend_lens=[], lora_slots=self.adapters.row_slots(reqs))
+        loads = self.adapters.take_loads()
         message = None
         if self.multi_rank:  # the engine fills in the layout (StepMessage.resolve)
             tokens, location_writes = self.table.take_log()
             empty = torch.zeros(0, dtype=torch.int64)
             message = StepMessage("decode", len(reqs), rows, [], [], [], empty, empty, empty,
                                   empty, None, token_writes=tokens,
-                                  location_writes=location_writes)
+                                  location_writes=location_writes,
+                                  lora_slots=batch.lora_slots, lora_loads=loads)
         verify = VerifyRows(uids=[r.uid for r in reqs],
                             max_drafts=[c - 1 if r.speculative else 0
                                         for r, c in zip(reqs, counts)],
@@ -112,7 +114,8 @@ class BatchBuilder:
         fwd = ForwardInput(batch=batch, load_indices=torch.zeros(0, dtype=torch.int64),
                            write_indices=torch.zeros(0, dtype=torch.int64), logit_rows=None,
                            sample_args=sample_args, message=message,
-                           grammar=self._grammar_rows(reqs, last), verify=verify)
+                           grammar=self._grammar_rows(reqs, last), verify=verify,
+                           lora_loads=loads)
         return ScheduledBatch(reqs, last, fwd, reserved=counts)
 
     def mixed(self, chunks: list[PrefillChunk], decodes: list[Req], locations: torch.Tensor
