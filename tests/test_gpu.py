@@ -478,7 +478,7 @@ def test_lora_mixed_batch_on_cuda(tmp_path, head_dim: int) -> None:
     adapters = {n: save_adapter(base, tmp_path / n, seed=i) for i, n in enumerate("ab")}
     prompts = [[5 + i, 17, 33, 250 - i, 7] * 4 for i in range(6)]
     names = ["a", None, "b", "a", None, "b"]
-    with LLM(model=str(base), device="cuda", dtype="bfloat16",
+    with LLM(model=str(base), device="cuda", dtype="bfloat16", max_total_tokens=65536,
              lora_paths=[f"{n}={p}" for n, p in adapters.items()]) as llm:
         engine = llm.runtime.engine
         assert (engine.graph_runner is not None) == (head_dim in FLASHINFER_HEAD_DIMS)
