@@ -362,7 +362,8 @@ def test_engine_defaults_to_flashinfer_and_captures_graphs(flashinfer, model: st
     engine = make_engine(model, 1, backend=None, disable_cuda_graph=False, cuda_graph_max_bs=8)
     try:
         assert isinstance(engine.attn_backend, FlashInferBackend)
-        assert engine.graph_runner is not None and sorted(engine.graph_runner.graphs) == [1, 2, 4, 8]
+        runner = engine.graph_runner
+        assert runner is not None and sorted(runner.graphs) == [1, 2, 4, 8]
     finally:
         engine.shutdown()
 

@@ -96,7 +96,7 @@ class LoraModules:
 
     def register(self, uid: int, path: str) -> PeftAdapter:
         """Read and check an adapter (raises AdapterError); keep its shards for slot loads."""
-        adapter = unfused(read_adapter(path), self.fused)
+        adapter = self._read(path)
         if adapter.rank > self.settings.rank:
             raise AdapterError(f"{path}: rank {adapter.rank} is above --max-lora-rank "
                                f"{self.settings.rank}")
@@ -107,6 +107,9 @@ class LoraModules:
         with tp_context(self.tp, None):
             self.adapters[uid] = self._shards(adapter)
         return adapter
+
+    def _read(self, path: str) -> PeftAdapter:
+        return unfused(read_adapter(path), self.fused)
 
     def drop(self, uid: int) -> None:
         self.adapters.pop(uid, None)
@@ -142,8 +145,7 @@ class LoraModules:
         for slot, uid, path in loads:
             shards = self.adapters.get(uid)
             if shards is None:  # a tensor-parallel worker: rank 0 checked it
-                shards = self.adapters[uid] = self._shards(unfused(read_adapter(path),
-                                                                   self.fused))
+                shards = self.adapters[uid] = self._shards(self._read(path))
                 while len(self.adapters) > self.settings.cached:
                     self.adapters.popitem(last=False)
             self.adapters.move_to_end(uid)

@@ -122,16 +122,15 @@ class ModelRunner:
         phase = "decode" if verify else batch.phase
         seconds = time.perf_counter() - started
         self.phase_seconds[phase] += seconds
-        if self.speculator is not None and phase == "decode":
-            self.speculator.observe_step(sum(batch.extend_lens[:batch.size]), seconds)
         self.phase_steps[phase] += 1
-        if verify:
-            self.forwarded_tokens["decode"] += sum(batch.extend_lens[:batch.size])
+        if phase == "decode":
+            tokens = sum(batch.extend_lens[:batch.size]) if verify else batch.size
+            self.forwarded_tokens["decode"] += tokens
+            if self.speculator is not None:
+                self.speculator.observe_step(tokens, seconds)
             return
-        decode_rows = batch.size if batch.is_decode else batch.decode_rows
-        self.forwarded_tokens["decode"] += decode_rows
-        if not batch.is_decode:
-            self.forwarded_tokens["prefill"] += sum(batch.extend_lens[:batch.size - decode_rows])
+        self.forwarded_tokens["decode"] += batch.decode_rows
+        self.forwarded_tokens["prefill"] += sum(batch.extend_lens[:batch.size - batch.decode_rows])
 
     @property
     def busy_seconds(self) -> float:

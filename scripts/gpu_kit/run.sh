@@ -9,7 +9,8 @@
 # `bash .gpu/run.sh -x`, `bash .gpu/run.sh -m gpu`, `bash .gpu/run.sh tests/test_gpu.py -k fused`.
 #
 # Carry: [".whl", ".gpu"] (a later call on the same warm machine may carry neither: it reuses
-# /tmp/site and the modules unpacked there, leaving its 64 MiB to the model's second half). Optional, for the bundled SmolLM2 (98 MB, over one call's 64 MiB):
+# /tmp/site and the modules unpacked there, leaving its 64 MiB to the model's second half).
+# Optional, for the bundled SmolLM2 (98 MB, over one call's 64 MiB):
 # an earlier call on the same warm machine left /tmp/m/smollm2.part-a (carry [".gpu-m1"], command
 # `mkdir -p /tmp/m && cp .gpu-m1/smollm2.part-a /tmp/m/`), and this call also carries ".gpu-m2".
 # Without both halves the 7 tests that need the real model skip (bundled model not available).
