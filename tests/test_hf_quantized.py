@@ -183,3 +183,26 @@ def test_another_method_than_the_checkpoints_is_refused(root: str):
     folder, _ = checkpoint(root, "awq", 64, False)
     line = serve_error(folder, "--quantization", "gptq")
     assert "the checkpoint is quantized (awq): --quantization gptq cannot load it" in line
+
+
+def test_quantized_expert_weights_are_a_one_line_refusal(tmp_path: Path):
+    """An AWQ checkpoint of a mixture of experts (its experts' linears quantized): not loaded
+    yet, refused at start naming the tensor, as a clear error rather than a crash."""
+    from safetensors.torch import load_file, save_file
+
+    from minisgl.engine import Engine, EngineConfig
+    from tests.hf_quant_writers import CONFIGS, awq_tensors, int4_groups
+    from tests.test_moe import MODELS
+    from tests.test_model_configs import save_tiny
+    save_tiny(*MODELS["qwen3-moe"][:2], tmp_path, **MODELS["qwen3-moe"][2])
+    state = load_file(tmp_path / "model.safetensors")
+    for name in [n for n in state if ".experts." in n]:
+        tensors = awq_tensors(*int4_groups(state.pop(name), 32, symmetric=False))
+        state.update((f"{name.removesuffix('.weight')}.{suffix}", t)
+                     for suffix, t in tensors.items())
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = CONFIGS["awq"](32, False)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"quantized expert weights \(model\.layers\.0\.mlp"):
+        Engine(EngineConfig(model_path=str(tmp_path), dtype="float32", max_total_tokens=256))

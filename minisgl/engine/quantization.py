@@ -23,21 +23,25 @@ loading itself: models.loader).
   dtype.
 - `awq`, `gptq`, `compressed-tensors` (int4) and `fp8` checkpoints (config.json's
   quantization_config; the method is then the checkpoint's): linear weights read as blocks
-  for the AVX2 kernel on CPU (models.hf_quant); no GPU kernel for them yet.
+  for the AVX2 kernel on CPU (models.hf_quant), or kept as stored for the Triton kernels on
+  CUDA (layers.gpu_blocks: int4 from compute capability 8.0, fp8 from 8.9).
 - `none`: every weight dequantized to the serving dtype.
 With `--load-format dummy`, `gguf` makes the linear weights random 4-bit blocks (large shapes
-in a quarter of the memory); `w8a8_int8` and `fp8` quantize random dense weights layer by layer.
+in a quarter of the memory), `awq` / `gptq` / `compressed-tensors` random int4 groups (on
+CUDA); `w8a8_int8` and `fp8` quantize random dense weights layer by layer.
 """
 
 from __future__ import annotations
 
 import torch
 
-from minisgl.layers.fp8 import fp8_unavailable
+from minisgl.layers.fp8 import MIN_CAPABILITY, fp8_unavailable
 from minisgl.layers.gguf_weight import block_kernels
 from minisgl.layers.quant import vnni_kernels
-from minisgl.models.hf_quant import quant_spec
+from minisgl.models.hf_quant import INT4_METHODS, quant_spec
 from minisgl.models.weights import gguf_file, load_config, resolve_model_path
+
+INT4_MIN_CAPABILITY = (8, 0)  # bfloat16 tensor cores (Ampere)
 
 
 def resolve_quantization(method: str | None, model: str | None, device: torch.device,
@@ -52,15 +56,19 @@ def resolve_quantization(method: str | None, model: str | None, device: torch.de
         if method not in (None, spec.method):
             raise ValueError(f"the checkpoint is quantized ({spec.method}): --quantization "
                              f"{method} cannot load it; leave it unset or give {spec.method}")
-        if device.type != "cpu" or block_kernels() is None:
-            raise ValueError(f"{spec.method} checkpoints run on CPU where the AVX2 block kernel "
-                             "is built (no GPU kernel for them yet); use a CPU here")
-        if dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"{spec.method} checkpoints run with --dtype float32 or bfloat16")
+        why = _checkpoint_unavailable(spec.method, device, dtype)
+        if why is not None:
+            raise ValueError(f"{spec.method} checkpoints {why}")
         return spec.method
-    if method in ("awq", "gptq", "compressed-tensors"):
+    if method in INT4_METHODS:
+        if load_format == "dummy" and device.type == "cuda":
+            why = _checkpoint_unavailable(method, device, dtype)
+            if why is not None:
+                raise ValueError(f"--quantization {method}: {why}")
+            return method  # random int4 groups in the checkpoint's form (models.dummy_weights)
         raise ValueError(f"--quantization {method} loads checkpoints quantized so (config.json's "
-                         "quantization_config); this model has none")
+                         "quantization_config), or random weights on CUDA (--load-format "
+                         "dummy); this model has none")
     if method is None:
         fits = (device.type == "cpu" and dtype == torch.bfloat16 and load_format != "dummy"
                 and vnni_kernels() is not None and gguf_file(model) is not None)
@@ -87,3 +95,19 @@ def resolve_quantization(method: str | None, model: str | None, device: torch.de
         if dtype not in (torch.bfloat16, torch.float16):
             raise ValueError("--quantization fp8 runs with --dtype bfloat16 or float16")
     return method
+
+
+def _checkpoint_unavailable(method: str, device: torch.device, dtype: torch.dtype
+                            ) -> str | None:
+    """Why a quantized checkpoint cannot run on `device` in `dtype` (the end of a sentence
+    that starts with its method), or None."""
+    if device.type == "cpu":
+        if block_kernels() is None:
+            return "run on CPU where the AVX2 block kernel is built"
+        if dtype not in (torch.float32, torch.bfloat16):
+            return "run on CPU with --dtype float32 or bfloat16"
+        return None
+    if dtype not in (torch.bfloat16, torch.float16):
+        return "run on a GPU with --dtype bfloat16 or float16"
+    why = fp8_unavailable(device, MIN_CAPABILITY if method == "fp8" else INT4_MIN_CAPABILITY)
+    return None if why is None else f"cannot run here: {why}"

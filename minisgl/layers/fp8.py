@@ -25,14 +25,16 @@ KERNEL_MAX_ROWS = 64
 MIN_CAPABILITY = (8, 9)  # Ada / Hopper: float8 conversions in hardware (Triton needs them)
 
 
-def fp8_unavailable(device: torch.device) -> str | None:
-    """Why fp8 cannot run on `device`, or None."""
+def fp8_unavailable(device: torch.device, min_capability: tuple[int, int] = MIN_CAPABILITY
+                    ) -> str | None:
+    """Why fp8 (or, with min_capability 8.0, the int4 kernels) cannot run on `device`, or
+    None."""
     if device.type != "cuda":
         return "it runs on CUDA GPUs only"
     capability = torch.cuda.get_device_capability(device)
-    if capability < MIN_CAPABILITY:
-        return (f"it needs compute capability 8.9 or newer (Ada, Hopper); this GPU has "
-                f"{capability[0]}.{capability[1]}")
+    if capability < min_capability:
+        return (f"it needs compute capability {min_capability[0]}.{min_capability[1]} or newer; "
+                f"this GPU has {capability[0]}.{capability[1]}")
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -47,13 +49,26 @@ def _kernels() -> Any:
 
 
 class Fp8ChannelWeight:
-    """w ~= codes * scales[:, None]: codes [out, in] float8 e4m3fn, scales [out] float32."""
+    """w ~= codes * scales[:, None]: codes [out, in] float8 e4m3fn, scales [out] float32; or,
+    from a block-wise fp8 checkpoint (`from_codes`), w = codes * scales[:, i // scale_group],
+    scales [out, ceil(in / scale_group)]."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         dense = weight.float()
         self.out_features, self.in_features = dense.shape
         self.scales = (dense.abs().amax(dim=1) / FP8_MAX).clamp_min(1e-12).contiguous()
         self.codes = (dense / self.scales[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        self.scale_group = 0
+
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor, scale_group: int = 0
+                   ) -> Fp8ChannelWeight:
+        """A checkpoint's float8 codes with their float32 scales, kept as they are."""
+        weight = cls.__new__(cls)
+        weight.out_features, weight.in_features = codes.shape
+        weight.codes, weight.scales = codes.contiguous(), scales.float().contiguous()
+        weight.scale_group = scale_group
+        return weight
 
     @property
     def nbytes(self) -> int:
@@ -64,15 +79,18 @@ class Fp8ChannelWeight:
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         if rows.shape[0] <= KERNEL_MAX_ROWS:
-            out = _kernels().fp8_matmul(rows, self.codes, self.scales)
+            out = _kernels().fp8_matmul(rows, self.codes, self.scales, self.scale_group)
         else:
             out = F.linear(rows, self.widened(rows.dtype))
         return out.view(*x.shape[:-1], self.out_features)
 
     def widened(self, dtype: torch.dtype) -> torch.Tensor:
         """codes * scales in `dtype` (a temporary: prefill's GEMM input)."""
-        return _kernels().fp8_dequantize(self.codes, self.scales, dtype)
+        return _kernels().fp8_dequantize(self.codes, self.scales, dtype, self.scale_group)
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight [out, in] the codes encode (for tests)."""
-        return self.codes.float() * self.scales[:, None]
+        if self.scale_group == 0:
+            return self.codes.float() * self.scales[:, None]
+        per_input = self.scales.repeat_interleave(self.scale_group, dim=1)
+        return self.codes.float() * per_input[:, :self.in_features]

@@ -204,18 +204,22 @@ class BlockSlots:
         return BlockSlots(length, self.shape[1], self.start + start, self.parts)
 
     def copy_(self, part: GgufBlocks) -> None:
-        if not isinstance(part, GgufBlocks):
+        """`part`: GgufBlocks, or (a checkpoint's fp8 weight on CUDA) layers.gpu_blocks'."""
+        if isinstance(part, torch.Tensor):
             raise ValueError("a layer loading GGUF blocks was given a dense tensor for part of it")
         self.parts[self.start] = part
 
-    def finish(self) -> GgufWeight | StackedWeight:
+    def ordered_parts(self) -> list[GgufBlocks]:
+        """The parts by their first row, once they cover the layer."""
         starts = sorted(self.parts)
         covered = sum(self.parts[s].shape[0] for s in starts)
         if covered != self.shape[0]:
             raise ValueError(f"GGUF blocks filled {covered} of {self.shape[0]} rows of a layer")
+        return [self.parts[start] for start in starts]
+
+    def finish(self) -> GgufWeight | StackedWeight:
         runs: list[list[GgufBlocks]] = []
-        for start in starts:
-            part = self.parts[start]
+        for part in self.ordered_parts():
             if runs and runs[-1][0].kind == part.kind:
                 runs[-1].append(part)
             else:

@@ -18,6 +18,7 @@ from minisgl.kernels import cpu_kernels
 from minisgl.layers.base import Layer
 from minisgl.layers.fp8 import Fp8ChannelWeight
 from minisgl.layers.gguf_weight import BlockSlots
+from minisgl.layers.gpu_blocks import gpu_block_weight
 from minisgl.layers.lora import LoraSlots
 from minisgl.layers.quant import WeightBlocks, BlockWeight, block_weight
 from minisgl.layers.shard import copy_into, read_all, read_cols, read_rows
@@ -55,9 +56,12 @@ class _Linear(Layer):
         del self.weight
         self.weight = BlockSlots(out_features, in_features)
 
-    def finish_blocks(self, dtype: torch.dtype) -> None:
-        self.quantized = (self.weight.finish() if isinstance(self.weight, BlockSlots)
-                          else block_weight(self.weight, dtype))
+    def finish_blocks(self, dtype: torch.dtype, device: torch.device) -> None:
+        if isinstance(self.weight, BlockSlots):
+            self.quantized = (self.weight.finish() if device.type == "cpu"
+                              else gpu_block_weight(self.weight, device))
+        else:
+            self.quantized = block_weight(self.weight, dtype)
         self.weight = None
 
     def quantize_int8(self) -> None:

@@ -132,9 +132,9 @@ class Experts(Layer):
         self.blocks = {part: [None] * self.num_experts for part in ("gate", "up", "down")}
         self.gate_up = self.down = None
 
-    def finish_blocks(self, dtype: torch.dtype) -> None:
+    def finish_blocks(self, dtype: torch.dtype, device: torch.device) -> None:
         """Each expert's gate and up blocks (rows) as one weight, and its down blocks, in the
-        form layers.quant runs them."""
+        form layers.quant runs them (CPU only: --quantization gguf is refused elsewhere)."""
         gate, up, down = (self.blocks[part] for part in ("gate", "up", "down"))
         self.quantized = QuantizedExperts([
             (block_weight(stack_rows(g, u), dtype), block_weight(d, dtype))

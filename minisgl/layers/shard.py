@@ -9,11 +9,13 @@ from typing import Any
 import torch
 
 from minisgl.layers.gguf_weight import GgufBlocks
+from minisgl.layers.gpu_blocks import Fp8Blocks
 from minisgl.layers.quant import WeightBlocks
 
 
 def _read(part: Any) -> Any:
-    return part if isinstance(part, (WeightBlocks, GgufBlocks)) else torch.as_tensor(part)
+    return part if isinstance(part, (WeightBlocks, GgufBlocks, Fp8Blocks)) else \
+        torch.as_tensor(part)
 
 
 def read_rows(source: Any, start: int, length: int) -> Any:

@@ -7,7 +7,9 @@ generator seeded by its name and `--seed`, then handed to `model.load_weight` li
 checkpoint tensor, so each rank keeps exactly its shard of the same model. Norm weights are 1,
 everything else N(0, 0.02); with `int4` (`--quantization gguf`), the layers' linear weights
 (not the experts') are random 4-bit blocks instead, of about the same spread (codes uniform in
-0..15, scale 0.02 / 4.6, zero 0), never dense.
+0..15, scale 0.02 / 4.6, zero 0), never dense; with `int4_groups` (`--quantization awq`,
+`gptq` or `compressed-tensors` on CUDA), int4 groups of 128 of that spread (zero point 8) in
+the form such a checkpoint loads into (layers.gpu_blocks).
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from minisgl.layers.gguf_weight import GgufBlocks
 from minisgl.layers.quant import GROUP, WeightBlocks
 
 INT4_SCALE = 0.02 / 4.6  # codes - 8 uniform in [-8, 7] have a standard deviation of ~4.6
+INT4_GROUP = 128  # the usual group size of AWQ / GPTQ checkpoints
 
 
 def checkpoint_shapes(arch: Any) -> dict[str, tuple[int, ...]]:
@@ -73,8 +77,11 @@ def is_layer_linear(name: str) -> bool:
 
 
 def load_dummy(model: nn.Module, arch: Any, seed: int, device: torch.device,
-               dtype: torch.dtype, int4: bool = False) -> None:
+               dtype: torch.dtype, int4: bool = False, int4_groups: bool = False) -> None:
     shapes = checkpoint_shapes(arch)
+    if int4_groups:
+        for name in filter(is_layer_linear, shapes):
+            model.weight_target(name)[0].expect_gguf_blocks()
     if int4:
         for name in filter(is_layer_linear, shapes):
             module = model.weight_target(name)[0]
@@ -92,6 +99,8 @@ def load_dummy(model: nn.Module, arch: Any, seed: int, device: torch.device,
             codes = torch.randint(0, 16, shape, generator=gen, dtype=torch.uint8, device=device)
             scales = torch.full((shape[0], shape[1] // GROUP), INT4_SCALE, device=device)
             full = WeightBlocks(codes, scales, torch.zeros_like(scales))
+        elif int4_groups and is_layer_linear(name):
+            full = random_int4_groups(shape, gen, device)
         else:
             full = torch.empty(shape, dtype=torch.float32, device=device).normal_(
                 0.0, 0.02, generator=gen).to(dtype)
@@ -101,3 +110,16 @@ def load_dummy(model: nn.Module, arch: Any, seed: int, device: torch.device,
     missing = [n for n, p in params.items() if torch.isnan(p).any()]
     if missing:
         raise ValueError(f"dummy weights left parameters unfilled: {missing[:5]}")
+
+
+def random_int4_groups(shape: tuple[int, ...], gen: torch.Generator, device: torch.device
+                       ) -> GgufBlocks:
+    """"W4" blocks (layers.gguf_weight) of random codes, groups of INT4_GROUP (or the row)."""
+    out, in_features = shape
+    group = INT4_GROUP if in_features % INT4_GROUP == 0 else in_features
+    codes = torch.randint(0, 16, shape, generator=gen, dtype=torch.uint8, device=device)
+    scales = torch.tensor([INT4_SCALE, -INT4_SCALE], device=device).expand(
+        out, in_features // group, 2).contiguous()
+    subs = torch.tensor([1, 8], dtype=torch.int16, device=device).expand(
+        out, in_features // GROUP, 2).contiguous()
+    return GgufBlocks("W4", codes, scales, subs)

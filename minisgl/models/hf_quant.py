@@ -1,5 +1,6 @@
-"""Quantized Hugging Face checkpoints (config.json's `quantization_config`) read into
-layers.gguf_weight blocks for the AVX2 kernel, tensor by tensor, never as a dense weight.
+"""Quantized Hugging Face checkpoints (config.json's `quantization_config`) read tensor by
+tensor, never as a dense weight: into layers.gguf_weight blocks for the AVX2 kernel on CPU, and
+on CUDA into layers.gpu_blocks' forms (int4 as the same blocks, fp8 as it is stored).
 
 Layouts (w[o, i] is the Hugging Face weight; an int32 word holds 8 codes, code j at bits 4j):
 - `awq` (AutoAWQ, version "gemm"): qweight [in, out / 8], the word's codes along the outputs
@@ -13,9 +14,10 @@ Layouts (w[o, i] is the Hugging Face weight; an int32 word holds 8 codes, code j
   code itself when not, with weight_zero_point [out / 8, in / g] packed along the outputs.
 - `fp8` (e4m3): weight [out, in] with weight_scale_inv [out / 128, in / 128] (block-wise,
   `weight_block_size` [128, 128]) or weight_scale (per tensor or [out, 1]): w = q * scale.
-  The kernel has no float8 path: each group of 32 inputs is re-encoded as Q8_0 blocks (int8
-  codes, float16 scale max |w| / 127), so each weight moves by at most half a step, max |w| /
-  254 of its group (for block-wise checkpoints, one in 254 of the group's largest).
+  The CPU kernel has no float8 path: each group of 32 inputs is re-encoded as Q8_0 blocks
+  (int8 codes, float16 scale max |w| / 127), so each weight moves by at most half a step,
+  max |w| / 254 of its group (for block-wise checkpoints, one in 254 of the group's largest).
+  On CUDA the codes and scales stay as they are.
 Int4 groups (32 .. any multiple of 32, or the whole row) keep their codes, scales (float16:
 exact) and zero points: the kernel's super-blocks hold the group's scale, its 32-input groups
 the zero point (layers.gguf_weight "W4").
@@ -29,8 +31,10 @@ from pathlib import Path
 import torch
 
 from minisgl.layers.gguf_weight import GROUP, GgufBlocks
+from minisgl.layers.gpu_blocks import Fp8Blocks
 
 METHODS = ("awq", "gptq", "compressed-tensors", "fp8")
+INT4_METHODS = METHODS[:3]
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the output column of each code in an AWQ word
 SUFFIXES = {"awq": ("qweight", "qzeros", "scales"),
             "gptq": ("qweight", "qzeros", "scales", "g_idx"),
@@ -175,7 +179,22 @@ def read_fp8(get: dict[str, torch.Tensor], rows_at_once: int = 256) -> GgufBlock
     return GgufBlocks("Q8_0", codes, torch.stack([d, torch.zeros_like(d)], dim=-1), None)
 
 
-def read_quantized(folder: Path, spec: QuantSpec) -> tuple[dict[str, GgufBlocks], set[str]]:
+def fp8_blocks(get: dict[str, torch.Tensor]) -> Fp8Blocks:
+    """An fp8 weight as the checkpoint stores it (for CUDA): block scales expanded to rows."""
+    weight = get["weight"]
+    if weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8 weights of dtype {weight.dtype} cannot be loaded; supported: "
+                         "float8_e4m3fn")
+    out = weight.shape[0]
+    if "weight_scale_inv" in get:
+        scales = get["weight_scale_inv"].float().repeat_interleave(FP8_BLOCK, dim=0)[:out]
+        return Fp8Blocks(weight, scales.contiguous(), FP8_BLOCK)
+    scale = get["weight_scale"].float().reshape(-1)
+    return Fp8Blocks(weight, (scale.expand(out) if scale.numel() == 1 else scale).contiguous())
+
+
+def read_quantized(folder: Path, spec: QuantSpec, device: torch.device
+                   ) -> tuple[dict[str, GgufBlocks | Fp8Blocks], set[str]]:
     """({HF weight name: blocks} of every quantized linear, the checkpoint tensors they came
     from, which the dense loader skips)."""
     from contextlib import ExitStack
@@ -198,6 +217,9 @@ def read_quantized(folder: Path, spec: QuantSpec) -> tuple[dict[str, GgufBlocks]
                 continue
             get = {suffix: f.get_tensor(name) for suffix, (f, name) in parts.items()}
             used.update(name for _, name in parts.values())
-            blocks[f"{prefix}.weight"] = read_fp8(get) if spec.method == "fp8" else \
-                read_int4(spec, get)
+            if spec.method != "fp8":
+                blocks[f"{prefix}.weight"] = read_int4(spec, get)
+            else:
+                blocks[f"{prefix}.weight"] = read_fp8(get) if device.type == "cpu" else \
+                    fp8_blocks(get)
     return blocks, used

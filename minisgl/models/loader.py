@@ -9,10 +9,12 @@ from pathlib import Path
 import torch
 
 from minisgl.layers.gguf_weight import BlockSlots, GgufBlocks
+from minisgl.layers.gpu_blocks import Fp8Blocks
 from minisgl.layers.quant import WeightBlocks
 from minisgl.models.arch import ModelArch
 from minisgl.models.dummy_weights import load_dummy
 from minisgl.models.gguf_blocks import stage_block_linears
+from minisgl.models.hf_quant import INT4_METHODS as INT4_CHECKPOINT_METHODS
 from minisgl.models.hf_quant import METHODS as CHECKPOINT_METHODS
 from minisgl.models.hf_quant import quant_spec, read_quantized
 from minisgl.models.weights import gguf_file, load_config, load_safetensors
@@ -30,17 +32,22 @@ def load_weights(model: torch.nn.Module, folder: Path, arch: ModelArch, method: 
     linear weights are read as blocks (models.hf_quant). Then w8a8_int8 / fp8 quantize each layer's
     dense weight and release it."""
     if load_format == "dummy":
-        load_dummy(model, arch, seed, device, dtype, int4=method == "gguf")
+        load_dummy(model, arch, seed, device, dtype, int4=method == "gguf",
+                   int4_groups=method in INT4_CHECKPOINT_METHODS)
     else:
-        staged: dict[str, WeightBlocks | GgufBlocks] = {}
+        staged: dict[str, WeightBlocks | GgufBlocks | Fp8Blocks] = {}
         skip: set[str] = set()
         if method in CHECKPOINT_METHODS and (spec := quant_spec(load_config(folder))):
-            staged, skip = read_quantized(folder, spec)
+            staged, skip = read_quantized(folder, spec, device)
             staged = {name: b for name, b in staged.items() if not model.skips(name)}
             for name in staged:
                 target = model.weight_target(name)
                 if target is None:
                     raise ValueError(f"checkpoint does not fit the model: unknown tensor {name}")
+                if not hasattr(target[0], "expect_gguf_blocks"):
+                    raise ValueError(f"{spec.method} checkpoint: quantized expert weights "
+                                     f"({name}) cannot be loaded yet; supported: quantized "
+                                     "attention and dense MLP linears")
                 target[0].expect_gguf_blocks()
         elif method == "gguf":
             heads = {"num_heads": arch.num_heads, "num_kv_heads": arch.num_kv_heads}
@@ -55,7 +62,7 @@ def load_weights(model: torch.nn.Module, folder: Path, arch: ModelArch, method: 
     for module in model.modules():
         if isinstance(getattr(module, "weight", None), (WeightBlocks, BlockSlots)) or (
                 getattr(module, "blocks", None) is not None):  # a linear's, or experts' blocks
-            module.finish_blocks(dtype)
+            module.finish_blocks(dtype, device)
         elif method == "w8a8_int8" and hasattr(module, "quantize_int8"):
             module.quantize_int8()
         elif method == "fp8" and hasattr(module, "quantize_fp8"):

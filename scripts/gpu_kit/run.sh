@@ -3,7 +3,8 @@
 #
 #   bash .gpu/run.sh [pytest args...]
 #
-# Default test paths: tests/test_gpu.py tests/test_gpu_metadata.py tests/test_fp8.py (what the
+# Default test paths: tests/test_gpu.py tests/test_gpu_metadata.py tests/test_fp8.py and
+# tests/test_gpu_blocks.py (the first three are what the
 # earlier H100 sessions ran; `-m gpu` alone would leave test_gpu_metadata.py out). Args are added
 # to pytest's; the default paths are kept unless an arg names tests (tests*, *.py, *::*), e.g.
 # `bash .gpu/run.sh -x`, `bash .gpu/run.sh -m gpu`, `bash .gpu/run.sh tests/test_gpu.py -k fused`.
@@ -115,7 +116,8 @@ EOF
     # ---- tests ----
     local args=("$@") a have_path=0
     for a in "$@"; do case $a in tests*|*.py|*::*) have_path=1 ;; esac; done
-    [ $have_path = 0 ] && args+=(tests/test_gpu.py tests/test_gpu_metadata.py tests/test_fp8.py)
+    [ $have_path = 0 ] && args+=(tests/test_gpu.py tests/test_gpu_metadata.py tests/test_fp8.py
+                                 tests/test_gpu_blocks.py)
     echo "== pytest ${args[*]}"
     local extra=()
     python3 -c "import pytest_timeout" 2>/dev/null && extra+=("--timeout=${PER_TEST_TIMEOUT:-300}")

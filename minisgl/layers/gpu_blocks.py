@@ -1,0 +1,127 @@
+"""A quantized checkpoint's linear weights on CUDA (models.hf_quant reads them), exactly as the
+checkpoint stores them:
+- int4 (AWQ, GPTQ, compressed-tensors): `Int4GroupWeight`, the codes packed 8 to an int32 word
+  along the inputs, a float16 scale and a uint8 zero point per output and group,
+  w = (q - z) * s. Decode batches of up to KERNEL_MAX_ROWS rows run kernels/int4_matmul
+  (Triton), which reads half a byte per weight; larger batches widen the weight in one pass
+  for cuBLAS (as layers.fp8). Staged while loading as layers.gguf_weight's "W4" blocks.
+- fp8: layers.fp8's weight with the checkpoint's scales (block-wise: per output and block of
+  128 inputs), staged as `Fp8Blocks`.
+Both stage as blocks that slice like the dense weight, so tensor parallelism shards them as
+the CPU kernel's, and the parts of a merged layer (q / k / v) are joined by rows at the end
+(`gpu_block_weight`).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from minisgl.layers.fp8 import Fp8ChannelWeight
+from minisgl.layers.gguf_weight import GROUP, BlockSlots, GgufBlocks, cat_rows
+
+KERNEL_MAX_ROWS = 64  # as layers.fp8's: above, dequantize + cuBLAS (to be measured on a GPU)
+
+
+@dataclass
+class Fp8Blocks:
+    """A float8 checkpoint weight while it loads: w = codes * scales[:, i // group] (group 0:
+    scales [out], one per output feature)."""
+
+    codes: torch.Tensor  # [out, in] float8_e4m3fn
+    scales: torch.Tensor  # [out] or [out, ceil(in / group)] float32
+    group: int = 0
+    kind = "FP8"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    @property
+    def data(self) -> Fp8Blocks:  # NOTE: stands in for a Parameter, as GgufBlocks does
+        return self
+
+    def __getitem__(self, index: slice | tuple[slice, slice]) -> Fp8Blocks:
+        """Rows (`b[a:z]`) or whole blocks of columns (`b[:, a:z]`)."""
+        if not isinstance(index, tuple):
+            return Fp8Blocks(self.codes[index], self.scales[index], self.group)
+        rows, cols = index
+        if self.group == 0:
+            return Fp8Blocks(self.codes[rows, cols], self.scales[rows], 0)
+        start, stop = cols.start or 0, self.shape[1] if cols.stop is None else cols.stop
+        if start % self.group or (stop % self.group and stop != self.shape[1]):
+            raise ValueError(f"a shard of a block-wise fp8 weight must cut at multiples of "
+                             f"{self.group} input features, not [{start}, {stop}): a "
+                             "tensor-parallel size that splits no block is needed")
+        return Fp8Blocks(self.codes[rows, cols],
+                         self.scales[rows, start // self.group:-(-stop // self.group)],
+                         self.group)
+
+
+def gpu_block_weight(slots: BlockSlots, device: torch.device
+                     ) -> Int4GroupWeight | Fp8ChannelWeight:
+    """One layer's staged parts (rows in order) as one weight for its CUDA kernel."""
+    parts = slots.ordered_parts()
+    kinds = {part.kind for part in parts}
+    if kinds == {"W4"}:
+        return Int4GroupWeight(cat_rows(parts), device)
+    if len(kinds) == 1 and isinstance(parts[0], Fp8Blocks):
+        groups = {part.group for part in parts}
+        if len(groups) > 1:
+            raise ValueError("the parts of one layer mix block-wise and per-channel fp8 scales")
+        codes = torch.cat([part.codes for part in parts]).to(device)
+        scales = torch.cat([part.scales for part in parts]).to(device)
+        return Fp8ChannelWeight.from_codes(codes, scales, groups.pop())
+    raise ValueError(f"weights of kinds {sorted(kinds)} have no GPU kernel in one layer "
+                     "(int4 or fp8 checkpoints' only)")
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels() -> Any:
+    from minisgl.kernels import int4_matmul  # imports triton: CUDA only
+    return int4_matmul
+
+
+class Int4GroupWeight:
+    """words [out, in / 8] int32, scales [out, in / g] float16, zeros [out, in / g] uint8."""
+
+    def __init__(self, blocks: GgufBlocks, device: torch.device) -> None:
+        if blocks.kind != "W4":
+            raise ValueError(f"{blocks.kind} blocks have no GPU kernel (int4 checkpoints' only)")
+        self.out_features, self.in_features = blocks.shape
+        group = blocks.columns_per_scale
+        codes = blocks.codes.to(torch.int64).view(self.out_features, -1, 8)
+        words = sum(codes[..., j] << (4 * j) for j in range(8))
+        self.words = ((words + 2**31) % 2**32 - 2**31).to(torch.int32).to(device)
+        self.scales = blocks.scales[..., 0].to(torch.float16).to(device).contiguous()
+        self.zeros = blocks.subs[:, ::group // GROUP, 1].to(torch.uint8).to(device).contiguous()
+
+    @property
+    def group(self) -> int:
+        return self.in_features // self.scales.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.words, self.scales, self.zeros))
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        if rows.shape[0] <= KERNEL_MAX_ROWS:
+            out = _kernels().int4_matmul(rows, self.words, self.scales, self.zeros)
+        else:
+            out = F.linear(rows, _kernels().int4_dequantize(self.words, self.scales, self.zeros,
+                                                            rows.dtype))
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight [out, in] (for tests)."""
+        shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=self.words.device)
+        codes = ((self.words.unsqueeze(-1) >> shifts) & 15).flatten(1)
+        zeros = self.zeros.to(torch.int32).repeat_interleave(self.group, dim=1)
+        return (codes - zeros).float() * self.scales.float().repeat_interleave(self.group, dim=1)

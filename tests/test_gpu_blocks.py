@@ -1,0 +1,286 @@
+"""Quantized checkpoints on CUDA (issue 32, item 2 on GPU; layers.gpu_blocks): AWQ, GPTQ and
+compressed-tensors int4 and block-wise / per-channel fp8 weights kept as the checkpoint stores
+them, through the Triton kernels kernels/int4_matmul and kernels/fp8_matmul.
+
+Here (no GPU needed): each format's staged blocks become the CUDA form encoding exactly the
+weights the checkpoint does; block-wise fp8 shards cut at whole blocks; and the kernels' tiles,
+masks, strides and group / block scales run under Triton's interpreter (TRITON_INTERPRET=1, in
+a child process; triton >= 3.9) against float64 math on the same weights. On a CUDA GPU: the
+kernels at the Llama-3.1-8B shapes, and the bundled model's checkpoints served in bfloat16
+against transformers in float32 on the weights each encodes."""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from minisgl.layers.fp8 import Fp8ChannelWeight, fp8_unavailable
+from minisgl.layers.gguf_weight import BlockSlots
+from minisgl.layers.gpu_blocks import Fp8Blocks, Int4GroupWeight, gpu_block_weight
+from minisgl.models.hf_quant import fp8_blocks, quant_spec, read_int4
+from tests import hf_quant_writers as writers
+from tests.test_fp8 import interpreter_runs_the_kernel
+from tests.test_gpu import real_model  # noqa: F401  (a fixture: skips without the bundled model)
+
+# (method, group, symmetric): every int4 layout and group form the loader takes
+INT4_FORMATS = [("awq", 64, False), ("awq", 128, True), ("gptq", 32, True),
+                ("gptq", 128, False), ("compressed-tensors", 32, False),
+                ("compressed-tensors", -1, True)]
+KERNEL_REL_BOUND = 1e-5  # float32 activations under the interpreter, against float64
+
+
+def int4_weight(method: str, group: int, symmetric: bool, out: int, in_features: int,
+                seed: int = 0) -> tuple[Int4GroupWeight, torch.Tensor]:
+    """(the CUDA form, built on CPU, of a checkpoint tensor in `method`'s layout, the float32
+    weight the checkpoint encodes)."""
+    weight = torch.randn(out, in_features, generator=torch.Generator().manual_seed(seed)) * 0.05
+    codes, scales, zeros = writers.int4_groups(weight, group, symmetric)
+    tensors = {"awq": writers.awq_tensors, "gptq": writers.gptq_tensors}[method](
+        codes, scales, zeros) if method != "compressed-tensors" else \
+        writers.compressed_tensors(codes, scales, zeros, symmetric)
+    config = {"quantization_config": writers.CONFIGS[method](group, symmetric)}
+    blocks = read_int4(quant_spec(config), tensors)
+    return Int4GroupWeight(blocks, torch.device("cpu")), writers.dequantized(codes, scales, zeros)
+
+
+def fp8_weight(out: int, in_features: int, seed: int = 0
+               ) -> tuple[Fp8ChannelWeight, torch.Tensor]:
+    """A block-wise fp8 tensor staged in row parts as q / k / v would be (cuts off the
+    128-row blocks), joined: (the CUDA form, the weight the checkpoint encodes)."""
+    weight = torch.randn(out, in_features, generator=torch.Generator().manual_seed(seed)) * 0.05
+    tensors, encoded = writers.fp8_block(weight)
+    staged = fp8_blocks(tensors)
+    slots = BlockSlots(out, in_features)
+    cuts = [0, out // 3, out // 3 + out // 4, out]
+    for start, stop in zip(cuts, cuts[1:]):
+        slots.narrow(0, start, stop - start).copy_(staged[start:stop])
+    return gpu_block_weight(slots, torch.device("cpu")), encoded
+
+
+@pytest.mark.parametrize("method,group,symmetric", INT4_FORMATS)
+def test_int4_cuda_form_encodes_the_checkpoint_exactly(method: str, group: int,
+                                                       symmetric: bool):
+    weight, want = int4_weight(method, group, symmetric, 48, 768)
+    assert torch.equal(weight.dequantized(), want)
+    assert weight.group == (768 if group == -1 else group)
+    assert weight.words.dtype == torch.int32 and weight.words.shape == (48, 96)
+    assert weight.nbytes < want.numel() * 0.6  # half a byte a weight, plus the groups
+
+
+def test_fp8_cuda_form_keeps_the_checkpoint_codes():
+    """Block-wise: 576 rows and inputs (4.5 blocks), staged in parts that cut inside a 128-row
+    block; per-channel and per-tensor scales too."""
+    weight, want = fp8_weight(576, 576)
+    assert weight.scale_group == 128 and weight.scales.shape == (576, 5)
+    assert torch.equal(weight.dequantized(), want)
+    codes = torch.randn(40, 96).to(torch.float8_e4m3fn)
+    per_channel = torch.rand(40, 1) + 0.5
+    for scale in (per_channel, torch.tensor(0.25)):
+        staged = fp8_blocks({"weight": codes, "weight_scale": scale})
+        slots = BlockSlots(40, 96)
+        slots.copy_(staged)
+        form = gpu_block_weight(slots, torch.device("cpu"))
+        assert form.scale_group == 0
+        assert torch.equal(form.dequantized(), codes.float() * scale.reshape(-1, 1).expand(40, 1))
+
+
+def test_fp8_block_shards_cut_at_whole_blocks():
+    blocks = Fp8Blocks(torch.zeros(8, 576).to(torch.float8_e4m3fn), torch.ones(8, 5), 128)
+    assert blocks[:, 128:256].scales.shape == (8, 1)
+    assert blocks[:, 384:576].scales.shape == (8, 2)  # the last, partial block
+    with pytest.raises(ValueError, match="multiples of 128"):
+        blocks[:, 0:192]
+
+
+def test_gpu_forms_refuse_other_kinds():
+    from minisgl.layers.gguf_weight import GgufBlocks
+    q8 = GgufBlocks("Q8_0", torch.zeros(8, 64, dtype=torch.int8), torch.ones(8, 2, 2), None)
+    slots = BlockSlots(8, 64)
+    slots.copy_(q8)
+    with pytest.raises(ValueError, match="no GPU kernel"):
+        gpu_block_weight(slots, torch.device("cpu"))
+
+
+def _interpreted_kernel_checks() -> None:
+    """Run in a child with TRITON_INTERPRET=1: every inner loop, group form and mask."""
+    import triton
+
+    from minisgl.kernels import fp8_matmul, int4_matmul
+    gen = torch.Generator().manual_seed(1)
+
+    def check(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, what: object) -> None:
+        want = x.double() @ weight.double().t()
+        err = float((out.double() - want).norm() / want.norm())
+        assert err < KERNEL_REL_BOUND, (what, err)
+
+    def strided_rows(m: int, k: int) -> torch.Tensor:
+        return torch.randn(m + 2, k + 8, generator=gen)[1:m + 1, 4:k + 4]
+
+    for method, group, symmetric in INT4_FORMATS:
+        for n, k in ((40, 256), (48, 576)):
+            if group > 0 and k % group:
+                continue
+            weight, want = int4_weight(method, group, symmetric, n, k, seed=n + k)
+            g = weight.group
+            block_k = min(128, g) if g != k else 128
+            for cfg in (dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=block_k, DOT=False),
+                        dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=block_k, DOT=True)):
+                assert int4_matmul.tile_fits_group(block_k, g, k)
+                for m in ((1, 2) if not cfg["DOT"] else (1, 3, 17)):
+                    x = strided_rows(m, k)
+                    out = torch.full((m, n), float("nan"))
+                    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
+                    int4_matmul._int4_matmul_kernel.fn[grid](
+                        x, weight.words, weight.scales, weight.zeros, out, m, n, k, m, g,
+                        x.stride(0), weight.words.stride(0), weight.scales.stride(0),
+                        out.stride(0), **cfg)
+                    check(out, x, want, (method, group, n, k, m, cfg))
+            widened = int4_matmul.int4_dequantize(weight.words, weight.scales, weight.zeros,
+                                                  torch.float32)
+            assert torch.equal(widened, want), (method, group, n, k)
+
+    for n, k in ((40, 256), (48, 576)):
+        weight, want = fp8_weight(n, k, seed=n + k)
+        for cfg in (dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=128, DOT=False),
+                    dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, DOT=True)):
+            for m in ((1,) if not cfg["DOT"] else (1, 3, 17)):
+                x = strided_rows(m, k)
+                out = torch.full((m, n), float("nan"))
+                grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
+                fp8_matmul._fp8_matmul_kernel.fn[grid](
+                    x, weight.codes, weight.scales, out, m, n, k, m, x.stride(0),
+                    weight.codes.stride(0), out.stride(0), weight.scales.stride(0), 128, **cfg)
+                check(out, x, want, ("fp8 block", n, k, m, cfg))
+        widened = fp8_matmul.fp8_dequantize(weight.codes, weight.scales, torch.float32, 128)
+        assert torch.equal(widened, want), ("fp8 block", n, k)
+    print("ok")
+
+
+@pytest.mark.skipif(not interpreter_runs_the_kernel(), reason="needs triton >= 3.9")
+def test_gpu_kernels_under_the_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c",
+         "from tests.test_gpu_blocks import _interpreted_kernel_checks as c; c()"],
+        env=env, capture_output=True, text=True, timeout=600,
+        cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
+
+
+needs_int4_gpu = pytest.mark.skipif(
+    not torch.cuda.is_available() or fp8_unavailable(torch.device("cuda"), (8, 0)) is not None,
+    reason="needs a CUDA GPU of compute capability 8.0+ and triton")
+needs_fp8_gpu = pytest.mark.skipif(
+    not torch.cuda.is_available() or fp8_unavailable(torch.device("cuda")) is not None,
+    reason="needs a CUDA GPU with float8 (compute capability 8.9+) and triton")
+GPU_KERNEL_REL_BOUND = 1e-2  # bfloat16 activations and output against float64
+
+
+def _check_on_cuda(weight, want: torch.Tensor, in_features: int) -> None:
+    """Both paths (kernel up to the layer's row limit, widen + cuBLAS above), strided input,
+    every output written."""
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    for rows in (1, 2, 3, 16, 17, 64, 65, 300):
+        x = torch.randn(rows, in_features + 8, device="cuda", generator=gen)
+        x = x.to(torch.bfloat16)[:, 4:in_features + 4]
+        out = weight.matmul(x)
+        exact = x.double() @ want.double().t()
+        err = float((out.double() - exact).norm() / exact.norm())
+        assert out.dtype == torch.bfloat16 and err < GPU_KERNEL_REL_BOUND, (rows, err)
+
+
+@needs_int4_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_features,in_features,group", [
+    (48, 576, 64), (1536, 576, 32), (6144, 4096, 128), (4096, 14336, 128), (4096, 4096, -1)])
+def test_int4_matmul_on_cuda(out_features: int, in_features: int, group: int):
+    weight, want = int4_weight("awq", group, False, out_features, in_features)
+    weight.words, weight.scales, weight.zeros = (t.cuda() for t in
+                                                 (weight.words, weight.scales, weight.zeros))
+    _check_on_cuda(weight, want.cuda(), in_features)
+
+
+@needs_fp8_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_features,in_features", [(48, 576), (6144, 4096), (4096, 14336)])
+def test_fp8_block_matmul_on_cuda(out_features: int, in_features: int):
+    weight, want = fp8_weight(out_features, in_features)
+    weight.codes, weight.scales = weight.codes.cuda(), weight.scales.cuda()
+    _check_on_cuda(weight, want.cuda(), in_features)
+
+
+@functools.lru_cache(maxsize=None)
+def _checkpoint(root: str, method: str, group: int, symmetric: bool) -> tuple[Path, Path]:
+    return writers.write_checkpoint(Path(root), method, group, symmetric)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("real_model")
+@pytest.mark.parametrize("method,group,symmetric", [
+    pytest.param(*f, marks=needs_fp8_gpu if f[0] == "fp8" else needs_int4_gpu)
+    for f in [("awq", 64, False), ("gptq", 32, True), ("compressed-tensors", -1, True),
+              ("fp8", 0, False)]])
+def test_quantized_checkpoint_on_cuda(tmp_path_factory, method: str, group: int,
+                                      symmetric: bool):
+    """Served in bfloat16 with CUDA graphs: every greedy token the float32 reference's argmax
+    or within bfloat16's margin of it, logprobs within bfloat16's tolerance (the bounds of
+    tests.test_hf_quantized's fp8 row); no dense copy kept."""
+    from transformers import AutoModelForCausalLM
+
+    from minisgl import LLM
+    from tests.test_gguf_types import assert_matches_transformers
+    from tests.test_hf_quantized import ENGINE_ARGS, generate
+    folder, dense = _checkpoint(str(tmp_path_factory.mktemp("hf-quant-gpu")), method, group,
+                                symmetric)
+    with LLM(str(folder), device="cuda", dtype="bfloat16", **ENGINE_ARGS) as llm:
+        engine = llm.runtime.engine
+        assert engine.quantization == method
+        for linear in (engine.model.layers[0].self_attn.qkv_proj,
+                       engine.model.layers[0].mlp.down_proj):
+            assert isinstance(linear.quantized,
+                              Fp8ChannelWeight if method == "fp8" else Int4GroupWeight)
+            assert linear.weight is None
+        results = generate(llm)
+    hf = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
+    for prompt, out in results:
+        assert_matches_transformers(hf, prompt, out, 0.25, 0.06)
+
+
+def test_dummy_int4_groups_have_the_dense_dummy_spread():
+    """`--load-format dummy --quantization awq`: random int4 groups of 128 (the row where 128
+    does not divide it), std ~0.02 as the dense dummy weights, the mean half a step off 0 (codes
+    - 8 in [-8, 7], as the gguf dummy's)."""
+    from minisgl.models.dummy_weights import random_int4_groups
+    gen = torch.Generator().manual_seed(0)
+    for shape, group in (((64, 512), 128), ((64, 576), 576)):
+        weight = Int4GroupWeight(random_int4_groups(shape, gen, torch.device("cpu")),
+                                 torch.device("cpu"))
+        values = weight.dequantized()
+        assert weight.group == group
+        assert abs(values.std().item() - 0.02) < 0.002 and abs(values.mean().item()) < 0.003
+
+
+@needs_int4_gpu
+@pytest.mark.gpu
+def test_dummy_int4_model_decodes_on_cuda_with_graphs():
+    """The Llama-3.1-8B shape (2 layers) with random int4 groups, as bench_gpu.py's `decode
+    --quantization awq` runs it: graphs captured (each row count tuned before its capture),
+    greedy decode equal to an eager run."""
+    from minisgl import LLM
+    outs = []
+    for graphs in (True, False):
+        with LLM("llama-3.1-8b", load_format="dummy", device="cuda", dtype="bfloat16",
+                 quantization="awq", json_model_override_args='{"num_hidden_layers": 2}',
+                 max_total_tokens=4096, disable_cuda_graph=not graphs) as llm:
+            linear = llm.runtime.engine.model.layers[0].mlp.down_proj
+            assert isinstance(linear.quantized, Int4GroupWeight) and linear.weight is None
+            outs.append([o["output_ids"] for o in llm.generate(
+                input_ids=[[1, 2, 3, 4], [5, 6, 7]],
+                sampling_params={"temperature": 0, "max_new_tokens": 8, "ignore_eos": True})])
+    assert outs[0] == outs[1]
