@@ -106,16 +106,23 @@ CONFIGS = {
 
 def write_checkpoint(root: Path, method: str, group: int = 128, symmetric: bool = False
                      ) -> tuple[Path, Path]:
-    """(the quantized folder, the dense folder of the weights it encodes) under `root`."""
-    source = resolve_model_path(None)
+    """(the quantized folder, the dense folder of the weights it encodes) under `root`, of
+    the bundled model."""
     quantized, dense = root / f"{method}-g{group}", root / f"{method}-g{group}-dense"
-    if quantized.exists():
-        return quantized, dense
+    if not quantized.exists():
+        write_quantized(resolve_model_path(None), quantized, dense, method, group, symmetric)
+    return quantized, dense
+
+
+def write_quantized(source: Path, quantized: Path, dense: Path, method: str, group: int,
+                    symmetric: bool, linears: tuple[str, ...] = LINEARS) -> None:
+    """`source` (one model.safetensors) with its weights named `*{linears}.weight` quantized,
+    and beside it the dense folder of the weights that encodes."""
     state = load_file(str(source / "model.safetensors"))
     packed, reference = {}, dict(state)
     for name, weight in state.items():
         prefix = name.removesuffix(".weight")
-        if not prefix.endswith(LINEARS):
+        if not prefix.endswith(linears):
             packed[name] = weight
             continue
         if method == "fp8":
@@ -142,4 +149,3 @@ def write_checkpoint(root: Path, method: str, group: int = 128, symmetric: bool 
             if file.name not in ("config.json", "model.safetensors"):
                 shutil.copy(file, staging / file.name)
         staging.rename(folder)
-    return quantized, dense

@@ -284,3 +284,26 @@ def test_dummy_int4_model_decodes_on_cuda_with_graphs():
                 input_ids=[[1, 2, 3, 4], [5, 6, 7]],
                 sampling_params={"temperature": 0, "max_new_tokens": 8, "ignore_eos": True})])
     assert outs[0] == outs[1]
+
+
+@needs_int4_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["awq", pytest.param("fp8", marks=needs_fp8_gpu)])
+def test_quantized_experts_on_cuda(tmp_path: Path, method: str):
+    """A tiny mixture of experts with quantized experts (per expert through its kernel) in
+    bfloat16 against transformers in float32 on the weights the checkpoint encodes."""
+    from transformers import AutoModelForCausalLM
+
+    from minisgl import LLM
+    from tests.test_gguf_types import assert_matches_transformers
+    from tests.test_hf_quantized import ENGINE_ARGS, GREEDY, write_tiny_moe
+    quantized, dense = write_tiny_moe(tmp_path, "qwen3-moe", method)
+    prompts = [[5, 17, 300, 42, 7, 99, 11], list(range(40, 70))]
+    with LLM(str(quantized), device="cuda", dtype="bfloat16", **ENGINE_ARGS) as llm:
+        gate_up, _ = llm.runtime.engine.model.layers[0].mlp.experts.quantized.parts[0]
+        assert isinstance(gate_up, Fp8ChannelWeight if method == "fp8" else Int4GroupWeight)
+        outs = llm.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True,
+                            logprob_start_len=0)
+    hf = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
+    for prompt, out in zip(prompts, outs):
+        assert_matches_transformers(hf, prompt, out, 0.25, 0.06)

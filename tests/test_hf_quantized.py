@@ -185,24 +185,57 @@ def test_another_method_than_the_checkpoints_is_refused(root: str):
     assert "the checkpoint is quantized (awq): --quantization gptq cannot load it" in line
 
 
-def test_quantized_expert_weights_are_a_one_line_refusal(tmp_path: Path):
-    """An AWQ checkpoint of a mixture of experts (its experts' linears quantized): not loaded
-    yet, refused at start naming the tensor, as a clear error rather than a crash."""
-    from safetensors.torch import load_file, save_file
+EXPERT_LINEARS = ("_proj", ".w1", ".w2", ".w3")  # attention, dense MLPs and every expert's
 
-    from minisgl.engine import Engine, EngineConfig
-    from tests.hf_quant_writers import CONFIGS, awq_tensors, int4_groups
-    from tests.test_moe import MODELS
+
+def write_tiny_moe(root: Path, kind: str, method: str, group: int = 32,
+                   symmetric: bool = False) -> tuple[Path, Path]:
+    """A tiny random mixture of experts (tests.test_moe) as a quantized checkpoint, and the
+    dense folder of the weights it encodes."""
+    from tests.hf_quant_writers import write_quantized
     from tests.test_model_configs import save_tiny
-    save_tiny(*MODELS["qwen3-moe"][:2], tmp_path, **MODELS["qwen3-moe"][2])
-    state = load_file(tmp_path / "model.safetensors")
-    for name in [n for n in state if ".experts." in n]:
-        tensors = awq_tensors(*int4_groups(state.pop(name), 32, symmetric=False))
-        state.update((f"{name.removesuffix('.weight')}.{suffix}", t)
-                     for suffix, t in tensors.items())
-    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((tmp_path / "config.json").read_text())
-    config["quantization_config"] = CONFIGS["awq"](32, False)
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"quantized expert weights \(model\.layers\.0\.mlp"):
-        Engine(EngineConfig(model_path=str(tmp_path), dtype="float32", max_total_tokens=256))
+    from tests.test_moe import MODELS
+    model_class, config_class, fields = MODELS[kind]
+    save_tiny(model_class, config_class, root / "source", **fields)
+    quantized, dense = root / method, root / f"{method}-dense"
+    write_quantized(root / "source", quantized, dense, method, group, symmetric,
+                    EXPERT_LINEARS)
+    return quantized, dense
+
+
+@pytest.mark.parametrize("kind,method", [("qwen3-moe-mixed", "awq"), ("mixtral", "gptq"),
+                                         ("qwen3-moe", "fp8")])
+def test_quantized_experts_match_their_dense_reference(tmp_path: Path, kind: str, method: str):
+    """Expert weights as the checkpoint stores them (Qwen3-MoE's and Mixtral's names), each
+    expert's gate and up joined, kept in blocks (no dense copy): greedy tokens and logprobs
+    against transformers in float32 on the weights the checkpoint encodes, bounds as above."""
+    from transformers import AutoModelForCausalLM
+    quantized, dense = write_tiny_moe(tmp_path, kind, method, symmetric=method == "gptq")
+    prompts = [torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+               for n in (7, 30)]
+    with LLM(str(quantized), dtype="float32", **ENGINE_ARGS) as llm:
+        experts = llm.runtime.engine.model.layers[0].mlp.experts
+        assert experts.gate_up is None and len(experts.quantized.parts) == experts.num_experts
+        gate_up, down = experts.quantized.parts[0]
+        assert isinstance(gate_up, (GgufWeight, StackedWeight))
+        assert gate_up.out_features == 2 * experts.shard and down.in_features == experts.shard
+        outs = llm.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True,
+                            logprob_start_len=0)
+        llm.check_integrity()
+    hf = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
+    bound = "fp8" if method == "fp8" else "int4"
+    for prompt, out in zip(prompts, outs):
+        assert_matches_transformers(hf, prompt, out, MARGIN_BOUND[bound],
+                                    LOGPROB_TOLERANCE[bound])
+
+
+def test_a_quantized_router_is_a_one_line_refusal(tmp_path: Path):
+    """What minisgl reads only dense (the router here), quantized: refused at start, named."""
+    from minisgl.engine import Engine, EngineConfig
+    from tests.hf_quant_writers import write_quantized
+    write_tiny_moe(tmp_path, "qwen3-moe", "awq")
+    write_quantized(tmp_path / "source", tmp_path / "router", tmp_path / "router-dense", "awq",
+                    32, False, EXPERT_LINEARS + ("mlp.gate",))
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.gate\.weight is quantized"):
+        Engine(EngineConfig(model_path=str(tmp_path / "router"), dtype="float32",
+                            max_total_tokens=256))

@@ -20,6 +20,8 @@ from minisgl.kernels import cpu_kernels
 from minisgl.layers.activation import SiluAndMul
 from minisgl.layers.base import Layer
 from minisgl.layers.fp8 import Fp8ChannelWeight
+from minisgl.layers.gguf_weight import BlockSlots
+from minisgl.layers.gpu_blocks import gpu_block_weight
 from minisgl.layers.linear import divide
 from minisgl.layers.quant import WeightBlocks, block_weight
 from minisgl.layers.shard import copy_into, read_all, read_cols, read_rows
@@ -68,6 +70,18 @@ def stack_rows(top: WeightBlocks, bottom: WeightBlocks) -> WeightBlocks:
                         bottom.scales]), torch.cat([top.zeros, bottom.zeros]), top.bits)
 
 
+def joined(parts: list[Any], dtype: torch.dtype, device: torch.device) -> Any:
+    """Blocks of one expert's weight, given by row ranges in order, as one compact weight."""
+    if isinstance(parts[0], WeightBlocks):
+        return block_weight(stack_rows(*parts) if len(parts) > 1 else parts[0], dtype)
+    slots = BlockSlots(sum(p.shape[0] for p in parts), parts[0].shape[1])
+    start = 0
+    for part in parts:
+        slots.narrow(0, start, part.shape[0]).copy_(part)
+        start += part.shape[0]
+    return slots.finish() if device.type == "cpu" else gpu_block_weight(slots, device)
+
+
 class QuantizedExperts:
     """Per expert, its (gate_up, down) weights in a compact form (layers.w8a8, layers.fp8,
     layers.quant's blocks)."""
@@ -100,13 +114,18 @@ class Experts(Layer):
         """One checkpoint tensor: `part` gate / up / down of `expert`, or of every expert at once
         (expert None: a [E, ...] tensor; part gate_up is gate and up stacked)."""
         rank_start = get_tp_info().rank * self.shard
-        if self.blocks is not None:  # a GGUF file's stacked blocks, one per expert
-            if not isinstance(source, list):
-                return  # the converted folder's dense copy of what the blocks hold
-            for e, blocks in enumerate(source):
-                shard = (read_cols(blocks, rank_start, self.shard) if part == "down"
-                         else read_rows(blocks, rank_start, self.shard))
-                self.blocks[part][e] = shard
+
+        def shard(blocks: Any) -> Any:
+            return (read_cols(blocks, rank_start, self.shard) if part == "down"
+                    else read_rows(blocks, rank_start, self.shard))
+
+        if self.blocks is not None:
+            if isinstance(source, list):  # a GGUF file's stacked blocks, one per expert
+                for e, blocks in enumerate(source):
+                    self.blocks[part][e] = shard(blocks)
+            elif not isinstance(source, torch.Tensor) and expert is not None:
+                self.blocks[part][expert] = shard(source)  # a quantized checkpoint's
+            # else: the converted folder's dense copy of what the blocks hold
             return
         if expert is None:
             full = read_all(source)
@@ -128,16 +147,27 @@ class Experts(Layer):
 
     def expect_blocks(self, bits: int = 4) -> None:
         """--quantization gguf: the experts' weights come as blocks (models.gguf_blocks), one
-        per expert, never dense: the dense parameters are released, `finish_blocks` follows."""
+        per expert, never dense: the dense parameters are released, `finish_blocks` follows.
+        A quantized checkpoint's experts (models.hf_quant) come so too (`expect_gguf_blocks`),
+        one tensor per expert and part."""
         self.blocks = {part: [None] * self.num_experts for part in ("gate", "up", "down")}
         self.gate_up = self.down = None
 
+    def expect_gguf_blocks(self) -> None:
+        if self.blocks is None:
+            self.expect_blocks()
+
     def finish_blocks(self, dtype: torch.dtype, device: torch.device) -> None:
-        """Each expert's gate and up blocks (rows) as one weight, and its down blocks, in the
-        form layers.quant runs them (CPU only: --quantization gguf is refused elsewhere)."""
+        """Each expert's gate and up blocks (rows) as one weight, and its down blocks: GGUF
+        Q4 blocks in the form layers.quant runs them, a checkpoint's in the form its kernel
+        runs on `device` (layers.gguf_weight on CPU, layers.gpu_blocks on CUDA)."""
+        missing = [f"{part} of expert {e}" for part, per_expert in self.blocks.items()
+                   for e, blocks in enumerate(per_expert) if blocks is None]
+        if missing:
+            raise ValueError(f"quantized experts: no weights for {', '.join(missing[:4])}")
         gate, up, down = (self.blocks[part] for part in ("gate", "up", "down"))
         self.quantized = QuantizedExperts([
-            (block_weight(stack_rows(g, u), dtype), block_weight(d, dtype))
+            (joined([g, u], dtype, device), joined([d], dtype, device))
             for g, u, d in zip(gate, up, down)])
         self.blocks = None
 

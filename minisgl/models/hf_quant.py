@@ -1,6 +1,7 @@
 """Quantized Hugging Face checkpoints (config.json's `quantization_config`) read tensor by
 tensor, never as a dense weight: into layers.gguf_weight blocks for the AVX2 kernel on CPU, and
-on CUDA into layers.gpu_blocks' forms (int4 as the same blocks, fp8 as it is stored).
+on CUDA into layers.gpu_blocks' forms (int4 as the same blocks, fp8 as it is stored). Every
+linear takes them, experts too (per expert and part, layers.moe).
 
 Layouts (w[o, i] is the Hugging Face weight; an int32 word holds 8 codes, code j at bits 4j):
 - `awq` (AutoAWQ, version "gemm"): qweight [in, out / 8], the word's codes along the outputs

@@ -45,9 +45,9 @@ def load_weights(model: torch.nn.Module, folder: Path, arch: ModelArch, method: 
                 if target is None:
                     raise ValueError(f"checkpoint does not fit the model: unknown tensor {name}")
                 if not hasattr(target[0], "expect_gguf_blocks"):
-                    raise ValueError(f"{spec.method} checkpoint: quantized expert weights "
-                                     f"({name}) cannot be loaded yet; supported: quantized "
-                                     "attention and dense MLP linears")
+                    raise ValueError(f"{spec.method} checkpoint: {name} is quantized where "
+                                     "minisgl reads only a dense weight (quantized: linear "
+                                     "layers and experts)")
                 target[0].expect_gguf_blocks()
         elif method == "gguf":
             heads = {"num_heads": arch.num_heads, "num_kv_heads": arch.num_kv_heads}

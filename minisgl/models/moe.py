@@ -25,6 +25,14 @@ MIXTRAL_NAMES = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w3.": "
                  ".w2.": ".down_proj."}
 
 
+def our_name(name: str) -> str:
+    """Mixtral's checkpoint names in Qwen3-MoE's spelling."""
+    if ".block_sparse_moe." in name:
+        for mixtral, ours in MIXTRAL_NAMES.items():
+            name = name.replace(mixtral, ours)
+    return name
+
+
 class MoEForCausalLM(LlamaForCausalLM):
     def layer_mlp(self, arch: ModelArch, layer_id: int) -> SparseMoE | None:
         moe = arch.moe
@@ -35,6 +43,7 @@ class MoEForCausalLM(LlamaForCausalLM):
                          moe.renormalize)
 
     def weight_target(self, name: str) -> tuple[nn.Module, str, Any] | None:
+        name = our_name(name)
         match = EXPERT_TENSOR.match(name)
         if match is None:
             return super().weight_target(name)
@@ -46,9 +55,7 @@ class MoEForCausalLM(LlamaForCausalLM):
         return experts, match["part"].removesuffix("_proj"), expert
 
     def load_weight(self, name: str, source: Any) -> bool:
-        if ".block_sparse_moe." in name:
-            for mixtral, ours in MIXTRAL_NAMES.items():
-                name = name.replace(mixtral, ours)
+        name = our_name(name)
         if EXPERT_TENSOR.match(name) is None or self.skips(name):
             return super().load_weight(name, source)
         target = self.weight_target(name)
