@@ -468,10 +468,10 @@ def test_moe_experts_on_cuda_match_float32_math() -> None:
 
 @pytest.mark.parametrize("head_dim", [16, 64])
 def test_lora_mixed_batch_on_cuda(tmp_path, head_dim: int) -> None:
-    """Rows of two adapters and of none on CUDA in bfloat16 (the masked LoRA path; batches
-    with adapter rows run eagerly, base-only decode steps replay the graphs): each greedy
-    token within the bfloat16 margin of PEFT's merged float32 model, teacher-forced. Head size
-    16 is one FlashInfer lacks: the torch backend serves it, without graphs."""
+    """Rows of two adapters and of none on CUDA in bfloat16 (the per-token Triton LoRA
+    kernels; decode steps with adapter rows replay the graphs too): each greedy token within
+    the bfloat16 margin of PEFT's merged float32 model, teacher-forced. Head size 16 is one
+    FlashInfer lacks: the torch backend serves it, without graphs."""
     from minisgl import LLM
     from tests.lora_fixtures import merged_model, save_adapter, save_base
     base = tmp_path / "base"
@@ -482,10 +482,18 @@ def test_lora_mixed_batch_on_cuda(tmp_path, head_dim: int) -> None:
     with LLM(model=str(base), device="cuda", dtype="bfloat16", max_total_tokens=65536,
              lora_paths=[f"{n}={p}" for n, p in adapters.items()]) as llm:
         engine = llm.runtime.engine
-        assert (engine.graph_runner is not None) == (head_dim in FLASHINFER_HEAD_DIMS)
+        graphs = engine.graph_runner
+        assert (graphs is not None) == (head_dim in FLASHINFER_HEAD_DIMS)
+        replays = []
+        if graphs is not None:
+            replay = graphs.replay
+            graphs.replay = lambda batch, *a: replays.append(batch.lora_slots) or replay(batch,
+                                                                                     *a)
         outs = llm.generate(input_ids=prompts, lora_path=names, sampling_params={
             "temperature": 0, "max_new_tokens": 8, "ignore_eos": True})
         llm.check_integrity()
+    if graphs is not None:  # adapter rows decoded inside the graphs
+        assert any(slots is not None and max(slots) >= 0 for slots in replays), replays
     for prompt, name, out in zip(prompts, names, outs):
         model = merged_model(base, None if name is None else adapters[name])
         ids = prompt + out["output_ids"]

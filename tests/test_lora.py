@@ -6,6 +6,9 @@ the prefix cache never serves one adapter's KV to another; adapters wait for slo
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -286,17 +289,35 @@ def test_start_up_flags_are_checked(lora_models) -> None:
             lora_target_modules=ALL_TARGETS, lora_paths=[f"x={lora_models['base']}"])
 
 
-@pytest.mark.parametrize("segmented", [True, False], ids=["segmented", "masked"])
-def test_both_lora_paths_equal_per_token_products(segmented) -> None:
-    """The CPU kernel path and the masked path (what CUDA runs) against x A^T B^T per token,
-    on a batch of prefill and decode rows, some of no adapter, one slot unused."""
+@pytest.mark.parametrize("layout", ["segmented", "masked", "per_token"])
+def test_every_lora_layout_equals_per_token_products(layout: str) -> None:
+    """The CPU kernel path (segmented), the masked path (a CPU without the kernels) and the
+    per-token Triton kernels (what CUDA runs: under Triton's interpreter here, in a child
+    process) against x A^T B^T per token, on a batch of prefill and decode rows, some of no
+    adapter, one slot unused."""
+    from minisgl.kernels import cpu_kernels
+    from tests.test_fp8 import interpreter_runs_the_kernel
+
+    if layout == "segmented" and cpu_kernels() is None:
+        pytest.skip("no compiled CPU kernels")
+    if layout != "per_token":
+        check_lora_layout(layout)
+        return
+    if not interpreter_runs_the_kernel():
+        pytest.skip("needs triton >= 3.9")
+    done = subprocess.run(
+        [sys.executable, "-c",
+         "from tests.test_lora import check_lora_layout as c; c('per_token'); print('ok')"],
+        env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
+        timeout=300, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
+
+
+def check_lora_layout(layout: str) -> None:
     from minisgl.core import Batch
     from minisgl.engine.lora import lora_step
-    from minisgl.kernels import cpu_kernels
     from minisgl.layers.lora import LoraContext, LoraSlots
 
-    if segmented and cpu_kernels() is None:
-        pytest.skip("no compiled CPU kernels")
     torch.manual_seed(0)
     context, parts, rank, width = LoraContext(), [24, 8, 8], 4, 40
     slots = LoraSlots(context, 4, rank, width, parts, torch.float32, torch.device("cpu"))
@@ -310,7 +331,7 @@ def test_both_lora_paths_equal_per_token_products(segmented) -> None:
     batch = Batch("mixed", len(row_slots), list(range(6)), [0] * 6, extend, extend,
                   input_positions=torch.zeros(sum(extend), dtype=torch.int64),
                   lora_slots=row_slots)
-    context.step = lora_step(batch, segmented, torch.float32)
+    context.step = lora_step(batch, layout, torch.float32)
     x, base = torch.randn(sum(extend), width), torch.randn(sum(extend), sum(parts))
     out = slots.add(x, base.clone())
     token_slots = torch.repeat_interleave(torch.tensor(row_slots), torch.tensor(extend))

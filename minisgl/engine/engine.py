@@ -158,7 +158,8 @@ class Engine:
             graph_runner = GraphRunner(self.model, self.attn_backend,
                                        max_bs=min(config.cuda_graph_max_bs, self.max_running),
                                        dummy_row=self.dummy_row,
-                                       dummy_loc=self.kv_pool.dummy_loc, device=self.device)
+                                       dummy_loc=self.kv_pool.dummy_loc, device=self.device,
+                                       lora=None if self.lora is None else self.lora.context)
             with tp_context(self.tp, self.group):
                 graph_runner.capture()
         self.speculation = spec_config(config, self.device.type)

@@ -11,7 +11,9 @@ smallest captured size >= n, the extra rows being padding rows:
 
 What the graphs read from outside is fixed memory: the static input_ids / positions / out_loc
 buffers here, the KV pool, and the attention backend's per-size metadata buffers, which
-`prepare_replay` refills (on the engine stream) before each replay. Prefill batches, batches
+`prepare_replay` refills (on the engine stream) before each replay. With --enable-lora, the
+adapter slot buffers (filled in place as a step loads adapters) and a static per-row slot
+tensor here (-1: no adapter, padding rows too): every decode step replays, adapters or not. Prefill batches, batches
 larger than the largest size, and models whose backend cannot be captured run eagerly.
 """
 
@@ -25,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from minisgl.core import Batch
+from minisgl.layers.lora import LoraContext, LoraStep
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +58,8 @@ class GraphRunner:
     device), then per step `pad_batch` (scheduler, before prepare_metadata) and `replay`."""
 
     def __init__(self, model: Callable[..., torch.Tensor], backend: Any, *, max_bs: int,
-                 dummy_row: int, dummy_loc: int, device: torch.device) -> None:
+                 dummy_row: int, dummy_loc: int, device: torch.device,
+                 lora: LoraContext | None = None) -> None:
         if not supports_graphs(backend):
             raise ValueError(f"{type(backend).__name__} cannot run in CUDA graphs")
         self.model, self.backend, self.device = model, backend, torch.device(device)
@@ -67,6 +71,10 @@ class GraphRunner:
         self.input_ids = torch.zeros(n, dtype=torch.int32, device=self.device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=self.device)
         self.out_loc = torch.full((n,), dummy_loc, dtype=torch.int64, device=self.device)
+        # --enable-lora: each row's adapter slot, what the captured LoRA kernels read
+        self.lora = lora
+        self.lora_slots = (None if lora is None else
+                           torch.full((n,), -1, dtype=torch.int32, device=self.device))
         self.logits: torch.Tensor | None = None  # [max_bs, vocab], written by every graph
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool: Any = None
@@ -77,6 +85,9 @@ class GraphRunner:
     def _dummy_batch(self, bs: int) -> Batch:
         self.out_loc[:bs].fill_(self.dummy_loc)
         self.positions[:bs].zero_()
+        if self.lora is not None:
+            self.lora_slots[:bs].fill_(-1)
+            self.lora.step = LoraStep(0, token_slots=self.lora_slots[:bs])
         return Batch("decode", 0, table_rows=[self.dummy_row] * bs, cached_lens=[0] * bs,
                      seq_lens=[1] * bs, extend_lens=[1] * bs,
                      input_positions=self.positions[:bs], out_loc=self.out_loc[:bs])
@@ -112,6 +123,8 @@ class GraphRunner:
                 self.logits[:bs].copy_(self._run(batch, bs))
             self.graphs[bs] = graph
         torch.cuda.synchronize(self.device)
+        if self.lora is not None:
+            self.lora.step = None
         self.capture_seconds = time.perf_counter() - started
         used = free_before - torch.cuda.mem_get_info(self.device)[0]
         logger.info("CUDA graphs: %d decode sizes up to %d captured in %.1f s (%.0f MiB)",
@@ -132,7 +145,7 @@ class GraphRunner:
         fields already padded (a tensor-parallel worker rebuilds its batch from rank 0's padded
         lists but unpadded positions). Call before `prepare_metadata`."""
         bs = self.graph_size(batch)
-        if bs is None or batch.lora_slots is not None:  # NOTE: adapter rows run eagerly
+        if bs is None or (batch.lora_slots is not None and self.lora is None):
             return 0
         for name, value in (("table_rows", self.dummy_row), ("seq_lens", 1),
                             ("cached_lens", 0), ("extend_lens", 1)):
@@ -144,7 +157,8 @@ class GraphRunner:
 
     def can_run(self, batch: Batch) -> bool:
         bs = batch.padded_size
-        return (batch.is_decode and batch.lora_slots is None and bs in self.graphs
+        return (batch.is_decode and (batch.lora_slots is None or self.lora is not None)
+                and bs in self.graphs
                 and self.graph_size(batch) == bs
                 and batch.out_loc.numel() == bs and batch.input_positions.numel() == bs)
 
@@ -157,6 +171,10 @@ class GraphRunner:
         self.input_ids[: input_ids.numel()].copy_(input_ids, non_blocking=True)
         self.positions[:bs].copy_(positions, non_blocking=True)
         self.out_loc[:bs].copy_(batch.out_loc, non_blocking=True)
+        if self.lora_slots is not None:
+            slots = batch.lora_slots[:batch.size] if batch.lora_slots is not None else []
+            padded = torch.tensor(slots + [-1] * (bs - len(slots)), dtype=torch.int32)
+            self.lora_slots[:bs].copy_(padded, non_blocking=True)
         self.backend.prepare_replay(batch, bs)
         self.graphs[bs].replay()
         # NOTE: a view of the shared buffer: the next replay overwrites it, so it must be used

@@ -91,8 +91,10 @@ class LoraModules:
             self.buffers.append(module.lora)
         self.adapters: OrderedDict[int, list[Shard]] = OrderedDict()  # uid -> shards
         # NOTE: the grouped-GEMM kernel takes float32 and bfloat16 on CPU (layers.lora)
-        self.segmented = (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-                          and cpu_kernels() is not None)
+        segmented = (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+                     and cpu_kernels() is not None)
+        self.layout = "segmented" if segmented else (
+            "per_token" if device.type == "cuda" else "masked")
 
     def register(self, uid: int, path: str) -> PeftAdapter:
         """Read and check an adapter (raises AdapterError); keep its shards for slot loads."""
@@ -153,7 +155,7 @@ class LoraModules:
                 buffers.clear(slot)
             for buffers, part, a, b in shards:
                 buffers.write(slot, part, a, b)
-        self.context.step = lora_step(batch, self.segmented, self.dtype)
+        self.context.step = lora_step(batch, self.layout, self.dtype)
 
 
 def unfused_leaves(leaves: frozenset[str] | set[str], fused: dict[str, list]) -> set[str]:
@@ -202,8 +204,9 @@ def lora_settings(enable: bool, paths: list[tuple[str, str, bool]], slots: int,
                         loaded or 2 * slots)
 
 
-def lora_step(batch: Batch, segmented: bool, dtype: torch.dtype) -> LoraStep | None:
-    """The step's token -> slot layout (layers.lora); None when no row uses an adapter."""
+def lora_step(batch: Batch, layout: str, dtype: torch.dtype) -> LoraStep | None:
+    """The step's token -> slot layout (layers.lora: `layout` segmented, per_token or
+    masked); None when no row uses an adapter."""
     if batch.lora_slots is None:
         return None
     slots = torch.tensor(batch.lora_slots[:batch.size])
@@ -212,7 +215,9 @@ def lora_step(batch: Batch, segmented: bool, dtype: torch.dtype) -> LoraStep | N
         return None
     token_slots = torch.repeat_interleave(slots, torch.tensor(batch.extend_lens[:batch.size]))
     device = batch.input_positions.device
-    if not segmented:
+    if layout == "per_token":
+        return LoraStep(width, token_slots=token_slots.to(device, torch.int32))
+    if layout == "masked":
         mask = (token_slots[:, None] == torch.arange(width)).to(device, dtype)
         return LoraStep(width, mask=mask)
     order = torch.argsort(token_slots, stable=True)

@@ -7,31 +7,44 @@ Each LoRA-capable linear holds `slots` adapters stacked in one buffer: per slot 
 computes each token's term with its own adapter only:
 - on CPU, segmented: the adapter tokens sorted by slot, one kernel call per linear
   (kernels/csrc/lora_matmul.cpp) for x A^T and its product with B^T, added in place;
-- elsewhere (CUDA, no compiled kernels), masked: x A^T for every slot the step uses in one
-  GEMM, the columns of other slots zeroed by a one-hot [tokens, slots] mask, then B^T.
+- on CUDA, per token: each token's slot in a device tensor (-1: none), Triton kernels reading
+  only that slot's A and B (kernels/lora_triton.py); a CUDA graph captures them over a static
+  slot tensor the replay fills (engine.graph);
+- elsewhere (a CPU without the compiled kernels), masked: x A^T for every slot the step uses in
+  one GEMM, the columns of other slots zeroed by a one-hot [tokens, slots] mask, then B^T.
 The step's layout (`LoraStep`) is shared by every linear of the model.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from minisgl.kernels import cpu_kernels
 
 
+@functools.lru_cache(maxsize=1)
+def _triton_kernels() -> Any:
+    from minisgl.kernels import lora_triton  # imports triton: CUDA only
+    return lora_triton
+
+
 @dataclass
 class LoraStep:
     """Which adapter slot each token of a step uses, over the slots [0, width) it needs:
     `rows` (the adapter tokens, sorted by slot) and `ends` (int32, each slot's end in them)
-    for the segmented path; `mask` [tokens, width] one-hot (a zero row: the base model) for
-    the masked one."""
+    for the segmented path; `token_slots` [tokens] int32 (-1: the base model) for the
+    per-token one; `mask` [tokens, width] one-hot (a zero row: the base model) for the masked
+    one."""
 
     width: int
     rows: torch.Tensor | None = None
     ends: torch.Tensor | None = None
     mask: torch.Tensor | None = None
+    token_slots: torch.Tensor | None = None
 
 
 class LoraContext:
@@ -70,6 +83,9 @@ class LoraSlots:
             return out
         if step.rows is not None:
             return self._add_segmented(x, out, step)
+        if step.token_slots is not None:
+            return _triton_kernels().lora_add(x, out, step.token_slots, self.a, self.b,
+                                              self.offsets, self.rank)
         k, rank = step.width, self.rank
         hidden = (x @ self.a[:k].view(k * len(self.parts) * rank, -1).t()).view(
             x.shape[0], k, len(self.parts), rank) * step.mask.view(-1, k, 1, 1)
