@@ -239,3 +239,23 @@ def test_a_quantized_router_is_a_one_line_refusal(tmp_path: Path):
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.gate\.weight is quantized"):
         Engine(EngineConfig(model_path=str(tmp_path / "router"), dtype="float32",
                             max_total_tokens=256))
+
+
+def test_linears_a_checkpoint_left_dense_stay_dense(tmp_path: Path):
+    """An fp8 checkpoint whose down projections are not quantized (its `ignore` list): they
+    load as the dense weights they are, never quantized again (a per-channel fp8 copy would be
+    another model, and runs on CUDA only)."""
+    from minisgl.models import resolve_model_path
+    from tests.hf_quant_writers import LINEARS, write_quantized
+    from transformers import AutoModelForCausalLM
+    quantized, dense = tmp_path / "fp8", tmp_path / "fp8-dense"
+    write_quantized(resolve_model_path(None), quantized, dense, "fp8", 0, False,
+                    tuple(name for name in LINEARS if name != "mlp.down_proj"))
+    with LLM(str(quantized), dtype="float32", **ENGINE_ARGS) as llm:
+        layer = llm.runtime.engine.model.layers[0]
+        assert layer.mlp.down_proj.quantized is None and layer.mlp.down_proj.weight is not None
+        assert isinstance(layer.mlp.gate_up_proj.quantized, GgufWeight)
+        results = generate(llm)
+    hf = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
+    for prompt, out in results:
+        assert_matches_transformers(hf, prompt, out, MARGIN_BOUND["fp8"], LOGPROB_TOLERANCE["fp8"])

@@ -289,17 +289,21 @@ def test_start_up_flags_are_checked(lora_models) -> None:
             lora_target_modules=ALL_TARGETS, lora_paths=[f"x={lora_models['base']}"])
 
 
-@pytest.mark.parametrize("layout", ["segmented", "masked", "per_token"])
+@pytest.mark.parametrize("layout", ["segmented", "segmented-bf16", "masked", "per_token"])
 def test_every_lora_layout_equals_per_token_products(layout: str) -> None:
-    """The CPU kernel path (segmented), the masked path (a CPU without the kernels) and the
-    per-token Triton kernels (what CUDA runs: under Triton's interpreter here, in a child
-    process) against x A^T B^T per token, on a batch of prefill and decode rows, some of no
-    adapter, one slot unused."""
+    """The CPU kernel path (segmented; in bfloat16 too, its AVX-512 BF16 tiles where built),
+    the masked path (a CPU without the kernels) and the per-token Triton kernels (what CUDA
+    runs: under Triton's interpreter here, in a child process) against x A^T B^T per token, on
+    a batch of prefill and decode rows (a slot with 6 rows: a tile of 4 and one of 2), some of
+    no adapter, one slot unused; 40 inputs and parts of 24 / 8 / 8 outputs (partial vectors)."""
     from minisgl.kernels import cpu_kernels
     from tests.test_fp8 import interpreter_runs_the_kernel
 
-    if layout == "segmented" and cpu_kernels() is None:
+    if layout.startswith("segmented") and cpu_kernels() is None:
         pytest.skip("no compiled CPU kernels")
+    if layout == "segmented-bf16":
+        check_lora_layout("segmented", torch.bfloat16)
+        return
     if layout != "per_token":
         check_lora_layout(layout)
         return
@@ -313,31 +317,38 @@ def test_every_lora_layout_equals_per_token_products(layout: str) -> None:
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
 
 
-def check_lora_layout(layout: str) -> None:
+def check_lora_layout(layout: str, dtype: torch.dtype = torch.float32) -> None:
+    """bfloat16: inputs and weights in it, the expected sums in float64 on those values; the
+    result within bfloat16's rounding of the output (2^-8 relative) plus the sums' order."""
     from minisgl.core import Batch
     from minisgl.engine.lora import lora_step
     from minisgl.layers.lora import LoraContext, LoraSlots
 
     torch.manual_seed(0)
     context, parts, rank, width = LoraContext(), [24, 8, 8], 4, 40
-    slots = LoraSlots(context, 4, rank, width, parts, torch.float32, torch.device("cpu"))
+    slots = LoraSlots(context, 4, rank, width, parts, dtype, torch.device("cpu"))
     weights = {}
     for slot in (0, 2, 3):
         for part, size in enumerate(parts):
             r = rank - part  # ranks below the buffer's
-            weights[slot, part] = (torch.randn(r, width), torch.randn(size, r))
+            weights[slot, part] = (torch.randn(r, width).to(dtype).float(),
+                                   torch.randn(size, r).to(dtype).float())
             slots.write(slot, part, *weights[slot, part])
     row_slots, extend = [2, -1, 0, 3, 2, -1], [5, 3, 1, 1, 1, 2]
     batch = Batch("mixed", len(row_slots), list(range(6)), [0] * 6, extend, extend,
                   input_positions=torch.zeros(sum(extend), dtype=torch.int64),
                   lora_slots=row_slots)
-    context.step = lora_step(batch, layout, torch.float32)
-    x, base = torch.randn(sum(extend), width), torch.randn(sum(extend), sum(parts))
-    out = slots.add(x, base.clone())
+    context.step = lora_step(batch, layout, dtype)
+    x = torch.randn(sum(extend), width).to(dtype).float()
+    base = torch.randn(sum(extend), sum(parts)).to(dtype).float()
+    out = slots.add(x.to(dtype), base.to(dtype, copy=True)).float()
     token_slots = torch.repeat_interleave(torch.tensor(row_slots), torch.tensor(extend))
     expected = base.clone()
     for t, slot in enumerate(token_slots.tolist()):
         if slot >= 0:
             expected[t] += torch.cat([x[t] @ a.t() @ b.t() for a, b in
                                       (weights[slot, p] for p in range(len(parts)))])
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+    else:
+        torch.testing.assert_close(out, expected, rtol=2**-7, atol=1e-2)

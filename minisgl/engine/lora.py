@@ -204,6 +204,11 @@ def lora_settings(enable: bool, paths: list[tuple[str, str, bool]], slots: int,
                         loaded or 2 * slots)
 
 
+# NOTE: the per-token kernels read a token's adapter once per token; past a decode batch's
+# token counts (prefill) one GEMM over the step's slots (the masked layout) is the better bet
+PER_TOKEN_MAX_TOKENS = 512
+
+
 def lora_step(batch: Batch, layout: str, dtype: torch.dtype) -> LoraStep | None:
     """The step's token -> slot layout (layers.lora: `layout` segmented, per_token or
     masked); None when no row uses an adapter."""
@@ -215,9 +220,9 @@ def lora_step(batch: Batch, layout: str, dtype: torch.dtype) -> LoraStep | None:
         return None
     token_slots = torch.repeat_interleave(slots, torch.tensor(batch.extend_lens[:batch.size]))
     device = batch.input_positions.device
-    if layout == "per_token":
+    if layout == "per_token" and token_slots.numel() <= PER_TOKEN_MAX_TOKENS:
         return LoraStep(width, token_slots=token_slots.to(device, torch.int32))
-    if layout == "masked":
+    if layout != "segmented":
         mask = (token_slots[:, None] == torch.arange(width)).to(device, dtype)
         return LoraStep(width, mask=mask)
     order = torch.argsort(token_slots, stable=True)

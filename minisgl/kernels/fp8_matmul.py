@@ -135,7 +135,7 @@ def fp8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
 @triton.jit
 def _fp8_dequantize_kernel(w_ptr, scale_ptr, out_ptr, K, stride_sn,
                            SCALE_GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # NOTE: row * K may pass 2^31
     offs = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = offs < K
     if SCALE_GROUP == 0:

@@ -123,7 +123,7 @@ def int4_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zero
 @triton.jit
 def _int4_dequantize_kernel(w_ptr, scale_ptr, zero_ptr, out_ptr, K, GROUP, stride_sn,
                             BLOCK_K: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # NOTE: row * K may pass 2^31
     offs = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = offs < K
     words = tl.load(w_ptr + row * (K // 8) + offs // 8, mask=mask, other=0)

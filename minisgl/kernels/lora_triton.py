@@ -24,7 +24,7 @@ BLOCK_OUT = 128
 @triton.jit
 def _shrink_kernel(x_ptr, a_ptr, slot_ptr, h_ptr, N, K, stride_xm, stride_as, stride_an,
                    stride_hm, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    token = tl.program_id(0)
+    token = tl.program_id(0).to(tl.int64)  # NOTE: token * stride may pass 2^31
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     slot = tl.load(slot_ptr + token)
@@ -46,7 +46,7 @@ def _shrink_kernel(x_ptr, a_ptr, slot_ptr, h_ptr, N, K, stride_xm, stride_as, st
 @triton.jit
 def _expand_kernel(h_ptr, b_ptr, slot_ptr, out_ptr, N, R, stride_hm, stride_bs, stride_br,
                    stride_om, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
-    token = tl.program_id(0)
+    token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token)
     if slot >= 0:
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -68,7 +68,8 @@ def lora_add(x: torch.Tensor, out: torch.Tensor, token_slots: torch.Tensor, a: t
     part p's columns starting at offsets[p]. Rows of x past token_slots (a graph's padding
     rows) take no adapter."""
     tokens, k = token_slots.numel(), x.shape[1]
-    assert tokens <= x.shape[0]
+    assert tokens <= x.shape[0] and x.stride(1) == out.stride(1) == a.stride(2) == 1
+    assert all(b_part.stride(2) == 1 for b_part in b)
     n = a.shape[1]
     h = torch.empty((tokens, n), dtype=torch.float32, device=x.device)
     block_n = min(triton.next_power_of_2(n), 64)

@@ -20,8 +20,8 @@ from minisgl.kernels import cpu_kernels
 from minisgl.layers.activation import SiluAndMul
 from minisgl.layers.base import Layer
 from minisgl.layers.fp8 import Fp8ChannelWeight
-from minisgl.layers.gguf_weight import BlockSlots
-from minisgl.layers.gpu_blocks import gpu_block_weight
+from minisgl.layers.gguf_weight import BlockSlots, GgufBlocks
+from minisgl.layers.gpu_blocks import Fp8Blocks, gpu_block_weight
 from minisgl.layers.linear import divide
 from minisgl.layers.quant import WeightBlocks, block_weight
 from minisgl.layers.shard import copy_into, read_all, read_cols, read_rows
@@ -123,7 +123,7 @@ class Experts(Layer):
             if isinstance(source, list):  # a GGUF file's stacked blocks, one per expert
                 for e, blocks in enumerate(source):
                     self.blocks[part][e] = shard(blocks)
-            elif not isinstance(source, torch.Tensor) and expert is not None:
+            elif isinstance(source, (GgufBlocks, Fp8Blocks)) and expert is not None:
                 self.blocks[part][expert] = shard(source)  # a quantized checkpoint's
             # else: the converted folder's dense copy of what the blocks hold
             return

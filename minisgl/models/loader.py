@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from minisgl.layers.embedding import VocabParallelEmbedding
 from minisgl.layers.gguf_weight import BlockSlots, GgufBlocks
 from minisgl.layers.gpu_blocks import Fp8Blocks
 from minisgl.layers.quant import WeightBlocks
@@ -16,7 +17,7 @@ from minisgl.models.dummy_weights import load_dummy
 from minisgl.models.gguf_blocks import stage_block_linears
 from minisgl.models.hf_quant import INT4_METHODS as INT4_CHECKPOINT_METHODS
 from minisgl.models.hf_quant import METHODS as CHECKPOINT_METHODS
-from minisgl.models.hf_quant import quant_spec, read_quantized
+from minisgl.models.hf_quant import QuantSpec, quant_spec, read_quantized
 from minisgl.models.weights import gguf_file, load_config, load_safetensors
 
 logger = logging.getLogger(__name__)
@@ -38,17 +39,8 @@ def load_weights(model: torch.nn.Module, folder: Path, arch: ModelArch, method: 
         staged: dict[str, WeightBlocks | GgufBlocks | Fp8Blocks] = {}
         skip: set[str] = set()
         if method in CHECKPOINT_METHODS and (spec := quant_spec(load_config(folder))):
-            staged, skip = read_quantized(folder, spec, device)
-            staged = {name: b for name, b in staged.items() if not model.skips(name)}
-            for name in staged:
-                target = model.weight_target(name)
-                if target is None:
-                    raise ValueError(f"checkpoint does not fit the model: unknown tensor {name}")
-                if not hasattr(target[0], "expect_gguf_blocks"):
-                    raise ValueError(f"{spec.method} checkpoint: {name} is quantized where "
-                                     "minisgl reads only a dense weight (quantized: linear "
-                                     "layers and experts)")
-                target[0].expect_gguf_blocks()
+            staged, skip = _stage_checkpoint(model, folder, spec, device)
+            method = "checkpoint"  # NOTE: what it left dense stays dense (not quantize_fp8)
         elif method == "gguf":
             heads = {"num_heads": arch.num_heads, "num_kv_heads": arch.num_kv_heads}
             staged, kept = stage_block_linears(model, gguf_file(model_path), heads, dtype)
@@ -71,6 +63,27 @@ def load_weights(model: torch.nn.Module, folder: Path, arch: ModelArch, method: 
             module.add_int8_copy(per_channel=method == "w8a8_int8")
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the released dense weights: the KV pool is sized next
+
+
+def _stage_checkpoint(model: torch.nn.Module, folder: Path, spec: QuantSpec,
+                      device: torch.device) -> tuple[dict[str, GgufBlocks | Fp8Blocks], set[str]]:
+    """A quantized checkpoint's blocks, each target told to expect them; what cannot take them
+    is a one-line refusal."""
+    staged, skip = read_quantized(folder, spec, device)
+    staged = {name: b for name, b in staged.items() if not model.skips(name)}
+    for name in staged:
+        target = model.weight_target(name)
+        if target is None:
+            raise ValueError(f"checkpoint does not fit the model: unknown tensor {name}")
+        module = target[0]
+        vocabulary = isinstance(module, VocabParallelEmbedding)  # the LM head is one too
+        if not hasattr(module, "expect_gguf_blocks") or (vocabulary and device.type != "cpu"):
+            where = f" on {device.type}" if vocabulary else ""
+            raise ValueError(f"{spec.method} checkpoint: {name} is quantized where minisgl "
+                             f"reads only a dense weight{where} (quantized: linear layers and "
+                             "experts)")
+        module.expect_gguf_blocks()
+    return staged, skip
 
 
 def log_weight_memory(model: torch.nn.Module, method: str, dtype: torch.dtype) -> None:

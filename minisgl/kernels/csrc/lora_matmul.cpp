@@ -5,12 +5,18 @@
 //   out += h B^T: per output block, axpy over the rank (B^T's [R, block] tile stays in L1
 //   for all rows of the slot), so a rank of 16 costs no horizontal sums.
 // A slot with more than kMaxKernelRows rows is compute-bound: ATen GEMMs.
+// In bfloat16 on AVX-512 BF16 (MINISGL_VNNI) both products take tiles of up to 4 rows of a
+// slot: x A^T with vdpbf16ps (4 rows x 4 of A's rows, each loaded once for the tile), h B^T
+// with B^T's rows widened once per tile; the same float32 sums in another order.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include "vec8.h"
+#include "vnni.h"
 
 #include <cstring>
+#include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -87,6 +93,130 @@ void lora_small(const T* x, T* out, const int64_t* rows, const std::vector<int64
   });
 }
 
+#ifdef MINISGL_VNNI
+constexpr int kTile = 4;  // rows of a slot per tile, and A's rows per inner block
+
+inline __m512i load_pairs(const at::BFloat16* p, int64_t left) {  // 32 values, zero past left
+  const __mmask32 mask = left >= 32 ? ~__mmask32(0) : (__mmask32(1) << left) - 1;
+  return _mm512_maskz_loadu_epi16(mask, p);
+}
+
+// h[i][j] = x[rows[i]] . a[j] for i < R, all j < pr (a's rows past pr: `zeros`).
+template <int R>
+void shrink_tile(const at::BFloat16* x, const int64_t* rows, const at::BFloat16* a,
+                 const at::BFloat16* zeros, int64_t pr, int64_t in, float* h) {
+  for (int64_t j0 = 0; j0 < pr; j0 += kTile) {
+    const at::BFloat16* arow[kTile];
+    for (int j = 0; j < kTile; ++j) arow[j] = j0 + j < pr ? a + (j0 + j) * in : zeros;
+    __m512 acc[R][kTile];
+    for (int i = 0; i < R; ++i)
+      for (int j = 0; j < kTile; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < in; k += 32) {
+      __m512i xv[R];
+      for (int i = 0; i < R; ++i) xv[i] = load_pairs(x + rows[i] * in + k, in - k);
+      for (int j = 0; j < kTile; ++j) {
+        const __m512bh av = (__m512bh)load_pairs(arow[j] + k, in - k);
+        for (int i = 0; i < R; ++i)
+          acc[i][j] = _mm512_dpbf16_ps(acc[i][j], av, (__m512bh)xv[i]);
+      }
+    }
+    for (int i = 0; i < R; ++i)
+      for (int j = 0; j < kTile && j0 + j < pr; ++j)
+        h[i * pr + j0 + j] = _mm512_reduce_add_ps(acc[i][j]);
+  }
+}
+
+// out[rows[i], cols c0 .. c0 + n) += h[i] . bt[:, those cols], n <= 64, for i < R.
+template <int R>
+void expand_tile(const float* h, int64_t pr, const at::BFloat16* bt, int64_t width,
+                 int64_t rank, at::BFloat16* out, const int64_t* rows, int64_t out_stride,
+                 int64_t n) {
+  __mmask16 masks[4];
+  for (int v = 0; v < 4; ++v) {
+    const int64_t left = n - 16 * v;
+    masks[v] = left >= 16 ? __mmask16(0xFFFF) : left > 0 ? __mmask16((1u << left) - 1) : 0;
+  }
+  __m512 acc[R][4];
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < 4; ++v) {
+      const __m256i bits =
+          _mm256_maskz_loadu_epi16(masks[v], out + rows[i] * out_stride + 16 * v);
+      acc[i][v] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+    }
+  for (int64_t j = 0; j < rank; ++j) {
+    __m512 b[4];
+    for (int v = 0; v < 4; ++v) {
+      const __m256i bits = _mm256_maskz_loadu_epi16(masks[v], bt + j * width + 16 * v);
+      b[v] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+    }
+    for (int i = 0; i < R; ++i) {
+      const __m512 coef = _mm512_set1_ps(h[i * pr + j]);
+      for (int v = 0; v < 4; ++v) acc[i][v] = _mm512_fmadd_ps(coef, b[v], acc[i][v]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < 4; ++v)
+      _mm256_mask_storeu_epi16(out + rows[i] * out_stride + 16 * v, masks[v],
+                               (__m256i)_mm512_cvtneps_pbh(acc[i][v]));
+}
+
+template <typename F>
+void by_rows(int64_t rows, F&& f) {  // f.template operator()<R>() for R = rows (1 .. 4)
+  switch (rows) {
+    case 1: f(std::integral_constant<int, 1>()); break;
+    case 2: f(std::integral_constant<int, 2>()); break;
+    case 3: f(std::integral_constant<int, 3>()); break;
+    default: f(std::integral_constant<int, 4>()); break;
+  }
+}
+
+// lora_small for bfloat16 on AVX-512 BF16: the same groups, products by tiles of rows.
+void lora_small_bf16(const at::BFloat16* x, at::BFloat16* out, const int64_t* rows,
+                     const std::vector<int64_t>& starts, const std::vector<int64_t>& stops,
+                     const std::vector<int64_t>& slots, const at::BFloat16* a,
+                     const std::vector<const at::BFloat16*>& bt,
+                     const std::vector<int64_t>& widths, const std::vector<int64_t>& offsets,
+                     int64_t in, int64_t out_stride, int64_t rank) {
+  const int64_t parts = static_cast<int64_t>(bt.size()), pr = parts * rank;
+  std::vector<int64_t> first(starts.size());
+  std::vector<std::pair<int64_t, int64_t>> tiles;  // (group, first row index in rows)
+  int64_t count = 0;
+  for (size_t g = 0; g < starts.size(); ++g) {
+    first[g] = count;
+    count += stops[g] - starts[g];
+    for (int64_t r = starts[g]; r < stops[g]; r += kTile) tiles.emplace_back(g, r);
+  }
+  std::vector<float> h(count * pr);
+  const std::vector<at::BFloat16> zeros(in, at::BFloat16(0.f));
+  at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const auto [g, r] = tiles[t];
+      float* hr = h.data() + (first[g] + r - starts[g]) * pr;
+      by_rows(std::min<int64_t>(kTile, stops[g] - r), [&](auto n) {
+        shrink_tile<decltype(n)::value>(x, rows + r, a + slots[g] * pr * in, zeros.data(), pr,
+                                        in, hr);
+      });
+    }
+  });
+  std::vector<std::tuple<int64_t, int64_t, int64_t>> items;  // (part, first column, tile)
+  for (int64_t p = 0; p < parts; ++p)
+    for (int64_t c = 0; c < widths[p]; c += kColBlock)
+      for (size_t t = 0; t < tiles.size(); ++t) items.emplace_back(p, c, t);
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t b, int64_t e) {
+    for (int64_t item = b; item < e; ++item) {
+      const auto [p, c0, t] = items[item];
+      const auto [g, r] = tiles[t];
+      const int64_t width = widths[p], n = std::min(kColBlock, width - c0);
+      const float* hr = h.data() + (first[g] + r - starts[g]) * pr + p * rank;
+      by_rows(std::min<int64_t>(kTile, stops[g] - r), [&](auto k) {
+        expand_tile<decltype(k)::value>(hr, pr, bt[p] + slots[g] * rank * width + c0, width,
+                                        rank, out + offsets[p] + c0, rows + r, out_stride, n);
+      });
+    }
+  });
+}
+#endif
+
 }  // namespace
 
 // x: [tokens, in]; out: [tokens, out] contiguous, updated in place; rows: int64, the adapter
@@ -141,6 +271,12 @@ void lora_add(torch::Tensor x, torch::Tensor out, torch::Tensor rows, torch::Ten
   } else {
     std::vector<const at::BFloat16*> bp;
     for (auto& b : bt) bp.push_back(b.data_ptr<at::BFloat16>());
+#ifdef MINISGL_VNNI
+    lora_small_bf16(xc.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), row_ids, starts,
+                    stops, slots, a.data_ptr<at::BFloat16>(), bp, widths, offsets, in,
+                    out.size(1), rank);
+    return;
+#endif
     lora_small<at::BFloat16>(xc.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(),
                              row_ids, starts, stops, slots, a.data_ptr<at::BFloat16>(), bp,
                              widths, offsets, in, out.size(1), rank);
