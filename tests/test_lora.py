@@ -294,8 +294,9 @@ def test_every_lora_layout_equals_per_token_products(layout: str) -> None:
     """The CPU kernel path (segmented; in bfloat16 too, its AVX-512 BF16 tiles where built),
     the masked path (a CPU without the kernels) and the per-token Triton kernels (what CUDA
     runs: under Triton's interpreter here, in a child process) against x A^T B^T per token, on
-    a batch of prefill and decode rows (a slot with 6 rows: a tile of 4 and one of 2), some of
-    no adapter, one slot unused; 40 inputs and parts of 24 / 8 / 8 outputs (partial vectors)."""
+    a batch of prefill and decode rows (a slot with 6 rows: a tile of 4 and one of 2; one with
+    38, past the float32 kernel's rows), some of no adapter, one slot unused; 40 inputs and
+    parts of 24 / 8 / 8 outputs (partial vectors)."""
     from minisgl.kernels import cpu_kernels
     from tests.test_fp8 import interpreter_runs_the_kernel
 
@@ -334,7 +335,7 @@ def check_lora_layout(layout: str, dtype: torch.dtype = torch.float32) -> None:
             weights[slot, part] = (torch.randn(r, width).to(dtype).float(),
                                    torch.randn(size, r).to(dtype).float())
             slots.write(slot, part, *weights[slot, part])
-    row_slots, extend = [2, -1, 0, 3, 2, -1], [5, 3, 1, 1, 1, 2]
+    row_slots, extend = [2, -1, 0, 3, 2, -1, 3], [5, 3, 1, 1, 1, 2, 37]
     batch = Batch("mixed", len(row_slots), list(range(6)), [0] * 6, extend, extend,
                   input_positions=torch.zeros(sum(extend), dtype=torch.int64),
                   lora_slots=row_slots)
@@ -352,3 +353,27 @@ def check_lora_layout(layout: str, dtype: torch.dtype = torch.float32) -> None:
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
     else:
         torch.testing.assert_close(out, expected, rtol=2**-7, atol=1e-2)
+
+
+def test_lora_in_bfloat16_on_cpu_matches_peft(tmp_path) -> None:
+    """The served default on a CPU with AVX-512 BF16 (bfloat16; elsewhere float32 runs it):
+    rows of two adapters and of none, each greedy token within bfloat16's margin of PEFT's
+    merged float32 model, teacher-forced (the bound of the GPU test)."""
+    from tests.lora_fixtures import merged_model, save_adapter, save_base
+    base = tmp_path / "base"
+    save_base(base)
+    adapters = {n: save_adapter(base, tmp_path / n, seed=i) for i, n in enumerate("ab")}
+    prompts = [[5 + i, 17, 33, 250 - i, 7] * (2 + 4 * i) for i in range(4)]
+    names = ["a", None, "b", "a"]
+    with LLM(model=str(base), dtype="bfloat16", max_total_tokens=4096,
+             lora_paths=[f"{n}={p}" for n, p in adapters.items()]) as llm:
+        outs = llm.generate(input_ids=prompts, lora_path=names, sampling_params={
+            "temperature": 0, "max_new_tokens": 8, "ignore_eos": True})
+        llm.check_integrity()
+    for prompt, name, out in zip(prompts, names, outs):
+        model = merged_model(base, None if name is None else adapters[name])
+        ids = prompt + out["output_ids"]
+        with torch.inference_mode():
+            logits = model(torch.tensor([ids])).logits[0, len(prompt) - 1:-1].float()
+        chosen = logits[torch.arange(len(out["output_ids"])), torch.tensor(out["output_ids"])]
+        assert (logits.max(dim=-1).values - chosen).max() <= 0.25, name
