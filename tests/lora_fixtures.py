@@ -86,3 +86,17 @@ def assert_lora_greedy(base: Path, adapter: Path | None, prompt: list[int], ours
     assert margin < TOP2_MARGIN_BOUND, (
         f"adapter {adapter}: greedy outputs differ at token {at} (reference top-2 margin "
         f"{margin:.4g}): ours {ours[at:at + 5]}, reference {ref[at:at + 5]}")
+
+
+def assert_within_margin_of_merged(base: Path, adapters: dict[str, Path],
+                                   prompts: list[list[int]], names: list[str | None],
+                                   outs: list[dict], margin: float) -> None:
+    """Each greedy token of `outs` within `margin` (logit units) of the argmax of PEFT's merged
+    float32 model for its row's adapter, teacher-forced on our tokens."""
+    for prompt, name, out in zip(prompts, names, outs):
+        model = merged_model(base, None if name is None else adapters[name])
+        ids = prompt + out["output_ids"]
+        with torch.inference_mode():
+            logits = model(torch.tensor([ids])).logits[0, len(prompt) - 1:-1].float()
+        chosen = logits[torch.arange(len(out["output_ids"])), torch.tensor(out["output_ids"])]
+        assert (logits.max(dim=-1).values - chosen).max() <= margin, name

@@ -473,7 +473,7 @@ def test_lora_mixed_batch_on_cuda(tmp_path, head_dim: int) -> None:
     the bfloat16 margin of PEFT's merged float32 model, teacher-forced. Head size 16 is one
     FlashInfer lacks: the torch backend serves it, without graphs."""
     from minisgl import LLM
-    from tests.lora_fixtures import merged_model, save_adapter, save_base
+    from tests.lora_fixtures import assert_within_margin_of_merged, save_adapter, save_base
     base = tmp_path / "base"
     save_base(base, hidden_size=6 * head_dim)
     adapters = {n: save_adapter(base, tmp_path / n, seed=i) for i, n in enumerate("ab")}
@@ -494,13 +494,7 @@ def test_lora_mixed_batch_on_cuda(tmp_path, head_dim: int) -> None:
         llm.check_integrity()
     if graphs is not None:  # adapter rows decoded inside the graphs
         assert any(slots is not None and max(slots) >= 0 for slots in replays), replays
-    for prompt, name, out in zip(prompts, names, outs):
-        model = merged_model(base, None if name is None else adapters[name])
-        ids = prompt + out["output_ids"]
-        with torch.inference_mode():
-            logits = model(torch.tensor([ids])).logits[0, len(prompt) - 1:-1].float()
-        chosen = logits[torch.arange(len(out["output_ids"])), torch.tensor(out["output_ids"])]
-        assert (logits.max(dim=-1).values - chosen).max() <= TOP2_MARGIN_BF16, name
+    assert_within_margin_of_merged(base, adapters, prompts, names, outs, TOP2_MARGIN_BF16)
 
 
 EMBEDDING_MIN_COSINE_BF16 = 0.998  # bfloat16 on CUDA against float32 transformers (1 - ~2e-5 in

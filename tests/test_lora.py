@@ -359,7 +359,7 @@ def test_lora_in_bfloat16_on_cpu_matches_peft(tmp_path) -> None:
     """The served default on a CPU with AVX-512 BF16 (bfloat16; elsewhere float32 runs it):
     rows of two adapters and of none, each greedy token within bfloat16's margin of PEFT's
     merged float32 model, teacher-forced (the bound of the GPU test)."""
-    from tests.lora_fixtures import merged_model, save_adapter, save_base
+    from tests.lora_fixtures import assert_within_margin_of_merged, save_adapter, save_base
     base = tmp_path / "base"
     save_base(base)
     adapters = {n: save_adapter(base, tmp_path / n, seed=i) for i, n in enumerate("ab")}
@@ -370,10 +370,4 @@ def test_lora_in_bfloat16_on_cpu_matches_peft(tmp_path) -> None:
         outs = llm.generate(input_ids=prompts, lora_path=names, sampling_params={
             "temperature": 0, "max_new_tokens": 8, "ignore_eos": True})
         llm.check_integrity()
-    for prompt, name, out in zip(prompts, names, outs):
-        model = merged_model(base, None if name is None else adapters[name])
-        ids = prompt + out["output_ids"]
-        with torch.inference_mode():
-            logits = model(torch.tensor([ids])).logits[0, len(prompt) - 1:-1].float()
-        chosen = logits[torch.arange(len(out["output_ids"])), torch.tensor(out["output_ids"])]
-        assert (logits.max(dim=-1).values - chosen).max() <= 0.25, name
+    assert_within_margin_of_merged(base, adapters, prompts, names, outs, 0.25)
