@@ -31,7 +31,7 @@ import triton  # noqa: E402
 
 from minisgl.kernels import fp8_matmul, int4_matmul  # noqa: E402
 from minisgl.layers import fp8 as fp8_layer  # noqa: E402
-from minisgl.layers import gpu_blocks, linear  # noqa: E402
+from minisgl.layers import gpu_blocks, linear, moe  # noqa: E402
 from minisgl.models import hf_quant, loader  # noqa: E402
 
 
@@ -67,12 +67,13 @@ def fp8_untuned(x, codes, scales, scale_group=0):
 def stand_in_for_the_gpu() -> None:
     int4_matmul.int4_matmul, fp8_matmul.fp8_matmul = int4_untuned, fp8_untuned
     gpu_blocks.KERNEL_MAX_ROWS = fp8_layer.KERNEL_MAX_ROWS = 1 << 30
-    not_cpu = torch.device("meta")  # any device but the CPU selects the CUDA forms
-    finish, read = linear._Linear.finish_blocks, hf_quant.read_quantized
-    linear._Linear.finish_blocks = lambda self, dtype, device: finish(self, dtype, not_cpu)
-    linear.gpu_block_weight = lambda slots, device: gpu_blocks.gpu_block_weight(
-        slots, torch.device("cpu"))
-    loader.read_quantized = lambda folder, spec, device: read(folder, spec, not_cpu)
+    def cuda_form(slots: object, device: torch.device) -> object:  # built on the CPU
+        return gpu_blocks.gpu_block_weight(slots, torch.device("cpu"))
+
+    linear.finished_weight = moe.finished_weight = cuda_form  # linears' and experts'
+    read = hf_quant.read_quantized
+    loader.read_quantized = lambda folder, spec, device: read(folder, spec,
+                                                              torch.device("meta"))
 
 
 def main() -> None:

@@ -13,8 +13,9 @@ What the graphs read from outside is fixed memory: the static input_ids / positi
 buffers here, the KV pool, and the attention backend's per-size metadata buffers, which
 `prepare_replay` refills (on the engine stream) before each replay. With --enable-lora, the
 adapter slot buffers (filled in place as a step loads adapters) and a static per-row slot
-tensor here (-1: no adapter, padding rows too): every decode step replays, adapters or not. Prefill batches, batches
-larger than the largest size, and models whose backend cannot be captured run eagerly.
+tensor here, refilled from the step's LoRA layout (-1: no adapter, padding rows too): every
+decode step replays, adapters or not. Prefill batches, batches larger than the largest size,
+and models whose backend cannot be captured run eagerly.
 """
 
 from __future__ import annotations
@@ -171,10 +172,11 @@ class GraphRunner:
         self.input_ids[: input_ids.numel()].copy_(input_ids, non_blocking=True)
         self.positions[:bs].copy_(positions, non_blocking=True)
         self.out_loc[:bs].copy_(batch.out_loc, non_blocking=True)
-        if self.lora_slots is not None:
-            slots = batch.lora_slots[:batch.size] if batch.lora_slots is not None else []
-            padded = torch.tensor(slots + [-1] * (bs - len(slots)), dtype=torch.int32)
-            self.lora_slots[:bs].copy_(padded, non_blocking=True)
+        if self.lora is not None:  # the step's per-token slots (engine.lora), already here
+            self.lora_slots[:bs].fill_(-1)
+            if self.lora.step is not None:
+                slots = self.lora.step.token_slots
+                self.lora_slots[:slots.numel()].copy_(slots, non_blocking=True)
         self.backend.prepare_replay(batch, bs)
         self.graphs[bs].replay()
         # NOTE: a view of the shared buffer: the next replay overwrites it, so it must be used

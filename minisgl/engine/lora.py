@@ -205,7 +205,8 @@ def lora_settings(enable: bool, paths: list[tuple[str, str, bool]], slots: int,
 
 
 # NOTE: the per-token kernels read a token's adapter once per token; past a decode batch's
-# token counts (prefill) one GEMM over the step's slots (the masked layout) is the better bet
+# token counts (prefill) one GEMM over the step's slots (the masked layout) is the better bet.
+# Decode batches always take them: the CUDA graphs replay their slots (engine.graph).
 PER_TOKEN_MAX_TOKENS = 512
 
 
@@ -220,7 +221,8 @@ def lora_step(batch: Batch, layout: str, dtype: torch.dtype) -> LoraStep | None:
         return None
     token_slots = torch.repeat_interleave(slots, torch.tensor(batch.extend_lens[:batch.size]))
     device = batch.input_positions.device
-    if layout == "per_token" and token_slots.numel() <= PER_TOKEN_MAX_TOKENS:
+    if layout == "per_token" and (batch.is_decode
+                                  or token_slots.numel() <= PER_TOKEN_MAX_TOKENS):
         return LoraStep(width, token_slots=token_slots.to(device, torch.int32))
     if layout != "segmented":
         mask = (token_slots[:, None] == torch.arange(width)).to(device, dtype)

@@ -121,15 +121,22 @@ def fp8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     dtype."""
     m, k = x.shape
     n = codes.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    bucket = min(triton.next_power_of_2(m), MAX_TUNED_ROWS)
+    out, bucket, grid = matmul_launch(x, n)
+    _fp8_matmul_kernel[grid](x, codes, scales, out, m, n, k, bucket, x.stride(0),
+                             codes.stride(0), out.stride(0), scales.stride(0), scale_group)
+    return out
+
+
+def matmul_launch(x: torch.Tensor, n: int) -> tuple[torch.Tensor, int, Callable]:
+    """For an autotuned matmul kernel of x [M, K] by N outputs (this one's and
+    int4_matmul's): the output [M, N], the row bucket of its tuning key and its grid."""
+    m = x.shape[0]
 
     def grid(meta: dict) -> tuple[int, int]:
         return triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"])
 
-    _fp8_matmul_kernel[grid](x, codes, scales, out, m, n, k, bucket, x.stride(0),
-                             codes.stride(0), out.stride(0), scales.stride(0), scale_group)
-    return out
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    return out, min(triton.next_power_of_2(m), MAX_TUNED_ROWS), grid
 
 
 @triton.jit

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernels.fp8_matmul import MAX_TUNED_ROWS, _bench
+from minisgl.kernels.fp8_matmul import _bench, matmul_launch
 
 CODES_PER_WORD = 8
 
@@ -108,12 +108,7 @@ def int4_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zero
     int32, scales [N, K / G] float16 and zeros [N, K / G] uint8: [M, N] in x's dtype."""
     m, k = x.shape
     n = words.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    bucket = min(triton.next_power_of_2(m), MAX_TUNED_ROWS)
-
-    def grid(meta: dict) -> tuple[int, int]:
-        return triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"])
-
+    out, bucket, grid = matmul_launch(x, n)
     _int4_matmul_kernel[grid](x, words, scales, zeros, out, m, n, k, bucket,
                               k // scales.shape[1], x.stride(0), words.stride(0),
                               scales.stride(0), out.stride(0))

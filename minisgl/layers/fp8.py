@@ -13,7 +13,7 @@ for throughput at many (figures: BENCHMARKS.md, "GPU, second session").
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +40,20 @@ def fp8_unavailable(device: torch.device, min_capability: tuple[int, int] = MIN_
     except ImportError:
         return "it needs triton (pip install triton; CUDA builds of torch ship it)"
     return None
+
+
+def kernel_or_widened(x: torch.Tensor, weight: Any, max_rows: int,
+                      kernel: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """x @ weight.T for a compact CUDA weight (this one, layers.gpu_blocks'): its kernel on up
+    to `max_rows` rows (rows contiguous), else cuBLAS on `weight.widened(dtype)`."""
+    rows = x.reshape(-1, weight.in_features)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    if rows.shape[0] <= max_rows:
+        out = kernel(rows)
+    else:
+        out = F.linear(rows, weight.widened(rows.dtype))
+    return out.view(*x.shape[:-1], weight.out_features)
 
 
 @functools.lru_cache(maxsize=1)
@@ -75,14 +89,8 @@ class Fp8ChannelWeight:
         return self.codes.numel() + self.scales.numel() * self.scales.element_size()
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
-        if rows.shape[0] <= KERNEL_MAX_ROWS:
-            out = _kernels().fp8_matmul(rows, self.codes, self.scales, self.scale_group)
-        else:
-            out = F.linear(rows, self.widened(rows.dtype))
-        return out.view(*x.shape[:-1], self.out_features)
+        return kernel_or_widened(x, self, KERNEL_MAX_ROWS, lambda rows: _kernels().fp8_matmul(
+            rows, self.codes, self.scales, self.scale_group))
 
     def widened(self, dtype: torch.dtype) -> torch.Tensor:
         """codes * scales in `dtype` (a temporary: prefill's GEMM input)."""

@@ -19,9 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from minisgl.layers.fp8 import Fp8ChannelWeight
+from minisgl.layers.fp8 import Fp8ChannelWeight, kernel_or_widened
 from minisgl.layers.gguf_weight import GROUP, BlockSlots, GgufBlocks, cat_rows
 
 KERNEL_MAX_ROWS = 64  # as layers.fp8's: above, dequantize + cuBLAS (to be measured on a GPU)
@@ -60,6 +59,12 @@ class Fp8Blocks:
         return Fp8Blocks(self.codes[rows, cols],
                          self.scales[rows, start // self.group:-(-stop // self.group)],
                          self.group)
+
+
+def finished_weight(slots: BlockSlots, device: torch.device) -> Any:
+    """A layer's staged blocks as the weight its kernel runs on `device`: the CPU kernels'
+    (BlockSlots.finish), or the CUDA forms here."""
+    return slots.finish() if device.type == "cpu" else gpu_block_weight(slots, device)
 
 
 def gpu_block_weight(slots: BlockSlots, device: torch.device
@@ -109,15 +114,12 @@ class Int4GroupWeight:
         return sum(t.numel() * t.element_size() for t in (self.words, self.scales, self.zeros))
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
-        if rows.shape[0] <= KERNEL_MAX_ROWS:
-            out = _kernels().int4_matmul(rows, self.words, self.scales, self.zeros)
-        else:
-            out = F.linear(rows, _kernels().int4_dequantize(self.words, self.scales, self.zeros,
-                                                            rows.dtype))
-        return out.view(*x.shape[:-1], self.out_features)
+        return kernel_or_widened(x, self, KERNEL_MAX_ROWS, lambda rows: _kernels().int4_matmul(
+            rows, self.words, self.scales, self.zeros))
+
+    def widened(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight in `dtype` (a temporary: prefill's GEMM input)."""
+        return _kernels().int4_dequantize(self.words, self.scales, self.zeros, dtype)
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight [out, in] (for tests)."""

@@ -18,7 +18,7 @@ from minisgl.kernels import cpu_kernels
 from minisgl.layers.base import Layer
 from minisgl.layers.fp8 import Fp8ChannelWeight
 from minisgl.layers.gguf_weight import BlockSlots
-from minisgl.layers.gpu_blocks import gpu_block_weight
+from minisgl.layers.gpu_blocks import finished_weight
 from minisgl.layers.lora import LoraSlots
 from minisgl.layers.quant import WeightBlocks, BlockWeight, block_weight
 from minisgl.layers.shard import copy_into, read_all, read_cols, read_rows
@@ -58,8 +58,7 @@ class _Linear(Layer):
 
     def finish_blocks(self, dtype: torch.dtype, device: torch.device) -> None:
         if isinstance(self.weight, BlockSlots):
-            self.quantized = (self.weight.finish() if device.type == "cpu"
-                              else gpu_block_weight(self.weight, device))
+            self.quantized = finished_weight(self.weight, device)
         else:
             self.quantized = block_weight(self.weight, dtype)
         self.weight = None

@@ -21,7 +21,7 @@ from minisgl.layers.activation import SiluAndMul
 from minisgl.layers.base import Layer
 from minisgl.layers.fp8 import Fp8ChannelWeight
 from minisgl.layers.gguf_weight import BlockSlots, GgufBlocks
-from minisgl.layers.gpu_blocks import Fp8Blocks, gpu_block_weight
+from minisgl.layers.gpu_blocks import Fp8Blocks, finished_weight
 from minisgl.layers.linear import divide
 from minisgl.layers.quant import WeightBlocks, block_weight
 from minisgl.layers.shard import copy_into, read_all, read_cols, read_rows
@@ -79,7 +79,7 @@ def joined(parts: list[Any], dtype: torch.dtype, device: torch.device) -> Any:
     for part in parts:
         slots.narrow(0, start, part.shape[0]).copy_(part)
         start += part.shape[0]
-    return slots.finish() if device.type == "cpu" else gpu_block_weight(slots, device)
+    return finished_weight(slots, device)
 
 
 class QuantizedExperts:

@@ -248,8 +248,8 @@ void lora_add(torch::Tensor x, torch::Tensor out, torch::Tensor rows, torch::Ten
   }
   int64_t max_kernel_rows = kMaxKernelRows;
 #ifdef MINISGL_VNNI
-  // NOTE: the tiles beat the GEMMs at a prefill's rows too (LoRA's share of a 2048-token
-  // prefill of the bundled model with 8 adapters: 57 vs 270 ms)
+  // NOTE: the tiles beat the per-slot GEMMs at a prefill's rows too (BENCHMARKS.md,
+  // "Multi-LoRA on an AVX-512 machine")
   if (x.scalar_type() == at::kBFloat16) max_kernel_rows = rows.numel();
 #endif
   const int32_t* end_of = ends.data_ptr<int32_t>();
