@@ -269,6 +269,7 @@ def bench_checkpoint_linears(args: argparse.Namespace) -> list[dict[str, Any]]:
     import triton.testing
 
     from minisgl.layers.fp8 import Fp8ChannelWeight
+    from minisgl.layers import gpu_blocks
     from minisgl.layers.gpu_blocks import Int4GroupWeight
 
     def timed(fn: Any) -> float:
@@ -292,10 +293,14 @@ def bench_checkpoint_linears(args: argparse.Namespace) -> list[dict[str, Any]]:
         for m in args.rows:
             x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
             bf16_us = timed(lambda: torch.nn.functional.linear(x, dense))
-            int4_us = timed(lambda: int4.matmul(x))
+            int4_us = timed(lambda: int4.matmul(x))  # the layer's choice (KERNEL_MAX_ROWS)
+            int4_kernel_us = timed(lambda: gpu_blocks._kernels().int4_matmul(
+                x, int4.words, int4.scales, int4.zeros))
+            int4_widen_us = timed(lambda: torch.nn.functional.linear(x, int4.widened(x.dtype)))
             fp8_us = timed(lambda: fp8.matmul(x))
             rows.append({"bench": "checkpoint-linears", "layer": name, "rows": m,
-                         "bf16_us": bf16_us, "int4_us": int4_us, "fp8_block_us": fp8_us,
+                         "bf16_us": bf16_us, "int4_us": int4_us, "int4_kernel_us": int4_kernel_us,
+                         "int4_widen_us": int4_widen_us, "fp8_block_us": fp8_us,
                          "bf16_GBps": dense.nbytes / bf16_us / 1e3,
                          "int4_GBps": int4.nbytes / int4_us / 1e3,
                          "fp8_block_GBps": (fp8.codes.numel() + fp8.scales.numel() * 4)

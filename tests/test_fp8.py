@@ -25,6 +25,7 @@ import torch
 
 from minisgl.layers.fp8 import FP8_MAX, KERNEL_MAX_ROWS, Fp8ChannelWeight, fp8_unavailable
 from tests.test_quantization import relative_error
+from tests.test_gpu import real_model  # noqa: F401  (a fixture)
 
 needs_fp8_gpu = pytest.mark.skipif(
     not torch.cuda.is_available() or fp8_unavailable(torch.device("cuda")) is not None,
@@ -94,6 +95,7 @@ print("ok")
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
 
 
+@pytest.mark.usefixtures("real_model")  # else the first line is its absence
 def test_fp8_that_cannot_run_is_one_line():
     done = subprocess.run([sys.executable, "-m", "minisgl", "generate", "--prompt", "hi",
                            "--max-new-tokens", "1", "--quantization", "fp8", "--device", "cpu"],

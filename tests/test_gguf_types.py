@@ -87,23 +87,30 @@ def hf_model(model: str | None, num_layers: int | None = None):
 
 
 @torch.inference_mode()
-def assert_matches_transformers(hf, prompt: list[int], out: dict, margin: float,
-                                logprob_tolerance: float) -> None:
-    """Each greedy token is the reference's argmax (or within `margin` of its logit), and the
-    logprob of every token after the first, prompt and output, the reference's within
-    `logprob_tolerance` (relative, as above)."""
+def reference_gap(hf, prompt: list[int], out: dict) -> tuple[float, float]:
+    """(how far the greedy tokens fall behind the reference's argmax at most, in logit units;
+    the largest error of the logprob of a token after the first, prompt and output, relative
+    to 1 + its size in the reference)."""
     ids = prompt + out["output_ids"]
     logits = hf(torch.tensor([ids])).logits[0, :-1].float()
     rows, targets = torch.arange(len(ids) - 1), torch.tensor(ids[1:])
     chosen = logits[rows, targets][len(prompt) - 1:]
     behind = (logits[len(prompt) - 1:].max(dim=-1).values - chosen).max().item()
-    assert behind <= margin, (out["output_ids"], behind)
     want = torch.log_softmax(logits, dim=-1)[rows, targets]
     meta = out["meta_info"]
     got = torch.tensor([lp for lp, _, _ in
                         meta["input_token_logprobs"][1:] + meta["output_token_logprobs"]])
-    error = ((got - want).abs() / (1 + want.abs())).max().item()
-    assert error < logprob_tolerance, (error, got, want)
+    return behind, ((got - want).abs() / (1 + want.abs())).max().item()
+
+
+def assert_matches_transformers(hf, prompt: list[int], out: dict, margin: float,
+                                logprob_tolerance: float) -> None:
+    """Each greedy token is the reference's argmax (or within `margin` of its logit), and the
+    logprob of every token after the first, prompt and output, the reference's within
+    `logprob_tolerance` (relative, as above)."""
+    behind, error = reference_gap(hf, prompt, out)
+    assert behind <= margin, (out["output_ids"], behind)
+    assert error < logprob_tolerance, (out["output_ids"], error)
 
 
 def generate(llm: LLM) -> list[tuple[list[int], dict]]:

@@ -12,9 +12,10 @@ widths and the row count rounded up to a power of two):
 - a GEMV, one row per program: each keeps a [BLOCK_N, BLOCK_K] float32 partial product and
   reduces it once at the end, without padding the row to a 16-row tile.
 The float32 accumulator is scaled per output feature once, after the K loop; with block
-scales each K tile's product is scaled as it is added (the configs are pruned to tiles within
-one block). Above the layer's row limit (prefill), `fp8_dequantize` widens the weight for
-cuBLAS in one pass.
+scales each tensor-core tile's product is scaled as it is added (those configs are pruned to
+tiles within one block), and the GEMV scales each weight by its block's, so its tiles may span
+blocks (the long K tiles a one-row product needs to keep enough bytes in flight). Above the
+layer's row limit (prefill), `fp8_dequantize` widens the weight for cuBLAS in one pass.
 
 Imports triton at the top: import this module only on a CUDA device (layers.fp8 does). The
 interpreter (TRITON_INTERPRET=1) runs it on CPU tensors for tests.
@@ -46,10 +47,10 @@ def _configs() -> list[triton.Config]:
 def _prune(configs: list[triton.Config], named_args: dict, **_: object) -> list[triton.Config]:
     """The GEMV (one row per program) competes for up to 4 rows; 16-row tensor-core tiles for
     any count (the row tiles of one weight tile run side by side and share it through L2).
-    With block scales, only tiles within one block."""
+    With block scales, only tensor-core tiles within one block (the GEMV scales each input)."""
     group = named_args["SCALE_GROUP"]
     return [c for c in configs if (c.kwargs["DOT"] or named_args["M_BUCKET"] <= 4)
-            and (group == 0 or group % c.kwargs["BLOCK_K"] == 0)]
+            and (group == 0 or group % c.kwargs["BLOCK_K"] == 0 or not c.kwargs["DOT"])]
 
 
 def _bench(fn: Callable[[], object], quantiles: list[float]) -> list[float]:
@@ -103,8 +104,12 @@ def _fp8_matmul_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, M, N, K, M_BUCKET,
             k_mask = offs_k < K - k0
             x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-            if SCALE_GROUP != 0:
+            if SCALE_GROUP != 0 and SCALE_GROUP % BLOCK_K == 0:
                 w *= tl.load(scale_ptrs + k0 // SCALE_GROUP, mask=n_mask, other=0.0)[:, None]
+            elif SCALE_GROUP != 0:  # the tile spans blocks: each input's block scale
+                blocks = tl.minimum((k0 + offs_k) // SCALE_GROUP, (K - 1) // SCALE_GROUP)
+                w *= tl.load(scale_ptrs[:, None] + blocks[None, :], mask=n_mask[:, None],
+                             other=0.0)
             acc += w * x[None, :]
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K

@@ -2,9 +2,9 @@
 checkpoint stores them:
 - int4 (AWQ, GPTQ, compressed-tensors): `Int4GroupWeight`, the codes packed 8 to an int32 word
   along the inputs, a float16 scale and a uint8 zero point per output and group,
-  w = (q - z) * s. Decode batches of up to KERNEL_MAX_ROWS rows run kernels/int4_matmul
-  (Triton), which reads half a byte per weight; larger batches widen the weight in one pass
-  for cuBLAS (as layers.fp8). Staged while loading as layers.gguf_weight's "W4" blocks.
+  w = (q - z) * s. Batches of up to KERNEL_MAX_ROWS rows run kernels/int4_matmul (Triton),
+  which reads half a byte per weight; larger ones widen the weight in one pass for cuBLAS (as
+  layers.fp8). Staged while loading as layers.gguf_weight's "W4" blocks.
 - fp8: layers.fp8's weight with the checkpoint's scales (block-wise: per output and block of
   128 inputs), staged as `Fp8Blocks`.
 Both stage as blocks that slice like the dense weight, so tensor parallelism shards them as
@@ -23,7 +23,9 @@ import torch
 from minisgl.layers.fp8 import Fp8ChannelWeight, kernel_or_widened
 from minisgl.layers.gguf_weight import GROUP, BlockSlots, GgufBlocks, cat_rows
 
-KERNEL_MAX_ROWS = 64  # as layers.fp8's: above, dequantize + cuBLAS (to be measured on a GPU)
+# Above it, dequantize + cuBLAS: at the Llama-3.1-8B shapes on an H200 the kernel's four linears
+# of a layer took 174 us at 1 row (widening: 333) but 358 at 4 rows (BENCHMARKS.md)
+KERNEL_MAX_ROWS = 2
 
 
 @dataclass
