@@ -416,6 +416,27 @@ def test_fused_cuda_layers_match_float32_math(flashinfer) -> None:
     assert scenario.relative_error(got_k, want_k) < FUSED_REL_TOL
 
 
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 128])
+def test_rope_on_cuda_at_every_head_size(head_dim: int) -> None:
+    """RotaryEmbedding on bfloat16 CUDA views of a fused qkv output, FlashInfer's kernel for
+    its head sizes and torch ops for others, against the float32 formula."""
+    from minisgl.layers import RotaryEmbedding
+    torch.manual_seed(0)
+    tokens, heads, kv_heads = 37, 6, 3
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device="cuda",
+                      dtype=torch.bfloat16)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    rope = RotaryEmbedding(head_dim, 4096, {"rope_theta": 10000.0}).to("cuda")
+    positions = torch.randint(0, 4096, (tokens,), device="cuda")
+    cos, sin = rope.cos[positions].unsqueeze(1), rope.sin[positions].unsqueeze(1)
+    want_q = RotaryEmbedding._rotate(q.float(), cos, sin)
+    want_k = RotaryEmbedding._rotate(k.float(), cos, sin)
+    got_q, got_k = rope(positions, q, k)
+    assert scenario.relative_error(got_q, want_q) < FUSED_REL_TOL
+    assert scenario.relative_error(got_k, want_k) < FUSED_REL_TOL
+
+
 def test_polling_stream_completes_like_the_waiter_thread() -> None:
     from minisgl.engine.cuda_stream import CudaStream
 

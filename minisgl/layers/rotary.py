@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from minisgl.kernels import cpu_kernels, cuda_kernels
+from minisgl.kernels.cuda import FLASHINFER_HEAD_DIMS
 from minisgl.layers.base import Layer
 
 logger = logging.getLogger(__name__)
@@ -128,7 +129,10 @@ class RotaryEmbedding(Layer):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         fused = cuda_kernels(q)
-        if fused is not None and q.stride(-1) == 1 and k.stride(-1) == 1:
+        # NOTE: FlashInfer 0.6.1 runs other head sizes through its RoPE-quantize kernel, not
+        # verified here: LoRA adapters at head size 16 on an H200 missed the reference there
+        if (fused is not None and q.stride(-1) == 1 and k.stride(-1) == 1
+                and self.head_dim in FLASHINFER_HEAD_DIMS):
             if self._cos_sin is None or self._cos_sin.device != q.device:
                 # NOTE: made at the first (eager) forward, before any CUDA-graph capture
                 self._cos_sin = torch.cat((self.cos, self.sin), dim=-1).float()
