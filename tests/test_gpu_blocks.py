@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -199,14 +200,16 @@ needs_fp8_gpu = pytest.mark.skipif(
 GPU_KERNEL_REL_BOUND = 1e-2  # bfloat16 activations and output against float64
 
 
-def _check_on_cuda(weight, want: torch.Tensor, in_features: int) -> None:
+def _check_on_cuda(weight, want: torch.Tensor, in_features: int,
+                   kernel: Callable | None = None) -> None:
     """Both paths (kernel up to the layer's row limit, widen + cuBLAS above), strided input,
-    every output written."""
+    every output written; `kernel`: also the kernel itself at every row count (its tiles)."""
     gen = torch.Generator(device="cuda").manual_seed(2)
-    for rows in (1, 2, 3, 16, 17, 64, 65, 300):
+    for rows, matmul in [(r, f) for r in (1, 2, 3, 16, 17, 64, 65, 300)
+                         for f in ([weight.matmul] + ([kernel] if kernel else []))]:
         x = torch.randn(rows, in_features + 8, device="cuda", generator=gen)
         x = x.to(torch.bfloat16)[:, 4:in_features + 4]
-        out = weight.matmul(x)
+        out = matmul(x)
         exact = x.double() @ want.double().t()
         err = float((out.double() - exact).norm() / exact.norm())
         assert out.dtype == torch.bfloat16 and err < GPU_KERNEL_REL_BOUND, (rows, err)
@@ -220,7 +223,9 @@ def test_int4_matmul_on_cuda(out_features: int, in_features: int, group: int):
     weight, want = int4_weight("awq", group, False, out_features, in_features)
     weight.words, weight.scales, weight.zeros = (t.cuda() for t in
                                                  (weight.words, weight.scales, weight.zeros))
-    _check_on_cuda(weight, want.cuda(), in_features)
+    from minisgl.layers.gpu_blocks import _kernels
+    _check_on_cuda(weight, want.cuda(), in_features, kernel=lambda x: _kernels().int4_matmul(
+        x, weight.words, weight.scales, weight.zeros))  # its tiles too, past the layer's rows
 
 
 @needs_fp8_gpu
