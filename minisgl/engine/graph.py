@@ -173,10 +173,12 @@ class GraphRunner:
         self.positions[:bs].copy_(positions, non_blocking=True)
         self.out_loc[:bs].copy_(batch.out_loc, non_blocking=True)
         if self.lora is not None:  # the step's per-token slots (engine.lora), already here
-            self.lora_slots[:bs].fill_(-1)
-            if self.lora.step is not None:
-                slots = self.lora.step.token_slots
-                self.lora_slots[:slots.numel()].copy_(slots, non_blocking=True)
+            step = self.lora.step
+            filled = 0 if step is None else step.token_slots.numel()
+            if filled:
+                self.lora_slots[:filled].copy_(step.token_slots, non_blocking=True)
+            if filled < bs:  # padding rows (all rows without adapters): none
+                self.lora_slots[filled:bs].fill_(-1)
         self.backend.prepare_replay(batch, bs)
         self.graphs[bs].replay()
         # NOTE: a view of the shared buffer: the next replay overwrites it, so it must be used

@@ -23,8 +23,8 @@ import torch
 from minisgl.layers.fp8 import Fp8ChannelWeight, kernel_or_widened
 from minisgl.layers.gguf_weight import GROUP, BlockSlots, GgufBlocks, cat_rows
 
-# Above it, dequantize + cuBLAS: at the Llama-3.1-8B shapes on an H200 the kernel's four linears
-# of a layer took 174 us at 1 row (widening: 333) but 358 at 4 rows (BENCHMARKS.md)
+# Above it, dequantize + cuBLAS: the kernel's tiles lose to widening from a few rows on
+# (BENCHMARKS.md, "GPU, fourth session")
 KERNEL_MAX_ROWS = 2
 
 

@@ -140,17 +140,13 @@ void expand_tile(const float* h, int64_t pr, const at::BFloat16* bt, int64_t wid
   }
   __m512 acc[R][4];
   for (int i = 0; i < R; ++i)
-    for (int v = 0; v < 4; ++v) {
-      const __m256i bits =
-          _mm256_maskz_loadu_epi16(masks[v], out + rows[i] * out_stride + 16 * v);
-      acc[i][v] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-    }
+    for (int v = 0; v < 4; ++v)
+      acc[i][v] =
+          widen_bf16(_mm256_maskz_loadu_epi16(masks[v], out + rows[i] * out_stride + 16 * v));
   for (int64_t j = 0; j < rank; ++j) {
     __m512 b[4];
-    for (int v = 0; v < 4; ++v) {
-      const __m256i bits = _mm256_maskz_loadu_epi16(masks[v], bt + j * width + 16 * v);
-      b[v] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-    }
+    for (int v = 0; v < 4; ++v)
+      b[v] = widen_bf16(_mm256_maskz_loadu_epi16(masks[v], bt + j * width + 16 * v));
     for (int i = 0; i < R; ++i) {
       const __m512 coef = _mm512_set1_ps(h[i * pr + j]);
       for (int v = 0; v < 4; ++v) acc[i][v] = _mm512_fmadd_ps(coef, b[v], acc[i][v]);

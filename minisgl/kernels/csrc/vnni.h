@@ -17,9 +17,12 @@ inline void dpbusd(__m512i& acc, __m512i w, __m512i x) {
   asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x));
 }
 
-// 16 bfloat16 values widened to float32 (a bfloat16 is the top half of a float32).
-inline __m512 load_bf16(const at::BFloat16* p) {
-  __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+// 16 bfloat16 values (their bits) widened to float32 (a bfloat16 is the top half of one).
+inline __m512 widen_bf16(__m256i bits) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+inline __m512 load_bf16(const at::BFloat16* p) {
+  return widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 #endif
