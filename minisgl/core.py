@@ -362,6 +362,9 @@ class Batch:
     decode_rows: int = 0  # mixed: the trailing rows that decode
     # --enable-lora: per row the adapter slot it uses (-1: none); None when no row uses one
     lora_slots: list[int] | None = None
+    # a verify step laid out for a CUDA graph: every row forwards this many tokens, its own
+    # then filler ones (engine.speculation); 0 otherwise
+    row_tokens: int = 0
 
     @property
     def is_decode(self) -> bool:
@@ -370,6 +373,12 @@ class Batch:
     @property
     def padded_size(self) -> int:
         return len(self.table_rows)
+
+    @property
+    def graph_width(self) -> int:
+        """Tokens each row forwards in a CUDA graph: 1 (decode), a verify step's row_tokens,
+        or 0 (no graph takes it)."""
+        return 1 if self.is_decode else self.row_tokens
 
 
 def span_indices(rows: list[int], starts: list[int], counts: list[int], context_len: int

@@ -125,7 +125,7 @@ def test_graph_replay_matches_eager_and_padding_stays_in_the_dummy_page(
         runner = GraphRunner(engine.model, backend, max_bs=8, dummy_row=engine.dummy_row,
                              dummy_loc=engine.kv_pool.dummy_loc, device=engine.device)
         runner.capture()
-        assert sorted(runner.graphs) == [1, 2, 4, 8]
+        assert sorted(runner.graphs) == [(1, 1), (2, 1), (4, 1), (8, 1)]
         engine.kv_pool.buffer.zero_()  # NOTE: defined values, so that unwritten == unchanged
         rows = list(range(8))
         lengths = [30 + 9 * r for r in rows]
@@ -143,12 +143,62 @@ def test_graph_replay_matches_eager_and_padding_stays_in_the_dummy_page(
             batch, _ = scenario.make_batch("decode", spans, locations, engine.device)
             runner.pad_batch(batch)
             backend.prepare_metadata(batch)
-            assert runner.can_run(batch) and batch.padded_size in runner.graphs
+            assert runner.can_run(batch) and (batch.padded_size, 1) in runner.graphs
             with torch.inference_mode():
                 got = runner.replay(batch, ids, batch.input_positions).float()
             assert got.shape == want.shape
             # NOTE: the padding rows join the experts' groups, so the grouped matmul's kernel
             # (and its bf16 rounding) differs from eager's: kernel against kernel (H200: 0.026)
+            tolerance = BF16_REL_TOL if model == "qwen3-moe" else GRAPH_REL_TOL
+            assert scenario.relative_error(got, want) < tolerance
+            changed = (engine.kv_pool.buffer != before).flatten(0, 2).any(-1).any(0).nonzero()
+            real = set(eager.out_loc.tolist())
+            stray = [int(loc) for loc in changed.flatten() if int(loc) not in real
+                     and int(loc) // ps != dummy]
+            assert not stray, f"padding rows wrote KV locations {stray[:5]}"
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("model", list(MODELS))
+def test_verify_graph_replay_matches_eager_and_padding_stays_in_the_dummy_page(
+        flashinfer, model: str, page_size: int) -> None:
+    """Verify steps (speculation) in CUDA graphs: rows of 4 tokens over a cached prefix, the
+    FlashInfer prefill kernel captured at fixed rows; logits of every token row match eager,
+    and padding rows write KV only to the dummy page."""
+    from minisgl.engine.graph import GraphRunner
+    width = 4
+    engine = make_engine(model, page_size)
+    try:
+        backend = flashinfer_backend(engine)
+        runner = GraphRunner(engine.model, backend, max_bs=8, dummy_row=engine.dummy_row,
+                             dummy_loc=engine.kv_pool.dummy_loc, device=engine.device,
+                             verify=(width, 8 * width))
+        runner.capture()
+        assert runner.verify_shape == (width, 8) and (8, width) in runner.graphs
+        engine.kv_pool.buffer.zero_()
+        rows = list(range(8))
+        lengths = [30 + 9 * r for r in rows]
+        locations = _locations(engine, rows, 200, page_size)
+        _prefill_rows(engine, backend, rows, lengths, locations)
+        ps, dummy = page_size, engine.kv_pool.dummy_page
+        for n in (3, 8, 1):
+            spans = [(r, lengths[r], width) for r in rows[:n]]
+            ids = torch.randint(100, 1000, (n * width,), device=engine.device, dtype=torch.int32)
+            eager, _ = scenario.make_batch("prefill", spans, locations, engine.device)
+            backend.prepare_metadata(eager)
+            with torch.inference_mode():
+                want = engine.model(ids, eager.input_positions, eager, backend, None).float()
+            before = engine.kv_pool.buffer.clone()
+            batch, _ = scenario.make_batch("prefill", spans, locations, engine.device)
+            batch.row_tokens = width
+            runner.pad_batch(batch)
+            backend.prepare_metadata(batch)
+            assert runner.can_run(batch)
+            with torch.inference_mode():
+                got = runner.replay(batch, ids, batch.input_positions).float()
+            assert got.shape == want.shape == (n * width, want.shape[1])
             tolerance = BF16_REL_TOL if model == "qwen3-moe" else GRAPH_REL_TOL
             assert scenario.relative_error(got, want) < tolerance
             changed = (engine.kv_pool.buffer != before).flatten(0, 2).any(-1).any(0).nonzero()
@@ -297,7 +347,7 @@ def test_input_logprobs_and_logit_bias_on_cuda(flashinfer, real_model) -> None:
 
 @pytest.mark.parametrize("algorithm", ["NGRAM", "NGRAM-mixed", "STANDALONE"])
 def test_speculative_decoding_on_cuda(flashinfer, real_model, algorithm: str) -> None:
-    """Speculation on CUDA (FlashInfer, graphs for steps without drafts, the settle before
+    """Speculation on CUDA (FlashInfer, graphs for decode and verify steps, the settle before
     each verify step; STANDALONE: the model itself drafts, eagerly, with its own FlashInfer
     KV pool; NGRAM-mixed: small prefill chunks mixed with decoding rows, which ride in them
     undrafted): greedy outputs equal plain decoding (or first differ where the reference's bf16
@@ -322,12 +372,16 @@ def test_speculative_decoding_on_cuda(flashinfer, real_model, algorithm: str) ->
     if algorithm == "STANDALONE":
         spec["speculative_draft_model_path"] = str(resolve_model_path(None))
     with LLM(**spec, **common) as llm:
+        runner, widths = llm.runtime.engine.graph_runner, []
+        replay = runner.replay
+        runner.replay = lambda batch, *a: widths.append(batch.graph_width) or replay(batch, *a)
         ours = llm.generate(input_ids=prompts, sampling_params=greedy)
         sampled = llm.generate(input_ids=prompts, sampling_params={
             "temperature": 1.0, "max_new_tokens": 16, "ignore_eos": True})
         state = llm.runtime.state()
         llm.check_integrity()
     assert state["spec_accepted_tokens"] > 100, state
+    assert widths.count(runner.verify_width) > 10, widths  # verify steps replayed graphs
     assert all(len(o["output_ids"]) == 16 for o in sampled)
     assert_greedy_agrees(ref, ours)
 

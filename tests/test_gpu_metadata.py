@@ -146,7 +146,7 @@ def _decode_batch(n: int, dummy_loc: int) -> Batch:
 def test_pad_batch_pads_decode_batches_with_the_dummy_row() -> None:
     runner = GraphRunner(lambda *a: None, StubGraphBackend(), max_bs=32, dummy_row=40,
                          dummy_loc=999, device="cpu")
-    runner.graphs = dict.fromkeys(runner.batch_sizes)  # as if captured
+    runner.graphs = dict.fromkeys((b, 1) for b in runner.batch_sizes)  # as if captured
     batch = _decode_batch(5, 999)
     assert runner.pad_batch(batch) == 3 and batch.size == 5 and batch.padded_size == 8
     assert batch.table_rows[5:] == [40] * 3 and batch.seq_lens[5:] == [1] * 3
@@ -170,6 +170,34 @@ def test_pad_batch_pads_decode_batches_with_the_dummy_row() -> None:
     prefill = _decode_batch(4, 999)
     prefill.phase = "prefill"
     assert runner.pad_batch(prefill) == 0 and not runner.can_run(prefill)
+
+
+def test_pad_batch_pads_verify_steps_to_their_graph_size() -> None:
+    """Verify graphs (engine.graph): rows of `width` tokens, up to the step's token budget;
+    a verify step laid out at that width pads with dummy rows of `width` tokens."""
+    runner = GraphRunner(lambda *a: None, StubGraphBackend(), max_bs=32, dummy_row=40,
+                         dummy_loc=999, device="cpu", verify=(4, 64))
+    assert runner.sizes == {1: graph_batch_sizes(32), 4: [1, 2, 4, 8, 16]}
+    assert runner.input_ids.numel() == 64
+    runner.graphs = {(b, w): None for w, sizes in runner.sizes.items() for b in sizes}
+    assert runner.verify_shape == (4, 16)
+    batch = Batch("prefill", 3, table_rows=[0, 1, 2], cached_lens=[10, 20, 30],
+                  seq_lens=[14, 24, 34], extend_lens=[4] * 3,
+                  input_positions=torch.arange(12), out_loc=torch.arange(12) + 100, row_tokens=4)
+    assert runner.pad_batch(batch) == 1 and batch.padded_size == 4
+    assert batch.table_rows[3] == 40 and batch.seq_lens[3] == 4 and batch.extend_lens[3] == 4
+    assert batch.cached_lens[3] == 0 and batch.out_loc.tolist()[12:] == [999] * 4
+    assert batch.input_positions.numel() == 16 and runner.can_run(batch)
+    unpadded = Batch("prefill", 3, table_rows=[0, 1, 2], cached_lens=[10, 20, 30],
+                     seq_lens=[14, 22, 34], extend_lens=[4, 2, 4],
+                     input_positions=torch.arange(10), out_loc=torch.arange(10))
+    assert runner.pad_batch(unpadded) == 0 and not runner.can_run(unpadded)  # packed: eager
+    wide = Batch("prefill", 17, table_rows=list(range(17)), cached_lens=[0] * 17,
+                 seq_lens=[4] * 17, extend_lens=[4] * 17, input_positions=torch.zeros(68),
+                 out_loc=torch.zeros(68), row_tokens=4)
+    assert runner.pad_batch(wide) == 0 and not runner.can_run(wide)  # past the largest size
+    assert GraphRunner(lambda *a: None, StubGraphBackend(), max_bs=32, dummy_row=40,
+                       dummy_loc=999, device="cpu", verify=(8, 4)).sizes.keys() == {1}
 
 
 class FakeEvent:

@@ -21,8 +21,12 @@ import torch
 
 from minisgl import LLM
 from minisgl.args import ServerArgs
+from minisgl.core import Batch
 from minisgl.engine.acceptance import accept_greedy, accept_sampled
+from minisgl.engine.forward import ForwardInput, VerifyRows
 from minisgl.engine.ngram import NgramIndex
+from minisgl.engine.speculation import SpecConfig, Speculator
+from minisgl.engine.tp_message import StepMessage
 from minisgl.models import resolve_model_path
 from tests import reference as ref
 from tests.test_scheduler import FUZZ_ARGS, abort_fuzz
@@ -211,6 +215,72 @@ def test_draft_model_greedy_output_equals_plain_decoding(plain, drafts, draft: s
         assert state["spec_accept_length"] > 3.5, state
     else:  # so the comparison went through many rejections
         assert state["spec_accept_length"] < 3.0, state
+
+
+@pytest.mark.parametrize("graph_rows", [2, 1], ids=["padded", "packed"])
+def test_verify_layout_sends_fillers_to_the_dummy_location(graph_rows: int) -> None:
+    """Speculator.resolve on a hand-made table: a row that copies (3 drafts) and one without
+    a match. Laid out for verify graphs of width 6, each row forwards 6 tokens at its next
+    positions; only its own tokens write KV (its page-table slots) and store predictions; the
+    fillers' KV goes to the dummy location. Past the graphs' rows, the step stays packed."""
+    ctx, dummy = 32, 7
+    token_pool = torch.zeros(4, ctx, dtype=torch.int32)
+    page_table = torch.arange(4 * ctx, dtype=torch.int32).view(4, ctx) + 1000
+    config = SpecConfig("NGRAM", num_draft_tokens=4, min_window=1, max_window=4,
+                        batch_tokens=32, catch_up_tokens=512, budget=False)
+    speculator = Speculator(config, token_pool, page_table)
+    speculator.pad_for_graphs(6, graph_rows, dummy)
+    token_pool[0, :9] = torch.tensor([5, 6, 7, 8, 5, 6, 7, 8, 5])
+    token_pool[2, :3] = torch.tensor([1, 2, 3])
+    speculator.committed[0], speculator.committed[2] = 9, 3
+    batch = Batch("decode", 2, table_rows=[0, 2], cached_lens=[], seq_lens=[], extend_lens=[])
+    verify = VerifyRows(uids=[1, 2], max_drafts=[3, 3], max_lens=[30, 30], greedy=[True] * 2)
+    empty = torch.zeros(0, dtype=torch.int64)
+    fwd = ForwardInput(batch, empty, empty, logit_rows=None, sample_args=None, verify=verify)
+    speculator.resolve(fwd)
+    assert verify.drafts == [[6, 7, 8], []] and verify.counts == [4, 1]
+    assert token_pool[0, 9:12].tolist() == [6, 7, 8]
+    assert fwd.write_indices.tolist() == [9, 10, 11, 12, 2 * ctx + 3]
+    assert batch.cached_lens == [8, 2]
+    if graph_rows == 1:  # more rows than the graphs take
+        assert batch.row_tokens == 0 and batch.extend_lens == [4, 1] and verify.offsets == [0, 4]
+        assert batch.out_loc.tolist() == [1008, 1009, 1010, 1011, 1000 + ctx * 2 + 2]
+        return
+    assert batch.row_tokens == 6 and batch.extend_lens == [6, 6] and batch.seq_lens == [14, 8]
+    assert batch.input_positions.tolist() == list(range(8, 14)) + list(range(2, 8))
+    assert fwd.load_indices.tolist() == [*range(8, 14), *range(2 * ctx + 2, 2 * ctx + 8)]
+    assert batch.out_loc.tolist() == [1008, 1009, 1010, 1011, dummy, dummy,
+                                      1000 + ctx * 2 + 2] + [dummy] * 5
+    assert verify.offsets == [0, 6] and fwd.logit_rows.tolist() == list(range(12))
+    # what tensor-parallel workers rebuild (their graphs need the width too)
+    message = StepMessage("decode", 2, [0, 2], [], [], [], empty, empty, empty, empty, None)
+    message.resolve(batch, fwd.load_indices, fwd.write_indices, fwd.logit_rows,
+                    speculator.token_writes(fwd))
+    worker = StepMessage.unpack(message.pack()).batch(torch.device("cpu"))
+    assert worker.row_tokens == 6 and worker.extend_lens == [6, 6]
+    assert torch.equal(worker.out_loc, batch.out_loc)
+
+
+def test_verify_steps_laid_out_for_cuda_graphs_equal_plain(plain) -> None:
+    """The layout CUDA graphs of verify steps replay (engine.graph): every row forwards the
+    same number of tokens, its own then fillers that write KV to the dummy location and are
+    never accepted. Run eagerly here: greedy output equals plain decoding, each chosen token's
+    logprob is its top one (read at the right token row), and every page is accounted for."""
+    prompts = copy_prompts()
+    with LLM(dtype="float32", max_total_tokens=8192, **SPEC) as llm:
+        engine = llm.runtime.engine
+        engine.runner.speculator.pad_for_graphs(6, 8, engine.kv_pool.dummy_loc)
+        outs = llm.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True,
+                            top_logprobs_num=2)
+        llm.check_integrity()
+        state = llm.runtime.state()
+    assert_same_greedy(prompts, outs, plain)
+    assert state["spec_accepted_tokens"] > 60, state
+    for out in outs:
+        meta = out["meta_info"]
+        for (logprob, token, _), top in zip(meta["output_token_logprobs"],
+                                            meta["output_top_logprobs"]):
+            assert token == top[0][1] and logprob == pytest.approx(top[0][0], abs=1e-5)
 
 
 def test_draft_model_kv_follows_prefix_hits_retraction_and_long_prompts(plain, drafts) -> None:

@@ -156,9 +156,10 @@ class FlashInferBackend(AttentionBackend):
         self.prefill_wrappers = {w: self._wrapper(flashinfer.BatchPrefillWithPagedKVCacheWrapper,
                                                   w) for w in self.variants}
         self.decode_wrappers: dict[int, Any] = {}  # made at the first decode: num_qo_heads
-        self.graph_wrappers: dict[tuple[int, int], Any] = {}  # (rows, window) -> wrapper
+        # (rows, tokens a row, window) -> wrapper: decode (1 token) or a verify step's
+        self.graph_wrappers: dict[tuple[int, int, int], Any] = {}
         self._plan_done: dict[int, torch.cuda.Event] = {}  # id(wrapper) -> its last plan
-        self._graph_buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._graph_buffers: tuple[torch.Tensor, ...] | None = None
 
     # ---- wrappers ----------------------------------------------------------------------------
 
@@ -195,19 +196,21 @@ class FlashInferBackend(AttentionBackend):
 
     def plan(self, batch: Batch, graph_bs: int | None = None) -> None:
         """Plan `batch` on the current stream (the engine stream): with the eager prefill or
-        decode wrapper, or with the CUDA-graph decode wrapper captured for `graph_bs` rows."""
+        decode wrapper, or with the CUDA-graph wrapper captured for `graph_bs` rows of its
+        width (decode: 1 token a row; a verify step: `row_tokens`)."""
         meta: PagedMetadata = batch.attn_metadata
         if self.num_qo_heads is None:
             raise RuntimeError("flashinfer: num_qo_heads is unknown before the first forward")
-        if graph_bs is not None and (meta.batch_size != graph_bs or not meta.is_decode):
-            raise ValueError(f"a {meta.batch_size}-row batch cannot replay the graph "
-                             f"captured for {graph_bs} decode rows")
+        width = batch.graph_width
+        if graph_bs is not None and (meta.batch_size != graph_bs or not width):
+            raise ValueError(f"a {meta.batch_size}-row {batch.phase} batch cannot replay the "
+                             f"graph captured for {graph_bs} rows")
         gather = meta.gather.to(self.device, non_blocking=True)
         indices = page_indices(self.page_table, gather, meta.num_pages, self.page_size)
         meta.wrappers, meta.indices = {}, indices
         for window in self.variants:
             if graph_bs is not None:
-                wrapper = self.graph_wrappers[(graph_bs, window)]
+                wrapper = self.graph_wrappers[(graph_bs, width, window)]
             elif meta.is_decode:
                 wrapper = self._decode_wrapper(window)
             else:
@@ -253,26 +256,38 @@ class FlashInferBackend(AttentionBackend):
     # ---- CUDA graphs (used by minisgl.engine.graph.GraphRunner) ------------------------------
 
     def init_graphs(self, max_bs: int) -> None:
-        """Static indptr / indices / last_page_len buffers, shared by every captured size (one
-        graph replays at a time, each after its own plan)."""
+        """Static indptr / indices / last_page_len (and, for verify steps, qo_indptr) buffers,
+        shared by every captured size (one graph replays at a time, each after its own plan)."""
         max_pages = max_bs * (-(-self.context_len // self.page_size))
         self._graph_buffers = (
             torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device),
             torch.zeros(max(max_pages, 1), dtype=torch.int32, device=self.device),
-            torch.ones(max_bs, dtype=torch.int32, device=self.device))
+            torch.ones(max_bs, dtype=torch.int32, device=self.device),
+            torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device))
 
     def prepare_capture(self, batch: Batch, bs: int) -> None:
-        """Make the graph wrapper for `bs` rows and plan the (dummy) capture batch with it."""
+        """Make the graph wrapper for `bs` rows of the batch's width (decode, or a verify
+        step's prefill-style rows) and plan the (dummy) capture batch with it."""
         if self._graph_buffers is None:
             raise RuntimeError("call init_graphs before capturing")
-        indptr, indices, last = self._graph_buffers
+        indptr, indices, last, qo_indptr = self._graph_buffers
+        width = batch.graph_width
         for window in self.variants:  # NOTE: the same batch: they fill the buffers alike
-            if (bs, window) not in self.graph_wrappers:
-                self.graph_wrappers[(bs, window)] = self._wrapper(
+            if (bs, width, window) in self.graph_wrappers:
+                continue
+            if width == 1:
+                wrapper = self._wrapper(
                     self._flashinfer.BatchDecodeWithPagedKVCacheWrapper, window,
                     use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores,
                     paged_kv_indptr_buffer=indptr[: bs + 1], paged_kv_indices_buffer=indices,
                     paged_kv_last_page_len_buffer=last[:bs])
+            else:
+                wrapper = self._wrapper(
+                    self._flashinfer.BatchPrefillWithPagedKVCacheWrapper, window,
+                    use_cuda_graph=True, qo_indptr_buf=qo_indptr[: bs + 1],
+                    paged_kv_indptr_buf=indptr[: bs + 1], paged_kv_indices_buf=indices,
+                    paged_kv_last_page_len_buf=last[:bs])
+            self.graph_wrappers[(bs, width, window)] = wrapper
         self.prepare_metadata(batch)
         self.plan(batch, graph_bs=bs)
 

@@ -150,24 +150,29 @@ class Engine:
                                           self.dtype)
         self.sampler = Sampler(self.arch.vocab_size, self.device, list(self.arch.eos_token_ids),
                                seed=config.seed)
+        self.speculation = spec_config(config, self.device.type)
         graph_runner = None
         if (self.device.type == "cuda" and not config.disable_cuda_graph
                 and supports_graphs(self.attn_backend)
                 and not syncs_on_host(self.model, self.dtype, self.device)):
+            spec = self.speculation
             # NOTE: every rank captures the same sizes in the same order (collectives inside)
             graph_runner = GraphRunner(self.model, self.attn_backend,
                                        max_bs=min(config.cuda_graph_max_bs, self.max_running),
                                        dummy_row=self.dummy_row,
                                        dummy_loc=self.kv_pool.dummy_loc, device=self.device,
-                                       lora=None if self.lora is None else self.lora.context)
+                                       lora=None if self.lora is None else self.lora.context,
+                                       verify=None if spec is None else (
+                                           spec.num_draft_tokens, spec.batch_tokens))
             with tp_context(self.tp, self.group):
                 graph_runner.capture()
-        self.speculation = spec_config(config, self.device.type)
         speculator = None
         if self.speculation is not None and self.tp.is_primary:
             draft_model = None if draft is None else self._draft_runner(*draft)
             speculator = Speculator(self.speculation, self.token_pool, self.page_table,
                                     draft_model)
+            if graph_runner is not None:
+                speculator.pad_for_graphs(*graph_runner.verify_shape, self.kv_pool.dummy_loc)
         self.runner = ModelRunner(self.model, self.attn_backend, self.sampler, self.token_pool,
                                   graph_runner, self.tp, speculator, self.lora)
         if not self.tp.is_primary:

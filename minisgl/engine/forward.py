@@ -79,8 +79,9 @@ class VerifyRows:
     # per row: the grammar matcher (grammar.backend.Matcher) of a speculating row, which
     # engine.speculation walks through its drafts
     matchers: list[Any] = field(default_factory=list)
-    # set by Speculator.resolve (rank 0): tokens each row forwards, and its drafts
+    # set by Speculator.resolve (rank 0): tokens each row verifies, and its drafts
     counts: list[int] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)  # each row's first token row (logits)
     drafts: list[list[int]] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None  # [B, K, V]: a draft model's, for sampled rows
 

@@ -15,6 +15,8 @@ writes them into the token pool and advances the committed lengths.
 On CPU resolving runs on the engine thread, after N's forward, while the scheduler processes
 N's results: nothing waits. A CUDA launch runs on the scheduler's thread, so there the
 scheduler settles N before launching a verify step (the one sync; see scheduler.Scheduler).
+There verify steps replay CUDA graphs (engine.graph): every row forwards the same number of
+tokens, its last token and drafts, then fillers (`pad_for_graphs`).
 """
 
 from __future__ import annotations
@@ -97,6 +99,17 @@ class Speculator:
         # n-gram drafts, free to make, are cut to those worth their tokens (engine.draft_budget)
         self.budget = (DraftBudget(config.num_draft_tokens - 1) if config.budget
                        and draft_model is None and self.device.type == "cpu" else None)
+        # CUDA graphs of verify steps (engine.graph): up to `graph_rows` rows forward
+        # `graph_width` tokens each, their own then fillers (0: every step packed)
+        self.graph_width = self.graph_rows = 0
+        self.dummy_loc = 0
+
+    def pad_for_graphs(self, width: int, rows: int, dummy_loc: int) -> None:
+        """Lay verify steps of up to `rows` rows out `width` tokens a row, as the captured
+        verify graphs take them: a row's tokens past its drafts are fillers, which write their
+        KV to `dummy_loc`, store no token and are never accepted (nothing after a row's real
+        tokens attends to them: causal)."""
+        self.graph_width, self.graph_rows, self.dummy_loc = width, rows, dummy_loc
 
     def record_step(self, fwd: ForwardInput) -> None:
         """A step that sampled one token per row at fwd.write_indices (flat token-pool indices;
@@ -137,22 +150,36 @@ class Speculator:
         verify.counts = [1 + len(d) for d in verify.drafts]
         starts = [c - 1 for c in committed]
         ctx = self.context_len
-        positions, flat = span_indices(table_rows, starts, verify.counts, ctx)
+        width = self.graph_width if (
+            max(verify.counts) > 1 and len(table_rows) <= self.graph_rows
+            and max(starts) + self.graph_width <= ctx) else 0
+        spans = [width] * len(table_rows) if width else verify.counts
+        positions, flat = span_indices(table_rows, starts, spans, ctx)
+        _, written = span_indices(table_rows, starts, verify.counts, ctx) if width else (
+            None, flat)
         drafted = [(row * ctx + start + 1, d) for row, start, d in zip(table_rows, starts,
                                                                          verify.drafts) if d]
         if drafted:
             index = torch.tensor([i + j for i, d in drafted for j in range(len(d))])
             values = torch.tensor([t for _, d in drafted for t in d], dtype=torch.int32)
             self.token_pool.view(-1)[to_device(index, self.device)] = to_device(values, self.device)
-        batch.phase = "decode" if max(verify.counts) == 1 else "prefill"
+        batch.phase = "decode" if max(spans) == 1 else "prefill"
         batch.cached_lens = starts
-        batch.extend_lens = verify.counts
-        batch.seq_lens = [s + c for s, c in zip(starts, verify.counts)]
+        batch.extend_lens = spans
+        batch.seq_lens = [s + c for s, c in zip(starts, spans)]
+        batch.row_tokens = width
+        verify.offsets = [i * width for i in range(len(spans))] if width else (
+            torch.tensor(spans).cumsum(0) - torch.tensor(spans)).tolist()
         flat_d = to_device(flat, self.device)
         batch.input_positions = to_device(positions, self.device)
         batch.out_loc = self.page_table.view(-1)[flat_d].to(torch.int64)
+        if width:
+            real = torch.arange(width)[None, :] < torch.tensor(verify.counts)[:, None]
+            batch.out_loc = torch.where(to_device(real.view(-1), self.device), batch.out_loc,
+                                        self.dummy_loc)
         fwd.load_indices = flat_d
-        fwd.write_indices = flat_d + 1  # each token row's prediction: the next position
+        # each real token row's prediction: its next position
+        fwd.write_indices = to_device(written, self.device) + 1
         fwd.logit_rows = None if batch.is_decode else torch.arange(len(positions),
                                                                    device=self.device)
         fwd.verify_step = True
@@ -213,7 +240,7 @@ class Speculator:
             logits, mask = self._mask_drafted(fwd, logits), None
         counts = to_device(torch.tensor(verify.counts), device)
         width = max(verify.counts)
-        first = counts.cumsum(0) - counts  # each row's first token row
+        first = to_device(torch.tensor(verify.offsets), device)  # each row's first token row
         sample = sampler.sample(logits[first], args, self.token_pool, mask)
         emitted = torch.zeros(size, width, dtype=torch.int64, device=device)
         emitted[:, 0] = sample.next_tokens
@@ -270,9 +297,7 @@ class Speculator:
         nothing is masked: that draft cannot be accepted, so nothing after it is used."""
         verify, grammar = fwd.verify, fwd.grammar
         assert verify is not None and grammar is not None
-        starts = [0]
-        for count in verify.counts:
-            starts.append(starts[-1] + count)
+        starts = verify.offsets
         token_rows: list[int] = []
         masks: list[torch.Tensor] = []
         for j, i in enumerate(grammar.row_ids):

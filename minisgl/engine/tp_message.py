@@ -34,6 +34,7 @@ class StepMessage:
     logits_only: bool = False
     decode_rows: int = 0
     verify_step: bool = False
+    row_tokens: int = 0  # Batch.row_tokens
     token_writes: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
     location_writes: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     lora_slots: list[int] | None = None  # Batch.lora_slots
@@ -42,7 +43,8 @@ class StepMessage:
     def pack(self) -> list[np.ndarray]:
         tokens, locations = self.token_writes, self.location_writes
         meta = [PHASES.index(self.phase), self.size, int(self.logits_only),
-                int(self.logit_rows is not None), self.decode_rows, int(self.verify_step)]
+                int(self.logit_rows is not None), self.decode_rows, int(self.verify_step),
+                self.row_tokens]
         return [
             _ints(meta), _ints(self.table_rows), _ints(self.cached_lens), _ints(self.seq_lens),
             _ints(self.extend_lens), _ints(self.positions), _ints(self.out_loc),
@@ -68,7 +70,8 @@ class StepMessage:
         (meta, rows, cached, seq_lens, extend, positions, out_loc, load, write, logit_rows,
          token_rows, token_starts, token_lens, token_ids, location_lens, location_idx,
          location_vals, lora_slots, load_slots, load_uids, path_lens, path_bytes) = arrays
-        phase, size, logits_only, has_logit_rows, decode_rows, verify_step = meta.tolist()
+        (phase, size, logits_only, has_logit_rows, decode_rows, verify_step,
+         row_tokens) = meta.tolist()
         tokens, at = [], 0
         for row, start, n in zip(token_rows.tolist(), token_starts.tolist(), token_lens.tolist()):
             tokens.append((row, start, torch.from_numpy(token_ids[at:at + n])))
@@ -88,7 +91,7 @@ class StepMessage:
                    extend.tolist(), torch.from_numpy(positions), torch.from_numpy(out_loc),
                    torch.from_numpy(load), torch.from_numpy(write),
                    torch.from_numpy(logit_rows) if has_logit_rows else None, bool(logits_only),
-                   decode_rows, bool(verify_step), tokens, locations,
+                   decode_rows, bool(verify_step), row_tokens, tokens, locations,
                    None if slots == [-2] else slots, loads)
 
     def resolve(self, batch: Batch, load_indices: torch.Tensor, write_indices: torch.Tensor,
@@ -104,7 +107,7 @@ class StepMessage:
         self.load_indices, self.write_indices = load_indices.cpu(), write_indices.cpu()
         self.logit_rows = None if logit_rows is None else logit_rows.cpu()
         self.token_writes = self.token_writes + draft_writes
-        self.verify_step = True
+        self.verify_step, self.row_tokens = True, batch.row_tokens
 
     def replay_writes(self, token_pool: torch.Tensor, page_table: torch.Tensor) -> None:
         device = token_pool.device
@@ -117,7 +120,7 @@ class StepMessage:
         return Batch(self.phase, self.size, self.table_rows, self.cached_lens, self.seq_lens,
                      self.extend_lens, input_positions=self.positions.to(device),
                      out_loc=self.out_loc.to(device), decode_rows=self.decode_rows,
-                     lora_slots=self.lora_slots)
+                     lora_slots=self.lora_slots, row_tokens=self.row_tokens)
 
 
 def _ints(values: object) -> np.ndarray:
