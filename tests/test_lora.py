@@ -292,8 +292,9 @@ def test_start_up_flags_are_checked(lora_models) -> None:
 @pytest.mark.parametrize("layout", ["segmented", "segmented-bf16", "masked", "per_token"])
 def test_every_lora_layout_equals_per_token_products(layout: str) -> None:
     """The CPU kernel path (segmented; in bfloat16 too, its AVX-512 BF16 tiles where built),
-    the masked path (a CPU without the kernels) and the per-token Triton kernels (what CUDA
-    runs: under Triton's interpreter here, in a child process) against x A^T B^T per token, on
+    the masked path (a CPU without the kernels) and the per-token Triton kernel (what CUDA
+    runs: under Triton's interpreter here, in a child process; also with parts wide enough to
+    split a token's columns over programs) against x A^T B^T per token, on
     a batch of prefill and decode rows (a slot with 6 rows: a tile of 4 and one of 2; one with
     38, past the float32 kernel's rows), some of no adapter, one slot unused; 40 inputs and
     parts of 24 / 8 / 8 outputs (partial vectors)."""
@@ -312,21 +313,25 @@ def test_every_lora_layout_equals_per_token_products(layout: str) -> None:
         pytest.skip("needs triton >= 3.9")
     done = subprocess.run(
         [sys.executable, "-c",
-         "from tests.test_lora import check_lora_layout as c; c('per_token'); print('ok')"],
+         "from tests.test_lora import check_lora_layout as c; c('per_token'); "
+         "c('per_token', parts=[300, 136, 8]); print('ok')"],
         env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
         timeout=300, cwd=Path(__file__).resolve().parents[1])
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
 
 
-def check_lora_layout(layout: str, dtype: torch.dtype = torch.float32) -> None:
+def check_lora_layout(layout: str, dtype: torch.dtype = torch.float32,
+                      parts: list[int] | None = None) -> None:
     """bfloat16: inputs and weights in it, the expected sums in float64 on those values; the
-    result within bfloat16's rounding of the output (2^-8 relative) plus the sums' order."""
+    result within bfloat16's rounding of the output (2^-8 relative) plus the sums' order.
+    `parts`: the linear's output parts (wide ones spread a token over several programs)."""
     from minisgl.core import Batch
     from minisgl.engine.lora import lora_step
     from minisgl.layers.lora import LoraContext, LoraSlots
 
     torch.manual_seed(0)
-    context, parts, rank, width = LoraContext(), [24, 8, 8], 4, 40
+    context, rank, width = LoraContext(), 4, 40
+    parts = parts or [24, 8, 8]
     slots = LoraSlots(context, 4, rank, width, parts, dtype, torch.device("cpu"))
     weights = {}
     for slot in (0, 2, 3):
