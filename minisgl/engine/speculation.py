@@ -130,9 +130,11 @@ class Speculator:
         assert verify is not None
         table_rows = batch.table_rows[:batch.size]
         committed = self.committed[torch.tensor(table_rows)].tolist()
-        most = [self._row_drafts(row, uid, length, min(most, cap - length - 1))
-                for row, uid, length, most, cap in zip(
-                    table_rows, verify.uids, committed, verify.max_drafts, verify.max_lens)]
+        fresh = self._tokens_past_indices(table_rows, verify.uids, committed)
+        most = [self._row_drafts(row, uid, length, min(most, cap - length - 1), tokens)
+                for row, uid, length, most, cap, tokens in zip(
+                    table_rows, verify.uids, committed, verify.max_drafts, verify.max_lens,
+                    fresh)]
         if self.draft_model is None:
             matched = [self.rows[row].index.draft_with_match(m)  # type: ignore[union-attr]
                        if m > 0 else ([], 0) for row, m in zip(table_rows, most)]
@@ -191,9 +193,30 @@ class Speculator:
         return [(row, start + 1, torch.tensor(d, dtype=torch.int32))
                 for row, start, d in zip(batch.table_rows, batch.cached_lens, verify.drafts) if d]
 
-    def _row_drafts(self, row: int, uid: int, committed: int, most: int) -> int:
+    def _tokens_past_indices(self, table_rows: list[int], uids: list[int],
+                             committed: list[int]) -> list[list[int]]:
+        """Per row, its committed tokens that its n-gram index (a new request's: none) lacks,
+        read from the token pool in one copy (one device sync, not one per row)."""
+        starts = []
+        for row, uid in zip(table_rows, uids):
+            state = self.rows.get(row)
+            index = None if state is None or state.uid != uid else state.index
+            starts.append(0 if index is None else len(index.tokens))
+        if self.draft_model is not None:
+            return [[] for _ in table_rows]
+        counts = [max(0, end - start) for start, end in zip(starts, committed)]
+        if not any(counts):
+            return [[] for _ in table_rows]
+        _, flat = span_indices(table_rows, starts, counts, self.context_len)
+        tokens = self.token_pool.view(-1)[to_device(flat, self.device)].tolist()
+        ends = torch.tensor(counts).cumsum(0).tolist()
+        return [tokens[end - count:end] for count, end in zip(counts, ends)]
+
+    def _row_drafts(self, row: int, uid: int, committed: int, most: int,
+                    fresh: list[int]) -> int:
         """How many drafts the row may take now (0 while it cools down after drafts it kept
-        rejecting); brings its n-gram index up to its committed tokens."""
+        rejecting); brings its n-gram index up to its committed tokens (`fresh`: those it
+        lacks)."""
         state = self.rows.get(row)
         if state is None or state.uid != uid:
             index = (NgramIndex(self.config.min_window, self.config.max_window)
@@ -212,7 +235,7 @@ class Speculator:
         if index is not None and committed < len(index.tokens):
             index.truncate(committed)
         if index is not None and committed > len(index.tokens):
-            index.extend(self.token_pool[row, len(index.tokens):committed].tolist())
+            index.extend(fresh)
         state.last_committed, state.last_drafts = committed, 0
         if most <= 0 or state.cooldown > 0:
             state.cooldown = max(0, state.cooldown - 1)
