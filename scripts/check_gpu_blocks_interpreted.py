@@ -71,9 +71,9 @@ def stand_in_for_the_gpu() -> None:
         return gpu_blocks.gpu_block_weight(slots, torch.device("cpu"))
 
     linear.finished_weight = moe.finished_weight = cuda_form  # linears' and experts'
-    read = hf_quant.read_quantized
-    loader.read_quantized = lambda folder, spec, device: read(folder, spec,
-                                                              torch.device("meta"))
+    reader = hf_quant.QuantizedReader
+    loader.QuantizedReader = lambda folder, spec, device: reader(folder, spec,
+                                                                 torch.device("meta"))
 
 
 def main() -> None:

@@ -4,6 +4,7 @@
 support `src[a:b]` and `src[:, a:b]`, so a rank reads only the rows or columns it owns.
 """
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -14,8 +15,18 @@ from minisgl.layers.quant import WeightBlocks
 
 
 def _read(part: Any) -> Any:
-    return part if isinstance(part, (WeightBlocks, GgufBlocks, Fp8Blocks)) else \
-        torch.as_tensor(part)
+    if isinstance(part, (WeightBlocks, GgufBlocks, Fp8Blocks)):
+        return _owned(part)
+    return torch.as_tensor(part)
+
+
+def _owned(blocks: Any) -> Any:
+    """A shard of blocks in tensors of its own: a view would keep the whole weight's codes
+    alive while loading goes on (every rank would hold all of them)."""
+    changes = {f.name: value.clone() for f in dataclasses.fields(blocks)
+               if isinstance(value := getattr(blocks, f.name), torch.Tensor)
+               and value.untyped_storage().nbytes() > value.numel() * value.element_size()}
+    return dataclasses.replace(blocks, **changes) if changes else blocks
 
 
 def read_rows(source: Any, start: int, length: int) -> Any:

@@ -26,6 +26,7 @@ the zero point (layers.gguf_weight "W4").
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -194,33 +195,40 @@ def fp8_blocks(get: dict[str, torch.Tensor]) -> Fp8Blocks:
     return Fp8Blocks(weight, (scale.expand(out) if scale.numel() == 1 else scale).contiguous())
 
 
-def read_quantized(folder: Path, spec: QuantSpec, device: torch.device
-                   ) -> tuple[dict[str, GgufBlocks | Fp8Blocks], set[str]]:
-    """({HF weight name: blocks} of every quantized linear, the checkpoint tensors they came
-    from, which the dense loader skips)."""
-    from contextlib import ExitStack
+class QuantizedReader:
+    """A quantized checkpoint's linear weights as blocks, read one weight at a time when the
+    loader takes it (`read`), so that only one whole weight's unpacked codes exist at once
+    beside the shards the model keeps. A context manager: the files stay open inside it."""
 
-    from safetensors import safe_open
+    def __init__(self, folder: Path, spec: QuantSpec, device: torch.device) -> None:
+        self.folder, self.spec, self.device = folder, spec, device
+        self.parts: dict[str, dict[str, tuple]] = {}  # HF weight name -> {suffix: (file, key)}
+        self.used: set[str] = set()  # the checkpoint tensors they come from
+        self._files = ExitStack()
 
-    by_prefix: dict[str, dict[str, tuple]] = {}
-    blocks, used = {}, set()
-    with ExitStack() as files:  # NOTE: each file opened once, tensors read as they are needed
-        for file in sorted(folder.glob("*.safetensors")):
-            f = files.enter_context(safe_open(str(file), framework="pt"))
-            for name in f.keys():
-                prefix, _, suffix = name.rpartition(".")
-                if suffix in SUFFIXES[spec.method]:
-                    by_prefix.setdefault(prefix, {})[suffix] = (f, name)
+    def __enter__(self) -> QuantizedReader:
+        from safetensors import safe_open
+
+        by_prefix: dict[str, dict[str, tuple]] = {}
+        for file in sorted(self.folder.glob("*.safetensors")):
+            f = self._files.enter_context(safe_open(str(file), framework="pt"))
+            for key in f.keys():
+                prefix, _, suffix = key.rpartition(".")
+                if suffix in SUFFIXES[self.spec.method]:
+                    by_prefix.setdefault(prefix, {})[suffix] = (f, key)
         for prefix, parts in by_prefix.items():
             quantized = ("weight_scale_inv" in parts or "weight_scale" in parts) if \
-                spec.method == "fp8" else ("qweight" in parts or "weight_packed" in parts)
-            if not quantized:
-                continue
-            get = {suffix: f.get_tensor(name) for suffix, (f, name) in parts.items()}
-            used.update(name for _, name in parts.values())
-            if spec.method != "fp8":
-                blocks[f"{prefix}.weight"] = read_int4(spec, get)
-            else:
-                blocks[f"{prefix}.weight"] = read_fp8(get) if device.type == "cpu" else \
-                    fp8_blocks(get)
-    return blocks, used
+                self.spec.method == "fp8" else ("qweight" in parts or "weight_packed" in parts)
+            if quantized:
+                self.parts[f"{prefix}.weight"] = parts
+                self.used.update(key for _, key in parts.values())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._files.close()
+
+    def read(self, name: str) -> GgufBlocks | Fp8Blocks:
+        get = {suffix: f.get_tensor(key) for suffix, (f, key) in self.parts[name].items()}
+        if self.spec.method != "fp8":
+            return read_int4(self.spec, get)
+        return read_fp8(get) if self.device.type == "cpu" else fp8_blocks(get)

@@ -4,7 +4,9 @@ checkpoint's, then each linear weight brought into the form --quantization asks 
 from __future__ import annotations
 
 import logging
+from contextlib import ExitStack
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -17,7 +19,7 @@ from minisgl.models.dummy_weights import load_dummy
 from minisgl.models.gguf_blocks import stage_block_linears
 from minisgl.models.hf_quant import INT4_METHODS as INT4_CHECKPOINT_METHODS
 from minisgl.models.hf_quant import METHODS as CHECKPOINT_METHODS
-from minisgl.models.hf_quant import QuantSpec, quant_spec, read_quantized
+from minisgl.models.hf_quant import QuantizedReader, QuantSpec, quant_spec
 from minisgl.models.weights import gguf_file, load_config, load_safetensors
 
 logger = logging.getLogger(__name__)
@@ -36,21 +38,29 @@ def load_weights(model: torch.nn.Module, folder: Path, arch: ModelArch, method: 
         load_dummy(model, arch, seed, device, dtype, int4=method == "gguf",
                    int4_groups=method in INT4_CHECKPOINT_METHODS)
     else:
-        staged: dict[str, WeightBlocks | GgufBlocks | Fp8Blocks] = {}
-        skip: set[str] = set()
-        if method in CHECKPOINT_METHODS and (spec := quant_spec(load_config(folder))):
-            staged, skip = _stage_checkpoint(model, folder, spec, device)
-            method = "checkpoint"  # NOTE: what it left dense stays dense (not quantize_fp8)
-        elif method == "gguf":
-            heads = {"num_heads": arch.num_heads, "num_kv_heads": arch.num_kv_heads}
-            staged, kept = stage_block_linears(model, gguf_file(model_path), heads, dtype)
-            if kept:
-                logger.warning("--quantization gguf: %d linear weights (%s) have no block "
-                               "kernel here and run dequantized", len(kept),
-                               ", ".join(sorted(set(kept.values()))))
-        load_safetensors(model, folder, skip=set(staged) | skip)
-        for name, blocks in staged.items():
-            model.load_weight(name, blocks)
+        with ExitStack() as files:
+            staged: dict[str, WeightBlocks | GgufBlocks | Fp8Blocks | None] = {}
+            skip: set[str] = set()
+            read: Callable[[str], GgufBlocks | Fp8Blocks] | None = None
+            if method in CHECKPOINT_METHODS and (spec := quant_spec(load_config(folder))):
+                reader = files.enter_context(QuantizedReader(folder, spec, device))
+                staged = dict.fromkeys(_stage_checkpoint(model, reader, spec, device))
+                skip, read = reader.used, reader.read
+                method = "checkpoint"  # NOTE: what it left dense stays dense (not quantize_fp8)
+            elif method == "gguf":
+                heads = {"num_heads": arch.num_heads, "num_kv_heads": arch.num_kv_heads}
+                staged, kept = stage_block_linears(model, gguf_file(model_path), heads, dtype)
+                if kept:
+                    logger.warning("--quantization gguf: %d linear weights (%s) have no block "
+                                   "kernel here and run dequantized", len(kept),
+                                   ", ".join(sorted(set(kept.values()))))
+            load_safetensors(model, folder, skip=set(staged) | skip)
+            for name in list(staged):
+                # NOTE: one weight at a time, dropped once the model holds its shard (below,
+                # the finished forms are built while these are released layer by layer)
+                blocks = staged.pop(name)
+                model.load_weight(name, read(name) if read is not None else blocks)
+                del blocks
     for module in model.modules():
         if isinstance(getattr(module, "weight", None), (WeightBlocks, BlockSlots)) or (
                 getattr(module, "blocks", None) is not None):  # a linear's, or experts' blocks
@@ -65,12 +75,11 @@ def load_weights(model: torch.nn.Module, folder: Path, arch: ModelArch, method: 
         torch.cuda.empty_cache()  # the released dense weights: the KV pool is sized next
 
 
-def _stage_checkpoint(model: torch.nn.Module, folder: Path, spec: QuantSpec,
-                      device: torch.device) -> tuple[dict[str, GgufBlocks | Fp8Blocks], set[str]]:
-    """A quantized checkpoint's blocks, each target told to expect them; what cannot take them
-    is a one-line refusal."""
-    staged, skip = read_quantized(folder, spec, device)
-    staged = {name: b for name, b in staged.items() if not model.skips(name)}
+def _stage_checkpoint(model: torch.nn.Module, reader: QuantizedReader, spec: QuantSpec,
+                      device: torch.device) -> list[str]:
+    """The quantized weights of a checkpoint the model takes, each target told to expect
+    blocks; what cannot take them is a one-line refusal."""
+    staged = [name for name in reader.parts if not model.skips(name)]
     for name in staged:
         target = model.weight_target(name)
         if target is None:
@@ -83,7 +92,7 @@ def _stage_checkpoint(model: torch.nn.Module, folder: Path, spec: QuantSpec,
                              f"reads only a dense weight{where} (quantized: linear layers and "
                              "experts)")
         module.expect_gguf_blocks()
-    return staged, skip
+    return staged
 
 
 def log_weight_memory(model: torch.nn.Module, method: str, dtype: torch.dtype) -> None:
