@@ -114,91 +114,50 @@ def _locations(engine, rows: list[int], length: int, page_size: int) -> dict:
     return out
 
 
+@pytest.mark.parametrize("width", [1, 4], ids=["decode", "verify"])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("model", list(MODELS))
 def test_graph_replay_matches_eager_and_padding_stays_in_the_dummy_page(
-        flashinfer, model: str, page_size: int) -> None:
+        flashinfer, model: str, page_size: int, width: int) -> None:
+    """Decode steps, and verify steps (speculation: rows of `width` tokens over a cached
+    prefix, FlashInfer's prefill kernel captured at fixed rows), replayed from CUDA graphs:
+    the logits of every token row match eager, and padding rows write KV only to the dummy
+    page."""
     from minisgl.engine.graph import GraphRunner
     engine = make_engine(model, page_size)
     try:
         backend = flashinfer_backend(engine)
         runner = GraphRunner(engine.model, backend, max_bs=8, dummy_row=engine.dummy_row,
-                             dummy_loc=engine.kv_pool.dummy_loc, device=engine.device)
+                             dummy_loc=engine.kv_pool.dummy_loc, device=engine.device,
+                             verify=(width, 8 * width) if width > 1 else None)
         runner.capture()
-        assert sorted(runner.graphs) == [(1, 1), (2, 1), (4, 1), (8, 1)]
+        assert {(b, w) for b, w in runner.graphs if w == width} == {
+            (b, width) for b in (1, 2, 4, 8)}
         engine.kv_pool.buffer.zero_()  # NOTE: defined values, so that unwritten == unchanged
         rows = list(range(8))
         lengths = [30 + 9 * r for r in rows]
         locations = _locations(engine, rows, 200, page_size)
         _prefill_rows(engine, backend, rows, lengths, locations)
         ps, dummy = page_size, engine.kv_pool.dummy_page
+        phase = "decode" if width == 1 else "prefill"
         for n in (3, 8, 5, 1):
-            spans = [(r, lengths[r], 1) for r in rows[:n]]
-            ids = torch.randint(100, 1000, (n,), device=engine.device, dtype=torch.int32)
-            eager, _ = scenario.make_batch("decode", spans, locations, engine.device)
-            backend.prepare_metadata(eager)
-            with torch.inference_mode():
-                want = engine.model(ids, eager.input_positions, eager, backend, None).float()
-            before = engine.kv_pool.buffer.clone()
-            batch, _ = scenario.make_batch("decode", spans, locations, engine.device)
-            runner.pad_batch(batch)
-            backend.prepare_metadata(batch)
-            assert runner.can_run(batch) and (batch.padded_size, 1) in runner.graphs
-            with torch.inference_mode():
-                got = runner.replay(batch, ids, batch.input_positions).float()
-            assert got.shape == want.shape
-            # NOTE: the padding rows join the experts' groups, so the grouped matmul's kernel
-            # (and its bf16 rounding) differs from eager's: kernel against kernel (H200: 0.026)
-            tolerance = BF16_REL_TOL if model == "qwen3-moe" else GRAPH_REL_TOL
-            assert scenario.relative_error(got, want) < tolerance
-            changed = (engine.kv_pool.buffer != before).flatten(0, 2).any(-1).any(0).nonzero()
-            real = set(eager.out_loc.tolist())
-            stray = [int(loc) for loc in changed.flatten() if int(loc) not in real
-                     and int(loc) // ps != dummy]
-            assert not stray, f"padding rows wrote KV locations {stray[:5]}"
-    finally:
-        engine.shutdown()
-
-
-@pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("model", list(MODELS))
-def test_verify_graph_replay_matches_eager_and_padding_stays_in_the_dummy_page(
-        flashinfer, model: str, page_size: int) -> None:
-    """Verify steps (speculation) in CUDA graphs: rows of 4 tokens over a cached prefix, the
-    FlashInfer prefill kernel captured at fixed rows; logits of every token row match eager,
-    and padding rows write KV only to the dummy page."""
-    from minisgl.engine.graph import GraphRunner
-    width = 4
-    engine = make_engine(model, page_size)
-    try:
-        backend = flashinfer_backend(engine)
-        runner = GraphRunner(engine.model, backend, max_bs=8, dummy_row=engine.dummy_row,
-                             dummy_loc=engine.kv_pool.dummy_loc, device=engine.device,
-                             verify=(width, 8 * width))
-        runner.capture()
-        assert runner.verify_shape == (width, 8) and (8, width) in runner.graphs
-        engine.kv_pool.buffer.zero_()
-        rows = list(range(8))
-        lengths = [30 + 9 * r for r in rows]
-        locations = _locations(engine, rows, 200, page_size)
-        _prefill_rows(engine, backend, rows, lengths, locations)
-        ps, dummy = page_size, engine.kv_pool.dummy_page
-        for n in (3, 8, 1):
             spans = [(r, lengths[r], width) for r in rows[:n]]
             ids = torch.randint(100, 1000, (n * width,), device=engine.device, dtype=torch.int32)
-            eager, _ = scenario.make_batch("prefill", spans, locations, engine.device)
+            eager, _ = scenario.make_batch(phase, spans, locations, engine.device)
             backend.prepare_metadata(eager)
             with torch.inference_mode():
                 want = engine.model(ids, eager.input_positions, eager, backend, None).float()
             before = engine.kv_pool.buffer.clone()
-            batch, _ = scenario.make_batch("prefill", spans, locations, engine.device)
-            batch.row_tokens = width
+            batch, _ = scenario.make_batch(phase, spans, locations, engine.device)
+            batch.row_tokens = 0 if width == 1 else width
             runner.pad_batch(batch)
             backend.prepare_metadata(batch)
-            assert runner.can_run(batch)
+            assert runner.can_run(batch) and (batch.padded_size, width) in runner.graphs
             with torch.inference_mode():
                 got = runner.replay(batch, ids, batch.input_positions).float()
             assert got.shape == want.shape == (n * width, want.shape[1])
+            # NOTE: the padding rows join the experts' groups, so the grouped matmul's kernel
+            # (and its bf16 rounding) differs from eager's: kernel against kernel (H200: 0.026)
             tolerance = BF16_REL_TOL if model == "qwen3-moe" else GRAPH_REL_TOL
             assert scenario.relative_error(got, want) < tolerance
             changed = (engine.kv_pool.buffer != before).flatten(0, 2).any(-1).any(0).nonzero()
