@@ -169,6 +169,24 @@ def test_graph_replay_matches_eager_and_padding_stays_in_the_dummy_page(
         engine.shutdown()
 
 
+def test_verify_graphs_capture_at_the_8b_shape(flashinfer) -> None:
+    """Speculation's default verify graphs (up to 64 rows of 8 tokens) at Llama-3.1-8B's heads:
+    FlashInfer's prefill plan in graph mode splits the KV for a padded count of tiles, more
+    float workspace than the default 128 MiB (the backend grows it before capturing)."""
+    from minisgl.engine.graph import GraphRunner
+    engine = make_engine("llama8b", 16, max_running_requests=64)
+    try:
+        backend = flashinfer_backend(engine)
+        runner = GraphRunner(engine.model, backend, max_bs=64, dummy_row=engine.dummy_row,
+                             dummy_loc=engine.kv_pool.dummy_loc, device=engine.device,
+                             verify=(8, 512))
+        runner.capture()
+        assert runner.verify_shape == (8, 64)
+        assert backend.float_workspace.numel() > 128 * 2**20
+    finally:
+        engine.shutdown()
+
+
 def _decode_forward_input(engine, reqs, spans, locations):
     from minisgl.engine import ForwardInput
     ctx = engine.context_len

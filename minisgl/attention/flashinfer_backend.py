@@ -104,6 +104,19 @@ def page_indices(page_table: torch.Tensor, gather: torch.Tensor, num_pages: int,
     return torch.div(locations, page_size, rounding_mode="floor")
 
 
+def prefill_graph_workspace(rows: int, width: int, qo_heads: int, kv_heads: int,
+                            head_dim: int, sms: int) -> int:
+    """Float workspace bytes FlashInfer's prefill plan may take in CUDA-graph mode for `rows`
+    rows of `width` tokens (an upper bound): it always splits the KV there, and keeps partial
+    outputs and sums for a padded count of query tiles (up to 128 rows of packed heads each):
+    the larger of two blocks per SM over the KV heads and the rows' own tiles (its
+    scheduler.cuh)."""
+    tile = 128
+    tiled_rows = max(2 * sms // kv_heads * tile,
+                     rows * width * (qo_heads // kv_heads) + rows * tile)
+    return qo_heads * tiled_rows * (head_dim + 1) * 4 + (16 << 20)
+
+
 def paged_view(cache: torch.Tensor, page_size: int) -> torch.Tensor:
     """[kv_heads, locations, head_dim] -> strided HND view [pages, kv_heads, page_size, head_dim]
     of the same memory: view[p, h, e] is cache[h, p * page_size + e]."""
@@ -172,6 +185,16 @@ class FlashInferBackend(AttentionBackend):
         # stream, and the variants of one batch are planned before its first layer runs
         wrapper.reset_workspace_buffer(self.float_workspace, self.int_workspaces[window])
         return wrapper
+
+    def _grow_float_workspace(self, nbytes: int) -> None:
+        """At least `nbytes` of float workspace for every wrapper made so far and later."""
+        if nbytes <= self.float_workspace.numel():
+            return
+        torch.cuda.synchronize(self.device)  # NOTE: no kernel may still use the old one
+        self.float_workspace = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+        for wrappers in (self.prefill_wrappers, self.decode_wrappers):
+            for window, wrapper in wrappers.items():
+                wrapper.reset_workspace_buffer(self.float_workspace, self.int_workspaces[window])
 
     @property
     def use_tensor_cores(self) -> bool:
@@ -255,9 +278,16 @@ class FlashInferBackend(AttentionBackend):
 
     # ---- CUDA graphs (used by minisgl.engine.graph.GraphRunner) ------------------------------
 
-    def init_graphs(self, max_bs: int) -> None:
+    def init_graphs(self, max_bs: int, verify_width: int = 0, verify_rows: int = 0) -> None:
         """Static indptr / indices / last_page_len (and, for verify steps, qo_indptr) buffers,
-        shared by every captured size (one graph replays at a time, each after its own plan)."""
+        shared by every captured size (one graph replays at a time, each after its own plan);
+        a float workspace large enough for the verify graphs (before any graph holds it)."""
+        if verify_width > 1 and verify_rows > 0:
+            assert self.num_qo_heads is not None
+            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            self._grow_float_workspace(prefill_graph_workspace(
+                verify_rows, verify_width, self.num_qo_heads, self.num_kv_heads, self.head_dim,
+                sms))
         max_pages = max_bs * (-(-self.context_len // self.page_size))
         self._graph_buffers = (
             torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device),

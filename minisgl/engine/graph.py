@@ -120,7 +120,6 @@ class GraphRunner:
             return
         started = time.perf_counter()
         free_before = torch.cuda.mem_get_info(self.device)[0]
-        self.backend.init_graphs(self.max_bs)  # NOTE: verify sizes are no larger
         stream = torch.cuda.Stream(device=self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -130,6 +129,9 @@ class GraphRunner:
             self.backend.prepare_metadata(warm)
             vocab_row = self._run(warm, self.max_bs)[:1]
             self.logits = vocab_row.new_empty((self.input_ids.numel(), vocab_row.shape[1]))
+        # NOTE: after the eager step (the backend knows its heads), before any graph
+        verify_rows = self.sizes[self.verify_width][-1] if self.verify_width else 0
+        self.backend.init_graphs(self.max_bs, self.verify_width, verify_rows)
         self.pool = torch.cuda.graph_pool_handle()
         # NOTE: the most tokens first, so smaller graphs reuse its pool
         shapes = sorted(((bs, width) for width, sizes in self.sizes.items() for bs in sizes),

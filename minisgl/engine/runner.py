@@ -10,7 +10,8 @@ import torch
 
 from minisgl.core import Batch
 from minisgl.distributed.context import TPInfo, broadcast
-from minisgl.engine.forward import ForwardInput, ForwardOutput, InputLogprobs, to_host
+from minisgl.engine.forward import (ForwardInput, ForwardOutput, InputLogprobs, VerifyRows,
+                                    to_host)
 from minisgl.engine.graph import GraphRunner
 from minisgl.engine.lora import LoraModules
 from minisgl.engine.pooling import last_token_embeddings
@@ -64,7 +65,7 @@ class ModelRunner:
         output.embeddings = embeddings
         if self.speculator is not None and fwd.verify is None:
             self.speculator.record_step(fwd)
-        self._count(fwd.batch, started, verify=fwd.verify is not None)
+        self._count(fwd.batch, started, verify=fwd.verify)
         return output
 
     def _logits(self, fwd: ForwardInput
@@ -116,15 +117,15 @@ class ModelRunner:
             top_logprobs=None if tops is None else (to_host(tops[0]), to_host(tops[1])),
             input_logprobs=scored)
 
-    def _count(self, batch: Batch, started: float, verify: bool) -> None:
+    def _count(self, batch: Batch, started: float, verify: VerifyRows | None) -> None:
         """NOTE: on CPU this is the real compute time; on CUDA only the launch time. A verify
-        step counts as decode, every token it forwards too."""
-        phase = "decode" if verify else batch.phase
+        step counts as decode, with its rows' tokens (not the fillers of a graph's layout)."""
+        phase = "decode" if verify is not None else batch.phase
         seconds = time.perf_counter() - started
         self.phase_seconds[phase] += seconds
         self.phase_steps[phase] += 1
         if phase == "decode":
-            tokens = sum(batch.extend_lens[:batch.size]) if verify else batch.size
+            tokens = sum(verify.counts) if verify is not None else batch.size  # no fillers
             self.forwarded_tokens["decode"] += tokens
             if self.speculator is not None:
                 self.speculator.observe_step(tokens, seconds)

@@ -153,7 +153,7 @@ class Speculator:
         starts = [c - 1 for c in committed]
         ctx = self.context_len
         width = self.graph_width if (
-            max(verify.counts) > 1 and len(table_rows) <= self.graph_rows
+            1 < max(verify.counts) <= self.graph_width and len(table_rows) <= self.graph_rows
             and max(starts) + self.graph_width <= ctx) else 0
         spans = [width] * len(table_rows) if width else verify.counts
         positions, flat = span_indices(table_rows, starts, spans, ctx)
@@ -355,7 +355,7 @@ class Speculator:
         width = emitted.shape[1]
         at = (first[:, None] + torch.arange(width, device=first.device)).clamp(
             max=len(logits) - 1)
-        logp = torch.log_softmax(logits.float(), dim=-1)[at]  # [B, W, V]
+        logp = torch.log_softmax(logits[at].float(), dim=-1)  # [B, W, V]
         values = logp.gather(2, emitted[..., None])[..., 0]
         assert sample.logprobs is not None
         values[:, 0] = torch.where(drafting, values[:, 0], sample.logprobs)
