@@ -110,7 +110,7 @@ def prefill_graph_workspace(rows: int, width: int, qo_heads: int, kv_heads: int,
     rows of `width` tokens (an upper bound): it always splits the KV there, and keeps partial
     outputs and sums for a padded count of query tiles (up to 128 rows of packed heads each):
     the larger of two blocks per SM over the KV heads and the rows' own tiles (its
-    scheduler.cuh)."""
+    scheduler.cuh), plus slack for its alignment."""
     tile = 128
     tiled_rows = max(2 * sms // kv_heads * tile,
                      rows * width * (qo_heads // kv_heads) + rows * tile)

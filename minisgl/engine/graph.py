@@ -130,8 +130,7 @@ class GraphRunner:
             vocab_row = self._run(warm, self.max_bs)[:1]
             self.logits = vocab_row.new_empty((self.input_ids.numel(), vocab_row.shape[1]))
         # NOTE: after the eager step (the backend knows its heads), before any graph
-        verify_rows = self.sizes[self.verify_width][-1] if self.verify_width else 0
-        self.backend.init_graphs(self.max_bs, self.verify_width, verify_rows)
+        self.backend.init_graphs(self.max_bs, *self.verify_shape)
         self.pool = torch.cuda.graph_pool_handle()
         # NOTE: the most tokens first, so smaller graphs reuse its pool
         shapes = sorted(((bs, width) for width, sizes in self.sizes.items() for bs in sizes),
@@ -153,16 +152,16 @@ class GraphRunner:
             self.lora.step = None
         self.capture_seconds = time.perf_counter() - started
         used = free_before - torch.cuda.mem_get_info(self.device)[0]
-        logger.info("CUDA graphs: %d decode sizes up to %d%s captured in %.1f s (%.0f MiB)",
-                    len(self.sizes[1]), self.max_bs,
-                    f", {len(self.sizes[self.verify_width])} verify sizes up to "
-                    f"{self.sizes[self.verify_width][-1]} rows of {self.verify_width} tokens"
-                    if self.verify_width else "", self.capture_seconds, used / 2**20)
+        width, rows = self.verify_shape
+        verify = f", verify sizes up to {rows} rows of {width} tokens" if width else ""
+        logger.info("CUDA graphs: %d sizes (decode up to %d%s) captured in %.1f s (%.0f MiB)",
+                    len(self.graphs), self.max_bs, verify, self.capture_seconds,
+                    used / 2**20)
 
     @property
     def verify_shape(self) -> tuple[int, int]:
         """(tokens a row, most rows) of the verify graphs; (0, 0) without any."""
-        if not self.verify_width or not self.graphs:
+        if not self.verify_width:
             return 0, 0
         return self.verify_width, self.sizes[self.verify_width][-1]
 

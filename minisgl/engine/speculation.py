@@ -22,6 +22,7 @@ tokens, its last token and drafts, then fillers (`pad_for_graphs`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -157,8 +158,7 @@ class Speculator:
             and max(starts) + self.graph_width <= ctx) else 0
         spans = [width] * len(table_rows) if width else verify.counts
         positions, flat = span_indices(table_rows, starts, spans, ctx)
-        _, written = span_indices(table_rows, starts, verify.counts, ctx) if width else (
-            None, flat)
+        written = span_indices(table_rows, starts, verify.counts, ctx)[1] if width else flat
         drafted = [(row * ctx + start + 1, d) for row, start, d in zip(table_rows, starts,
                                                                          verify.drafts) if d]
         if drafted:
@@ -170,8 +170,7 @@ class Speculator:
         batch.extend_lens = spans
         batch.seq_lens = [s + c for s, c in zip(starts, spans)]
         batch.row_tokens = width
-        verify.offsets = [i * width for i in range(len(spans))] if width else (
-            torch.tensor(spans).cumsum(0) - torch.tensor(spans)).tolist()
+        verify.offsets = list(accumulate(spans[:-1], initial=0))
         flat_d = to_device(flat, self.device)
         batch.input_positions = to_device(positions, self.device)
         batch.out_loc = self.page_table.view(-1)[flat_d].to(torch.int64)
@@ -197,19 +196,19 @@ class Speculator:
                              committed: list[int]) -> list[list[int]]:
         """Per row, its committed tokens that its n-gram index (a new request's: none) lacks,
         read from the token pool in one copy (one device sync, not one per row)."""
+        if self.draft_model is not None:
+            return [[] for _ in table_rows]
         starts = []
         for row, uid in zip(table_rows, uids):
             state = self.rows.get(row)
-            index = None if state is None or state.uid != uid else state.index
-            starts.append(0 if index is None else len(index.tokens))
-        if self.draft_model is not None:
-            return [[] for _ in table_rows]
+            starts.append(len(state.index.tokens) if state is not None and state.uid == uid
+                          and state.index is not None else 0)
         counts = [max(0, end - start) for start, end in zip(starts, committed)]
         if not any(counts):
             return [[] for _ in table_rows]
         _, flat = span_indices(table_rows, starts, counts, self.context_len)
         tokens = self.token_pool.view(-1)[to_device(flat, self.device)].tolist()
-        ends = torch.tensor(counts).cumsum(0).tolist()
+        ends = list(accumulate(counts))
         return [tokens[end - count:end] for count, end in zip(counts, ends)]
 
     def _row_drafts(self, row: int, uid: int, committed: int, most: int,

@@ -55,12 +55,9 @@ def load_weights(model: torch.nn.Module, folder: Path, arch: ModelArch, method: 
                                    "kernel here and run dequantized", len(kept),
                                    ", ".join(sorted(set(kept.values()))))
             load_safetensors(model, folder, skip=set(staged) | skip)
-            for name in list(staged):
-                # NOTE: one weight at a time, dropped once the model holds its shard (below,
-                # the finished forms are built while these are released layer by layer)
+            for name in list(staged):  # NOTE: one weight at a time, released once loaded
                 blocks = staged.pop(name)
-                model.load_weight(name, read(name) if read is not None else blocks)
-                del blocks
+                model.load_weight(name, blocks if read is None else read(name))
     for module in model.modules():
         if isinstance(getattr(module, "weight", None), (WeightBlocks, BlockSlots)) or (
                 getattr(module, "blocks", None) is not None):  # a linear's, or experts' blocks
