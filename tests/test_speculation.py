@@ -27,6 +27,7 @@ from minisgl.engine.forward import ForwardInput, VerifyRows
 from minisgl.engine.ngram import NgramIndex
 from minisgl.engine.speculation import SpecConfig, Speculator
 from minisgl.engine.tp_message import StepMessage
+from minisgl.layers.quant import vnni_kernels
 from minisgl.models import resolve_model_path
 from tests import reference as ref
 from tests.test_scheduler import FUZZ_ARGS, abort_fuzz
@@ -198,6 +199,29 @@ def test_greedy_output_equals_plain_decoding(plain, args: dict) -> None:
     assert copied["spec_verify_ct"] < copied["completion_tokens"] / 2, copied
     assert copied["spec_accept_length"] == pytest.approx(
         copied["completion_tokens"] / copied["spec_verify_ct"])
+
+
+@pytest.mark.skipif(vnni_kernels() is None, reason="the 4-bit block kernel needs AVX-512 VNNI")
+def test_served_in_bfloat16_blocks_the_output_is_exactly_plain_decodings() -> None:
+    """The CPU serving default (bfloat16, the GGUF's 4-bit blocks, the LM head's 8-bit copy):
+    every kernel a token row goes through computes it the same whatever rows share the call, so
+    verify steps of 4 requests' drafts (up to 16 tokens) give plain decoding's tokens exactly,
+    not merely within float noise. (A head that switched kernels past 8 rows changed the 75th
+    token of the third question.)"""
+    questions = ["Describe your ideal weekend.", "Write a haiku about autumn.",
+                 "Give me three tips for learning a new language.", "How do vaccines work?"]
+    outs = []
+    for spec in ({}, SPEC):
+        with LLM(dtype="bfloat16", max_total_tokens=8192, max_running_requests=4,
+                 **spec) as llm:
+            assert llm.runtime.engine.quantization == "gguf"
+            chats = [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}],
+                                                       tokenize=False, add_generation_prompt=True)
+                     for q in questions]
+            outs.append(llm.generate(chats, {"temperature": 0, "max_new_tokens": 96}))
+            state = llm.runtime.state()
+    assert [o["output_ids"] for o in outs[1]] == [o["output_ids"] for o in outs[0]]
+    assert state["spec_accepted_tokens"] > 30, state
 
 
 @pytest.mark.parametrize("draft, args", [

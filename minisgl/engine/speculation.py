@@ -35,11 +35,13 @@ from minisgl.engine.draft_model import DraftModel
 from minisgl.engine.forward import ForwardInput, ForwardOutput, to_host
 from minisgl.engine.ngram import NgramIndex
 from minisgl.engine.sampler import SampleOutput, Sampler, argmax, to_device, unpack_bitmask
+from minisgl.layers.embedding import INT8_MAX_ROWS
 
 MAX_COOLDOWN = 16  # steps a row drafts nothing after drafts it kept rejecting (doubling)
 # Tokens a verify step may forward before drafts stop paying: beyond them the step's cost
-# grows with its tokens (measured: BENCHMARKS.md, "Speculative decoding").
-BATCH_TOKENS = {"cpu": 32, "cuda": 512}
+# grows with its tokens (measured: BENCHMARKS.md, "Speculative decoding"). On CPU also the rows
+# the LM head's 8-bit copy takes, as it takes a decode batch's (layers.embedding).
+BATCH_TOKENS = {"cpu": INT8_MAX_ROWS, "cuda": 512}
 # Committed tokens a draft model catches up on in one step (a prompt over several steps).
 CATCH_UP_TOKENS = {"cpu": 512, "cuda": 8192}
 
@@ -260,6 +262,10 @@ class Speculator:
         if mask is not None and fwd.grammar is not None and any(
                 verify.drafts[i] for i in fwd.grammar.row_ids):
             logits, mask = self._mask_drafted(fwd, logits), None
+        if (device.type == "cpu" and mask is None and self.draft_model is None
+                and args.greedy_only and not args.return_logprobs and args.penalties is None
+                and args.banned is None and args.bias is None):
+            return self._verify_argmax(fwd, logits)
         counts = to_device(torch.tensor(verify.counts), device)
         width = max(verify.counts)
         first = to_device(torch.tensor(verify.offsets), device)  # each row's first token row
@@ -310,6 +316,32 @@ class Speculator:
             self._logprobs(output, logits, first, emitted, sample, counts > 1,
                            args.top_logprobs_num)
         return output, stored
+
+    def _verify_argmax(self, fwd: ForwardInput, logits: torch.Tensor
+                       ) -> tuple[ForwardOutput, torch.Tensor]:
+        """verify() where every row takes the raw argmax (CPU): acceptance on the host's lists,
+        one argmax over the step's logits, no per-row tensor ops."""
+        verify, batch = fwd.verify, fwd.batch
+        assert verify is not None
+        targets = argmax(logits).tolist()
+        width = max(verify.counts)
+        emitted: list[list[int]] = []
+        stored: list[int] = []
+        counts: list[int] = []
+        for offset, drafts, count in zip(verify.offsets, verify.drafts, verify.counts):
+            kept = 0
+            while kept < len(drafts) and drafts[kept] == targets[offset + kept]:
+                kept += 1
+            tokens = drafts[:kept] + [targets[offset + kept]]
+            counts.append(len(tokens))
+            row = tokens + [0] * (width - len(tokens))
+            emitted.append(row)
+            stored += row[:count]  # a token row per forwarded token: past `counts`, unused
+        self.committed[torch.tensor(batch.table_rows[:batch.size])] += torch.tensor(counts)
+        return ForwardOutput(token_ids=torch.tensor(emitted, dtype=torch.int32),
+                             counts=torch.tensor(counts),
+                             drafted=torch.tensor([c - 1 for c in verify.counts])
+                             ), torch.tensor(stored, dtype=torch.int32)
 
     def _mask_drafted(self, fwd: ForwardInput, logits: torch.Tensor) -> torch.Tensor:
         """The logits of every token a grammar row forwards, under its grammar's mask there:

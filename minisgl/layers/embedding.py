@@ -15,9 +15,11 @@ from minisgl.layers.quant import VnniWeight, int8_weight, vnni_kernels
 from minisgl.layers.w8a8 import Int8ChannelWeight, fits_int8
 from minisgl.layers.shard import copy_into, read_rows
 
-# NOTE: the 8-bit VNNI kernel is used on the LM head only while it beats the bf16 GEMM there,
-# at a few rows (the crossover: BENCHMARKS.md, "Quantized weights").
-INT8_MAX_ROWS = 8
+# NOTE: the 8-bit VNNI kernel is used on the LM head while it is about as fast as the bf16
+# GEMM there (the crossover, the head streamed from memory: BENCHMARKS.md, "Quantized weights").
+# A CPU verify step forwards at most this many tokens (engine.speculation), so its rows' logits
+# come from the same kernel as a decode batch's: speculation leaves greedy output unchanged.
+INT8_MAX_ROWS = 32
 
 
 class VocabParallelEmbedding(Layer):
