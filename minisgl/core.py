@@ -385,6 +385,11 @@ def span_indices(rows: list[int], starts: list[int], counts: list[int], context_
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Spans [start, start + count) of table rows, concatenated: their positions, and their
     flat indices into a [rows, context_len] table (the token pool, the page table)."""
+    if sum(counts) <= 64:  # NOTE: a decode or verify step's few: lists beat 8 tensor ops
+        positions = [start + j for start, count in zip(starts, counts) for j in range(count)]
+        rows_of = [row for row, count in zip(rows, counts) for _ in range(count)]
+        return torch.tensor(positions, dtype=torch.int64), torch.tensor(
+            [row * context_len + p for row, p in zip(rows_of, positions)], dtype=torch.int64)
     counts_t = torch.tensor(counts)
     positions = torch.arange(int(counts_t.sum())) + torch.repeat_interleave(
         torch.tensor(starts) - (counts_t.cumsum(0) - counts_t), counts_t)

@@ -21,7 +21,7 @@ import torch
 
 from minisgl import LLM
 from minisgl.args import ServerArgs
-from minisgl.core import Batch
+from minisgl.core import Batch, span_indices
 from minisgl.engine.acceptance import accept_greedy, accept_sampled
 from minisgl.engine.forward import ForwardInput, VerifyRows
 from minisgl.engine.ngram import NgramIndex
@@ -239,6 +239,18 @@ def test_draft_model_greedy_output_equals_plain_decoding(plain, drafts, draft: s
         assert state["spec_accept_length"] > 3.5, state
     else:  # so the comparison went through many rejections
         assert state["spec_accept_length"] < 3.0, state
+
+
+@pytest.mark.parametrize("count", [0, 1, 4, 20], ids=["empty", "decode", "verify", "prefill"])
+def test_span_indices_list_each_span_in_order(count: int) -> None:
+    """A step's few tokens take a path of lists, a prefill's of tensor ops: the same spans."""
+    rows, starts = [3, 0, 7, 5], [10, 0, 250, 33]
+    counts = [count, 2 * count, count, count // 2]
+    positions, flat = span_indices(rows, starts, counts, 256)
+    want = [(row, start + j) for row, start, n in zip(rows, starts, counts) for j in range(n)]
+    assert positions.dtype == flat.dtype == torch.int64
+    assert positions.tolist() == [p for _, p in want]
+    assert flat.tolist() == [row * 256 + p for row, p in want]
 
 
 @pytest.mark.parametrize("graph_rows", [2, 1], ids=["padded", "packed"])
