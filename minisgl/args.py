@@ -17,7 +17,7 @@ DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
     "max_running_requests": {"cuda": 256, "cpu": 128},
     "mem_fraction_static": {"cuda": 0.85, "cpu": 0.25},
     "page_size": {"cuda": 1, "cpu": 16},
-    "speculative_num_draft_tokens": {"cuda": 8, "cpu": 4},
+    "speculative_num_draft_tokens": {"cuda": 8, "cpu": 6},
 }
 # --chunked-prefill-size's default; on CPU the engine may pick a smaller one (see
 # engine.chunking), with --enable-mixed-chunk CPU_MIXED_CHUNK.
@@ -162,7 +162,7 @@ class ServerArgs:
         "(greedy and sampled outputs keep their distribution).")
     speculative_num_draft_tokens: int | None = _flag(
         None, "Tokens per request in a verify forward: its last token and up to this many "
-        "minus one drafts (default: 4 on CPU, 8 on CUDA).")
+        "minus one drafts (default: 6 on CPU, 8 on CUDA).")
     speculative_num_steps: int | None = _flag(
         None, "Drafted tokens per step (a chain: --speculative-num-draft-tokens minus one); "
         "give either, or both agreeing.")
