@@ -206,8 +206,7 @@ def test_served_in_bfloat16_blocks_the_output_is_exactly_plain_decodings() -> No
     """The CPU serving default (bfloat16, the GGUF's 4-bit blocks, the LM head's 8-bit copy):
     every kernel a token row goes through computes it the same whatever rows share the call, so
     verify steps of 4 requests' drafts (up to 16 tokens) give plain decoding's tokens exactly,
-    not merely within float noise. (A head that switched kernels past 8 rows changed the 75th
-    token of the third question.)"""
+    not merely within float noise."""
     questions = ["Describe your ideal weekend.", "Write a haiku about autumn.",
                  "Give me three tips for learning a new language.", "How do vaccines work?"]
     outs = []

@@ -56,6 +56,12 @@ class SamplingArgs:
     return_logprobs: bool = False
     top_logprobs_num: int = 0  # K, the largest top_logprobs_num asked in the batch
 
+    @property
+    def raw_argmax(self) -> bool:
+        """Every row takes the argmax of its raw logits: greedy, nothing adjusts them."""
+        return (self.greedy_only and self.penalties is None and self.banned is None
+                and self.bias is None)
+
 
 @dataclass
 class SampleOutput:

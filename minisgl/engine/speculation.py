@@ -263,8 +263,7 @@ class Speculator:
                 verify.drafts[i] for i in fwd.grammar.row_ids):
             logits, mask = self._mask_drafted(fwd, logits), None
         if (device.type == "cpu" and mask is None and self.draft_model is None
-                and args.greedy_only and not args.return_logprobs and args.penalties is None
-                and args.banned is None and args.bias is None):
+                and args.raw_argmax and not args.return_logprobs):
             return self._verify_argmax(fwd, logits)
         counts = to_device(torch.tensor(verify.counts), device)
         width = max(verify.counts)
