@@ -5,6 +5,7 @@ side in one run (model forward only, random weights, the shipped real shapes wit
     python scripts/bench_moe.py --config mixtral-8x7b --layers 1 --steps 5
     MINISGL_DISABLE_CPU_KERNELS=1 python scripts/bench_moe.py   # torch's grouped matmul
     python scripts/bench_moe.py --kernel   # the experts' matmul alone: ours vs torch's
+    python scripts/bench_moe.py --lora --rows 1 32 64   # 0, 1 and 8 adapters on every linear
 
 The dense equivalent keeps the attention and swaps each layer's experts for one MLP as wide as
 the k experts a token goes to (Qwen3-30B-A3B: 8 x 768 = 6144; Mixtral: 2 x 14336), so both read
@@ -27,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_decode_step import decode_step_seconds  # noqa: E402 (this folder)
+from bench_decode_step import decode_batch, decode_step_seconds  # noqa: E402 (this folder)
 from minisgl.engine import Engine, EngineConfig  # noqa: E402
 from minisgl.models.arch import ModelArch  # noqa: E402
 from minisgl.models.weights import load_config, resolve_model_path  # noqa: E402
@@ -36,13 +37,59 @@ DENSE_ARCHITECTURE = {"Qwen3MoeForCausalLM": ("Qwen3ForCausalLM", "qwen3"),
                       "MixtralForCausalLM": ("MistralForCausalLM", "mistral")}
 
 
-def build(config: str, overrides: dict, args: argparse.Namespace) -> Engine:
+def build(config: str, overrides: dict, args: argparse.Namespace, **flags) -> Engine:
     most = max(args.rows)
     return Engine(EngineConfig(
         model_path=config, load_format="dummy", dtype=args.dtype, max_running_requests=most,
         max_total_tokens=most * (args.context + 8) + 16,
         json_model_override_args=json.dumps({"num_hidden_layers": args.layers,
-                                             "vocab_size": args.vocab, **overrides})))
+                                             "vocab_size": args.vocab, **overrides}), **flags))
+
+
+LORA_RANK, LORA_SLOTS = 16, 8
+
+
+def lora_table(args: argparse.Namespace) -> None:
+    """The MoE decode step with rank-16 adapters on every linear and every expert (random
+    weights written straight into the slots): rows of 0, 1 or 8 distinct adapters, beside the
+    same model without --enable-lora."""
+    from minisgl.engine.lora import lora_step
+    from minisgl.layers.lora import ExpertLora
+    times: dict[str, dict[int, float]] = {}
+    plain = build(args.config, {}, args)
+    times["no --enable-lora"] = {rows: decode_step_seconds(plain, rows, args.context,
+                                                           args.steps) * 1e3
+                                 for rows in args.rows}
+    plain.shutdown()
+    del plain
+    engine = build(args.config, {}, args, enable_lora=True, max_lora_rank=LORA_RANK,
+                   max_loras_per_batch=LORA_SLOTS, lora_target_modules=["all"])
+    lora = engine.lora
+    slots = [s for b in lora.buffers for s in ((b.gate_up, b.down) if isinstance(b, ExpertLora)
+                                               else (b,)) if s is not None]
+    tensors = [t for s in slots for t in (s.a, *s.b)]
+    gen = torch.Generator().manual_seed(0)
+    for tensor in tensors:
+        tensor.copy_(torch.randn(tensor.shape, generator=gen) * 0.02)
+    print(f"LoRA buffers: {sum(t.nbytes for t in tensors) / 1e6:.0f} MB", flush=True)
+    for adapters in (0, 1, LORA_SLOTS):
+        label = f"{adapters} adapters"
+        times[label] = {}
+        for rows in args.rows:
+            batch, _ = decode_batch(engine, rows, args.context)
+            batch.lora_slots = [i % adapters if adapters else -1 for i in range(rows)]
+            lora.context.step = lora_step(batch, lora.layout, engine.dtype)
+            times[label][rows] = decode_step_seconds(engine, rows, args.context,
+                                                     args.steps) * 1e3
+    engine.shutdown()
+    print(f"\n{args.config}, {args.layers} layers, vocabulary {args.vocab}, rank {LORA_RANK}, "
+          f"context {args.context}, {torch.get_num_threads()} threads; decode step ms")
+    print("| rows | " + " | ".join(times) + " | 8 adapters / no --enable-lora |")
+    print("|---|" + "---|" * (len(times) + 1))
+    for rows in args.rows:
+        ratio = times["no --enable-lora"][rows] / times[f"{LORA_SLOTS} adapters"][rows]
+        print(f"| {rows} | " + " | ".join(f"{t[rows]:.1f}" for t in times.values()) +
+              f" | {ratio:.2f}x |")
 
 
 def kernel_table() -> None:
@@ -88,9 +135,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--kernel", action="store_true", help="the experts' matmul alone")
+    parser.add_argument("--lora", action="store_true", help="with adapters on the experts")
     args = parser.parse_args()
     if args.kernel:
         return kernel_table()
+    if args.lora:
+        return lora_table(args)
     arch = ModelArch.from_config(load_config(resolve_model_path(args.config)))
     moe = arch.moe
     assert moe is not None, f"{args.config} is not a mixture of experts"

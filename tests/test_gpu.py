@@ -507,12 +507,9 @@ def test_moe_experts_on_cuda_match_float32_math() -> None:
         for weight, expert in zip(weights[row].float().tolist(), ids[row].tolist()):
             gate, up = (experts.gate_up[expert].float() @ x[row].float()).chunk(2)
             expected[row] += weight * (experts.down[expert].float() @ (F.silu(gate) * up))
-    order = torch.argsort(ids.flatten(), stable=True)
-    counts = torch.bincount(ids.flatten(), minlength=16).tolist()
-    per_expert = experts._per_expert(x.index_select(0, order // 4), counts)
-    per_expert = torch.zeros_like(x).index_add_(
-        0, order // 4, per_expert * weights.flatten()[order, None])
-    outputs = [per_expert] + ([experts(x, weights, ids)] if grouped_mm_runs(x) else [])
+    grouped = experts(x, weights, ids) if grouped_mm_runs(x) else None
+    experts.per_expert = lambda x: True
+    outputs = [experts(x, weights, ids)] + ([grouped] if grouped is not None else [])
     for out in outputs:
         err = (out.float() - expected).norm() / expected.norm()
         assert err < FUSED_REL_TOL * 2, err
@@ -546,6 +543,33 @@ def test_lora_mixed_batch_on_cuda(tmp_path, head_dim: int) -> None:
         llm.check_integrity()
     if graphs is not None:  # adapter rows decoded inside the graphs
         assert any(slots is not None and max(slots) >= 0 for slots in replays), replays
+    assert_within_margin_of_merged(base, adapters, prompts, names, outs, TOP2_MARGIN_BF16)
+
+
+def test_lora_on_experts_on_cuda(tmp_path) -> None:
+    """Adapters on a Qwen3-MoE's experts (and its attention) on CUDA in bfloat16: each (token,
+    expert) pair through the per-token Triton kernel, decode steps inside the graphs; rows of
+    two adapters and none each within the bfloat16 margin of PEFT's merged float32 model."""
+    from minisgl import LLM
+    from tests.lora_fixtures import assert_within_margin_of_merged, save_adapter, save_base
+    base = tmp_path / "base"
+    save_base(base, family="Qwen3Moe", hidden_size=384, head_dim=64, num_experts=8,
+              num_experts_per_tok=2, moe_intermediate_size=64)
+    adapters = {n: save_adapter(base, tmp_path / n, seed=i, rank=4, b_scale=2.0)
+                for i, n in enumerate("ab")}
+    prompts = [[5 + i, 17, 33, 250 - i, 7] * 4 for i in range(6)]
+    names = ["a", None, "b", "a", None, "b"]
+    with LLM(model=str(base), device="cuda", dtype="bfloat16", max_total_tokens=65536,
+             lora_paths=[f"{n}={p}" for n, p in adapters.items()]) as llm:
+        engine = llm.runtime.engine
+        assert engine.model.layers[0].mlp.experts.lora is not None
+        graphs, replays = engine.graph_runner, []
+        replay = graphs.replay
+        graphs.replay = lambda batch, *a: replays.append(batch.lora_slots) or replay(batch, *a)
+        outs = llm.generate(input_ids=prompts, lora_path=names, sampling_params={
+            "temperature": 0, "max_new_tokens": 8, "ignore_eos": True})
+        llm.check_integrity()
+    assert any(slots is not None and max(slots) >= 0 for slots in replays), replays
     assert_within_margin_of_merged(base, adapters, prompts, names, outs, TOP2_MARGIN_BF16)
 
 

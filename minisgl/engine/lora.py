@@ -21,8 +21,11 @@ from minisgl.distributed.context import TPInfo, tp_context
 from minisgl.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear,
                                    QKVParallelLinear, RowParallelLinear)
 from minisgl.kernels import cpu_kernels
-from minisgl.layers.lora import LoraContext, LoraSlots, LoraStep
-from minisgl.models.peft import AdapterError, PeftAdapter, read_adapter
+from minisgl.layers.lora import (ExpertLora, LoraContext, LoraSlots, LoraStep,
+                                 slot_layout)
+from minisgl.layers.moe import Experts
+from minisgl.models.peft import (EXPERT_STACK, AdapterError, PeftAdapter, read_adapter,
+                                 split_expert_stack)
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +43,8 @@ class LoraSettings:
     cached: int  # adapters a tensor-parallel worker keeps read (--max-loaded-loras)
 
 
-Shard = tuple[LoraSlots, int, torch.Tensor, torch.Tensor]  # buffers, part, A, B (this rank)
+# buffers, part (an ExpertLora's: expert, gate_up or down), A, B (this rank's)
+Shard = tuple[LoraSlots | ExpertLora, int | tuple[int, str], torch.Tensor, torch.Tensor]
 
 
 def lora_capable(model: nn.Module) -> dict[str, list[tuple[str, object]]]:
@@ -69,16 +73,19 @@ class LoraModules:
         self.tp = tp  # NOTE: register() runs on any thread; the shards are this rank's
         self.context = LoraContext()
         capable = lora_capable(model)
-        self.capable_targets = {leaf for hosted in capable.values() for leaf, _ in hosted}
+        experts = [m for m in model.modules() if isinstance(m, Experts)]
+        self.capable_targets = {leaf for hosted in capable.values() for leaf, _ in hosted} | (
+            set(EXPERT_PARTS) if experts else set())
         self.fused = getattr(model, "fused_parts", {})  # Phi-3's qkv_proj -> q/k/v parts
-        self.targets = frozenset(unfused_leaves(settings.targets, self.fused)) or frozenset(
-            self.capable_targets)
+        self.aliases = getattr(model, "lora_target_aliases", {})  # Mixtral's w1 -> gate_proj
+        self.targets = frozenset(self._ours(unfused_leaves(settings.targets, self.fused))
+                                 ) or frozenset(self.capable_targets)
         unknown = self.targets - self.capable_targets
         if unknown:
             raise ValueError(f"--lora-target-modules: this model has no LoRA-capable "
                              f"{', '.join(sorted(unknown))} (it has "
                              f"{', '.join(sorted(self.capable_targets))})")
-        self.buffers: list[LoraSlots] = []
+        self.buffers: list[LoraSlots | ExpertLora] = []
         for path, hosted in capable.items():
             if not any(leaf in self.targets for leaf, _ in hosted):
                 continue
@@ -88,6 +95,12 @@ class LoraModules:
             module.lora = LoraSlots(self.context, settings.slots, settings.rank,
                                     module.in_features, sizes, dtype, device)
             module.lora_parts = [sid for _, sid in hosted]
+            self.buffers.append(module.lora)
+        expert_parts = {EXPERT_PARTS[leaf] for leaf in self.targets & EXPERT_PARTS.keys()}
+        for module in experts if expert_parts else []:
+            module.lora = ExpertLora(self.context, settings.slots, settings.rank,
+                                     module.num_experts, module.hidden_size, module.shard,
+                                     expert_parts, dtype, device)
             self.buffers.append(module.lora)
         self.adapters: OrderedDict[int, list[Shard]] = OrderedDict()  # uid -> shards
         # NOTE: the grouped-GEMM kernel takes float32 and bfloat16 on CPU (layers.lora)
@@ -111,19 +124,27 @@ class LoraModules:
         return adapter
 
     def _read(self, path: str) -> PeftAdapter:
-        return unfused(read_adapter(path), self.fused)
+        adapter = unfused(read_adapter(path), self.fused)
+        return replace(adapter, targets=self._ours(adapter.targets))
+
+    def _ours(self, leaves: set[str]) -> set[str]:
+        return {self.aliases.get(leaf, leaf) for leaf in leaves}
 
     def drop(self, uid: int) -> None:
         self.adapters.pop(uid, None)
 
     def _shards(self, adapter: PeftAdapter) -> list[Shard]:
         shards = []
+        experts: dict[tuple[Experts, int], dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
         for name, (a, b) in adapter.weights.items():
             if self.model.skips(f"{name}.weight"):
                 continue  # a layer past a reduced depth (json_model_override_args)
             target = self.model.weight_target(f"{name}.weight")
             module = target[0] if target is not None else None
             slots = getattr(module, "lora", None)
+            if isinstance(slots, ExpertLora) and target[2] is not None:
+                experts.setdefault((module, target[2]), {})[target[1]] = (a, b)
+                continue
             if slots is None or target[2] not in module.lora_parts:
                 raise AdapterError(f"{adapter.path}: {name} is not a linear layer minisgl "
                                    "applies LoRA to")
@@ -139,7 +160,32 @@ class LoraModules:
                                    f"{tuple(b.shape)}, not this model's")
             shards.append((slots, part, a.to(self.dtype).contiguous(),
                            b.to(self.dtype).contiguous()))
+        for name, (a, b) in adapter.expert_stacks.items():
+            module = self._stacked_experts(adapter, name)
+            if module is None:
+                continue
+            parameter = ("gate_up_proj" if (a.shape[1], b.shape[0]) == (
+                module.hidden_size, 2 * module.intermediate_size) else "down_proj")
+            per_expert = split_expert_stack(adapter, name, parameter, module.num_experts)
+            for e, pair in enumerate(per_expert):
+                experts.setdefault((module, e), {})[parameter.removesuffix("_proj")] = pair
+        for (module, expert), parts in experts.items():
+            for which, (a, b) in expert_terms(module, parts, adapter.path).items():
+                shards.append((module.lora, (expert, which), a.to(self.dtype).contiguous(),
+                               b.to(self.dtype).contiguous()))
         return shards
+
+    def _stacked_experts(self, adapter: PeftAdapter, name: str) -> Experts | None:
+        """The Experts module of a LoRA on stacked expert parameters (None: a layer past a
+        reduced depth)."""
+        experts = EXPERT_STACK.fullmatch(name)["experts"]
+        if self.model.skips(f"{experts}.down_proj.weight"):
+            return None
+        target = self.model.weight_target(f"{experts}.down_proj.weight")
+        if target is None or not isinstance(getattr(target[0], "lora", None), ExpertLora):
+            raise AdapterError(f"{adapter.path}: {name} is not a mixture of experts minisgl "
+                               "applies LoRA to")
+        return target[0]
 
     def begin_step(self, loads: list[SlotLoad], batch: Batch) -> None:
         """On the engine's thread / stream, before the forward: fill the slots the step loads
@@ -156,6 +202,47 @@ class LoraModules:
             for buffers, part, a, b in shards:
                 buffers.write(slot, part, a, b)
         self.context.step = lora_step(batch, self.layout, self.dtype)
+
+
+# the PEFT leaf names an expert's LoRA may target, and the Experts part each adapts
+EXPERT_PARTS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+
+
+def expert_terms(module: Experts, parts: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                 path: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """One expert's adapter parts (gate, up and down [A, B scaled], or a fused gate_up's) as
+    this rank's terms ExpertLora holds: gate_up (A: gate's rows then up's, B: block-diagonal
+    [2 * shard, r], or a fused adapter's A and its two halves of B) and down (A's columns of
+    this rank's shard)."""
+    lora, size, start, shard = module.lora, module.intermediate_size, module.rank_start, \
+        module.shard
+    expected = {"gate": (module.hidden_size, size), "up": (module.hidden_size, size),
+                "gate_up": (module.hidden_size, 2 * size), "down": (size, module.hidden_size)}
+    for part, (a, b) in parts.items():
+        buffers = lora.down if part == "down" else lora.gate_up
+        if buffers is None:
+            raise AdapterError(f"{path}: adapts the experts' {part} projection, outside "
+                               "--lora-target-modules")
+        if (a.shape[1], b.shape[0]) != expected[part]:
+            raise AdapterError(f"{path}: expert {part} has shape {tuple(a.shape)} x "
+                               f"{tuple(b.shape)}, not this model's")
+    terms = {}
+    if "down" in parts:
+        a, b = parts["down"]
+        terms["down"] = (a[:, start:start + shard], b)
+    halves = []  # (A, this rank's gate rows of B, its up rows)
+    for part in ("gate", "up", "gate_up"):
+        if part in parts:
+            a, b = parts[part]
+            rows = b[start:start + shard]
+            zeros = torch.zeros_like(rows)
+            halves.append((a, *{"gate": (rows, zeros), "up": (zeros, rows)}.get(
+                part, (rows, b[size + start:size + start + shard]))))
+    if halves:  # NOTE: at most 2 * --max-lora-rank rows: register() checked each part's
+        terms["gate_up"] = (torch.cat([h[0] for h in halves]),
+                            torch.cat([torch.cat([h[1] for h in halves], dim=1),
+                                       torch.cat([h[2] for h in halves], dim=1)]))
+    return terms
 
 
 def unfused_leaves(leaves: frozenset[str] | set[str], fused: dict[str, list]) -> set[str]:
@@ -220,14 +307,7 @@ def lora_step(batch: Batch, layout: str, dtype: torch.dtype) -> LoraStep | None:
     if width == 0:
         return None
     token_slots = torch.repeat_interleave(slots, torch.tensor(batch.extend_lens[:batch.size]))
-    device = batch.input_positions.device
-    if layout == "per_token" and (batch.is_decode
-                                  or token_slots.numel() <= PER_TOKEN_MAX_TOKENS):
-        return LoraStep(width, token_slots=token_slots.to(device, torch.int32))
-    if layout != "segmented":
-        mask = (token_slots[:, None] == torch.arange(width)).to(device, dtype)
-        return LoraStep(width, mask=mask)
-    order = torch.argsort(token_slots, stable=True)
-    rows = order[(token_slots[order] >= 0)]
-    ends = torch.bincount(token_slots[rows], minlength=width).cumsum(0).to(torch.int32)
-    return LoraStep(width, rows=rows.to(device), ends=ends)
+    if layout == "per_token" and not (batch.is_decode
+                                      or token_slots.numel() <= PER_TOKEN_MAX_TOKENS):
+        layout = "masked"
+    return slot_layout(token_slots.to(batch.input_positions.device), width, layout, dtype)

@@ -2,8 +2,9 @@
 
 A layer's token rows are sorted by the expert each (row, choice) goes to, so every expert's
 rows are contiguous; one grouped matmul (grouped_matmul) then multiplies each group by its
-expert's weight (gate/up, then down), and the outputs, scaled by the routing weights, are summed back into
-their rows. Tensor parallelism splits every expert's intermediate dimension (gate/up rows,
+expert's weight (gate/up, then down; with --enable-lora each pair's adapter term added to
+both, layers.lora.ExpertLora), and the outputs, scaled by the routing weights, are summed
+back into their rows. Tensor parallelism splits every expert's intermediate dimension (gate/up rows,
 down columns), as it splits a dense MLP; the router is replicated.
 """
 
@@ -23,6 +24,7 @@ from minisgl.layers.fp8 import Fp8ChannelWeight
 from minisgl.layers.gguf_weight import BlockSlots, GgufBlocks
 from minisgl.layers.gpu_blocks import Fp8Blocks, finished_weight
 from minisgl.layers.linear import divide
+from minisgl.layers.lora import ExpertLora, LoraStep
 from minisgl.layers.quant import WeightBlocks, block_weight
 from minisgl.layers.shard import copy_into, read_all, read_cols, read_rows
 from minisgl.layers.w8a8 import Int8ChannelWeight, fits_int8
@@ -99,8 +101,11 @@ class Experts(Layer):
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.shard = divide(intermediate_size, get_tp_info().size, "expert intermediate size")
-        self.num_experts = num_experts
+        tp = get_tp_info()
+        self.shard = divide(intermediate_size, tp.size, "expert intermediate size")
+        self.rank_start = tp.rank * self.shard  # this rank's first intermediate feature
+        self.num_experts, self.hidden_size = num_experts, hidden_size
+        self.intermediate_size = intermediate_size
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * self.shard, hidden_size),
                                     requires_grad=False)
         self.down = nn.Parameter(torch.empty(num_experts, hidden_size, self.shard),
@@ -109,6 +114,7 @@ class Experts(Layer):
         self.quantized: QuantizedExperts | None = None  # --quantization w8a8_int8/fp8/gguf
         # --quantization gguf: per part (gate, up, down), each expert's blocks as loaded
         self.blocks: dict[str, list[WeightBlocks | None]] | None = None
+        self.lora: ExpertLora | None = None  # --enable-lora: the adapters' terms
 
     def load(self, expert: int | None, part: str, source: Any) -> None:
         """One checkpoint tensor: `part` gate / up / down of `expert`, or of every expert at once
@@ -198,30 +204,42 @@ class Experts(Layer):
         counts.index_add_(0, choices, torch.ones_like(choices, dtype=torch.int32))
         rows = order // top_k
         grouped = x.index_select(0, rows)
+        lora = (None if self.lora is None
+                else self.lora.pair_step(rows, choices.index_select(0, order)))
         if not self.per_expert(x):
             ends = counts.cumsum(0, dtype=torch.int32)
-            h = grouped_matmul(grouped, self.gate_up, ends)
-            out = grouped_matmul(self.act(h), self.down, ends)
+
+            def matmul(h: torch.Tensor, part: str) -> torch.Tensor:
+                return grouped_matmul(h, getattr(self, part), ends)
         else:
-            out = self._per_expert(grouped, counts.tolist())
+            host_counts = counts.tolist()
+
+            def matmul(h: torch.Tensor, part: str) -> torch.Tensor:
+                return self._per_expert(h, host_counts, part)
+        h = self.act(self._add_lora("gate_up", grouped, matmul(grouped, "gate_up"), lora))
+        out = self._add_lora("down", h, matmul(h, "down"), lora)
         out = out * weights.flatten().index_select(0, order).unsqueeze(1)
         return torch.zeros_like(x).index_add_(0, rows, out)
 
-    def _per_expert(self, grouped: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """The grouped matmuls as one matmul per expert that has rows (quantized weights, or a
-        device without a grouped matmul)."""
-        out = grouped.new_empty(grouped.shape[0], grouped.shape[1])
+    def _add_lora(self, part: str, x: torch.Tensor, out: torch.Tensor, step: LoraStep | None
+                  ) -> torch.Tensor:
+        return out if self.lora is None else self.lora.add(part, x, out, step)
+
+    def _per_expert(self, grouped: torch.Tensor, counts: list[int], part: str) -> torch.Tensor:
+        """One grouped matmul (`part` gate_up or down) as one matmul per expert that has rows
+        (quantized weights, or a device without a grouped matmul)."""
+        width = 2 * self.shard if part == "gate_up" else self.hidden_size
+        out = grouped.new_empty(grouped.shape[0], width)
         start = 0
         for expert, count in enumerate(counts):
             if not count:
                 continue
-            part = grouped[start:start + count]
+            rows = grouped[start:start + count]
             if self.quantized is not None:
-                gate_up, down = self.quantized.parts[expert]
-                out[start:start + count] = down.matmul(self.act(gate_up.matmul(part)))
+                weight = self.quantized.parts[expert][0 if part == "gate_up" else 1]
+                out[start:start + count] = weight.matmul(rows)
             else:
-                h = self.act(F.linear(part, self.gate_up[expert]))
-                out[start:start + count] = F.linear(h, self.down[expert])
+                out[start:start + count] = F.linear(rows, getattr(self, part)[expert])
             start += count
         return out
 

@@ -34,6 +34,10 @@ def our_name(name: str) -> str:
 
 
 class MoEForCausalLM(LlamaForCausalLM):
+    # PEFT adapters name Mixtral's experts' projections as its checkpoint does
+    lora_target_aliases = {mixtral.strip("."): ours.strip(".") for mixtral, ours
+                           in MIXTRAL_NAMES.items() if mixtral.startswith(".w")}
+
     def layer_mlp(self, arch: ModelArch, layer_id: int) -> SparseMoE | None:
         moe = arch.moe
         assert moe is not None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,12 @@ REFUSED = {
 }
 
 
+# a LoRA on transformers 5's stacked expert parameters: `<...>.experts(.base_layer)*`
+EXPERT_STACK = re.compile(r"(?P<experts>.+\.experts)(?P<nesting>(?:\.base_layer)*)")
+# the stacked expert parameters and the checkpoint projections each stands for
+FUSED_EXPERT_TARGETS = {"gate_up_proj": ["gate_proj", "up_proj"], "down_proj": ["down_proj"]}
+
+
 class AdapterError(ValueError):
     """An adapter folder minisgl cannot serve; the message says why."""
 
@@ -40,6 +46,9 @@ class PeftAdapter:
     targets: set[str]  # module leaf names it adapts (q_proj, ...)
     # "model.layers.0.self_attn.q_proj" -> (A [r, in], B scaled [out, r]), float32, host
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    # LoRA on stacked expert parameters, as read (split_expert_stack)
+    expert_stacks: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)  # adapter_config.json
 
 
 def read_adapter(path: str | Path) -> PeftAdapter:
@@ -63,21 +72,57 @@ def read_adapter(path: str | Path) -> PeftAdapter:
             raise AdapterError(f"{path}: {what} is not supported; minisgl adapts the "
                                "decoder's linear layers only (lora_A / lora_B)")
         pairs.setdefault(match[1], {})[match[2]] = tensor
-    weights, rank = {}, 0
+    weights, stacks, rank, targets = {}, {}, 0, set()
     for module, pair in pairs.items():
         if set(pair) != {"A", "B"}:
             raise AdapterError(f"{path}: {module} has lora_{'A' if 'B' in pair else 'B'} "
                                "missing")
         a, b = pair["A"], pair["B"]
-        r = a.shape[0]
-        if a.dim() != 2 or b.dim() != 2 or b.shape[1] != r:
+        if a.dim() != 2 or b.dim() != 2 or b.shape[1] != a.shape[0]:
             raise AdapterError(f"{path}: {module}: lora_A {tuple(a.shape)} and lora_B "
                                f"{tuple(b.shape)} do not make a rank-r product")
-        weights[module] = (a.float(), b.float() * _scaling(config, module, r))
-        rank = max(rank, r)
-    if not weights:
+        stack = EXPERT_STACK.fullmatch(module)
+        if stack is None:
+            weights[module] = (a.float(), b.float() * _scaling(config, module, a.shape[0]))
+            rank = max(rank, a.shape[0])
+            targets.add(module.rpartition(".")[2])
+            continue
+        stacks[module] = (a, b)
+        for parameter in _stacked_parameters(config, str(path)):
+            r = _pattern_value(config.get("rank_pattern") or {}, f"{stack['experts']}."
+                               f"{parameter}", config.get("r", 8))
+            # NOTE: a fused gate_up adapter stands for gate's and up's, each of half its rank
+            rank = max(rank, -(-r // 2) if parameter == "gate_up_proj" else r)
+            targets.update(FUSED_EXPERT_TARGETS[parameter])
+    if not weights and not stacks:
         raise AdapterError(f"{path}: the adapter has no LoRA weights")
-    return PeftAdapter(str(path), rank, {m.rpartition(".")[2] for m in weights}, weights)
+    return PeftAdapter(str(path), rank, targets, weights, stacks, config)
+
+
+def _stacked_parameters(config: dict[str, Any], path: str) -> list[str]:
+    listed = [t.rpartition(".")[2] for t in config.get("target_parameters") or []]
+    if not listed or set(listed) - FUSED_EXPERT_TARGETS.keys():
+        raise AdapterError(f"{path}: LoRA on the parameters {listed} is not supported; "
+                           "minisgl adapts the experts' gate_up_proj and down_proj")
+    return listed
+
+
+def split_expert_stack(adapter: PeftAdapter, module: str, parameter: str, experts: int
+                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A LoRA on one stacked expert parameter (PEFT's ParamWrapper, as `target_parameters` or
+    transformers 5's fused experts make it; `module`: its `<experts>(.base_layer)*` name,
+    `parameter`: gate_up_proj or down_proj, which the caller tells by shape) as each expert's
+    (A, B scaled): A [r * E, in] holds expert e's rows at e * r.., B [out, r * E] its columns
+    at e, e + E, ..."""
+    a, b = adapter.expert_stacks[module]
+    name = f"{EXPERT_STACK.fullmatch(module)['experts']}.{parameter}"
+    if a.shape[0] % experts:
+        raise AdapterError(f"{adapter.path}: {name}: lora_A has {a.shape[0]} rows, not a "
+                           f"rank times the model's {experts} experts")
+    r = a.shape[0] // experts
+    scaling = _scaling(adapter.config, name, r)
+    a_per, b_per = a.float().view(experts, r, -1), b.float().view(b.shape[0], r, experts)
+    return [(a_per[e], b_per[:, :, e] * scaling) for e in range(experts)]
 
 
 def _check_config(config: dict[str, Any], path: str) -> None:
