@@ -101,14 +101,19 @@ def models(tmp_path_factory) -> dict[str, dict[str, Path]]:
     return out
 
 
-def generate(models: dict[str, Path], names: list[str | None], **flags) -> list[list[int]]:
+def generate(models: dict[str, Path], names: list[str | None], state: dict | None = None,
+             new_tokens: int = NEW_TOKENS, **flags) -> list[list[int]]:
+    """Greedy rows of prompts() in one batch, row i with adapter names[i]; `state`: filled
+    with the runtime's counters after."""
     adapters = sorted({n for n in names if n is not None})
     rows = [prompts()[i % 3] for i in range(len(names))]
     with LLM(model=str(models["base"]), dtype="float32", max_total_tokens=4096,
              lora_paths=[f"{n}={models[n]}" for n in adapters], **flags) as llm:
-        outs = [r["output_ids"] for r in llm.generate(input_ids=rows, sampling_params=GREEDY,
-                                                      lora_path=names)]
+        outs = [r["output_ids"] for r in llm.generate(
+            input_ids=rows, sampling_params={**GREEDY, "max_new_tokens": new_tokens},
+            lora_path=names)]
         llm.check_integrity()
+        (state if state is not None else {}).update(llm.runtime.state())
     return outs
 
 
@@ -117,7 +122,7 @@ def check(models: dict[str, Path], names: list[str | None], outs: list[list[int]
         adapter = None if name is None else models[name]
         prompt = prompts()[i % 3]
         assert_lora_greedy(models["base"], adapter, prompt, ours,
-                           merged_greedy(models["base"], adapter, [prompt], NEW_TOKENS)[0])
+                           merged_greedy(models["base"], adapter, [prompt], len(ours))[0])
 
 
 @pytest.mark.parametrize("kind", BASES)
@@ -135,16 +140,24 @@ def test_expert_adapters_match_peft_merged(models, kind: str) -> None:
                                                          NEW_TOKENS))), name
 
 
-def test_only_the_experts_adapted_changes_the_output(models, tmp_path) -> None:
-    """An adapter on the experts alone: the experts' term is what the reference sees."""
+@pytest.mark.parametrize("flags", [
+    {"chunked_prefill_size": 16, "enable_mixed_chunk": True},
+    {"speculative_algorithm": "NGRAM", "speculative_always_draft": True},
+], ids=["chunked-mixed", "ngram"])
+def test_only_the_experts_adapted_changes_the_output(models, tmp_path, flags) -> None:
+    """An adapter on the experts alone: the experts' term is what the reference sees, in
+    chunks mixed with decode rows and in verify steps (a row's drafts take its adapter)."""
     m = {**models["qwen3-moe"]}
     m["experts"] = save_adapter(m["base"], tmp_path / "experts", seed=4, rank=4, b_scale=2.0,
                                 targets=["gate_proj", "up_proj", "down_proj"])
     assert read_adapter(m["experts"]).targets == {"gate_proj", "up_proj", "down_proj"}
     names = ["experts", None, "experts"]
-    outs = generate(m, names, chunked_prefill_size=16, enable_mixed_chunk=True)
+    state: dict = {}
+    outs = generate(m, names, state, new_tokens=24, **flags)  # long enough to repeat itself
     check(m, names, outs)
-    assert outs[0] != merged_greedy(m["base"], None, prompts()[:1], NEW_TOKENS)[0]
+    if "speculative_algorithm" in flags:
+        assert state["spec_accepted_tokens"] > 0, state
+    assert outs[0] != merged_greedy(m["base"], None, prompts()[:1], len(outs[0]))[0]
 
 
 @pytest.mark.slow
