@@ -165,7 +165,7 @@ class ExpertLora:
         dtype = (self.gate_up or self.down).a.dtype
         return slot_layout(pairs, step.width * self.num_experts, layout, dtype)
 
-    def add(self, which: str, x: torch.Tensor, out: torch.Tensor, step: LoraStep | None
+    def add(self, which: str, x: torch.Tensor, out: torch.Tensor, step: LoraStep
             ) -> torch.Tensor:
         buffers = getattr(self, which)
-        return out if step is None or buffers is None else buffers.add(x, out, step)
+        return out if buffers is None else buffers.add(x, out, step)

@@ -4,8 +4,8 @@ A layer's token rows are sorted by the expert each (row, choice) goes to, so eve
 rows are contiguous; one grouped matmul (grouped_matmul) then multiplies each group by its
 expert's weight (gate/up, then down; with --enable-lora each pair's adapter term added to
 both, layers.lora.ExpertLora), and the outputs, scaled by the routing weights, are summed
-back into their rows. Tensor parallelism splits every expert's intermediate dimension (gate/up rows,
-down columns), as it splits a dense MLP; the router is replicated.
+back into their rows. Tensor parallelism splits every expert's intermediate dimension
+(gate/up rows, down columns), as it splits a dense MLP; the router is replicated.
 """
 
 from __future__ import annotations
@@ -223,7 +223,7 @@ class Experts(Layer):
 
     def _add_lora(self, part: str, x: torch.Tensor, out: torch.Tensor, step: LoraStep | None
                   ) -> torch.Tensor:
-        return out if self.lora is None else self.lora.add(part, x, out, step)
+        return out if step is None else self.lora.add(part, x, out, step)
 
     def _per_expert(self, grouped: torch.Tensor, counts: list[int], part: str) -> torch.Tensor:
         """One grouped matmul (`part` gate_up or down) as one matmul per expert that has rows
