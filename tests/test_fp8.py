@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import subprocess
+from pathlib import Path
 import sys
 
 import pytest
@@ -60,6 +61,15 @@ def interpreter_runs_the_kernel() -> bool:
     return (major, minor) >= (3, 9)
 
 
+def run_interpreted(code: str, timeout: int = 300) -> None:
+    """Python `code` in a child process with TRITON_INTERPRET=1 (read at import), from the
+    repository root; it must print "ok"."""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=timeout,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
+
+
 @pytest.mark.skipif(not interpreter_runs_the_kernel(), reason="needs triton >= 3.9")
 def test_fp8_kernel_indexing_under_the_interpreter():
     """The kernels' tiles, masks and strides on CPU tensors (TRITON_INTERPRET=1, in a child
@@ -89,10 +99,7 @@ for n, k in ((40, 96), (48, 576), (16, 300)):
     assert torch.equal(widened, w.dequantized()), (n, k)
 print("ok")
 """
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
+    run_interpreted(script)
 
 
 @pytest.mark.usefixtures("real_model")  # else the first line is its absence

@@ -12,9 +12,6 @@ against transformers in float32 on the weights each encodes."""
 from __future__ import annotations
 
 import functools
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Callable
 
@@ -26,7 +23,7 @@ from minisgl.layers.gguf_weight import BlockSlots
 from minisgl.layers.gpu_blocks import Fp8Blocks, Int4GroupWeight, gpu_block_weight
 from minisgl.models.hf_quant import fp8_blocks, quant_spec, read_int4
 from tests import hf_quant_writers as writers
-from tests.test_fp8 import interpreter_runs_the_kernel
+from tests.test_fp8 import interpreter_runs_the_kernel, run_interpreted
 from tests.test_gpu import real_model  # noqa: F401  (a fixture: skips without the bundled model)
 
 # (method, group, symmetric): every int4 layout and group form the loader takes
@@ -182,13 +179,8 @@ def _interpreted_kernel_checks() -> None:
 
 @pytest.mark.skipif(not interpreter_runs_the_kernel(), reason="needs triton >= 3.9")
 def test_gpu_kernels_under_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c",
-         "from tests.test_gpu_blocks import _interpreted_kernel_checks as c; c()"],
-        env=env, capture_output=True, text=True, timeout=600,
-        cwd=Path(__file__).resolve().parents[1])
-    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
+    run_interpreted("from tests.test_gpu_blocks import _interpreted_kernel_checks as c; c()",
+                    timeout=600)
 
 
 needs_int4_gpu = pytest.mark.skipif(

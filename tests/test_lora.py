@@ -6,9 +6,6 @@ the prefix cache never serves one adapter's KV to another; adapters wait for slo
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -299,7 +296,7 @@ def test_every_lora_layout_equals_per_token_products(layout: str) -> None:
     38, past the float32 kernel's rows), some of no adapter, one slot unused; 40 inputs and
     parts of 24 / 8 / 8 outputs (partial vectors)."""
     from minisgl.kernels import cpu_kernels
-    from tests.test_fp8 import interpreter_runs_the_kernel
+    from tests.test_fp8 import interpreter_runs_the_kernel, run_interpreted
 
     if layout.startswith("segmented") and cpu_kernels() is None:
         pytest.skip("no compiled CPU kernels")
@@ -311,13 +308,8 @@ def test_every_lora_layout_equals_per_token_products(layout: str) -> None:
         return
     if not interpreter_runs_the_kernel():
         pytest.skip("needs triton >= 3.9")
-    done = subprocess.run(
-        [sys.executable, "-c",
-         "from tests.test_lora import check_lora_layout as c; c('per_token'); "
-         "c('per_token', parts=[300, 136, 8]); print('ok')"],
-        env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
-        timeout=300, cwd=Path(__file__).resolve().parents[1])
-    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
+    run_interpreted("from tests.test_lora import check_lora_layout as c; c('per_token'); "
+                    "c('per_token', parts=[300, 136, 8]); print('ok')")
 
 
 def check_lora_layout(layout: str, dtype: torch.dtype = torch.float32,

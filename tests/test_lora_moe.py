@@ -8,9 +8,6 @@ them on loading, which is the reference). Rows of adapters and of the base share
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -200,7 +197,7 @@ def test_every_layout_adds_each_pairs_adapter(layout: str) -> None:
     Triton kernel (run by triton's interpreter), against each token through its experts with
     the adapters' weights merged, in float64."""
     from minisgl.kernels import cpu_kernels
-    from tests.test_fp8 import interpreter_runs_the_kernel
+    from tests.test_fp8 import interpreter_runs_the_kernel, run_interpreted
     if layout == "segmented" and cpu_kernels() is None:
         pytest.skip("no compiled CPU kernels")
     if layout != "per_token":
@@ -208,12 +205,8 @@ def test_every_layout_adds_each_pairs_adapter(layout: str) -> None:
         return
     if not interpreter_runs_the_kernel():
         pytest.skip("needs triton >= 3.9")
-    done = subprocess.run(
-        [sys.executable, "-c", "from tests.test_lora_moe import check_expert_layout as c; "
-         "c('per_token'); print('ok')"],
-        env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
-        timeout=300, cwd=Path(__file__).resolve().parents[1])
-    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
+    run_interpreted("from tests.test_lora_moe import check_expert_layout as c; "
+                    "c('per_token'); print('ok')")
 
 
 def check_expert_layout(layout: str) -> None:
