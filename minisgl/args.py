@@ -194,7 +194,8 @@ class ServerArgs:
         None, "Largest adapter rank served (default: the largest of --lora-paths, else 16).")
     lora_target_modules: list[str] | None = _flag(
         None, "Linears that take adapters: q_proj k_proj v_proj o_proj gate_proj up_proj "
-        "down_proj, or all (default: those of --lora-paths, else all).", nargs="+")
+        "down_proj (on a mixture of experts: the experts'), or all (default: those of "
+        "--lora-paths, else all).", nargs="+")
     max_loaded_loras: int | None = _flag(
         None, "Adapters loaded at a time (default: no limit); at least "
         "--max-loras-per-batch.")
