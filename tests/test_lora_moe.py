@@ -190,16 +190,21 @@ def test_parameters_minisgl_does_not_adapt_are_refused(models, tmp_path) -> None
         read_adapter(path)
 
 
-@pytest.mark.parametrize("layout", ["segmented", "masked", "per_expert", "per_token"])
+@pytest.mark.parametrize("layout", ["segmented", "segmented-long", "masked", "per_expert",
+                                    "per_token"])
 def test_every_layout_adds_each_pairs_adapter(layout: str) -> None:
     """Each (token, expert) pair takes its token's adapter at that expert, whatever the path:
-    the segmented CPU kernel, the masked GEMM, the experts' per-expert matmuls, the per-token
-    Triton kernel (run by triton's interpreter), against each token through its experts with
-    the adapters' weights merged, in float64."""
+    the segmented CPU kernel (segmented-long: a prefill of one adapter, past the kernel's 32
+    rows a (slot, expert), which it hands to GEMMs), the masked GEMM, the experts' per-expert
+    matmuls, the per-token Triton kernel (run by triton's interpreter), against each token
+    through its experts with the adapters' weights merged, in float64."""
     from minisgl.kernels import cpu_kernels
     from tests.test_fp8 import interpreter_runs_the_kernel, run_interpreted
-    if layout == "segmented" and cpu_kernels() is None:
+    if layout.startswith("segmented") and cpu_kernels() is None:
         pytest.skip("no compiled CPU kernels")
+    if layout == "segmented-long":
+        check_expert_layout("segmented", [2] * 150)
+        return
     if layout != "per_token":
         check_expert_layout(layout)
         return
@@ -209,9 +214,11 @@ def test_every_layout_adds_each_pairs_adapter(layout: str) -> None:
                     "c('per_token'); print('ok')")
 
 
-def check_expert_layout(layout: str) -> None:
+def check_expert_layout(layout: str, slots: list[int] | None = None) -> None:
+    """`slots`: each token's adapter slot (-1: none)."""
+    token_slots = torch.tensor(slots or [2, -1, 0, 0, 2, -1, 2] * 3 + [0, -1])
     gen = torch.Generator().manual_seed(11)
-    num_experts, hidden, width, rank, tokens = 6, 16, 8, 3, 23
+    num_experts, hidden, width, rank, tokens = 6, 16, 8, 3, len(token_slots)
     experts = Experts(num_experts, hidden, width)
     experts.gate_up.data = torch.randn(num_experts, 2 * width, hidden, generator=gen)
     experts.down.data = torch.randn(num_experts, hidden, width, generator=gen)
@@ -231,7 +238,6 @@ def check_expert_layout(layout: str) -> None:
     router = TopKRouter(hidden, num_experts, top_k=2, renormalize=True)
     router.weight.data = torch.randn(num_experts, hidden, generator=gen)
     x = torch.randn(tokens, hidden, generator=gen)
-    token_slots = torch.tensor([2, -1, 0, 0, 2, -1, 2] * 3 + [0, -1])
     step_layout = "segmented" if layout == "segmented" else "masked"
     context.step = slot_layout(token_slots, 3, step_layout, torch.float32)
     if layout == "per_token":
@@ -240,6 +246,8 @@ def check_expert_layout(layout: str) -> None:
     if layout == "per_expert":
         experts.per_expert = lambda x: True
     weights, ids = router(x)
+    if slots:
+        assert torch.bincount(ids.flatten()).max() > 32  # past the kernel's rows a slot
     out = experts(x, weights, ids).double()
     expected = torch.zeros(tokens, hidden, dtype=torch.float64)
     for t in range(tokens):
