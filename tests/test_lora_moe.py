@@ -177,6 +177,23 @@ def test_expert_adapters_are_checked(models) -> None:
             lora_paths=[f"a={m['all']}"], max_lora_rank=2)
 
 
+def test_factors_shared_across_experts_are_refused(models, tmp_path) -> None:
+    """A stacked adapter whose A is not rank r for each expert (one A shared by all experts,
+    as some trainers export): refused, not read as a smaller rank per expert."""
+    from safetensors.torch import load_file, save_file
+    m = models["qwen3-moe"]
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    config = json.loads((m["params"] / "adapter_config.json").read_text())
+    (shared / "adapter_config.json").write_text(json.dumps({**config, "r": 48}))
+    tensors = load_file(m["params"] / "adapter_model.safetensors")
+    save_file({k: v for k, v in tensors.items() if "experts" in k},
+              shared / "adapter_model.safetensors")
+    with pytest.raises(ValueError, match="factors shared across experts"):
+        LLM(model=str(m["base"]), dtype="float32", max_total_tokens=1024,
+            lora_paths=[f"a={shared}"])
+
+
 def test_parameters_minisgl_does_not_adapt_are_refused(models, tmp_path) -> None:
     path = tmp_path / "other"
     path.mkdir()

@@ -116,11 +116,13 @@ def split_expert_stack(adapter: PeftAdapter, module: str, parameter: str, expert
     at e, e + E, ..."""
     a, b = adapter.expert_stacks[module]
     name = f"{EXPERT_STACK.fullmatch(module)['experts']}.{parameter}"
-    if a.shape[0] % experts:
-        raise AdapterError(f"{adapter.path}: {name}: lora_A has {a.shape[0]} rows, not a "
-                           f"rank times the model's {experts} experts")
-    r = a.shape[0] // experts
-    scaling = _scaling(adapter.config, name, r)
+    config = adapter.config
+    r = _pattern_value(config.get("rank_pattern") or {}, name, config.get("r", 8))
+    if a.shape[0] != r * experts:
+        raise AdapterError(f"{adapter.path}: {name}: lora_A has {a.shape[0]} rows, not rank "
+                           f"{r} for each of the model's {experts} experts (factors shared "
+                           "across experts are not supported)")
+    scaling = _scaling(config, name, r)
     a_per, b_per = a.float().view(experts, r, -1), b.float().view(b.shape[0], r, experts)
     return [(a_per[e], b_per[:, :, e] * scaling) for e in range(experts)]
 
