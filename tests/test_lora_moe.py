@@ -23,7 +23,9 @@ from tests.lora_fixtures import (assert_lora_greedy, assert_within_margin_of_mer
 
 NEW_TOKENS = 10
 GREEDY = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
-INT8_MARGIN = 0.25  # logit units: bfloat16 activations and int8 weights (tests.test_w8a8)
+# logit units: bfloat16 activations and int8 experts; measured 0.004 (bfloat16 alone: 0.001),
+# the bound of the int4 / k-quant LoRA tests (tests.test_lora_quantized)
+INT8_MARGIN = 0.05
 # expert width 48 (splits over 3 ranks), 8 experts, top 2; Mixtral 4 experts
 BASES = {
     "qwen3-moe": ("Qwen3Moe", dict(num_experts=8, num_experts_per_tok=2,
