@@ -196,6 +196,27 @@ def test_factors_shared_across_experts_are_refused(models, tmp_path) -> None:
             lora_paths=[f"a={shared}"])
 
 
+@pytest.mark.parametrize("module, message", [
+    ("mlp.experts.9.down_proj", "the model has 8 experts"),  # an expert-pruned model's slot
+    ("mlp.experts.down_proj", "not a linear layer"),  # no expert named
+])
+def test_expert_names_the_model_lacks_are_refused(models, tmp_path, module: str,
+                                                  message: str) -> None:
+    """One clear line, and nothing written into another adapter's slot."""
+    from safetensors.torch import save_file
+    path = tmp_path / "bad"
+    path.mkdir()
+    name = f"base_model.model.model.layers.0.{module}"
+    save_file({f"{name}.lora_A.weight": torch.randn(4, 48),
+               f"{name}.lora_B.weight": torch.randn(96, 4)},
+              path / "adapter_model.safetensors")
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["down_proj"]}))
+    with pytest.raises(ValueError, match=message):
+        LLM(model=str(models["qwen3-moe"]["base"]), dtype="float32", max_total_tokens=1024,
+            lora_paths=[f"a={path}"])
+
+
 def test_parameters_minisgl_does_not_adapt_are_refused(models, tmp_path) -> None:
     path = tmp_path / "other"
     path.mkdir()

@@ -102,6 +102,12 @@ class LoraModules:
                                      module.num_experts, module.hidden_size, module.shard,
                                      expert_parts, dtype, device)
             self.buffers.append(module.lora)
+        if experts and expert_parts:
+            size = sum(t.nbytes for m in experts for s in (m.lora.gate_up, m.lora.down)
+                       if s is not None for t in (s.a, *s.b))
+            logger.info("LoRA on the experts: %.2f GiB of slot buffers (%d slots, rank %d; "
+                        "--lora-target-modules without gate/up/down leaves them out)",
+                        size / 2**30, settings.slots, settings.rank)
         self.adapters: OrderedDict[int, list[Shard]] = OrderedDict()  # uid -> shards
         # NOTE: the grouped-GEMM kernel takes float32 and bfloat16 on CPU (layers.lora)
         segmented = (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
@@ -143,9 +149,13 @@ class LoraModules:
             module = target[0] if target is not None else None
             slots = getattr(module, "lora", None)
             if isinstance(slots, ExpertLora) and target[2] is not None:
+                if not 0 <= target[2] < module.num_experts:
+                    raise AdapterError(f"{adapter.path}: {name}: the model has "
+                                       f"{module.num_experts} experts")
                 experts.setdefault((module, target[2]), {})[target[1]] = (a, b)
                 continue
-            if slots is None or target[2] not in module.lora_parts:
+            if (slots is None or isinstance(slots, ExpertLora)
+                    or target[2] not in module.lora_parts):
                 raise AdapterError(f"{adapter.path}: {name} is not a linear layer minisgl "
                                    "applies LoRA to")
             part = module.lora_parts.index(target[2])
@@ -238,10 +248,13 @@ def expert_terms(module: Experts, parts: dict[str, tuple[torch.Tensor, torch.Ten
             zeros = torch.zeros_like(rows)
             halves.append((a, *{"gate": (rows, zeros), "up": (zeros, rows)}.get(
                 part, (rows, b[size + start:size + start + shard]))))
-    if halves:  # NOTE: at most 2 * --max-lora-rank rows: register() checked each part's
-        terms["gate_up"] = (torch.cat([h[0] for h in halves]),
-                            torch.cat([torch.cat([h[1] for h in halves], dim=1),
-                                       torch.cat([h[2] for h in halves], dim=1)]))
+    if halves:
+        a = torch.cat([h[0] for h in halves])
+        if a.shape[0] > lora.gate_up.a.shape[1]:  # e.g. both a fused gate_up and a gate
+            raise AdapterError(f"{path}: an expert's gate and up adapters have rank "
+                               f"{a.shape[0]} together, above twice --max-lora-rank")
+        terms["gate_up"] = (a, torch.cat([torch.cat([h[1] for h in halves], dim=1),
+                                          torch.cat([h[2] for h in halves], dim=1)]))
     return terms
 
 

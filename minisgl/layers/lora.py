@@ -145,6 +145,7 @@ class ExpertLora:
               ) -> None:
         """part: (expert, "gate_up" or "down"); a [r, in], b [out, r] (scaled)."""
         expert, which = part
+        assert 0 <= expert < self.num_experts, expert
         getattr(self, which).write(slot * self.num_experts + expert, 0, a, b)
 
     def pair_step(self, rows: torch.Tensor, experts: torch.Tensor) -> LoraStep | None:
