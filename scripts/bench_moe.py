@@ -65,9 +65,8 @@ def lora_table(args: argparse.Namespace) -> None:
     engine = build(args.config, {}, args, enable_lora=True, max_lora_rank=LORA_RANK,
                    max_loras_per_batch=LORA_SLOTS, lora_target_modules=["all"])
     lora = engine.lora
-    slots = [s for b in lora.buffers for s in ((b.gate_up, b.down) if isinstance(b, ExpertLora)
-                                               else (b,)) if s is not None]
-    tensors = [t for s in slots for t in (s.a, *s.b)]
+    tensors = [t for b in lora.buffers
+               for t in (b.tensors if isinstance(b, ExpertLora) else (b.a, *b.b))]
     gen = torch.Generator().manual_seed(0)
     for tensor in tensors:
         tensor.copy_(torch.randn(tensor.shape, generator=gen) * 0.02)

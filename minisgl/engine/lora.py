@@ -103,8 +103,7 @@ class LoraModules:
                                      expert_parts, dtype, device)
             self.buffers.append(module.lora)
         if experts and expert_parts:
-            size = sum(t.nbytes for m in experts for s in (m.lora.gate_up, m.lora.down)
-                       if s is not None for t in (s.a, *s.b))
+            size = sum(t.nbytes for m in experts for t in m.lora.tensors)
             logger.info("LoRA on the experts: %.2f GiB of slot buffers (%d slots, rank %d; "
                         "--lora-target-modules without gate/up/down leaves them out)",
                         size / 2**30, settings.slots, settings.rank)

@@ -134,12 +134,15 @@ class ExpertLora:
         self.down = (LoraSlots(context, count, rank, shard, [hidden_size], dtype, device)
                      if "down" in parts else None)
 
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """Every A and B buffer it holds."""
+        return [t for part in (self.gate_up, self.down) if part is not None
+                for t in (part.a, *part.b)]
+
     def clear(self, slot: int) -> None:
-        span = slice(slot * self.num_experts, (slot + 1) * self.num_experts)
-        for buffers in (self.gate_up, self.down):
-            if buffers is not None:
-                buffers.a[span].zero_()
-                buffers.b[0][span].zero_()
+        for tensor in self.tensors:
+            tensor[slot * self.num_experts:(slot + 1) * self.num_experts].zero_()
 
     def write(self, slot: int, part: tuple[int, str], a: torch.Tensor, b: torch.Tensor
               ) -> None:
