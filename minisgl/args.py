@@ -141,8 +141,9 @@ class ServerArgs:
         "producing tokens while a long prompt is prefilled.")
     quantization: str | None = _flag(
         None, "Weights kept compact: gguf (a GGUF model's block-quantized weights, k-quants "
-        "included, run as in the file on CPU; the default for a GGUF model served in bfloat16 "
-        "where the AVX-512 VNNI kernel is built), w8a8_int8 (linear weights int8 per output "
+        "included, run as in the file on CPU; the default for a GGUF model in bfloat16 where "
+        "the AVX-512 VNNI kernel is built, or in the float32 --dtype auto picks on an AVX2 "
+        "CPU), w8a8_int8 (linear weights int8 per output "
         "feature, activations int8 per token: for high-batch throughput on CPU in bfloat16), "
         "fp8 (linear weights float8 per output feature, weight-only: for decode speed on "
         "CUDA GPUs of compute capability 8.9+; an fp8 checkpoint's own weights on CPU), "

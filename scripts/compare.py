@@ -218,7 +218,8 @@ def run_serving(args: argparse.Namespace, llama: Path | None) -> dict[str, dict[
         runs.append((True, args.baseline, baseline_name(args.baseline)))
     for overlap, checkout, name in runs:
         server = start_minisgl(overlap, most, pool, extra, checkout)
-        server.name = name or server.name.replace(" " + " ".join(extra), "")
+        if name or extra:  # the report finds this tree's runs by their plain names
+            server.name = name or server.name.replace(" " + " ".join(extra), "")
         try:
             for c in args.concurrency:
                 log(f"{server.name}: {c} streams")
@@ -281,6 +282,18 @@ def ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}x" if a and b else "n/a"
 
 
+def default_precision() -> str:
+    """What `--dtype auto` and the default --quantization pick on this machine."""
+    import torch
+
+    from minisgl.engine.placement import resolve_dtype
+    from minisgl.engine.quantization import resolve_quantization
+    cpu = torch.device("cpu")
+    dtype = resolve_dtype("auto", cpu)
+    method = resolve_quantization(None, None, cpu, dtype, "auto", dtype_chosen=False)
+    return f"by default here {str(dtype).removeprefix('torch.')}, --quantization {method}"
+
+
 def report(args: argparse.Namespace, serving: dict[str, dict[int, dict]],
            offline: list[tuple[OfflineWorkload, list[dict]]],
            llama_note: str, command: str) -> str:
@@ -289,9 +302,8 @@ def report(args: argparse.Namespace, serving: dict[str, dict[int, dict]],
              f"`{command}`", "",
              f"Machine: {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
              f"{torch.get_num_threads()} torch threads. minisgl serves SmolLM2-135M-Instruct "
-             f"with {args.server_args or 'its default flags'} (bf16 reads 269 MB of weights per "
-             f"decode step); llama.cpp: {llama_note}, on the bundled Q4_1 GGUF (98 MB per "
-             "step).", ""]
+             f"with {args.server_args or 'its default flags'} ({default_precision()}); "
+             f"llama.cpp: {llama_note}, on the bundled Q4_1 GGUF (98 MB per step).", ""]
     if serving:
         ours = serving.get("minisgl", {})
         off = serving.get("minisgl --disable-overlap-schedule", {})

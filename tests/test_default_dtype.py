@@ -9,6 +9,8 @@ import torch
 from minisgl import LLM
 from minisgl.layers.linear import native_cpu_gemm
 
+TOP2_MARGIN_BF16 = 0.25  # logit units, as tests/test_quantization.py
+
 
 def test_default_dtype_starts_and_serves_on_this_cpu():
     with LLM(load_format="dummy", json_model_override_args='{"num_hidden_layers": 2}',
@@ -28,3 +30,26 @@ def test_explicit_bfloat16_serves_without_native_support():
         out = llm.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 4,
                                                                  "temperature": 0})
         assert len(out["output_ids"]) == 4
+
+
+
+def test_default_start_keeps_the_bundled_gguf_blocks_where_a_kernel_runs_them():
+    """`make serve`'s start: the bundled GGUF's blocks stay packed wherever a CPU kernel runs
+    them at the auto dtype (VNNI in bfloat16, AVX2 in float32), and its greedy answers follow
+    transformers in float32 on the same weights, leaving them only where the reference's top-2
+    logits are within bfloat16's rounding (the kernels keep activations to ~15 bits)."""
+    from minisgl.layers.gguf_weight import block_kernels
+    from minisgl.layers.quant import vnni_kernels
+    from tests import reference as ref
+
+    kernel = vnni_kernels() if native_cpu_gemm(torch.bfloat16) else block_kernels()
+    with LLM(max_total_tokens=1024) as llm:
+        assert llm.runtime.engine.quantization == ("gguf" if kernel else "none")
+        for question in ref.CHAT_QUESTIONS:
+            prompt = ref.prompt_ids(ref.chat_prompt(question))
+            ours = llm.generate(input_ids=prompt, sampling_params={
+                "max_new_tokens": 24, "temperature": 0})["output_ids"]
+            expected = ref.hf_greedy(prompt, 24)
+            if ours != expected:
+                at = next(i for i, (a, b) in enumerate(zip(ours, expected)) if a != b)
+                assert ref.top2_margin(prompt + expected[:at]) < TOP2_MARGIN_BF16, (question, at)

@@ -300,11 +300,18 @@ def test_llama_q_rows_are_unpermuted_like_transformers():
     assert unpermute_rows(blocks, heads).codes[:, 0].tolist() == hf.tolist()
 
 
-def test_gguf_is_the_default_for_a_gguf_model_in_bfloat16_on_cpu():
+def test_gguf_is_the_default_for_a_gguf_model_where_a_kernel_keeps_the_dtypes_precision():
     from minisgl.engine.quantization import resolve_quantization
+    from minisgl.layers.gguf_weight import block_kernels
     cpu = torch.device("cpu")
     want = "gguf" if vnni_kernels() is not None else "none"  # torch's int4 kernel: opt-in
     assert resolve_quantization(None, None, cpu, torch.bfloat16, "auto") == want
     assert resolve_quantization(None, None, cpu, torch.float32, "auto") == "none"
+    # float32 that --dtype auto picked (no native bfloat16): the AVX2 kernel's ~15-bit
+    # activations are the speed the user did not trade away
+    want = "gguf" if block_kernels() is not None else "none"
+    assert resolve_quantization(None, None, cpu, torch.float32, "auto", dtype_chosen=False) == want
+    assert resolve_quantization(None, None, torch.device("cuda"), torch.float32, "auto",
+                                dtype_chosen=False) == "none"
     assert resolve_quantization(None, None, cpu, torch.bfloat16, "dummy") == "none"
     assert resolve_quantization("none", None, cpu, torch.bfloat16, "auto") == "none"

@@ -77,7 +77,8 @@ class Engine:
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.quantization = resolve_quantization(config.quantization, config.model_path,
-                                                 self.device, self.dtype, config.load_format)
+                                                 self.device, self.dtype, config.load_format,
+                                                 dtype_chosen=config.dtype != "auto")
         self.model_path: Path = resolve_model_path(config.model_path)
         model_config = load_config(self.model_path)
         if config.json_model_override_args:
@@ -201,7 +202,8 @@ class Engine:
         path = self.config.speculative_draft_model_path
         quantization = resolve_quantization(self.config.speculative_draft_model_quantization,
                                             path, self.device, self.dtype,
-                                            self.config.load_format)
+                                            self.config.load_format,
+                                            dtype_chosen=self.config.dtype != "auto")
         return self._load(arch, folder, quantization, path), arch
 
     def _draft_runner(self, model: torch.nn.Module, arch: ModelArch) -> DraftModel:

@@ -6,9 +6,11 @@ loading itself: models.loader).
   quant; the LM head adds an 8-bit copy for small decode batches, layers.embedding); every
   other type the AVX2 kernel takes (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; all of them, with the
   embedding / LM head table, on a CPU without VNNI or in float32) on that one (layers.
-  gguf_weight). The default for GGUF models where the VNNI kernel is
-  built, which makes it faster than `none`; without that kernel (torch's int4 kernel
-  dequantizes per row) it stays opt-in (BENCHMARKS.md, "Quantized weights").
+  gguf_weight). The default for GGUF models where a kernel runs them at least as precisely as
+  the serving dtype: bfloat16 with the VNNI kernel, or `--dtype auto` in float32 (a CPU with
+  AVX2 only) with the AVX2 kernel; both decode faster than `none` (BENCHMARKS.md, "Quantized
+  weights", "The AVX2 default"). An explicit `--dtype float32` keeps `none`: the kernels'
+  ~15-bit activations are less precise than float32.
 - `w8a8_int8`: any model's linear weights int8 per output feature, activations int8 per token
   and group of 32 inputs (layers.w8a8), on CPU in bfloat16 where the VNNI kernel is built: for
   high-batch throughput, at the cost of the activations' 8 bits (BENCHMARKS.md, "W8A8"). The
@@ -45,11 +47,12 @@ INT4_MIN_CAPABILITY = (8, 0)  # bfloat16 tensor cores (Ampere)
 
 
 def resolve_quantization(method: str | None, model: str | None, device: torch.device,
-                         dtype: torch.dtype, load_format: str) -> str:
+                         dtype: torch.dtype, load_format: str, dtype_chosen: bool = True) -> str:
     """The method to use; ValueError (one line) if it cannot run here. A quantized checkpoint
     (its config's quantization_config) takes its own method. Otherwise the default (None) is
-    gguf for a GGUF model (or the bundled one) served in bfloat16 on a CPU where the VNNI
-    kernel is built, none otherwise."""
+    gguf for a GGUF model (or the bundled one) on CPU served in bfloat16 where the VNNI kernel
+    is built, or in float32 that `--dtype auto` picked (`dtype_chosen` False) where the AVX2
+    kernel is; none otherwise."""
     spec = None if load_format == "dummy" or gguf_file(model) is not None else quant_spec(
         load_config(resolve_model_path(model)))
     if spec is not None:
@@ -70,8 +73,10 @@ def resolve_quantization(method: str | None, model: str | None, device: torch.de
                          "quantization_config), or random weights on CUDA (--load-format "
                          "dummy); this model has none")
     if method is None:
-        fits = (device.type == "cpu" and dtype == torch.bfloat16 and load_format != "dummy"
-                and vnni_kernels() is not None and gguf_file(model) is not None)
+        kernel = (vnni_kernels() is not None if dtype == torch.bfloat16 else
+                  dtype == torch.float32 and not dtype_chosen and block_kernels() is not None)
+        fits = (device.type == "cpu" and kernel and load_format != "dummy"
+                and gguf_file(model) is not None)
         return "gguf" if fits else "none"
     if method == "gguf":
         if load_format != "dummy" and gguf_file(model) is None:
