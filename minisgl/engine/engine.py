@@ -46,12 +46,7 @@ from minisgl.env import cuda_wait_mode
 from minisgl.errors import EngineFailed
 from minisgl.kvcache import KVPool
 from minisgl.layers.moe import syncs_on_host
-from minisgl.models import (
-    ModelArch,
-    check_supported,
-    load_config,
-    resolve_model_path,
-)
+from minisgl.models import ModelArch, check_supported, load_config, resolve_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -201,8 +196,7 @@ class Engine:
         """STANDALONE's draft model, whole on rank 0."""
         path = self.config.speculative_draft_model_path
         quantization = resolve_quantization(self.config.speculative_draft_model_quantization,
-                                            path, self.device, self.dtype,
-                                            self.config.load_format,
+                                            path, self.device, self.dtype, self.config.load_format,
                                             dtype_chosen=self.config.dtype != "auto")
         return self._load(arch, folder, quantization, path), arch
 
