@@ -255,15 +255,15 @@ void lora_add(torch::Tensor x, torch::Tensor out, torch::Tensor rows, torch::Ten
     const int64_t stop = end_of[s];
     TORCH_CHECK(stop >= start && stop <= rows.numel(), "ends must be a cumulative row count");
     if (stop - start > max_kernel_rows) {
+      // NOTE: in float32 as the kernels sum (h rounded to bfloat16 would cost the term ~2^-8 of
+      // its size per product), and without native bfloat16 GEMMs it is the faster one too
       const auto idx = rows.narrow(0, start, stop - start);
-      const auto h = xc.index_select(0, idx).mm(a[s].t());
-      std::vector<torch::Tensor> terms;
+      const auto h = xc.index_select(0, idx).to(at::kFloat).mm(a[s].to(at::kFloat).t());
+      auto sum = out.index_select(0, idx).to(at::kFloat);
       for (size_t p = 0; p < bt.size(); ++p)
-        terms.push_back(h.narrow(1, p * rank, rank).mm(bt[p][s]));
-      auto term = torch::zeros({idx.numel(), out.size(1)}, out.options());
-      for (size_t p = 0; p < bt.size(); ++p)
-        term.narrow(1, offsets[p], widths[p]).copy_(terms[p]);
-      out.index_add_(0, idx, term);
+        sum.narrow(1, offsets[p], widths[p]).add_(
+            h.narrow(1, p * rank, rank).mm(bt[p][s].to(at::kFloat)));
+      out.index_copy_(0, idx, sum.to(out.scalar_type()));
     } else if (stop > start) {
       starts.push_back(start);
       stops.push_back(stop);
