@@ -218,8 +218,10 @@ def run_serving(args: argparse.Namespace, llama: Path | None) -> dict[str, dict[
         runs.append((True, args.baseline, baseline_name(args.baseline)))
     for overlap, checkout, name in runs:
         server = start_minisgl(overlap, most, pool, extra, checkout)
-        if name or extra:  # the report finds this tree's runs by their plain names
-            server.name = name or server.name.replace(" " + " ".join(extra), "")
+        if name is not None:
+            server.name = name
+        elif extra:  # the report finds this tree's runs by their plain names
+            server.name = server.name.replace(" " + " ".join(extra), "")
         try:
             for c in args.concurrency:
                 log(f"{server.name}: {c} streams")

@@ -73,10 +73,11 @@ def resolve_quantization(method: str | None, model: str | None, device: torch.de
                          "quantization_config), or random weights on CUDA (--load-format "
                          "dummy); this model has none")
     if method is None:
-        kernel = (vnni_kernels() is not None if dtype == torch.bfloat16 else
-                  dtype == torch.float32 and not dtype_chosen and block_kernels() is not None)
-        fits = (device.type == "cpu" and kernel and load_format != "dummy"
-                and gguf_file(model) is not None)
+        if device.type != "cpu" or load_format == "dummy" or gguf_file(model) is None:
+            return "none"  # NOTE: before the kernel checks, which build the CPU kernels
+        if dtype == torch.bfloat16:
+            return "gguf" if vnni_kernels() is not None else "none"
+        fits = dtype == torch.float32 and not dtype_chosen and block_kernels() is not None
         return "gguf" if fits else "none"
     if method == "gguf":
         if load_format != "dummy" and gguf_file(model) is None:
