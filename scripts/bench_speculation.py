@@ -5,9 +5,14 @@ Two workloads of chat prompts to the bundled model, greedy:
 - grounded: rewrite, repeat, extract from or continue a given text (passages of this repo's
   README): the output copies the input, where n-gram drafts are right;
 - chat: open questions, where they are mostly wrong.
-`--streams C` requests decode at once (max_running_requests C, max(2C, --min-requests) requests,
-so every step has C rows once the first prefills are done). Output tok/s = output tokens / wall time, prefill
-included; "accept" is the mean tokens a speculating request gained per verify step.
+`--streams C` requests decode at once (max_running_requests C, max(2C, --min-requests)
+requests, so every step has C rows once the first prefills are done). Output tok/s = output
+tokens / wall time, prefill included; "accept" is the mean tokens a speculating request gained
+per verify step.
+
+Each side runs in a fresh process, `--rounds` times, the order alternating (off, on, on, off,
+...) so that a machine drifting during the run weighs on both sides alike; a figure is the mean
+over rounds, the spread the lowest and highest on / off of a round's pair.
 
     python scripts/bench_speculation.py --streams 1 8 32 64
     python scripts/bench_speculation.py --streams 1 --overlap-too   # overlap vs not, spec on
@@ -21,6 +26,8 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -63,7 +70,7 @@ def prompts(workload: str, count: int) -> list[str]:
 
 def run(workload: str, streams: int, spec: bool, args: argparse.Namespace,
         overlap: bool = True) -> tuple[float, float, int]:
-    """(output tok/s, mean accepted length, output tokens)."""
+    """(output tok/s, mean accepted length, output tokens), in this process."""
     extra = {}
     if spec:
         extra = ({"speculative_algorithm": "NGRAM"} if args.draft_model is None else
@@ -87,6 +94,35 @@ def run(workload: str, streams: int, spec: bool, args: argparse.Namespace,
     rows = state["spec_verified_rows"] - before["spec_verified_rows"]
     accepted = state["spec_accepted_tokens"] - before["spec_accepted_tokens"]
     return tokens / seconds, (accepted + rows) / rows if rows else 1.0, tokens
+
+
+Side = tuple[bool, bool]  # (speculating, overlap)
+
+
+def alternated(workload: str, streams: int, sides: list[Side], args: argparse.Namespace
+               ) -> dict[Side, list[tuple[float, float, int]]]:
+    """Each side's run() results over args.rounds rounds, each run in its own process, the
+    sides' order reversed every other round."""
+    results: dict[Side, list[tuple[float, float, int]]] = {side: [] for side in sides}
+    passed = [a for a in sys.argv[1:] if a != "--overlap-too"]
+    for round_ in range(args.rounds):
+        for spec, overlap in sides if round_ % 2 == 0 else sides[::-1]:
+            one = f"{workload},{streams},{int(spec)},{int(overlap)}"
+            draft = [] if args.draft_model is None else ["--draft-model", args.draft_model]
+            out = subprocess.run([sys.executable, __file__, *passed, *draft, "--one", one],
+                                 check=True, capture_output=True, text=True).stdout
+            results[(spec, overlap)].append(tuple(json.loads(out.splitlines()[-1])))
+    return results
+
+
+def mean(runs: list[tuple[float, float, int]], field: int) -> float:
+    return sum(r[field] for r in runs) / len(runs)
+
+
+def spread(a: list[tuple[float, float, int]], b: list[tuple[float, float, int]]) -> str:
+    """' (lo-hi)': the lowest and highest a / b tok/s of the rounds' pairs (one round: '')."""
+    ratios = [x[0] / y[0] for x, y in zip(a, b)]
+    return f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else ""
 
 
 def bundled_draft(layers: int | None) -> str:
@@ -141,9 +177,16 @@ def main() -> None:
                         help="with --draft-model bundled: only its first N layers")
     parser.add_argument("--overlap-too", action="store_true",
                         help="with speculation: overlap on vs off")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="fresh-process runs of each side, in alternating order")
     parser.add_argument("--linears", action="store_true",
                         help="only the linears at 1-8 rows, float32 and bfloat16")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # a child: workload,streams,spec,overlap
     args = parser.parse_args()
+    if args.one:
+        workload, streams, spec, overlap = args.one.split(",")
+        print(json.dumps(run(workload, int(streams), spec == "1", args, overlap == "1")))
+        return
     if args.linears:
         for dtype in (torch.float32, torch.bfloat16):
             linears(dtype)
@@ -156,14 +199,17 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for workload in args.workloads:
         for streams in args.streams:
-            off, _, off_tokens = run(workload, streams, False, args)
-            on, accept, on_tokens = run(workload, streams, True, args)
-            print(f"| {workload} | {streams} | {off:.1f} | {on:.1f} | {on / off:.2f}x | "
-                  f"{accept:.2f} | {off_tokens} / {on_tokens} |", flush=True)
+            sides = [(False, True), (True, True)] + ([(True, False)] if args.overlap_too else [])
+            results = alternated(workload, streams, sides, args)
+            off, on = results[sides[0]], results[sides[1]]
+            print(f"| {workload} | {streams} | {mean(off, 0):.1f} | {mean(on, 0):.1f} | "
+                  f"{mean(on, 0) / mean(off, 0):.2f}x{spread(on, off)} | {mean(on, 1):.2f} | "
+                  f"{off[0][2]} / {on[0][2]} |", flush=True)
             if args.overlap_too:
-                plain, accept2, _ = run(workload, streams, True, args, overlap=False)
-                print(f"| {workload} (no overlap) | {streams} | | {plain:.1f} | overlap / "
-                      f"none {on / plain:.2f}x | {accept2:.2f} | |", flush=True)
+                plain = results[sides[2]]
+                print(f"| {workload} (no overlap) | {streams} | | {mean(plain, 0):.1f} | "
+                      f"overlap / none {mean(on, 0) / mean(plain, 0):.2f}x{spread(on, plain)} "
+                      f"| {mean(plain, 1):.2f} | |", flush=True)
 
 
 if __name__ == "__main__":
