@@ -97,29 +97,31 @@ def run(workload: str, streams: int, spec: bool, args: argparse.Namespace,
 
 
 Side = tuple[bool, bool]  # (speculating, overlap)
+Run = tuple[float, float, int]  # run()'s
 
 
 def alternated(workload: str, streams: int, sides: list[Side], args: argparse.Namespace
-               ) -> dict[Side, list[tuple[float, float, int]]]:
+               ) -> dict[Side, list[Run]]:
     """Each side's run() results over args.rounds rounds, each run in its own process, the
     sides' order reversed every other round."""
-    results: dict[Side, list[tuple[float, float, int]]] = {side: [] for side in sides}
-    passed = [a for a in sys.argv[1:] if a != "--overlap-too"]
+    results: dict[Side, list[Run]] = {side: [] for side in sides}
+    # the child takes this command line, the draft model resolved (--draft-model bundled)
+    draft = [] if args.draft_model is None else ["--draft-model", args.draft_model]
+    command = [sys.executable, __file__, *sys.argv[1:], *draft, "--one"]
     for round_ in range(args.rounds):
         for spec, overlap in sides if round_ % 2 == 0 else sides[::-1]:
             one = f"{workload},{streams},{int(spec)},{int(overlap)}"
-            draft = [] if args.draft_model is None else ["--draft-model", args.draft_model]
-            out = subprocess.run([sys.executable, __file__, *passed, *draft, "--one", one],
-                                 check=True, capture_output=True, text=True).stdout
+            out = subprocess.run([*command, one], check=True, capture_output=True,
+                                 text=True).stdout
             results[(spec, overlap)].append(tuple(json.loads(out.splitlines()[-1])))
     return results
 
 
-def mean(runs: list[tuple[float, float, int]], field: int) -> float:
+def mean(runs: list[Run], field: int) -> float:
     return sum(r[field] for r in runs) / len(runs)
 
 
-def spread(a: list[tuple[float, float, int]], b: list[tuple[float, float, int]]) -> str:
+def spread(a: list[Run], b: list[Run]) -> str:
     """' (lo-hi)': the lowest and highest a / b tok/s of the rounds' pairs (one round: '')."""
     ratios = [x[0] / y[0] for x, y in zip(a, b)]
     return f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else ""
