@@ -11,6 +11,10 @@ blocks through block_matmul, dequantized for a GEMM past its KERNEL_MAX_ROWS; Q4
 llama.cpp lays out the bundled model: down Q4_K, the rest Q5_0), `w8a8` (int8_matmul, an
 activation scale per 32 inputs, as `--quantization w8a8_int8` runs), `w8a8-per-token` (one
 activation scale per row, as SGLang's w8a8_int8 quantizes).
+
+Without AVX-512 VNNI (plain AVX2) the activations are float32 and the forms those such a CPU
+serves: `f32` (the dense float32 GEMM, `--quantization none`), `Q4_1` (the bundled model's type),
+`Q5_0` and `Q4_K_M` through block_matmul's AVX2 path.
 """
 
 from __future__ import annotations
@@ -48,6 +52,21 @@ def random_gguf(kind: str, out_features: int, in_features: int) -> GgufWeight:
     return GgufWeight(GgufBlocks(kind, codes, scales.half().float(), subs))
 
 
+def avx2_forms() -> dict[str, list[Callable[[torch.Tensor], torch.Tensor]]]:
+    """Per form a CPU without VNNI serves, one matmul per (layer, linear)."""
+    out: dict[str, list] = {"f32": [], "Q4_1": [], "Q5_0": [], "Q4_K_M": []}
+    for _ in range(LAYERS):
+        for out_features, in_features in SHAPES:
+            dense = torch.randn(out_features, in_features) * 0.05
+            out["f32"].append(lambda x, w=dense: torch.nn.functional.linear(x, w))
+            out["Q4_1"].append(random_gguf("Q4_1", out_features, in_features).matmul)
+            q5_0 = random_gguf("Q5_0", out_features, in_features).matmul
+            out["Q5_0"].append(q5_0)
+            out["Q4_K_M"].append(random_gguf("Q4_K", out_features, in_features).matmul
+                                 if in_features % SUPER == 0 else q5_0)
+    return out
+
+
 def forms() -> dict[str, list[Callable[[torch.Tensor], torch.Tensor]]]:
     """Per form, one matmul per (layer, linear)."""
     out: dict[str, list] = {"bf16": [], "gguf-4bit": [], "Q5_0": [], "Q4_K_M": [], "w8a8": [],
@@ -83,15 +102,17 @@ def main() -> None:
     args = parser.parse_args()
     if args.kernel_max_rows is not None:
         gguf_weight.KERNEL_MAX_ROWS = args.kernel_max_rows
-    if vnni_kernels() is None:
-        raise SystemExit("the VNNI kernels are not built here (AVX-512 VNNI and BF16 needed)")
+        gguf_weight.AVX2_KERNEL_MAX_ROWS = args.kernel_max_rows
+    vnni = vnni_kernels() is not None
     torch.manual_seed(0)
-    matmuls = forms()
-    print("| rows | " + " | ".join(matmuls) + " | bf16 / w8a8 |")
+    matmuls = forms() if vnni else avx2_forms()
+    dense, fastest = ("bf16", "w8a8") if vnni else ("f32", "Q4_1")
+    print("| rows | " + " | ".join(matmuls) + f" | {dense} / {fastest} |")
     print("|---|" + "---|" * (len(matmuls) + 1))
     for _ in range(args.rounds):
         for rows in args.rows:
-            inputs = {k: torch.randn(rows, k).to(torch.bfloat16) for k in {s[1] for s in SHAPES}}
+            dtype = torch.bfloat16 if vnni else torch.float32
+            inputs = {k: torch.randn(rows, k).to(dtype) for k in {s[1] for s in SHAPES}}
             ms = {}
             for name, calls in matmuls.items():
                 def one_pass() -> None:
@@ -105,7 +126,7 @@ def main() -> None:
                     best = min(best, time.perf_counter() - started)
                 ms[name] = best * 1e3
             print(f"| {rows} | " + " | ".join(f"{v:.2f}" for v in ms.values())
-                  + f" | {ms['bf16'] / ms['w8a8']:.2f}x |", flush=True)
+                  + f" | {ms[dense] / ms[fastest]:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

@@ -28,8 +28,10 @@ KINDS = {"Q4_0": (4, FLAT), "Q4_1": (4, FLAT), "Q5_0": (5, FLAT), "Q5_1": (5, FL
          "Q8_0": (8, FLAT), "Q4_K": (4, MINS), "Q5_K": (5, MINS), "Q6_K": (6, SIX_BIT),
          "W4": (4, MINS)}
 # NOTE: past this many rows the dequantized weight and a GEMM beat the integer dot products
-# (the crossover, float32 or bfloat16: BENCHMARKS.md, "k-quants" and "k-quants on VNNI")
-KERNEL_MAX_ROWS = 128
+# (the crossovers: BENCHMARKS.md, "k-quants on VNNI" against a bfloat16 GEMM and "The AVX2
+# block kernel's int16 products" against a float32 one)
+KERNEL_MAX_ROWS = 128  # VNNI
+AVX2_KERNEL_MAX_ROWS = 512
 
 
 @functools.lru_cache(maxsize=1)
@@ -147,7 +149,8 @@ class GgufWeight:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.subs))
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() > KERNEL_MAX_ROWS * self.in_features:
+        max_rows = KERNEL_MAX_ROWS if self.kernels.block_kernel_vnni() else AVX2_KERNEL_MAX_ROWS
+        if x.numel() > max_rows * self.in_features:
             # NOTE: without AVX-512 BF16 a bfloat16 GEMM is emulated, ~250x slower: float32
             bf16 = x.dtype == torch.bfloat16 and native_bf16_gemm()
             weight_t = self.kernels.block_dequantize_t(self.codes, self.scales, self.subs,

@@ -19,7 +19,9 @@
 //   kSixBit (Q6_K): per (block, super-block) 8 float16 d, then 8 unused; per (block, group) the
 //     int8 sub-scales of its two halves of 16 inputs, 8 each: d' = d sc, m' = -32 d'.
 // A weight is w = d' * code + m', so a group's sum_i w_i x_i = d' sum_i code_i x_i + m' sum_i x_i.
-// As in quant_matmul.cpp each activation is two int8 terms, x ~ s q + (s / 254) r (~15 bits).
+// Activations keep ~15 bits. With VNNI, as in quant_matmul.cpp, each is two int8 terms,
+// x ~ s q + (s / 254) r; on plain AVX2 each is one int16 term, x ~ s q (s = max |x| / 32767),
+// and the codes are widened to int16 for vpmaddwd.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -111,10 +113,11 @@ Weight weight_of(const torch::Tensor& codes, const torch::Tensor& scales,
 // ---- activations ----------------------------------------------------------------------------
 
 struct Activations {
-  std::vector<int8_t> q, r;     // [rows, k]: the two int8 terms
-  std::vector<float> scale;     // [rows, groups]: s / 254 (the combined dot is 254 q + r)
+  std::vector<int8_t> q, r;     // [rows, k]: the two int8 terms (VNNI)
+  std::vector<int16_t> q16;     // [rows, k]: the one int16 term (plain AVX2)
+  std::vector<float> scale;     // [rows, groups]: s / 254 (VNNI: the dot is 254 q + r), or s
   std::vector<float> sum;       // [rows, 2 * groups]: exact sums of each half group
-  int64_t k;
+  int64_t rows, k;
 };
 
 inline __m256 load_float8(const float* p) { return _mm256_loadu_ps(p); }
@@ -157,12 +160,13 @@ inline float horizontal_max(__m256 v) {
   return _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
 }
 
-template <typename T>
-void quantize_rows(const T* x, int64_t rows, int64_t k, Activations& a) {
+// Per group of 32 inputs of every row: its 32 values and their largest magnitude to `group`,
+// which quantizes them to at, and the exact sums of both halves to a.sum.
+template <typename T, typename GroupFn>
+void quantize_rows(const T* x, int64_t rows, int64_t k, Activations& a, GroupFn group) {
   const int64_t groups = k / kGroup;
   a.k = k;
-  a.q.resize(rows * k);
-  a.r.resize(rows * k);
+  a.rows = rows;
   a.scale.resize(rows * groups);
   a.sum.resize(rows * groups * 2);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
@@ -175,23 +179,51 @@ void quantize_rows(const T* x, int64_t rows, int64_t k, Activations& a) {
           v[i] = load_float8(x + at + 8 * i);
           amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[i]));
         }
-        const float s = horizontal_max(amax) / 127.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
-        __m256i coarse[4], fine[4];
-        for (int i = 0; i < 4; ++i) {  // cvtps rounds to nearest even
-          const __m256 c = _mm256_round_ps(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)),
-                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-          coarse[i] = _mm256_cvtps_epi32(c);
-          const __m256 rest = _mm256_fnmadd_ps(c, _mm256_set1_ps(s), v[i]);
-          fine[i] = _mm256_cvtps_epi32(_mm256_mul_ps(rest, _mm256_set1_ps(inv * 254.0f)));
-        }
-        store_int8x32(coarse, a.q.data() + at);
-        store_int8x32(fine, a.r.data() + at);
-        a.scale[row * groups + g] = s / 254.0f;
+        a.scale[row * groups + g] = group(v, horizontal_max(amax), at);
         a.sum[(row * groups + g) * 2] = horizontal_sum(_mm256_add_ps(v[0], v[1]));
         a.sum[(row * groups + g) * 2 + 1] = horizontal_sum(_mm256_add_ps(v[2], v[3]));
       }
   });
 }
+
+#ifdef MINISGL_BLOCK_VNNI
+template <typename T>
+void quantize_activations(const T* x, int64_t rows, int64_t k, Activations& a) {
+  a.q.resize(rows * k);
+  a.r.resize(rows * k);
+  quantize_rows(x, rows, k, a, [&](const __m256 (&v)[4], float amax, int64_t at) {
+    const float s = amax / 127.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
+    __m256i coarse[4], fine[4];
+    for (int i = 0; i < 4; ++i) {  // cvtps rounds to nearest even
+      const __m256 c = _mm256_round_ps(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      coarse[i] = _mm256_cvtps_epi32(c);
+      const __m256 rest = _mm256_fnmadd_ps(c, _mm256_set1_ps(s), v[i]);
+      fine[i] = _mm256_cvtps_epi32(_mm256_mul_ps(rest, _mm256_set1_ps(inv * 254.0f)));
+    }
+    store_int8x32(coarse, a.q.data() + at);
+    store_int8x32(fine, a.r.data() + at);
+    return s / 254.0f;
+  });
+}
+#else
+template <typename T>
+void quantize_activations(const T* x, int64_t rows, int64_t k, Activations& a) {
+  a.q16.resize(rows * k);
+  quantize_rows(x, rows, k, a, [&](const __m256 (&v)[4], float amax, int64_t at) {
+    const float s = amax / 32767.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
+    __m256i q[4];  // cvtps rounds to nearest even
+    for (int i = 0; i < 4; ++i)
+      q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));
+    const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);  // packs works per half
+    for (int i = 0; i < 2; ++i)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.q16.data() + at + 16 * i),
+                          _mm256_permutevar8x32_epi32(_mm256_packs_epi32(q[2 * i], q[2 * i + 1]),
+                                                      order));
+    return s;
+  });
+}
+#endif
 
 // ---- the integer dot products ---------------------------------------------------------------
 
@@ -327,53 +359,61 @@ void tile(const Activations& a, int64_t row0, const Weight& w, int64_t block, fl
     for (int b = 0; b < BLOCKS; ++b) _mm256_storeu_ps(out + (r * BLOCKS + b) * kLanes, acc[r][b]);
 }
 #else
+// The codes of quad t widened to int16: lo holds lanes 0, 1 | 4, 5 and hi lanes 2, 3 | 6, 7
+// (unpacking works per 128-bit half), a lane's 4 codes as 4 int16 in one 64-bit element.
+template <int BITS>
+inline void quad_codes16(const uint8_t* c, int t, __m256i& lo, __m256i& hi) {
+  const __m256i q = quad_codes<BITS>(c, t);
+  const __m256i high = BITS == 8 ? _mm256_cmpgt_epi8(_mm256_setzero_si256(), q)
+                                 : _mm256_setzero_si256();
+  lo = _mm256_unpacklo_epi8(q, high);
+  hi = _mm256_unpackhi_epi8(q, high);
+}
+
+inline __m256i broadcast_quad16(const int16_t* p) {
+  int64_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return _mm256_set1_epi64x(v);
+}
+
+// vpmaddwd multiplies a lane's codes by the broadcast quad and sums pairs: lo / hi collect the
+// two half-quad sums of each of their lanes, and one vphaddd per group adds them into lane order.
 template <int ROWS, int BITS, int MODE, int BLOCKS>
 void tile(const Activations& a, int64_t row0, const Weight& w, int64_t block, float* out) {
   static_assert(BLOCKS == 1, "AVX2's 16 registers hold tiles of one block");
-  // NOTE: vpmaddubsw sums two products into int16 with saturation: FLUSH quads of them fit
-  // (2 * max code * 127 * FLUSH < 2^15) before they are widened to int32.
-  constexpr int FLUSH = BITS == 4 ? 8 : BITS == 5 ? 4 : BITS == 6 ? 2 : 1;
   constexpr int HALVES = MODE == kSixBit ? 2 : 1;  // sub-groups with their own scale
   const int64_t groups = w.groups, k = a.k, gb = group_bytes(BITS);
-  const __m256i ones = _mm256_set1_epi16(1), coarse_weight = _mm256_set1_epi16(254);
+  const int16_t* x = a.q16.data() + row0 * k;
   __m256 acc[ROWS];
   for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* c = w.codes + (block * groups + g) * gb;
-    __m256i dot[ROWS][HALVES], coarse[ROWS], fine[ROWS];
-    for (int r = 0; r < ROWS; ++r) {
-      for (int h = 0; h < HALVES; ++h) dot[r][h] = _mm256_setzero_si256();
-      coarse[r] = fine[r] = _mm256_setzero_si256();
+    if (ROWS == 1) {  // the next block's group g: one row's tiles wait on memory, not compute
+      const char* next = reinterpret_cast<const char*>(c + groups * gb);
+      for (int64_t at = 0; at < gb; at += 64) _mm_prefetch(next + at, _MM_HINT_T0);
     }
+    __m256i lo_dot[ROWS], hi_dot[ROWS];
+    for (int r = 0; r < ROWS; ++r) lo_dot[r] = hi_dot[r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
     for (int t = 0; t < 8; ++t) {
-      __m256i codes = quad_codes<BITS>(c, t);
-      const __m256i sign_source = codes;
-      if (BITS == 8) codes = _mm256_sign_epi8(codes, codes);  // |code|; x takes its sign
+      __m256i lo, hi;
+      quad_codes16<BITS>(c, t, lo, hi);
       for (int r = 0; r < ROWS; ++r) {
-        const int64_t at = (row0 + r) * k + g * kGroup + 4 * t;
-        __m256i xq = broadcast_quad(a.q.data() + at), xr = broadcast_quad(a.r.data() + at);
-        if (BITS == 8) {
-          xq = _mm256_sign_epi8(xq, sign_source);
-          xr = _mm256_sign_epi8(xr, sign_source);
-        }
-        coarse[r] = _mm256_add_epi16(coarse[r], _mm256_maddubs_epi16(codes, xq));
-        fine[r] = _mm256_add_epi16(fine[r], _mm256_maddubs_epi16(codes, xr));
+        const __m256i xq = broadcast_quad16(x + r * k + g * kGroup + 4 * t);
+        lo_dot[r] = _mm256_add_epi32(lo_dot[r], _mm256_madd_epi16(lo, xq));
+        hi_dot[r] = _mm256_add_epi32(hi_dot[r], _mm256_madd_epi16(hi, xq));
+        // NOTE: without this GCC computes all the group's products first and spills them
+        asm("" : "+x"(lo_dot[r]), "+x"(hi_dot[r]));
       }
-      if ((t + 1) % FLUSH == 0 || (HALVES == 2 && t == 3)) {
-        const int h = HALVES == 2 ? t / 4 : 0;
-        for (int r = 0; r < ROWS; ++r) {
-          dot[r][h] = _mm256_add_epi32(dot[r][h], _mm256_add_epi32(
-              _mm256_madd_epi16(coarse[r], coarse_weight), _mm256_madd_epi16(fine[r], ones)));
-          coarse[r] = fine[r] = _mm256_setzero_si256();
-        }
-      }
-    }
-    for (int h = 0; h < HALVES; ++h) {
+      if (t != 7 && !(HALVES == 2 && t == 3)) continue;
+      const int h = HALVES == 2 ? t / 4 : 0;
       __m256 d, m;
       group_scales<MODE>(w, block, g, h, d, m);
-      for (int r = 0; r < ROWS; ++r)
-        acc[r] = add_group<HALVES>(acc[r], dot[r][h], d, m, a, row0 + r, groups, g, h);
+      for (int r = 0; r < ROWS; ++r) {
+        const __m256i dot = _mm256_hadd_epi32(lo_dot[r], hi_dot[r]);
+        acc[r] = add_group<HALVES>(acc[r], dot, d, m, a, row0 + r, groups, g, h);
+        lo_dot[r] = hi_dot[r] = _mm256_setzero_si256();
+      }
     }
   }
   for (int r = 0; r < ROWS; ++r) _mm256_storeu_ps(out + r * kLanes, acc[r]);
@@ -462,7 +502,7 @@ void dequantize_all_t(const Weight& w, T* out) {
 // Every tile of out = activations x weight ([rows, n]), written in out's dtype.
 template <typename T>
 void run_tiles(const Activations& a, const Weight& w, T* out) {
-  const int64_t rows = static_cast<int64_t>(a.q.size()) / a.k, blocks = w.blocks;
+  const int64_t rows = a.rows, blocks = w.blocks;
   const int64_t n = blocks * kLanes;
   // NOTE: blocks outer, rows inner: a block's codes stay in L1 while every tile passes over them.
   // One row reads each block once whatever the tile: tiles of one block stream the weight best.
@@ -498,6 +538,14 @@ bool block_kernel_available() {
 #endif
 }
 
+bool block_kernel_vnni() {
+#ifdef MINISGL_BLOCK_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
 // x: [..., k] float32 or bfloat16; codes [n / 8, k / 32, bytes]; scales float16; subs uint8
 // (kFlat: ignored). Returns x @ w.T as [..., n] in x's dtype.
 torch::Tensor block_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
@@ -510,8 +558,8 @@ torch::Tensor block_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor s
   TORCH_CHECK(k == w.groups * kGroup, "activations do not match the weight's input features");
   const int64_t n = blocks * kLanes;
   Activations a;
-  if (x.scalar_type() == at::kFloat) quantize_rows(x.data_ptr<float>(), rows, k, a);
-  else quantize_rows(x.data_ptr<at::BFloat16>(), rows, k, a);
+  if (x.scalar_type() == at::kFloat) quantize_activations(x.data_ptr<float>(), rows, k, a);
+  else quantize_activations(x.data_ptr<at::BFloat16>(), rows, k, a);
   auto result = torch::empty({rows, n}, x.options());
   if (x.scalar_type() == at::kFloat) run_tiles(a, w, result.data_ptr<float>());
   else run_tiles(a, w, result.data_ptr<at::BFloat16>());

@@ -373,6 +373,7 @@ void lora_add(torch::Tensor x, torch::Tensor out, torch::Tensor rows, torch::Ten
               torch::Tensor a, std::vector<torch::Tensor> bt, std::vector<int64_t> offsets);
 // block_matmul.cpp
 bool block_kernel_available();
+bool block_kernel_vnni();
 torch::Tensor block_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
                            torch::Tensor subs, int64_t bits, int64_t mode);
 torch::Tensor block_dequantize(torch::Tensor codes, torch::Tensor scales, torch::Tensor subs,
@@ -406,6 +407,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("block_kernel_available", &block_kernel_available,
         "whether block_matmul was built (AVX2, FMA, F16C)");
+  m.def("block_kernel_vnni", &block_kernel_vnni,
+        "whether block_matmul's dot products run on AVX-512 VNNI (else AVX2's int16 ones)");
   m.def("block_matmul", &block_matmul, "GGUF block weights of any type x activations (AVX2)",
         py::call_guard<py::gil_scoped_release>());
   m.def("block_dequantize", &block_dequantize, "rows of a block_matmul weight as float32",
