@@ -1,8 +1,8 @@
 // GGUF block-quantized weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) x float32 or
 // bfloat16 activations on AVX2, every block type in one layout, the codes never dequantized:
 // activations are quantized per group of 32 inputs and each group's dot product is an integer
-// one (unsigned codes times signed 8-bit activations: vpmaddubsw, or vpdpbusd where AVX-512
-// VNNI is built), scaled once per group.
+// one (codes times int16 activations: vpmaddwd; or, where AVX-512 VNNI is built, unsigned codes
+// times signed 8-bit activations: vpdpbusd), scaled once per group.
 //
 // Layout (minisgl/layers/gguf_weight.py packs it): output features in blocks of 8 lanes, input
 // features in groups of 32; per (block, group) 32-byte vectors whose byte 4 * lane + j belongs
