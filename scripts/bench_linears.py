@@ -107,11 +107,11 @@ def main() -> None:
     torch.manual_seed(0)
     matmuls = forms() if vnni else avx2_forms()
     dense, fastest = ("bf16", "w8a8") if vnni else ("f32", "Q4_1")
+    dtype = torch.bfloat16 if vnni else torch.float32
     print("| rows | " + " | ".join(matmuls) + f" | {dense} / {fastest} |")
     print("|---|" + "---|" * (len(matmuls) + 1))
     for _ in range(args.rounds):
         for rows in args.rows:
-            dtype = torch.bfloat16 if vnni else torch.float32
             inputs = {k: torch.randn(rows, k).to(dtype) for k in {s[1] for s in SHAPES}}
             ms = {}
             for name, calls in matmuls.items():
