@@ -22,8 +22,7 @@
 // Activations keep ~15 bits. With VNNI, as in quant_matmul.cpp, each is two int8 terms,
 // x ~ s q + (s / 254) r; on plain AVX2 each is one int16 term, x ~ s q (s = max |x| / 32767),
 // and the codes are widened to int16 for vpmaddwd.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "aten.h"
 
 #include <algorithm>
 #include <cmath>
@@ -93,8 +92,8 @@ void scale_at(const Weight& w, int64_t block, int64_t g, int lane, int i, float&
   }
 }
 
-Weight weight_of(const torch::Tensor& codes, const torch::Tensor& scales,
-                 const torch::Tensor& subs, int64_t bits, int64_t mode) {
+Weight weight_of(const at::Tensor& codes, const at::Tensor& scales,
+                 const at::Tensor& subs, int64_t bits, int64_t mode) {
   TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.dim() == 3);
   TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kHalf);
   TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8);
@@ -548,8 +547,8 @@ bool block_kernel_vnni() {
 
 // x: [..., k] float32 or bfloat16; codes [n / 8, k / 32, bytes]; scales float16; subs uint8
 // (kFlat: ignored). Returns x @ w.T as [..., n] in x's dtype.
-torch::Tensor block_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
-                           torch::Tensor subs, int64_t bits, int64_t mode) {
+at::Tensor block_matmul(at::Tensor x, at::Tensor codes, at::Tensor scales,
+                           at::Tensor subs, int64_t bits, int64_t mode) {
 #ifdef MINISGL_AVX2
   TORCH_CHECK(x.is_contiguous() && (x.scalar_type() == at::kFloat ||
                                     x.scalar_type() == at::kBFloat16));
@@ -560,7 +559,7 @@ torch::Tensor block_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor s
   Activations a;
   if (x.scalar_type() == at::kFloat) quantize_activations(x.data_ptr<float>(), rows, k, a);
   else quantize_activations(x.data_ptr<at::BFloat16>(), rows, k, a);
-  auto result = torch::empty({rows, n}, x.options());
+  auto result = at::empty({rows, n}, x.options());
   if (x.scalar_type() == at::kFloat) run_tiles(a, w, result.data_ptr<float>());
   else run_tiles(a, w, result.data_ptr<at::BFloat16>());
   std::vector<int64_t> sizes = x.sizes().vec();
@@ -574,15 +573,15 @@ torch::Tensor block_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor s
 // The weight's rows `rows` (output features; all of them when `rows` is empty) as float32
 // [len, k], from the layout alone: the reference the tests hold the kernel to, the embedding
 // lookup, and the large-batch path's dense weight.
-torch::Tensor block_dequantize(torch::Tensor codes, torch::Tensor scales, torch::Tensor subs,
-                               int64_t bits, int64_t mode, torch::Tensor rows) {
+at::Tensor block_dequantize(at::Tensor codes, at::Tensor scales, at::Tensor subs,
+                               int64_t bits, int64_t mode, at::Tensor rows) {
   const Weight w = weight_of(codes, scales, subs, bits, mode);
   const int64_t n = codes.size(0) * kLanes, k = w.groups * kGroup;
-  torch::Tensor picked = rows.numel() ? rows.to(at::kLong).contiguous()
-                                      : torch::arange(n, codes.options().dtype(at::kLong));
+  at::Tensor picked = rows.numel() ? rows.to(at::kLong).contiguous()
+                                      : at::arange(n, codes.options().dtype(at::kLong));
   TORCH_CHECK(picked.numel() == 0 || (picked.min().item<int64_t>() >= 0 &&
                                       picked.max().item<int64_t>() < n), "row out of range");
-  auto out = torch::empty({picked.numel(), k}, codes.options().dtype(at::kFloat));
+  auto out = at::empty({picked.numel(), k}, codes.options().dtype(at::kFloat));
   const int64_t* index = picked.data_ptr<int64_t>();
   float* o = out.data_ptr<float>();
   at::parallel_for(0, picked.numel(), 16, [&](int64_t begin, int64_t end) {
@@ -602,11 +601,11 @@ torch::Tensor block_dequantize(torch::Tensor codes, torch::Tensor scales, torch:
 
 // The whole weight transposed, [k, n] float32 or bfloat16 (large batches multiply it with a
 // GEMM).
-torch::Tensor block_dequantize_t(torch::Tensor codes, torch::Tensor scales, torch::Tensor subs,
+at::Tensor block_dequantize_t(at::Tensor codes, at::Tensor scales, at::Tensor subs,
                                  int64_t bits, int64_t mode, bool bf16) {
 #ifdef MINISGL_AVX2
   const Weight w = weight_of(codes, scales, subs, bits, mode);
-  auto out = torch::empty({w.groups * kGroup, w.blocks * kLanes},
+  auto out = at::empty({w.groups * kGroup, w.blocks * kLanes},
                           codes.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
   if (bf16) dequantize_all_t(w, out.data_ptr<at::BFloat16>());
   else dequantize_all_t(w, out.data_ptr<float>());

@@ -10,8 +10,11 @@
 // - 4- and 8-bit block-quantized weight matmuls (quant_matmul.cpp), the W8A8 int8 one
 //   (int8_matmul.cpp), the mixture-of-experts one (expert_matmul.cpp) and multi-LoRA's
 //   (lora_matmul.cpp).
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include "aten.h"
 
 #include <algorithm>
 #include <cmath>
@@ -227,8 +230,8 @@ int64_t argmax_row(const T* p, int64_t n) {
 
 // q: [tokens, heads, dim], k: [tokens, kv_heads, dim], each with contiguous heads (a token
 // stride of their own: views into the fused QKV output); cos/sin: [positions, dim / 2] float32.
-void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor positions, torch::Tensor cos,
-             torch::Tensor sin) {
+void rotary_(at::Tensor q, at::Tensor k, at::Tensor positions, at::Tensor cos,
+             at::Tensor sin) {
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous());
   TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous());
   for (const auto& x : {q, k}) {
@@ -247,8 +250,8 @@ void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor positions, torch::T
 // k / v: [tokens, kv_heads, dim], contiguous rows (views into the fused QKV output);
 // k_cache / v_cache: [kv_heads, locations, dim]; locations: [tokens]. One row copy per
 // (token, head), where index_copy_ of the transposed views costs ~16 us per call.
-void store_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor locations,
-               torch::Tensor k, torch::Tensor v) {
+void store_kv_(at::Tensor k_cache, at::Tensor v_cache, at::Tensor locations,
+               at::Tensor k, at::Tensor v) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous());
   const auto where = locations.to(at::kLong).contiguous();
   const int64_t tokens = where.numel(), pool = k_cache.size(1);
@@ -272,12 +275,12 @@ void store_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor locat
   }
 }
 
-torch::Tensor silu_and_mul(torch::Tensor x) {
+at::Tensor silu_and_mul(at::Tensor x) {
   TORCH_CHECK(x.is_contiguous() && x.size(-1) % 2 == 0);
   const int64_t d = x.size(-1) / 2;
   auto sizes = x.sizes().vec();
   sizes.back() = d;
-  auto out = torch::empty(sizes, x.options());
+  auto out = at::empty(sizes, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
     silu_and_mul_rows<scalar_t>(x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
                                 x.numel() / (2 * d), d);
@@ -286,10 +289,10 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
 }
 
 // x: [rows, n] float32 or bfloat16, contiguous -> [rows] int64.
-torch::Tensor argmax_rows(torch::Tensor x) {
+at::Tensor argmax_rows(at::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) > 0);
   const int64_t rows = x.size(0), n = x.size(1);
-  auto out = torch::empty({rows}, x.options().dtype(at::kLong));
+  auto out = at::empty({rows}, x.options().dtype(at::kLong));
   int64_t* op = out.data_ptr<int64_t>();
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf16 || x.scalar_type() == at::kFloat, "argmax_rows takes float32 or bfloat16");
@@ -304,11 +307,11 @@ torch::Tensor argmax_rows(torch::Tensor x) {
 
 // Returns (normed, carry). With a residual: carry = x + residual, written into `residual` in
 // place (the caller owns that buffer); without: carry = x.
-std::vector<torch::Tensor> rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual,
-                                    torch::Tensor weight, double eps) {
+std::vector<at::Tensor> rms_norm(at::Tensor x, c10::optional<at::Tensor> residual,
+                                    at::Tensor weight, double eps) {
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous());
-  auto out = torch::empty_like(x);
-  torch::Tensor carry = x;
+  auto out = at::empty_like(x);
+  at::Tensor carry = x;
   if (residual.has_value()) {
     TORCH_CHECK(residual->is_contiguous() && residual->sizes() == x.sizes());
     carry = *residual;
@@ -323,10 +326,10 @@ std::vector<torch::Tensor> rms_norm(torch::Tensor x, c10::optional<torch::Tensor
 }
 
 // decode_bf16.cpp
-bool decode_attention_bf16(const torch::Tensor& q, const torch::Tensor& k_cache,
-                           const torch::Tensor& v_cache, const torch::Tensor& locations,
-                           const torch::Tensor& seq_lens, const int64_t* token_rows,
-                           torch::Tensor& out, double scale);
+bool decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const at::Tensor& locations,
+                           const at::Tensor& seq_lens, const int64_t* token_rows,
+                           at::Tensor& out, double scale);
 
 // q: [tokens, heads, dim]; k_cache/v_cache: [kv_heads, pool, dim]; locations: [rows, max_len]
 // int64 (entries past a token's length are not read); seq_lens: [tokens] int64, each >= 1: the
@@ -334,18 +337,18 @@ bool decode_attention_bf16(const torch::Tensor& q, const torch::Tensor& k_cache,
 // i: a decode batch; a prefill or mixed batch passes each token's request row, and its position
 // + 1 as its length, so causality comes from the lengths). softcap > 0: each score s becomes
 // softcap * tanh(s / softcap) (Gemma 2's attention logit soft-capping).
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                               torch::Tensor locations, torch::Tensor seq_lens, double scale,
-                               c10::optional<torch::Tensor> token_rows, double softcap) {
+at::Tensor decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                               at::Tensor locations, at::Tensor seq_lens, double scale,
+                               c10::optional<at::Tensor> token_rows, double softcap) {
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
   TORCH_CHECK(locations.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong);
   TORCH_CHECK(seq_lens.numel() == q.size(0));
   const auto where = locations.contiguous(), lens = seq_lens.contiguous();
   const auto rows = token_rows.has_value() ? token_rows->to(at::kLong).contiguous()
-                                           : torch::Tensor();
+                                           : at::Tensor();
   TORCH_CHECK(!rows.defined() || rows.numel() == q.size(0));
   const int64_t* row_of = rows.defined() ? rows.data_ptr<int64_t>() : nullptr;
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   if (softcap <= 0 && decode_attention_bf16(q, k_cache, v_cache, where, lens, row_of, out, scale))
     return out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention",
@@ -361,24 +364,24 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
 
 // quant_matmul.cpp
 bool vnni_available();
-torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor dm);
-torch::Tensor quant_dequantize_t(torch::Tensor codes, torch::Tensor dm);
+at::Tensor quant_matmul(at::Tensor x, at::Tensor codes, at::Tensor dm);
+at::Tensor quant_dequantize_t(at::Tensor codes, at::Tensor dm);
 // int8_matmul.cpp
-torch::Tensor int8_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+at::Tensor int8_matmul(at::Tensor x, at::Tensor codes, at::Tensor scales,
                           int64_t group);
 // expert_matmul.cpp
-torch::Tensor expert_matmul(torch::Tensor x, torch::Tensor weight, torch::Tensor ends);
+at::Tensor expert_matmul(at::Tensor x, at::Tensor weight, at::Tensor ends);
 // lora_matmul.cpp
-void lora_add(torch::Tensor x, torch::Tensor out, torch::Tensor rows, torch::Tensor ends,
-              torch::Tensor a, std::vector<torch::Tensor> bt, std::vector<int64_t> offsets);
+void lora_add(at::Tensor x, at::Tensor out, at::Tensor rows, at::Tensor ends,
+              at::Tensor a, std::vector<at::Tensor> bt, std::vector<int64_t> offsets);
 // block_matmul.cpp
 bool block_kernel_available();
 bool block_kernel_vnni();
-torch::Tensor block_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
-                           torch::Tensor subs, int64_t bits, int64_t mode);
-torch::Tensor block_dequantize(torch::Tensor codes, torch::Tensor scales, torch::Tensor subs,
-                               int64_t bits, int64_t mode, torch::Tensor rows);
-torch::Tensor block_dequantize_t(torch::Tensor codes, torch::Tensor scales, torch::Tensor subs,
+at::Tensor block_matmul(at::Tensor x, at::Tensor codes, at::Tensor scales,
+                           at::Tensor subs, int64_t bits, int64_t mode);
+at::Tensor block_dequantize(at::Tensor codes, at::Tensor scales, at::Tensor subs,
+                               int64_t bits, int64_t mode, at::Tensor rows);
+at::Tensor block_dequantize_t(at::Tensor codes, at::Tensor scales, at::Tensor subs,
                                  int64_t bits, int64_t mode, bool bf16);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -9,8 +9,7 @@
 // and adds, where a horizontal sum per token costs ~8 each and stalls on its own chain).
 // Values: each V row is widened once and added into every query head's float32 accumulators,
 // which stay in registers for the whole sequence.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "aten.h"
 
 #include <algorithm>
 #include <cmath>
@@ -190,10 +189,10 @@ int64_t balanced_token(int64_t i, int64_t n);  // cpu_kernels.cpp
 
 // The shapes of cpu_kernels.cpp's decode_attention. Returns false (and writes nothing) where
 // this path does not apply: not bfloat16, a head dim other than 64 / 128, no AVX-512 BF16.
-bool decode_attention_bf16(const torch::Tensor& q, const torch::Tensor& k_cache,
-                           const torch::Tensor& v_cache, const torch::Tensor& locations,
-                           const torch::Tensor& seq_lens, const int64_t* token_rows,
-                           torch::Tensor& out, double scale) {
+bool decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const at::Tensor& locations,
+                           const at::Tensor& seq_lens, const int64_t* token_rows,
+                           at::Tensor& out, double scale) {
 #ifdef MINISGL_VNNI
   const int64_t dim = q.size(2);
   if (q.scalar_type() != at::kBFloat16 || (dim != 64 && dim != 128)) return false;

@@ -5,8 +5,7 @@
 // Here each expert's weight is streamed once per group: a block of its output rows is dotted
 // with up to kRowTile activation rows at a time (held in cache, in float32), parallel over
 // (expert, output block). A group of more than kMaxKernelRows rows is compute-bound: at::mm.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "aten.h"
 
 #include "vec8.h"
 
@@ -92,13 +91,13 @@ void small_groups(const float* x, const T* w, const std::vector<int64_t>& starts
 // x: [rows, k], sorted by expert; weight: [experts, n, k] contiguous, x's dtype (float32 or
 // bfloat16); ends: [experts] int32, the end row of each expert's group (a cumulative sum).
 // Returns [rows, n]: each group's rows times its expert's weight, transposed.
-torch::Tensor expert_matmul(torch::Tensor x, torch::Tensor weight, torch::Tensor ends) {
+at::Tensor expert_matmul(at::Tensor x, at::Tensor weight, at::Tensor ends) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 3 && weight.is_contiguous());
   TORCH_CHECK(x.scalar_type() == weight.scalar_type() && x.size(1) == weight.size(2));
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16);
   TORCH_CHECK(ends.scalar_type() == at::kInt && ends.numel() == weight.size(0));
   const int64_t k = x.size(1), n = weight.size(1);
-  auto out = torch::empty({x.size(0), n}, x.options());
+  auto out = at::empty({x.size(0), n}, x.options());
   const auto x_float = x.to(at::kFloat).contiguous();
   const auto group_ends = ends.contiguous();
   const int32_t* end_of = group_ends.data_ptr<int32_t>();

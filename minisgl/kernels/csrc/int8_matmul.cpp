@@ -11,8 +11,7 @@
 // 4v + j of output lane `lane`, stored as c + 128 (vpdpbusd multiplies unsigned by signed bytes):
 //   sum_i w_i x_i = d * sum_g s_g * (sum_{i in g} (c_i + 128) q_i - 128 * sum_{i in g} q_i),
 // with w = d * c per output feature and x ~ s_g * q per group.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "aten.h"
 
 #include <algorithm>
 #include <cstring>
@@ -114,7 +113,7 @@ constexpr const TileFn* kTiles[kTileRows] = {kRowTiles<1>, kRowTiles<2>, kRowTil
 // x: [..., k] bfloat16; codes: [n / 16, k / 4, 64] uint8 (code + 128); scales: [n] float32;
 // group: inputs per activation scale (a multiple of 16 dividing k; k: one scale per row).
 // Returns [..., n] bfloat16.
-torch::Tensor int8_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+at::Tensor int8_matmul(at::Tensor x, at::Tensor codes, at::Tensor scales,
                           int64_t group) {
 #ifdef MINISGL_VNNI
   TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kBFloat16);
@@ -127,7 +126,7 @@ torch::Tensor int8_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
   const int64_t groups = k / group;
   std::vector<int64_t> sizes = x.sizes().vec();
   sizes.back() = n;
-  auto out = torch::empty(sizes, x.options());
+  auto out = at::empty(sizes, x.options());
   std::vector<int8_t> q(rows * k);
   std::vector<float> scale(rows * groups), offset(rows);
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();

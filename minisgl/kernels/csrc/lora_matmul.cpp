@@ -9,8 +9,7 @@
 // slot, for any row count: x A^T with vdpbf16ps (4 rows x 4 of A's rows, each loaded once for
 // the tile), h B^T with B^T's rows widened once per tile; the same float32 sums in another
 // order.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "aten.h"
 
 #include "vec8.h"
 #include "vnni.h"
@@ -227,8 +226,8 @@ void lora_small_bf16(const at::BFloat16* x, at::BFloat16* out, const int64_t* ro
 // tokens sorted by slot; ends: int32 [slots], each slot's end in rows (a cumulative count);
 // a: [all slots, parts * rank, in]; bt: per part [all slots, rank, width_p]; offsets: each
 // part's first column in out. One dtype throughout: float32 or bfloat16.
-void lora_add(torch::Tensor x, torch::Tensor out, torch::Tensor rows, torch::Tensor ends,
-              torch::Tensor a, std::vector<torch::Tensor> bt, std::vector<int64_t> offsets) {
+void lora_add(at::Tensor x, at::Tensor out, at::Tensor rows, at::Tensor ends,
+              at::Tensor a, std::vector<at::Tensor> bt, std::vector<int64_t> offsets) {
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && out.is_contiguous() && a.is_contiguous());
   TORCH_CHECK(x.scalar_type() == out.scalar_type() && x.scalar_type() == a.scalar_type());
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16);

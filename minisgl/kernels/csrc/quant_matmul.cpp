@@ -16,8 +16,7 @@
 // (s = max |x| / 127; r quantizes what q leaves): about 15 bits, so the result is the dequantized
 // weights' product up to float rounding, where one term (llama.cpp's Q8 activations) gives a
 // larger logit error (BENCHMARKS.md).
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "aten.h"
 
 #include <algorithm>
 #include <cstring>
@@ -172,13 +171,13 @@ bool vnni_available() {
 // dm: [n / 16, k / 32, 2, 16] float16. Returns [..., n] bfloat16.
 // The transposed weight [k, n] bfloat16 that codes and dm encode (large batches multiply it
 // with a GEMM: past a few hundred rows that beats quant_matmul's integer dot products).
-torch::Tensor quant_dequantize_t(torch::Tensor codes, torch::Tensor dm) {
+at::Tensor quant_dequantize_t(at::Tensor codes, at::Tensor dm) {
 #ifdef MINISGL_VNNI
   TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.dim() == 3);
   TORCH_CHECK(dm.is_contiguous() && dm.scalar_type() == at::kHalf);
   const int64_t blocks = codes.size(0), groups = codes.size(1), block_bytes = codes.size(2);
   const int64_t n = blocks * kLanes;
-  auto out = torch::empty({groups * kGroup, n}, codes.options().dtype(at::kBFloat16));
+  auto out = at::empty({groups * kGroup, n}, codes.options().dtype(at::kBFloat16));
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const at::Half* dp = dm.data_ptr<at::Half>();
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
@@ -198,7 +197,7 @@ torch::Tensor quant_dequantize_t(torch::Tensor codes, torch::Tensor dm) {
 #endif
 }
 
-torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor dm) {
+at::Tensor quant_matmul(at::Tensor x, at::Tensor codes, at::Tensor dm) {
 #ifdef MINISGL_VNNI
   TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kBFloat16);
   TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.dim() == 3);
@@ -210,7 +209,7 @@ torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor d
   const int64_t n = blocks * kLanes;
   std::vector<int64_t> sizes = x.sizes().vec();
   sizes.back() = n;
-  auto out = torch::empty(sizes, x.options());
+  auto out = at::empty(sizes, x.options());
   std::vector<int8_t> q(rows * k), fine(rows * k);
   std::vector<float> scale(rows * groups), sum(rows * groups);
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();

@@ -2,7 +2,7 @@
 // shared by the kernels that multiply in float32 whatever the weights' dtype.
 #pragma once
 
-#include <torch/extension.h>
+#include "aten.h"
 
 #include <cstdint>
 #include <cstring>

@@ -2,7 +2,7 @@
 // defined where the compiler targets AVX-512 F / BW / VNNI / BF16 (-march=native on such a CPU).
 #pragma once
 
-#include <torch/extension.h>
+#include "aten.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && \
     defined(__AVX512BF16__)
