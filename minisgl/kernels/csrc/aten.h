@@ -1,5 +1,6 @@
-// The part of ATen the kernel sources use. torch/extension.h (pybind11, the whole C++ API)
-// costs most of a source's compile time; only cpu_kernels.cpp, which binds, includes it.
+// The part of ATen the kernel sources use, in place of torch/extension.h (pybind11 and torch's
+// whole C++ API), which took most of each source's compile time. cpu_kernels.cpp, which binds,
+// adds only torch's pybind11 type casters.
 #pragma once
 
 #include <ATen/Parallel.h>
