@@ -143,15 +143,15 @@ class GgufWeight:
         self.subs = (torch.empty(0, dtype=torch.uint8) if blocks.subs is None else
                      _lanes_last(blocks.subs, rows).to(torch.int8).view(torch.uint8).contiguous())
         self.kernels = block_kernels()
-        self.vnni = self.kernels is not None and self.kernels.block_kernel_vnni()
+        vnni = self.kernels is not None and self.kernels.block_kernel_vnni()
+        self.kernel_max_rows = KERNEL_MAX_ROWS if vnni else AVX2_KERNEL_MAX_ROWS
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.subs))
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        max_rows = KERNEL_MAX_ROWS if self.vnni else AVX2_KERNEL_MAX_ROWS
-        if x.numel() > max_rows * self.in_features:
+        if x.numel() > self.kernel_max_rows * self.in_features:
             # NOTE: without AVX-512 BF16 a bfloat16 GEMM is emulated, ~250x slower: float32
             bf16 = x.dtype == torch.bfloat16 and native_bf16_gemm()
             weight_t = self.kernels.block_dequantize_t(self.codes, self.scales, self.subs,

@@ -548,7 +548,7 @@ bool block_kernel_vnni() {
 // x: [..., k] float32 or bfloat16; codes [n / 8, k / 32, bytes]; scales float16; subs uint8
 // (kFlat: ignored). Returns x @ w.T as [..., n] in x's dtype.
 at::Tensor block_matmul(at::Tensor x, at::Tensor codes, at::Tensor scales,
-                           at::Tensor subs, int64_t bits, int64_t mode) {
+                        at::Tensor subs, int64_t bits, int64_t mode) {
 #ifdef MINISGL_AVX2
   TORCH_CHECK(x.is_contiguous() && (x.scalar_type() == at::kFloat ||
                                     x.scalar_type() == at::kBFloat16));
@@ -574,11 +574,11 @@ at::Tensor block_matmul(at::Tensor x, at::Tensor codes, at::Tensor scales,
 // [len, k], from the layout alone: the reference the tests hold the kernel to, the embedding
 // lookup, and the large-batch path's dense weight.
 at::Tensor block_dequantize(at::Tensor codes, at::Tensor scales, at::Tensor subs,
-                               int64_t bits, int64_t mode, at::Tensor rows) {
+                            int64_t bits, int64_t mode, at::Tensor rows) {
   const Weight w = weight_of(codes, scales, subs, bits, mode);
   const int64_t n = codes.size(0) * kLanes, k = w.groups * kGroup;
   at::Tensor picked = rows.numel() ? rows.to(at::kLong).contiguous()
-                                      : at::arange(n, codes.options().dtype(at::kLong));
+                                   : at::arange(n, codes.options().dtype(at::kLong));
   TORCH_CHECK(picked.numel() == 0 || (picked.min().item<int64_t>() >= 0 &&
                                       picked.max().item<int64_t>() < n), "row out of range");
   auto out = at::empty({picked.numel(), k}, codes.options().dtype(at::kFloat));
@@ -602,11 +602,11 @@ at::Tensor block_dequantize(at::Tensor codes, at::Tensor scales, at::Tensor subs
 // The whole weight transposed, [k, n] float32 or bfloat16 (large batches multiply it with a
 // GEMM).
 at::Tensor block_dequantize_t(at::Tensor codes, at::Tensor scales, at::Tensor subs,
-                                 int64_t bits, int64_t mode, bool bf16) {
+                              int64_t bits, int64_t mode, bool bf16) {
 #ifdef MINISGL_AVX2
   const Weight w = weight_of(codes, scales, subs, bits, mode);
   auto out = at::empty({w.groups * kGroup, w.blocks * kLanes},
-                          codes.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
+                       codes.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
   if (bf16) dequantize_all_t(w, out.data_ptr<at::BFloat16>());
   else dequantize_all_t(w, out.data_ptr<float>());
   return out;

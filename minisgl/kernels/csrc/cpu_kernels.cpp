@@ -308,7 +308,7 @@ at::Tensor argmax_rows(at::Tensor x) {
 // Returns (normed, carry). With a residual: carry = x + residual, written into `residual` in
 // place (the caller owns that buffer); without: carry = x.
 std::vector<at::Tensor> rms_norm(at::Tensor x, c10::optional<at::Tensor> residual,
-                                    at::Tensor weight, double eps) {
+                                 at::Tensor weight, double eps) {
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous());
   auto out = at::empty_like(x);
   at::Tensor carry = x;
@@ -338,8 +338,8 @@ bool decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
 // + 1 as its length, so causality comes from the lengths). softcap > 0: each score s becomes
 // softcap * tanh(s / softcap) (Gemma 2's attention logit soft-capping).
 at::Tensor decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
-                               at::Tensor locations, at::Tensor seq_lens, double scale,
-                               c10::optional<at::Tensor> token_rows, double softcap) {
+                            at::Tensor locations, at::Tensor seq_lens, double scale,
+                            c10::optional<at::Tensor> token_rows, double softcap) {
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
   TORCH_CHECK(locations.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong);
   TORCH_CHECK(seq_lens.numel() == q.size(0));
@@ -368,7 +368,7 @@ at::Tensor quant_matmul(at::Tensor x, at::Tensor codes, at::Tensor dm);
 at::Tensor quant_dequantize_t(at::Tensor codes, at::Tensor dm);
 // int8_matmul.cpp
 at::Tensor int8_matmul(at::Tensor x, at::Tensor codes, at::Tensor scales,
-                          int64_t group);
+                       int64_t group);
 // expert_matmul.cpp
 at::Tensor expert_matmul(at::Tensor x, at::Tensor weight, at::Tensor ends);
 // lora_matmul.cpp
@@ -378,11 +378,11 @@ void lora_add(at::Tensor x, at::Tensor out, at::Tensor rows, at::Tensor ends,
 bool block_kernel_available();
 bool block_kernel_vnni();
 at::Tensor block_matmul(at::Tensor x, at::Tensor codes, at::Tensor scales,
-                           at::Tensor subs, int64_t bits, int64_t mode);
+                        at::Tensor subs, int64_t bits, int64_t mode);
 at::Tensor block_dequantize(at::Tensor codes, at::Tensor scales, at::Tensor subs,
-                               int64_t bits, int64_t mode, at::Tensor rows);
+                            int64_t bits, int64_t mode, at::Tensor rows);
 at::Tensor block_dequantize_t(at::Tensor codes, at::Tensor scales, at::Tensor subs,
-                                 int64_t bits, int64_t mode, bool bf16);
+                              int64_t bits, int64_t mode, bool bf16);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention,

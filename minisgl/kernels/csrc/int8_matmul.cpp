@@ -114,7 +114,7 @@ constexpr const TileFn* kTiles[kTileRows] = {kRowTiles<1>, kRowTiles<2>, kRowTil
 // group: inputs per activation scale (a multiple of 16 dividing k; k: one scale per row).
 // Returns [..., n] bfloat16.
 at::Tensor int8_matmul(at::Tensor x, at::Tensor codes, at::Tensor scales,
-                          int64_t group) {
+                       int64_t group) {
 #ifdef MINISGL_VNNI
   TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kBFloat16);
   TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.dim() == 3);
