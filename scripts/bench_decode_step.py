@@ -9,7 +9,8 @@ a Mistral with a window, beside the same model without one:
         --json-model-override-args '{"architectures": ["MistralForCausalLM"],
                                      "model_type": "mistral", "sliding_window": 256}'
 
-Reports ms per step, tokens/s and the weight bytes read per second (the bandwidth floor).
+Reports ms per step, tokens/s and the weight bytes read per second (the bandwidth floor);
+where the layers run as one call (models.fused_layers), the same step with their modules too.
 """
 
 from __future__ import annotations
@@ -92,11 +93,20 @@ def main() -> None:
     print(f"{args.dtype}, quantization {engine.quantization}, context {args.context}, "
           f"weights read per step {read / 1e6:.0f} MB, "
           f"{torch.get_num_threads()} threads")
-    print("| batch | step ms | tok/s | weight GB/s |\n|---|---|---|---|")
+    fused = getattr(engine.model, "fused_layers", None)
+    extra = ("", "") if fused is None else (" layers as modules: step ms | fused / modules |",
+                                            "---|---|")
+    print(f"| batch | step ms | tok/s | weight GB/s |{extra[0]}\n|---|---|---|---|{extra[1]}")
     for batch_size in args.batch:
         step = decode_step_seconds(engine, batch_size, args.context, args.steps)
-        print(f"| {batch_size} | {step * 1e3:.1f} | {batch_size / step:.0f} | "
-              f"{read / step / 1e9:.1f} |", flush=True)
+        row = f"| {batch_size} | {step * 1e3:.1f} | {batch_size / step:.0f} | " \
+              f"{read / step / 1e9:.1f} |"
+        if fused is not None:  # the same step with the layers' modules (models.fused_layers)
+            engine.model.fused_layers = None
+            modules = decode_step_seconds(engine, batch_size, args.context, args.steps)
+            engine.model.fused_layers = fused
+            row += f" {modules * 1e3:.1f} | {step / modules:.2f} |"
+        print(row, flush=True)
     engine.shutdown()
 
 

@@ -47,6 +47,7 @@ from minisgl.errors import EngineFailed
 from minisgl.kvcache import KVPool
 from minisgl.layers.moe import syncs_on_host
 from minisgl.models import ModelArch, check_supported, load_config, resolve_model_path
+from minisgl.models.fused_layers import fuse_layers
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +145,8 @@ class Engine:
         self.attn_backend = attention_for(config.attention_backend, self.arch, self.model,
                                           self.kv_pool, self.page_table, self.device,
                                           self.dtype)
+        if self.device.type == "cpu" and hasattr(self.model, "fused_layers"):
+            self.model.fused_layers = fuse_layers(self.model, self.attn_backend, self.tp.size)
         self.sampler = Sampler(self.arch.vocab_size, self.device, list(self.arch.eos_token_ids),
                                seed=config.seed)
         self.speculation = spec_config(config, self.device.type)

@@ -106,6 +106,7 @@ class LlamaForCausalLM(Layer):
         tied = self.embed_tokens if arch.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, tied,
                                       arch.final_logit_softcap)
+        self.fused_layers: Any = None  # the layers as one call on CPU (models.fused_layers)
 
     def decoder_layers(self, arch: ModelArch) -> nn.ModuleList:
         rotary = RotaryEmbedding(arch.head_dim, arch.rope_positions, arch.rope, arch.rotary_dim)
@@ -128,8 +129,11 @@ class LlamaForCausalLM(Layer):
                       backend: AttentionBackend, rows: torch.Tensor | None) -> torch.Tensor:
         """Final hidden states [len(rows), hidden] of the chosen token rows (all when None)."""
         x, residual = self.embed(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(x, residual, positions, batch, backend)
+        if self.fused_layers is not None and self.fused_layers.runs(batch, positions):
+            x, residual = self.fused_layers(x, positions, batch, backend)
+        else:
+            for layer in self.layers:
+                x, residual = layer(x, residual, positions, batch, backend)
         x, _ = self.norm(x, residual)
         return x if rows is None else x.index_select(0, rows)
 

@@ -9,12 +9,14 @@
 // - each row's argmax (greedy sampling over the vocabulary; torch's CPU argmax is scalar);
 // - 4- and 8-bit block-quantized weight matmuls (quant_matmul.cpp), the W8A8 int8 one
 //   (int8_matmul.cpp), the mixture-of-experts one (expert_matmul.cpp) and multi-LoRA's
-//   (lora_matmul.cpp).
+//   (lora_matmul.cpp);
+// - a Llama-family model's decoder layers in GGUF blocks as one call (fused_layers.cpp).
 #include <ATen/Dispatch.h>
 #include <ATen/ops/empty_like.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include "aten.h"
+#include "fused_layers.h"
 
 #include <algorithm>
 #include <cmath>
@@ -423,4 +425,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("lora_add", &lora_add, "each adapter token's LoRA term added to its row (CPU)",
         py::call_guard<py::gil_scoped_release>());
+  py::class_<FusedLayers>(m, "FusedLayers",
+                          "a Llama-family model's GGUF-block decoder layers as one call (CPU)")
+      .def(py::init<int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor>())
+      .def("add_layer", &FusedLayers::add_layer)
+      .def("run", &FusedLayers::run, py::call_guard<py::gil_scoped_release>());
 }

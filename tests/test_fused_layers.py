@@ -1,0 +1,81 @@
+"""The decoder layers as one C++ call (models.fused_layers): the same kernels in the same order
+as the modules, so a served run with it equals one without it to the bit, over decode,
+prefill, mixed and prefix-cached batches; and it stays out of what it cannot run. (Against
+transformers: tests.test_gguf_kquants serves the same Q4_K_M-style file, fused.)"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from minisgl import LLM
+from minisgl.layers.gguf_weight import block_kernels
+from minisgl.models.fused_layers import FusedLayers
+from tests import reference as ref
+from tests.gguf_requant import requant_gguf
+from tests.test_gguf_kquants import q4_k_m_kind
+
+pytestmark = pytest.mark.skipif(block_kernels() is None, reason="needs the AVX2 block kernel")
+
+# layer 0: q / k Q5_0 with v Q8_0 (two kernels, one output), down Q6_K; layers 3 and 4: Q4_K
+LAYERS = 6
+
+
+@functools.lru_cache(maxsize=1)
+def q4_k_m_six_layers() -> str:
+    return str(requant_gguf(f"Q4_K_M-style-{LAYERS}-layers", q4_k_m_kind, layers=LAYERS))
+
+
+class CountingFusedLayers(FusedLayers):
+    calls = 0
+
+    def __call__(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN204
+        self.calls += 1
+        return super().__call__(*args, **kwargs)
+
+
+def served(fused: bool) -> list[dict]:
+    """Greedy outputs with every logprob: four prompts at once in chunks of 16 tokens mixed
+    with the running streams' decode rows, then one prompt again (its prefix cached)."""
+    prompts = [ref.prompt_ids(p) for p in ref.PLAIN_PROMPTS[:3]]
+    prompts.append(prompts[0] * 4 + prompts[1])
+    params = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
+    with LLM(q4_k_m_six_layers(), dtype="float32", quantization="gguf", max_total_tokens=1024,
+             max_running_requests=4, chunked_prefill_size=16, enable_mixed_chunk=True) as llm:
+        model = llm.runtime.engine.model
+        assert model.fused_layers is not None
+        counting = CountingFusedLayers(model.fused_layers.program, model.fused_layers.max_rows)
+        model.fused_layers = counting if fused else None
+        outs = llm.generate(input_ids=prompts, return_logprob=True, logprob_start_len=0,
+                            sampling_params=params)
+        outs += llm.generate(input_ids=[prompts[3]], return_logprob=True,
+                             sampling_params=params)  # NOTE: prompt logprobs would recompute
+        assert outs[-1]["meta_info"]["cached_tokens"] > 0
+        llm.check_integrity()
+        steps = llm.runtime.engine.phase_steps
+    if fused:  # every step, prefill / mixed / decode alike
+        assert counting.calls == sum(steps.values()) and steps["decode"] and steps["mixed"]
+    return outs
+
+
+def test_fused_layers_serve_the_modules_outputs_to_the_bit():
+    fused, modules = served(fused=True), served(fused=False)
+    for ours, theirs in zip(fused, modules):
+        assert ours["output_ids"] == theirs["output_ids"]
+        meta, expected = ours["meta_info"], theirs["meta_info"]
+        assert meta["input_token_logprobs"] == expected["input_token_logprobs"]
+        assert meta["output_token_logprobs"] == expected["output_token_logprobs"]
+
+
+@pytest.mark.parametrize("flags", [{"quantization": "none"}, {"tp_size": 3},
+                                   {"enable_lora": True, "max_lora_rank": 8,
+                                    "lora_target_modules": ["q_proj"]}])
+def test_fused_layers_stay_out_of_what_they_cannot_run(flags: dict):
+    """Dense weights, tensor parallelism (the all-reduce between layers), LoRA terms."""
+    with LLM(q4_k_m_six_layers(), dtype="float32", max_total_tokens=256,
+             max_running_requests=1, **{"quantization": "gguf", **flags}) as llm:
+        assert llm.runtime.engine.model.fused_layers is None
+        out = llm.generate(input_ids=[ref.prompt_ids("Hello")],
+                           sampling_params={"temperature": 0, "max_new_tokens": 2})
+        assert len(out[0]["output_ids"]) == 2
