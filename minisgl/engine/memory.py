@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 
 import psutil
@@ -16,12 +17,24 @@ from minisgl.models import ModelArch
 logger = logging.getLogger(__name__)
 
 
+def return_freed_heap() -> None:
+    """Hand the C heap's free pages back to the OS. NOTE: glibc keeps what loading the weights
+    freed (the checkpoint's decoded blocks, ~100 MB for the bundled model) in the process,
+    where neither the KV pool's sizing from `available` memory nor anything outside sees it."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def allocate_kv_pool(config: EngineConfig, arch: ModelArch, kv_heads: int, page_size: int,
                      dtype: torch.dtype, device: torch.device, tp_size: int,
                      draft_bytes_per_token: int = 0) -> KVPool:
     """`--max-total-tokens`, else what the memory fraction leaves (after the weights are
     loaded; a draft model's KV pool, `draft_bytes_per_token`, takes its share); every rank
     takes the smallest count, so a page id means one slot everywhere."""
+    if device.type == "cpu":
+        return_freed_heap()
     per_token = KVPool.bytes_per_token(arch.num_layers, kv_heads, arch.head_dim, dtype)
     tokens = config.max_total_tokens
     fraction = config.mem_fraction_static or device_default("mem_fraction_static", device.type)

@@ -213,13 +213,20 @@ class BlockSlots:
             raise ValueError("a layer loading GGUF blocks was given a dense tensor for part of it")
         self.parts[self.start] = part
 
+    @property
+    def covered_rows(self) -> int:
+        return sum(part.shape[0] for part in self.parts.values())
+
+    @property
+    def complete(self) -> bool:
+        return self.covered_rows == self.shape[0]
+
     def ordered_parts(self) -> list[GgufBlocks]:
         """The parts by their first row, once they cover the layer."""
-        starts = sorted(self.parts)
-        covered = sum(self.parts[s].shape[0] for s in starts)
-        if covered != self.shape[0]:
-            raise ValueError(f"GGUF blocks filled {covered} of {self.shape[0]} rows of a layer")
-        return [self.parts[start] for start in starts]
+        if not self.complete:
+            raise ValueError(f"GGUF blocks filled {self.covered_rows} of {self.shape[0]} rows "
+                             "of a layer")
+        return [self.parts[start] for start in sorted(self.parts)]
 
     def finish(self) -> GgufWeight | StackedWeight:
         runs: list[list[GgufBlocks]] = []

@@ -14,8 +14,12 @@ Q8_0 = fp16 d, 32 int8 values q, w = q * d.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -92,12 +96,23 @@ def kernel_for(kind: str, out_features: int, experts: bool, table: bool, dtype: 
     return "torch" if kind in ("Q4_0", "Q4_1") and not table and dtype == torch.bfloat16 else None
 
 
+@dataclass
+class PendingBlocks:
+    """One GGUF tensor's blocks, decoded when its layer loads them: the file's decoded codes
+    (a byte a weight) are never all held at once, only one tensor's at a time."""
+
+    kernel: str  # kernel_for's answer
+    bits: int
+    experts: bool  # a list of one WeightBlocks per expert
+    read: Callable[[], WeightBlocks | GgufBlocks | list[WeightBlocks]]
+
+
 def read_block_linears(path: Path, heads: dict[str, int], skips: Callable[[str], bool],
-                       dtype: torch.dtype) -> tuple[dict[str, WeightBlocks | GgufBlocks], dict[str, str]]:
-    """(the linear weights a kernel runs, by HF name (a list of one per expert for the stacked
-    experts' tensors), {HF name: GGUF type} of the other linear weights, which stay dense),
-    leaving out the names `skips` (the model's: layers past a layer-count override). `heads`:
-    num_heads and num_kv_heads. The embedding / LM head tables come as GgufBlocks only."""
+                       dtype: torch.dtype) -> tuple[dict[str, PendingBlocks], dict[str, str]]:
+    """(the linear weights a kernel runs, by HF name, {HF name: GGUF type} of the other linear
+    weights, which stay dense), leaving out the names `skips` (the model's: layers past a
+    layer-count override). `heads`: num_heads and num_kv_heads. The embedding / LM head tables
+    come as GgufBlocks only."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))
@@ -110,28 +125,34 @@ def read_block_linears(path: Path, heads: dict[str, int], skips: Callable[[str],
             continue
         kind = tensor.tensor_type.name
         in_features, out_features = (int(n) for n in tensor.shape[:2])
-        kernel = kernel_for(kind, out_features, len(tensor.shape) == 3, tensor.name in TABLES,
-                            dtype)
+        experts = len(tensor.shape) == 3
+        kernel = kernel_for(kind, out_features, experts, tensor.name in TABLES, dtype)
         if kernel is None:
             if tensor.name not in TABLES:
                 dense[name] = kind
             continue
-        if kernel == "avx2":
-            weight = decode(kind, tensor.data, out_features, in_features)
-        elif len(tensor.shape) == 3:  # [experts, out, in]: one weight per expert
-            raw = np.asarray(tensor.data).reshape(int(tensor.shape[2]), -1)
-            blocks[name] = [decode_blocks(kind, e, out_features, in_features) for e in raw]
-            continue
-        else:
-            weight = decode_blocks(kind, tensor.data, out_features, in_features)
         permuted = PERMUTED.get(arch, {}).get(tensor.name.split(".")[2]) if (
             tensor.name not in TABLES) else None
-        blocks[name] = unpermute_rows(weight, heads[permuted]) if permuted else weight
+        read = functools.partial(_decode_tensor, tensor, kernel, experts,
+                                 heads[permuted] if permuted else None)
+        blocks[name] = PendingBlocks(kernel, KINDS[kind][0], experts, read)
     return blocks, dense
 
 
+def _decode_tensor(tensor: Any, kernel: str, experts: bool, permuted_heads: int | None
+                   ) -> WeightBlocks | GgufBlocks | list[WeightBlocks]:
+    kind = tensor.tensor_type.name
+    in_features, out_features = (int(n) for n in tensor.shape[:2])
+    if experts:  # [experts, out, in]: one weight per expert
+        raw = np.asarray(tensor.data).reshape(int(tensor.shape[2]), -1)
+        return [decode_blocks(kind, e, out_features, in_features) for e in raw]
+    weight = (decode(kind, tensor.data, out_features, in_features) if kernel == "avx2" else
+              decode_blocks(kind, tensor.data, out_features, in_features))
+    return weight if permuted_heads is None else unpermute_rows(weight, permuted_heads)
+
+
 def stage_block_linears(model: torch.nn.Module, path: Path, heads: dict[str, int],
-                        dtype: torch.dtype) -> tuple[dict[str, WeightBlocks], dict[str, str]]:
+                        dtype: torch.dtype) -> tuple[dict[str, PendingBlocks], dict[str, str]]:
     """Prepare every layer whose checkpoint tensors are all blocks a kernel runs to take them
     (`expect_blocks`, `expect_gguf_blocks`; a layer with parts for both kernels runs them all
     on the AVX2 one); returns those tensors by HF name, and the GGUF types of the linear
@@ -144,14 +165,17 @@ def stage_block_linears(model: torch.nn.Module, path: Path, heads: dict[str, int
     staged, kept = {}, {}
     for module, names in names_by_module.items():
         parts = [blocks.get(name) for name in names]
-        if all(isinstance(p, (WeightBlocks, list)) for p in parts) and (
-                len(widths := {_bits(p) for p in parts}) == 1):
+        if all(p is not None and p.kernel != "avx2" for p in parts) and (
+                len(widths := {p.bits for p in parts}) == 1):
             module.expect_blocks(widths.pop())
-        elif all(isinstance(p, (GgufBlocks, WeightBlocks)) for p in parts) and (
+        elif all(p is not None and not p.experts for p in parts) and (
                 block_kernels() is not None):
             # NOTE: a layer with parts for both kernels (llama.cpp's Q4_K_M: q / k Q5_0 and v
             # Q8_0) runs every part on the one that takes all types
-            parts = [as_gguf_blocks(p) if isinstance(p, WeightBlocks) else p for p in parts]
+            parts = [p if p.kernel == "avx2" else
+                     dataclasses.replace(p, kernel="avx2",
+                                         read=functools.partial(_as_gguf_blocks_of, p.read))
+                     for p in parts]
             module.expect_gguf_blocks()
         else:
             kept.update((name, dense[name] if name in dense else
@@ -159,6 +183,10 @@ def stage_block_linears(model: torch.nn.Module, path: Path, heads: dict[str, int
             continue
         staged.update(zip(names, parts))
     return staged, kept
+
+
+def _as_gguf_blocks_of(read: Callable[[], WeightBlocks]) -> GgufBlocks:
+    return as_gguf_blocks(read())
 
 
 def as_gguf_blocks(blocks: WeightBlocks) -> GgufBlocks:
@@ -170,6 +198,3 @@ def as_gguf_blocks(blocks: WeightBlocks) -> GgufBlocks:
     offsets = blocks.zeros - blocks.center * blocks.scales
     return GgufBlocks("Q4_1", blocks.codes, torch.stack([blocks.scales, offsets], dim=-1), None)
 
-
-def _bits(blocks: WeightBlocks | list[WeightBlocks]) -> int:
-    return blocks[0].bits if isinstance(blocks, list) else blocks.bits

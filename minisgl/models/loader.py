@@ -16,7 +16,7 @@ from minisgl.layers.gpu_blocks import Fp8Blocks
 from minisgl.layers.quant import WeightBlocks
 from minisgl.models.arch import ModelArch
 from minisgl.models.dummy_weights import load_dummy
-from minisgl.models.gguf_blocks import stage_block_linears
+from minisgl.models.gguf_blocks import PendingBlocks, stage_block_linears
 from minisgl.models.hf_quant import INT4_METHODS as INT4_CHECKPOINT_METHODS
 from minisgl.models.hf_quant import METHODS as CHECKPOINT_METHODS
 from minisgl.models.hf_quant import QuantizedReader, QuantSpec, quant_spec
@@ -39,7 +39,7 @@ def load_weights(model: torch.nn.Module, folder: Path, arch: ModelArch, method: 
                    int4_groups=method in INT4_CHECKPOINT_METHODS)
     else:
         with ExitStack() as files:
-            staged: dict[str, WeightBlocks | GgufBlocks | Fp8Blocks | None] = {}
+            staged: dict[str, PendingBlocks | None] = {}
             skip: set[str] = set()
             read: Callable[[str], GgufBlocks | Fp8Blocks] | None = None
             if method in CHECKPOINT_METHODS and (spec := quant_spec(load_config(folder))):
@@ -56,8 +56,9 @@ def load_weights(model: torch.nn.Module, folder: Path, arch: ModelArch, method: 
                                    ", ".join(sorted(set(kept.values()))))
             load_safetensors(model, folder, skip=set(staged) | skip)
             for name in list(staged):  # NOTE: one weight at a time, released once loaded
-                blocks = staged.pop(name)
-                model.load_weight(name, blocks if read is None else read(name))
+                pending = staged.pop(name)
+                model.load_weight(name, pending.read() if read is None else read(name))
+                _finish_when_complete(model, name, dtype, device)
     for module in model.modules():
         if isinstance(getattr(module, "weight", None), (WeightBlocks, BlockSlots)) or (
                 getattr(module, "blocks", None) is not None):  # a linear's, or experts' blocks
@@ -70,6 +71,17 @@ def load_weights(model: torch.nn.Module, folder: Path, arch: ModelArch, method: 
             module.add_int8_copy(per_channel=method == "w8a8_int8")
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the released dense weights: the KV pool is sized next
+
+
+def _finish_when_complete(model: torch.nn.Module, name: str, dtype: torch.dtype,
+                          device: torch.device) -> None:
+    """Pack a linear's blocks into its kernel's layout as soon as its last part is in, so the
+    decoded parts (larger than the packed form) are held for one layer, not the model."""
+    target = model.weight_target(name)
+    module = None if target is None else target[0]
+    slots = getattr(module, "weight", None)
+    if isinstance(slots, BlockSlots) and slots.complete:
+        module.finish_blocks(dtype, device)
 
 
 def _stage_checkpoint(model: torch.nn.Module, reader: QuantizedReader, spec: QuantSpec,
