@@ -6,6 +6,7 @@ and the KV pool it was given.
 
     python scripts/bench_kquants.py                    # 1 and 64 streams
     python scripts/bench_kquants.py --concurrency 1 8 --methods gguf
+    python scripts/bench_kquants.py --methods gguf --baseline <a worktree of another commit>
 
 llama-server and llama-quantize are built once from the llama-cpp-python sdist's sources
 (scripts/compare.py); the Q4_K_M file is made once into the cache folder (requantized from
@@ -67,23 +68,27 @@ def main() -> None:
                         choices=["gguf", "none"])
     parser.add_argument("--dtype", default="auto", help="minisgl's --dtype")
     parser.add_argument("--skip-llama-cpp", action="store_true")
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="another checkout of minisgl (a worktree), served after this one")
     args = parser.parse_args()
     model = q4_k_m_file()
     most = max(args.concurrency)
     per_stream = args.input_len + args.output_len + 16
     rows: dict[str, dict[int, dict]] = {}
     memory: dict[str, str] = {}
+    checkouts = [(compare.REPO, "")] + ([(args.baseline, " (baseline)")] if args.baseline else [])
     for method in args.methods:
-        server = compare.start_minisgl(True, most, most * per_stream,
-                                       ("--model", str(model), "--quantization", method,
-                                        "--dtype", args.dtype))
-        try:
-            for c in args.concurrency:
-                compare.log(f"minisgl {method}: {c} streams")
-                rows.setdefault(method, {})[c] = compare.bench(server, c, args)
-            memory[method] = f"{peak_rss_mb(server.proc.pid):.0f} MB"
-        finally:
-            server.stop()
+        for checkout, tag in checkouts:
+            server = compare.start_minisgl(True, most, most * per_stream,
+                                           ("--model", str(model), "--quantization", method,
+                                            "--dtype", args.dtype), checkout=checkout)
+            try:
+                for c in args.concurrency:
+                    compare.log(f"minisgl {method}{tag}: {c} streams")
+                    rows.setdefault(method + tag, {})[c] = compare.bench(server, c, args)
+                memory[method + tag] = f"{peak_rss_mb(server.proc.pid):.0f} MB"
+            finally:
+                server.stop()
     binary, note = (None, "skipped") if args.skip_llama_cpp else compare.build_llama_server()
     if binary is not None:
         rss = []

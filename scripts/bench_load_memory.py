@@ -4,6 +4,7 @@ layers: ~0.6B parameters at 12) written in `--method`'s layout (tests/hf_quant_w
 then served with each `--tp` size in a fresh process.
 
     python scripts/bench_load_memory.py --method awq --tp 1 2 3
+    python scripts/bench_load_memory.py --gguf <a GGUF file> --tp 1   # its blocks, as served
 
 Prints, per tensor-parallel size, the peak RSS of rank 0's process and of the largest worker
 beside the checkpoint's size on disk.
@@ -87,10 +88,16 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=128)
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--gguf", type=Path, default=None,
+                        help="load this GGUF file (the default --quantization gguf) instead")
     parser.add_argument("--load-once", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.load_once:
         load_once(args.load_once[0], int(args.load_once[1]))
+        return
+    if args.gguf is not None:
+        print(f"{args.gguf.name}: {args.gguf.stat().st_size / 1e6:.0f} MB")
+        print_peaks(args.gguf, args.tp)
         return
     from tests.hf_quant_writers import write_quantized
     work = Path(tempfile.mkdtemp(prefix="load-memory-"))
@@ -101,16 +108,20 @@ def main() -> None:
                         args.group, False)
         size = sum(f.stat().st_size for f in quantized.glob("*.safetensors")) / 1e6
         print(f"{args.method} g{args.group}, {args.layers} layers: checkpoint {size:.0f} MB")
-        print("| tp | rank 0 peak RSS MB | largest worker peak RSS MB |\n|---|---|---|")
-        for tp in args.tp:
-            done = subprocess.run([sys.executable, __file__, "--load-once", str(quantized),
-                                   str(tp)], capture_output=True, text=True, check=True)
-            peaks = json.loads(done.stdout.strip().splitlines()[-1])
-            print(f"| {tp} | {peaks['rank0_mb']:.0f} | "
-                  f"{peaks['worker_mb']:.0f} |" if tp > 1 else
-                  f"| {tp} | {peaks['rank0_mb']:.0f} | |", flush=True)
+        print_peaks(quantized, args.tp)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def print_peaks(model: Path, tp_sizes: list[int]) -> None:
+    print("| tp | rank 0 peak RSS MB | largest worker peak RSS MB |\n|---|---|---|")
+    for tp in tp_sizes:
+        done = subprocess.run([sys.executable, __file__, "--load-once", str(model), str(tp)],
+                              capture_output=True, text=True, check=True)
+        peaks = json.loads(done.stdout.strip().splitlines()[-1])
+        print(f"| {tp} | {peaks['rank0_mb']:.0f} | "
+              f"{peaks['worker_mb']:.0f} |" if tp > 1 else
+              f"| {tp} | {peaks['rank0_mb']:.0f} | |", flush=True)
 
 
 if __name__ == "__main__":
