@@ -19,8 +19,8 @@ logger = logging.getLogger(__name__)
 
 def return_freed_heap() -> None:
     """Hand the C heap's free pages back to the OS. NOTE: glibc keeps what loading the weights
-    freed (the checkpoint's decoded blocks, ~100 MB for the bundled model) in the process,
-    where neither the KV pool's sizing from `available` memory nor anything outside sees it."""
+    freed (a checkpoint's decoded blocks) in the process, where neither the KV pool's sizing
+    from `available` memory nor anything outside sees it."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc

@@ -3,10 +3,9 @@ GGUF blocks (layers.gguf_weight): kernels/csrc/fused_layers.cpp calls the kernel
 call, in the same order, so the outputs are equal to the bit.
 
 Why: between two block-kernel calls, each streaming its weight through the caches, the
-interpreter's working set falls out of them, and the ~30 Python-level calls a layer each cost
-several times their warm cost (BENCHMARKS.md, "The decoder layers in one call"). The one call
-releases the GIL once for the whole step, where the modules released and retook it ~11 times a
-layer.
+interpreter's working set falls out of them, and each of a layer's many Python-level calls
+costs several times its warm cost (BENCHMARKS.md, "The decoder layers in one call"). The one
+call also releases the GIL once a step, where the modules released and retook it per kernel.
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ import torch
 from minisgl.attention import AttentionBackend
 from minisgl.attention.torch_backend import KernelMetadata, TorchBackend
 from minisgl.core import Batch
-from minisgl.kernels import cpu_kernels
 from minisgl.layers import SiluAndMul
 from minisgl.layers.gguf_weight import GgufWeight, StackedWeight
 from minisgl.models.llama import MLP, Attention, DecoderLayer
@@ -38,16 +36,14 @@ class FusedLayers:
                  backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
         locations, lens, rows = batch.attn_metadata.view(0, backend.page_table)
         out, residual = self.program.run(x, positions, batch.out_loc, locations, lens, rows)
-        return out, residual
+        return out, residual  # NOTE: run() answers a list
 
 
 def fuse_layers(model: Any, backend: AttentionBackend, tp_size: int) -> FusedLayers | None:
     """The fused call for `model`'s layers, or None where they are not all plain Llama layers
     (no biases, QK-norm, LoRA, windows or soft-capping) over GGUF blocks, one rank, on CPU."""
-    kernels = cpu_kernels()
     layers = getattr(model, "layers", None)
-    if (kernels is None or not hasattr(kernels, "FusedLayers") or not layers
-            or not isinstance(backend, TorchBackend) or backend.kernels is None
+    if (not layers or not isinstance(backend, TorchBackend) or backend.kernels is None
             or backend.softcap > 0 or any(backend.window(i) for i in range(len(layers)))
             or tp_size > 1):
         return None
@@ -56,20 +52,18 @@ def fuse_layers(model: Any, backend: AttentionBackend, tp_size: int) -> FusedLay
         return None
     attn: Attention = layers[0].self_attn
     rotary = attn.rotary
-    if rotary.cos.dtype != torch.float32 or rotary.cos.device.type != "cpu":
+    if rotary.cos.dtype != torch.float32:
         return None
     qkv = attn.qkv_proj
-    program = kernels.FusedLayers(qkv.num_heads, qkv.num_kv_heads, qkv.head_dim,
+    program = backend.kernels.FusedLayers(qkv.num_heads, qkv.num_kv_heads, qkv.head_dim,
                                   layers[0].input_layernorm.eps, backend.scale, rotary.cos,
                                   rotary.sin)
-    max_rows = None
-    for layer, (weights, kinds, max_layer_rows) in zip(layers, parts):
+    for layer, (weights, kinds, _) in zip(layers, parts):
         k_cache, v_cache = backend.kv_pool.layer(layer.self_attn.layer_id)
         program.add_layer(layer.input_layernorm.weight.detach(),
                           layer.post_attention_layernorm.weight.detach(), weights, kinds,
                           k_cache, v_cache)
-        max_rows = max_layer_rows if max_rows is None else min(max_rows, max_layer_rows)
-    return FusedLayers(program, max_rows)
+    return FusedLayers(program, min(max_rows for _, _, max_rows in parts))
 
 
 def _layer_parts(layer: Any) -> tuple[list[list[torch.Tensor]], list[list[int]], int] | None:

@@ -41,14 +41,11 @@ void FusedLayers::add_layer(at::Tensor input_norm, at::Tensor post_norm,
 }
 
 at::Tensor FusedLayers::matmul(const at::Tensor& x, const Linear& linear) {
-  if (linear.size() == 1) {
-    const Part& p = linear[0];
-    return block_matmul(x.contiguous(), p.codes, p.scales, p.subs, p.bits, p.mode);
-  }
+  const auto rows = x.contiguous();
   std::vector<at::Tensor> outs;
   for (const Part& p : linear)
-    outs.push_back(block_matmul(x.contiguous(), p.codes, p.scales, p.subs, p.bits, p.mode));
-  return at::cat(outs, -1);
+    outs.push_back(block_matmul(rows, p.codes, p.scales, p.subs, p.bits, p.mode));
+  return outs.size() == 1 ? outs[0] : at::cat(outs, -1);
 }
 
 std::vector<at::Tensor> FusedLayers::run(at::Tensor x, at::Tensor positions,
