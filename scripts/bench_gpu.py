@@ -309,6 +309,52 @@ def bench_checkpoint_linears(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def bench_int4_configs(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Each of the int4 kernel's configs alone at the Llama-3.1-8B shapes (AWQ-style groups of
+    128, L2 flushed), beside the autotuner's pick: what its choice leaves behind."""
+    import triton
+    import triton.testing
+
+    from minisgl.kernels import int4_matmul as kernels
+    from minisgl.kernels.fp8_matmul import MAX_TUNED_ROWS
+
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(args.seed)
+    heuristics = kernels._int4_matmul_kernel.fn
+    for name, (n, k) in LLAMA_8B_LINEARS.items():
+        words = torch.randint(-2**31, 2**31 - 1, (n, k // 8), device="cuda", dtype=torch.int32,
+                              generator=gen)
+        scales = torch.full((n, k // 128), 0.005, device="cuda", dtype=torch.float16)
+        zeros = torch.full((n, k // 128), 8, device="cuda", dtype=torch.uint8)
+        for m in args.rows:
+            x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+            out = torch.empty((m, n), dtype=x.dtype, device="cuda")
+            bucket = min(triton.next_power_of_2(m), MAX_TUNED_ROWS)
+            named = {"GROUP": 128, "K": k, "M_BUCKET": bucket}
+            for config in kernels._prune(kernels._configs(), named):
+                meta = config.kwargs
+                grid = (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]))
+
+                def launch() -> None:
+                    heuristics[grid](x, words, scales, zeros, out, m, n, k, bucket, x.stride(0),
+                                     words.stride(0), scales.stride(0), out.stride(0), 128,
+                                     num_warps=config.num_warps, num_stages=config.num_stages,
+                                     **meta)
+                launch()
+                us = triton.testing.do_bench(launch, return_mode="median") * 1e3
+                rows.append({"bench": "int4-configs", "layer": name, "rows": m,
+                             "config": "M{BLOCK_M} N{BLOCK_N} K{BLOCK_K}".format(**meta)
+                             + f" w{config.num_warps} s{config.num_stages}",
+                             "us": us, "GBps": words.nbytes / us / 1e3})
+            kernels.int4_matmul(x, words, scales, zeros)
+            pick = kernels._int4_matmul_kernel.best_config
+            rows.append({"bench": "int4-configs", "layer": name, "rows": m,
+                         "config": f"autotuner's pick: {pick}", "us": triton.testing.do_bench(
+                             lambda: kernels.int4_matmul(x, words, scales, zeros),
+                             return_mode="median") * 1e3, "GBps": 0.0})
+    return rows
+
+
 # ---- idle fraction ---------------------------------------------------------------------------
 
 def bench_idle(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -371,7 +417,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=["decode", "offline", "idle", "events", "linears",
-                                         "checkpoint-linears", "all"])
+                                         "checkpoint-linears", "int4-configs", "all"])
     parser.add_argument("--model", default="llama-3.1-8b", help="decode bench model")
     parser.add_argument("--offline-model", default="qwen3-0.6b", help="offline/idle model")
     parser.add_argument("--load-format", default="dummy", choices=["auto", "dummy"])
@@ -426,6 +472,8 @@ def main() -> None:
         rows += bench_linears(args)
     if args.what in ("checkpoint-linears", "all"):
         rows += bench_checkpoint_linears(args)
+    if args.what == "int4-configs":
+        rows += bench_int4_configs(args)
     if args.what in ("idle", "all"):
         rows += bench_idle(args)
     if args.what in ("events", "all"):

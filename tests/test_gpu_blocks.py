@@ -12,6 +12,7 @@ against transformers in float32 on the weights each encodes."""
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 from typing import Callable
 
@@ -23,6 +24,7 @@ from minisgl.layers.gguf_weight import BlockSlots
 from minisgl.layers.gpu_blocks import Fp8Blocks, Int4GroupWeight, gpu_block_weight
 from minisgl.models.hf_quant import fp8_blocks, quant_spec, read_int4
 from tests import hf_quant_writers as writers
+from tests import reference as ref
 from tests.test_fp8 import interpreter_runs_the_kernel, run_interpreted
 from tests.test_gpu import real_model  # noqa: F401  (a fixture: skips without the bundled model)
 
@@ -268,22 +270,25 @@ DENSE_ERROR_FACTOR = 2.0
 GREEDY_MARGIN_BF16 = 0.25
 
 
-def assert_as_close_as_dense(dense: Path, results: list[tuple[list[int], dict]]) -> None:
+def assert_as_close_as_dense(dense: Path, results: list[tuple[list[int], dict]],
+                             adapter: Path | None = None, layers: int | None = None) -> None:
     """Each greedy token of `results` (a quantized checkpoint served on CUDA) within bfloat16's
     margin of the float32 reference's argmax (transformers on the weights the checkpoint
-    encodes, saved in `dense`); its logprobs at most DENSE_ERROR_FACTOR times as far from the
-    reference's (relative, tests.test_gguf_types.reference_gap) as the same tokens scored by
-    `dense` served on CUDA in bfloat16 (or within the CPU tests' 0.06)."""
-    from transformers import AutoModelForCausalLM
-
+    encodes, saved in `dense`; with `adapter`, PEFT's merged model of it, cut to `layers`); its
+    logprobs at most DENSE_ERROR_FACTOR times as far from the reference's (relative,
+    tests.test_gguf_types.reference_gap) as the same tokens scored by `dense` (and `adapter`)
+    served on CUDA in bfloat16 (or within the CPU tests' 0.06)."""
     from minisgl import LLM
+    from tests.lora_fixtures import merged_model
     from tests.test_gguf_types import reference_gap
     from tests.test_hf_quantized import ENGINE_ARGS
-    with LLM(str(dense), device="cuda", dtype="bfloat16", **ENGINE_ARGS) as llm:
+    with LLM(str(dense), device="cuda", dtype="bfloat16", **ENGINE_ARGS,
+             **lora_args(adapter, layers)) as llm:
         scored = [llm.generate(input_ids=prompt + out["output_ids"], return_logprob=True,
-                               sampling_params={"max_new_tokens": 0}, logprob_start_len=0)
+                               sampling_params={"max_new_tokens": 0}, logprob_start_len=0,
+                               **({"lora_path": "a"} if adapter else {}))
                   for prompt, out in results]
-    hf = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
+    hf = merged_model(dense, adapter, layers)
     for (prompt, out), full in zip(results, scored):
         entries = full["meta_info"]["input_token_logprobs"]
         as_dense = {"output_ids": out["output_ids"], "meta_info": {
@@ -293,6 +298,43 @@ def assert_as_close_as_dense(dense: Path, results: list[tuple[list[int], dict]])
         _, dense_error = reference_gap(hf, prompt, as_dense)
         assert behind <= GREEDY_MARGIN_BF16, (out["output_ids"], behind)
         assert error <= max(0.06, DENSE_ERROR_FACTOR * dense_error), (error, dense_error)
+
+
+def lora_args(adapter: Path | None, layers: int | None) -> dict:
+    """The LLM arguments that serve `adapter` as "a" on a base cut to `layers`."""
+    args: dict = {} if adapter is None else {"lora_paths": [f"a={adapter}"]}
+    if layers is not None:
+        args["json_model_override_args"] = json.dumps({"num_hidden_layers": layers})
+    return args
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("real_model")
+@pytest.mark.parametrize("method,group", [pytest.param("awq", 64, marks=needs_int4_gpu),
+                                          pytest.param("fp8", 0, marks=needs_fp8_gpu)])
+def test_lora_on_quantized_checkpoint_on_cuda(tmp_path_factory, method: str, group: int):
+    """An adapter on an int4 / fp8 checkpoint (the bundled model cut to 4 layers) on CUDA in
+    bfloat16 with graphs: its term added to the quantized kernels' output, as close to PEFT's
+    merged float32 model as the same adapter on the dense weights served on CUDA."""
+    from minisgl import LLM
+    from tests.lora_fixtures import save_adapter
+    from tests.test_hf_quantized import ENGINE_ARGS, GREEDY
+    root = tmp_path_factory.mktemp("hf-quant-lora-gpu")
+    folder, dense = _checkpoint(str(root), method, group, False)
+    layers = 4
+    adapter = save_adapter(dense, root / "adapter", seed=21, rank=8, layers=layers, b_scale=8.0)
+    prompts = [ref.prompt_ids(p) for p in ref.PLAIN_PROMPTS[:2]]
+    with LLM(str(folder), device="cuda", dtype="bfloat16", **ENGINE_ARGS,
+             **lora_args(adapter, layers)) as llm:
+        linear = llm.runtime.engine.model.layers[0].mlp.down_proj
+        assert isinstance(linear.quantized, Fp8ChannelWeight if method == "fp8"
+                          else Int4GroupWeight) and linear.lora
+        outs = llm.generate(input_ids=prompts, lora_path="a", sampling_params=GREEDY,
+                            return_logprob=True, logprob_start_len=0)
+        base = llm.generate(input_ids=prompts, sampling_params=GREEDY)
+        llm.check_integrity()
+    assert [o["output_ids"] for o in outs] != [b["output_ids"] for b in base]
+    assert_as_close_as_dense(dense, list(zip(prompts, outs)), adapter, layers)
 
 
 def test_dummy_int4_groups_have_the_dense_dummy_spread():
