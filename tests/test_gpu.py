@@ -394,7 +394,7 @@ def test_engine_defaults_to_flashinfer_and_captures_graphs(flashinfer, model: st
     try:
         assert isinstance(engine.attn_backend, FlashInferBackend)
         runner = engine.graph_runner
-        assert runner is not None and sorted(runner.graphs) == [1, 2, 4, 8]
+        assert runner is not None and sorted(runner.graphs) == [(1, 1), (2, 1), (4, 1), (8, 1)]
     finally:
         engine.shutdown()
 
