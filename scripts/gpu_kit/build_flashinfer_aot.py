@@ -7,6 +7,11 @@ JIT modules that minisgl's GPU tests use, compiled for sm_90a with nvcc 13.0.88,
     export FLASHINFER_EXTRA_LDFLAGS="-L/tmp/stubs"   # a stub libcuda.so (soname libcuda.so.1)
     # /tmp/cuinc: links to the cublas*/curand*/... headers of the nvidia/cu13 pip package
     # (this machine's CUDA toolkit lacks them); flashinfer 0.6.1 + apache-tvm-ffi 0.1.15.post2
+    # On 2026-11-28: pip install --target /tmp/fisite --no-deps flashinfer-python==0.6.1 click
+    #   einops ninja tabulate nvidia-ml-py nvidia-cublas nvidia-curand; PYTHONPATH=/tmp/fisite;
+    #   headers: for f in /tmp/fisite/nvidia/cu13/include/*: link those absent from
+    #   /usr/local/cuda/include; stub: echo 'void cuGetErrorString(void){}' > s.c && gcc -shared
+    #   -fPIC -Wl,-soname,libcuda.so.1 -o /tmp/stubs/libcuda.so s.c (+ a libcuda.so.1 link)
     python build_flashinfer_aot.py small decode prefill
     cd /tmp/fiws/.cache/flashinfer/0.6.1/90a/cached_ops && tar -cf - */*.so | xz -9e > flashinfer-aot-sm90a.tar.xz
 
