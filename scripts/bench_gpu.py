@@ -347,11 +347,11 @@ def bench_int4_configs(args: argparse.Namespace) -> list[dict[str, Any]]:
                              + f" w{config.num_warps} s{config.num_stages}",
                              "us": us, "GBps": words.nbytes / us / 1e3})
             kernels.int4_matmul(x, words, scales, zeros)
-            pick = kernels._int4_matmul_kernel.best_config
+            us = triton.testing.do_bench(lambda: kernels.int4_matmul(x, words, scales, zeros),
+                                         return_mode="median") * 1e3
             rows.append({"bench": "int4-configs", "layer": name, "rows": m,
-                         "config": f"autotuner's pick: {pick}", "us": triton.testing.do_bench(
-                             lambda: kernels.int4_matmul(x, words, scales, zeros),
-                             return_mode="median") * 1e3, "GBps": 0.0})
+                         "config": f"autotuner's pick: {kernels._int4_matmul_kernel.best_config}",
+                         "us": us, "GBps": words.nbytes / us / 1e3})
     return rows
 
 
