@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +27,7 @@ class Tokenizer:
         if not any((path / name).exists() for name in
                    ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
             return None
-        from transformers import AutoTokenizer
-        return cls(AutoTokenizer.from_pretrained(str(path)))
+        return cls(_load_hf(path))
 
     def _encode(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         return self.hf(texts, add_special_tokens=add_special_tokens)["input_ids"]
@@ -129,3 +129,33 @@ def _max_chars_per_token(hf: Any) -> int:
     longest = max(map(len, hf.get_vocab()), default=1)
     normalizer = getattr(getattr(hf, "backend_tokenizer", None), "normalizer", None)
     return longest * (NORMALIZER_SLACK if normalizer is not None else 1)
+
+
+def _load_hf(path: Path) -> Any:
+    """AutoTokenizer's tokenizer for the folder. NOTE: for a folder that declares transformers
+    5's generic fast tokenizer (every GGUF minisgl converts) AutoTokenizer imports the model's
+    config class only to pick that same class, seconds of imports at every start; its rule for
+    such a folder is applied here without them, and anything else goes through it."""
+    from transformers import AutoTokenizer
+    try:
+        from transformers import TokenizersBackend
+        from transformers.models.auto.tokenization_auto import (
+            MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS, TOKENIZER_MAPPING_NAMES)
+    except ImportError:  # transformers 4
+        return AutoTokenizer.from_pretrained(str(path))
+    declared = _read_json(path / "tokenizer_config.json")
+    model_type = _read_json(path / "config.json").get("model_type")
+    registered = (TOKENIZER_MAPPING_NAMES.get(model_type) or "").removesuffix("Fast")
+    if (declared.get("tokenizer_class") == "TokenizersBackend" and "auto_map" not in declared
+            and registered != "MistralCommonBackend"
+            and model_type not in MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS):
+        return TokenizersBackend.from_pretrained(str(path))
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def _read_json(file: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
