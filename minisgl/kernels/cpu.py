@@ -35,11 +35,7 @@ def cpu_kernels() -> Any | None:
     try:
         from torch.utils.cpp_extension import load
 
-        # NOTE: one build folder per source, flags and source folder: ninja's build commands
-        # name the sources' paths, so two checkouts sharing one folder would rebuild it in turn
-        digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS)
-                                + " ".join(CFLAGS).encode() + str(CSRC).encode()).hexdigest()
-        build = cache_root() / "kernels" / digest[:16]
+        build = build_folder()
         build.mkdir(parents=True, exist_ok=True)
         _wait_for_other_build(build / "lock")
         started = time.perf_counter()
@@ -56,6 +52,15 @@ def cpu_kernels() -> Any | None:
         logger.warning("CPU kernels unavailable (%s); using torch ops",
                        str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         return None
+
+
+def build_folder() -> Path:
+    """The cache folder of this checkout's kernels. NOTE: one per source, flags and source
+    folder: ninja's build commands name the sources' paths, so two checkouts sharing one
+    folder would rebuild it in turn."""
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS)
+                            + " ".join(CFLAGS).encode() + str(CSRC).encode()).hexdigest()
+    return cache_root() / "kernels" / digest[:16]
 
 
 def _wait_for_other_build(lock: Path) -> None:
