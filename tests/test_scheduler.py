@@ -37,7 +37,7 @@ def run(prompts: list[list[int]], params=GREEDY, **args) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def prompts64() -> list[list[int]]:
-    return random_prompts(64, 5, 600)
+    return random_prompts(64, 5, 250)
 
 
 @pytest.fixture(scope="module")
