@@ -357,8 +357,9 @@ def test_first_kernel_build_says_so(tmp_path):
     cache is seeded with this checkout's compiled objects, so ninja only links (the suite
     compiles the kernels once, wherever they are first used)."""
     assert cpu_kernels() is not None  # the warm build, compiled now if no test needed it yet
-    seeded = tmp_path / "kernels" / build_folder().name
-    shutil.copytree(build_folder(), seeded, ignore=shutil.ignore_patterns("*.so", "lock"))
+    warm = build_folder()
+    seeded = tmp_path / "kernels" / warm.name
+    shutil.copytree(warm, seeded, ignore=shutil.ignore_patterns("*.so", "lock"))
     code = ("import logging; logging.basicConfig(level=logging.INFO); "
             "from minisgl.kernels.cpu import cpu_kernels; assert cpu_kernels() is not None")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
