@@ -78,7 +78,7 @@ def test_quantized_checkpoint_matches_its_dense_reference(root: str, method: str
         assert layer.mlp.down_proj.quantized.kind == ("Q8_0" if method == "fp8" else "W4")
         results = generate(llm)
     hf = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
-    shutil.rmtree(dense)  # 0.5 GB of float32 a format, read once; the checkpoint stays
+    shutil.rmtree(dense)  # the model in float32, read once; the checkpoint stays for others
     kind = "fp8" if method == "fp8" else "int4"
     for prompt, out in results:
         assert_matches_transformers(hf, prompt, out, MARGIN_BOUND[kind], LOGPROB_TOLERANCE[kind])
