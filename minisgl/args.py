@@ -151,6 +151,12 @@ class ServerArgs:
         "takes its own method by default) "
         "or none (every weight dequantized to --dtype; the default otherwise).",
         choices=["gguf", "w8a8_int8", "fp8", "awq", "gptq", "compressed-tensors", "none"])
+    cpu_int8_activations: bool = _flag(
+        False, "CPU kernels of quantized weights (--quantization gguf, quantized "
+        "checkpoints) round each activation to one int8 per group of 32 inputs, as llama.cpp "
+        "does, instead of two int8 terms (~15 bits): about half the integer work at prefill, "
+        "speculative verify and large decode batches, for logits a few times further from "
+        "the dequantized model's (BENCHMARKS.md). Needs AVX-512 VNNI.")
     disable_radix_cache: bool = _flag(False, "Use no prefix cache.")
     is_embedding: bool = _flag(
         False, "Serve the model as an embedding model: /v1/embeddings and /encode answer each "

@@ -8,9 +8,10 @@ bundled model's shapes (random weights, so the weights stream from memory as in 
 Forms: `bf16` (the prepacked oneDNN GEMM, `--quantization none`), `gguf-4bit` (4-bit blocks
 through quant_matmul, dequantized for a GEMM past VNNI_MAX_ROWS), `Q5_0` and `Q4_K_M` (GGUF
 blocks through block_matmul, dequantized for a GEMM past its KERNEL_MAX_ROWS; Q4_K_M as
-llama.cpp lays out the bundled model: down Q4_K, the rest Q5_0), `w8a8` (int8_matmul, an
-activation scale per 32 inputs, as `--quantization w8a8_int8` runs), `w8a8-per-token` (one
-activation scale per row, as SGLang's w8a8_int8 quantizes).
+llama.cpp lays out the bundled model: down Q4_K, the rest Q5_0), `gguf-4bit/1` and
+`Q4_K_M/1` (the same with one-int8-term activations, --cpu-int8-activations), `w8a8`
+(int8_matmul, an activation scale per 32 inputs, as `--quantization w8a8_int8` runs),
+`w8a8-per-token` (one activation scale per row, as SGLang's w8a8_int8 quantizes).
 
 Without AVX-512 VNNI (plain AVX2) the activations are float32 and the forms those such a CPU
 serves: `f32` (the dense float32 GEMM, `--quantization none`), `Q4_1` (the bundled model's type),
@@ -28,7 +29,8 @@ import torch
 from minisgl.layers import gguf_weight
 from minisgl.layers.gguf_weight import GROUP, KINDS, SUPER, GgufBlocks, GgufWeight
 from minisgl.layers.linear import pack_weight
-from minisgl.layers.quant import BlockWeight, WeightBlocks, block_weight, vnni_kernels
+from minisgl.layers.quant import (BlockWeight, WeightBlocks, activation_terms, block_weight,
+                                  vnni_kernels)
 from minisgl.layers.w8a8 import Int8ChannelWeight
 
 LAYERS = 30
@@ -69,8 +71,8 @@ def avx2_forms() -> dict[str, list[Callable[[torch.Tensor], torch.Tensor]]]:
 
 def forms() -> dict[str, list[Callable[[torch.Tensor], torch.Tensor]]]:
     """Per form, one matmul per (layer, linear)."""
-    out: dict[str, list] = {"bf16": [], "gguf-4bit": [], "Q5_0": [], "Q4_K_M": [], "w8a8": [],
-                            "w8a8-per-token": []}
+    out: dict[str, list] = {"bf16": [], "gguf-4bit": [], "gguf-4bit/1": [], "Q5_0": [],
+                            "Q4_K_M": [], "Q4_K_M/1": [], "w8a8": [], "w8a8-per-token": []}
     kernels = vnni_kernels()
     for _ in range(LAYERS):
         for out_features, in_features in SHAPES:
@@ -83,6 +85,10 @@ def forms() -> dict[str, list[Callable[[torch.Tensor], torch.Tensor]]]:
             out["Q5_0"].append(q5_0)
             out["Q4_K_M"].append(random_gguf("Q4_K", out_features, in_features).matmul
                                  if in_features % SUPER == 0 else q5_0)
+            with activation_terms(1):
+                out["gguf-4bit/1"].append(random_4bit(out_features, in_features).matmul)
+                kind = "Q4_K" if in_features % SUPER == 0 else "Q5_0"
+                out["Q4_K_M/1"].append(random_gguf(kind, out_features, in_features).matmul)
             int8 = Int8ChannelWeight(dense)
             out["w8a8"].append(int8.matmul)
             out["w8a8-per-token"].append(lambda x, w=int8: kernels.int8_matmul(
@@ -103,6 +109,7 @@ def main() -> None:
     if args.kernel_max_rows is not None:
         gguf_weight.KERNEL_MAX_ROWS = args.kernel_max_rows
         gguf_weight.AVX2_KERNEL_MAX_ROWS = args.kernel_max_rows
+        gguf_weight.ONE_TERM_MAX_ROWS = args.kernel_max_rows
     vnni = vnni_kernels() is not None
     torch.manual_seed(0)
     matmuls = forms() if vnni else avx2_forms()

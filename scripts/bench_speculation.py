@@ -16,6 +16,7 @@ over rounds, the spread the lowest and highest on / off of a round's pair.
 
     python scripts/bench_speculation.py --streams 1 8 32 64
     python scripts/bench_speculation.py --streams 1 --overlap-too   # overlap vs not, spec on
+    python scripts/bench_speculation.py --streams 1 --cpu-int8-activations  # both sides so
     python scripts/bench_speculation.py --linears   # a verify step's few rows: GEMM vs kernel
     python scripts/bench_speculation.py --draft-model bundled    # STANDALONE, itself as draft
     python scripts/bench_speculation.py --draft-model bundled --draft-layers 8  # its first 8
@@ -79,7 +80,8 @@ def run(workload: str, streams: int, spec: bool, args: argparse.Namespace,
     if args.num_draft_tokens and spec:
         extra["speculative_num_draft_tokens"] = args.num_draft_tokens
     with LLM(dtype=args.dtype, max_running_requests=streams, max_total_tokens=args.pool,
-             disable_overlap_schedule=not overlap, **extra) as llm:
+             disable_overlap_schedule=not overlap,
+             cpu_int8_activations=args.cpu_int8_activations, **extra) as llm:
         chats = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}],
                                                    tokenize=False, add_generation_prompt=True)
                  for p in prompts(workload, max(2 * streams, args.min_requests))]
@@ -172,6 +174,8 @@ def main() -> None:
                         help="requests per row at least (2 x streams otherwise)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--pool", type=int, default=60000)
+    parser.add_argument("--cpu-int8-activations", action="store_true",
+                        help="both sides with one-int8-term activations (llama.cpp's numerics)")
     parser.add_argument("--num-draft-tokens", type=int, default=None)
     parser.add_argument("--draft-model", default=None,
                         help="STANDALONE with this draft model (bundled: the bundled model)")

@@ -35,14 +35,15 @@ class CountingFusedLayers(FusedLayers):
         return super().__call__(*args, **kwargs)
 
 
-def served(fused: bool) -> list[dict]:
+def served(fused: bool, int8_activations: bool = False) -> list[dict]:
     """Greedy outputs with every logprob: four prompts at once in chunks of 16 tokens mixed
     with the running streams' decode rows, then one prompt again (its prefix cached)."""
     prompts = [ref.prompt_ids(p) for p in ref.PLAIN_PROMPTS[:3]]
     prompts.append(prompts[0] * 4 + prompts[1])
     params = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
     with LLM(q4_k_m_six_layers(), dtype="float32", quantization="gguf", max_total_tokens=1024,
-             max_running_requests=4, chunked_prefill_size=16, enable_mixed_chunk=True) as llm:
+             max_running_requests=4, chunked_prefill_size=16, enable_mixed_chunk=True,
+             cpu_int8_activations=int8_activations) as llm:
         model = llm.runtime.engine.model
         assert model.fused_layers is not None
         counting = CountingFusedLayers(model.fused_layers.program, model.fused_layers.max_rows)
@@ -59,8 +60,12 @@ def served(fused: bool) -> list[dict]:
     return outs
 
 
-def test_fused_layers_serve_the_modules_outputs_to_the_bit():
-    fused, modules = served(fused=True), served(fused=False)
+@pytest.mark.parametrize("int8_activations", [
+    False, pytest.param(True, marks=pytest.mark.skipif(
+        not block_kernels() or not block_kernels().block_kernel_vnni(), reason="needs VNNI"))])
+def test_fused_layers_serve_the_modules_outputs_to_the_bit(int8_activations: bool):
+    fused = served(fused=True, int8_activations=int8_activations)
+    modules = served(fused=False, int8_activations=int8_activations)
     for ours, theirs in zip(fused, modules):
         assert ours["output_ids"] == theirs["output_ids"]
         meta, expected = ours["meta_info"], theirs["meta_info"]

@@ -80,7 +80,7 @@ def test_kernel_against_float64(kind: str):
         for dtype, bound in ((torch.float32, KERNEL_BOUND_F32),
                              (torch.bfloat16, KERNEL_BOUND_BF16)):
             got = weight.kernels.block_matmul(x.to(dtype), weight.codes, weight.scales,
-                                              weight.subs, weight.bits, weight.mode)
+                                              weight.subs, weight.bits, weight.mode, 2)
             assert got.dtype == dtype and got.shape == (rows, out)
             error = ((got.double() - want).abs().max() / want.abs().max()).item()
             assert error < bound, (rows, dtype, error)

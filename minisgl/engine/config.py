@@ -12,6 +12,7 @@ class EngineConfig:
     json_model_override_args: str | None
     load_format: str
     quantization: str | None  # None: engine.quantization's default
+    cpu_int8_activations: bool
     dtype: str
     device: str
     tp_size: int

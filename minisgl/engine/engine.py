@@ -36,7 +36,7 @@ from minisgl.engine.lora import LoraModules, lora_settings
 from minisgl.engine.memory import allocate_kv_pool, release_cuda_memory
 from minisgl.engine.model_loading import attention_for, draft_arch, kv_heads, load_model
 from minisgl.engine.placement import check_tp_size, resolve_device, resolve_dtype
-from minisgl.engine.quantization import resolve_quantization
+from minisgl.engine.quantization import check_int8_activations, resolve_quantization
 from minisgl.engine.runner import ModelRunner
 from minisgl.engine.sampler import Sampler
 from minisgl.engine.speculation import Speculator, spec_config
@@ -75,6 +75,8 @@ class Engine:
         self.quantization = resolve_quantization(config.quantization, config.model_path,
                                                  self.device, self.dtype, config.load_format,
                                                  dtype_chosen=config.dtype != "auto")
+        self.activation_terms = check_int8_activations(config.cpu_int8_activations,
+                                                       self.quantization, self.device)
         self.model_path: Path = resolve_model_path(config.model_path)
         model_config = load_config(self.model_path)
         if config.json_model_override_args:
@@ -143,8 +145,7 @@ class Engine:
         self.token_pool = torch.zeros(rows, self.context_len, dtype=torch.int32, device=self.device)
         self.page_table[self.dummy_row].fill_(self.kv_pool.dummy_loc)
         self.attn_backend = attention_for(config.attention_backend, self.arch, self.model,
-                                          self.kv_pool, self.page_table, self.device,
-                                          self.dtype)
+                                          self.kv_pool, self.page_table, self.device, self.dtype)
         if self.device.type == "cpu" and hasattr(self.model, "fused_layers"):
             self.model.fused_layers = fuse_layers(self.model, self.attn_backend, self.tp.size)
         self.sampler = Sampler(self.arch.vocab_size, self.device, list(self.arch.eos_token_ids),
@@ -192,8 +193,8 @@ class Engine:
               ) -> torch.nn.Module:
         config = self.config
         return load_model(arch, folder, quantization, self.dtype, self.device,
-                          load_format=config.load_format, seed=config.seed,
-                          model_path=model_path, log=self.tp.is_primary)
+                          load_format=config.load_format, seed=config.seed, model_path=model_path,
+                          log=self.tp.is_primary, terms=self.activation_terms)
 
     def _load_draft(self, folder: Path, arch: ModelArch) -> tuple[torch.nn.Module, ModelArch]:
         """STANDALONE's draft model, whole on rank 0."""

@@ -13,6 +13,7 @@ from minisgl.attention.base import AttentionBackend
 from minisgl.engine.config import EngineConfig
 from minisgl.kvcache import KVPool
 from minisgl.layers.linear import can_prepack
+from minisgl.layers.quant import activation_terms
 from minisgl.models import (
     ModelArch,
     build_model,
@@ -26,9 +27,9 @@ from minisgl.models import (
 
 def load_model(arch: ModelArch, folder: Path, quantization: str, dtype: torch.dtype,
                device: torch.device, *, load_format: str, seed: int, model_path: str | None,
-               log: bool) -> torch.nn.Module:
+               log: bool, terms: int = 2) -> torch.nn.Module:
     """The model of `arch` (this thread's TP shard) with its weights, prepacked for the CPU
-    kernels where they run."""
+    kernels where they run (their activations in `terms` int8 terms: layers.quant)."""
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -36,8 +37,9 @@ def load_model(arch: ModelArch, folder: Path, quantization: str, dtype: torch.dt
             model = build_model(arch)
     finally:
         torch.set_default_dtype(default_dtype)
-    load_weights(model, folder, arch, quantization, dtype, device, load_format=load_format,
-                 seed=seed, model_path=model_path)
+    with activation_terms(terms):
+        load_weights(model, folder, arch, quantization, dtype, device, load_format=load_format,
+                     seed=seed, model_path=model_path)
     if can_prepack(next(model.parameters())):
         for module in model.modules():
             if hasattr(module, "prepack_for_cpu"):

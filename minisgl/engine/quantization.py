@@ -103,6 +103,25 @@ def resolve_quantization(method: str | None, model: str | None, device: torch.de
     return method
 
 
+def check_int8_activations(wanted: bool, method: str, device: torch.device) -> int:
+    """The int8 terms a quantized weight's activations take on CPU (--cpu-int8-activations:
+    1, else 2); ValueError where the flag would change nothing it claims to."""
+    if not wanted:
+        return 2
+    if device.type != "cpu":
+        raise ValueError("--cpu-int8-activations is for the CPU kernels; on a GPU the "
+                         "activations stay in --dtype")
+    if method == "none":
+        raise ValueError("--cpu-int8-activations applies to quantized weights (--quantization "
+                         "gguf, w8a8_int8 or a quantized checkpoint); with none every linear "
+                         "runs dense")
+    kernels = block_kernels()
+    if kernels is None or not kernels.block_kernel_vnni():
+        raise ValueError("--cpu-int8-activations needs a CPU with AVX-512 VNNI (without it "
+                         "the block kernel multiplies int16 activations)")
+    return 1
+
+
 def _checkpoint_unavailable(method: str, device: torch.device, dtype: torch.dtype
                             ) -> str | None:
     """Why a quantized checkpoint cannot run on `device` in `dtype` (the end of a sentence

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from minisgl.kernels import cpu_kernels
+from minisgl.layers.quant import ONE_TERM_MAX_ROWS, terms_now
 
 GROUP = 32
 SUPER = 256
@@ -144,7 +145,9 @@ class GgufWeight:
                      _lanes_last(blocks.subs, rows).to(torch.int8).view(torch.uint8).contiguous())
         self.kernels = block_kernels()
         vnni = self.kernels is not None and self.kernels.block_kernel_vnni()
-        self.kernel_max_rows = KERNEL_MAX_ROWS if vnni else AVX2_KERNEL_MAX_ROWS
+        self.terms = terms_now() if vnni else 2  # AVX2: one int16 term, counted as two
+        self.kernel_max_rows = (AVX2_KERNEL_MAX_ROWS if not vnni else KERNEL_MAX_ROWS
+                                if self.terms == 2 else ONE_TERM_MAX_ROWS)
 
     @property
     def nbytes(self) -> int:
@@ -158,7 +161,7 @@ class GgufWeight:
                                                        self.bits, self.mode, bf16)
             return x @ weight_t if bf16 else (x.float() @ weight_t).to(x.dtype)
         return self.kernels.block_matmul(x.contiguous(), self.codes, self.scales, self.subs,
-                                         self.bits, self.mode)
+                                         self.bits, self.mode, self.terms)
 
     def rows(self, index: torch.Tensor | None = None) -> torch.Tensor:
         """Rows `index` of the weight (all by default) as float32 [len, in]."""

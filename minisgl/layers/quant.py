@@ -14,8 +14,9 @@ then packs them for the fastest kernel this CPU has (BENCHMARKS.md, "Quantized w
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Iterator, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -27,9 +28,11 @@ LANES = 16  # output features per block of the VNNI layout
 # NOTE: past this many rows, dequantizing the layer to bfloat16 and running the GEMM beats the
 # integer dot products (the crossover on the project's CPU: BENCHMARKS.md).
 VNNI_MAX_ROWS = 384
+ONE_TERM_MAX_ROWS = 2**40  # one-term activations: the kernel stays ahead at any batch
 # NOTE: past this many rows the int4 kernel's per-row dequantization costs more than
 # dequantizing the layer once and running the GEMM (the crossover: BENCHMARKS.md).
 KERNEL_MAX_ROWS = 192
+_terms_now = 2  # what the VNNI weights built now take (`activation_terms`)
 
 
 @dataclass
@@ -104,6 +107,23 @@ class BlockWeight(Protocol):
     def matmul(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
+@contextmanager
+def activation_terms(terms: int) -> Iterator[None]:
+    """The VNNI weights built inside (VnniWeight, and GgufWeight on a VNNI CPU) quantize their
+    activations to `terms` int8 terms a value: 2, ~15 bits (the default); 1, llama.cpp's 8-bit
+    numerics (--cpu-int8-activations: half the integer dot products)."""
+    global _terms_now
+    saved, _terms_now = _terms_now, terms
+    try:
+        yield
+    finally:
+        _terms_now = saved
+
+
+def terms_now() -> int:
+    return _terms_now
+
+
 def vnni_kernels() -> Any | None:
     kernels = cpu_kernels()
     return kernels if kernels is not None and kernels.vnni_available() else None
@@ -151,15 +171,18 @@ class VnniWeight:
             [t.view(blocks, LANES, groups).transpose(1, 2) for t in (scales, offsets)],
             dim=2).to(torch.float16).contiguous()  # [out / 16, in / 32, 2, 16]
         self.kernels = vnni_kernels()
+        self.terms = _terms_now
+        self.max_rows = VNNI_MAX_ROWS if self.terms == 2 else ONE_TERM_MAX_ROWS
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales_and_offsets))
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() > VNNI_MAX_ROWS * self.in_features:
+        if x.numel() > self.max_rows * self.in_features:
             return x @ self.kernels.quant_dequantize_t(self.codes, self.scales_and_offsets)
-        return self.kernels.quant_matmul(x.contiguous(), self.codes, self.scales_and_offsets)
+        return self.kernels.quant_matmul(x.contiguous(), self.codes, self.scales_and_offsets,
+                                         self.terms)
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight [out, in] the layout encodes (for tests)."""

@@ -85,6 +85,6 @@ def _layer_parts(layer: Any) -> tuple[list[list[torch.Tensor]], list[list[int]],
         if parts is None or not all(isinstance(p, GgufWeight) for p in parts):
             return None
         weights.append([t for p in parts for t in (p.codes, p.scales, p.subs)])
-        kinds.append([v for p in parts for v in (p.bits, p.mode)])
+        kinds.append([v for p in parts for v in (p.bits, p.mode, p.terms)])
         max_rows.extend(p.kernel_max_rows for p in parts)
     return weights, kinds, min(max_rows)

@@ -20,8 +20,9 @@
 //     int8 sub-scales of its two halves of 16 inputs, 8 each: d' = d sc, m' = -32 d'.
 // A weight is w = d' * code + m', so a group's sum_i w_i x_i = d' sum_i code_i x_i + m' sum_i x_i.
 // Activations keep ~15 bits. With VNNI, as in quant_matmul.cpp, each is two int8 terms,
-// x ~ s q + (s / 254) r; on plain AVX2 each is one int16 term, x ~ s q (s = max |x| / 32767),
-// and the codes are widened to int16 for vpmaddwd.
+// x ~ s q + (s / 254) r, or one (`terms` 1: llama.cpp's numerics, x ~ s q); on plain AVX2 each
+// is one int16 term, x ~ s q (s = max |x| / 32767), and the codes are widened to int16 for
+// vpmaddwd.
 #include "aten.h"
 
 #include <algorithm>
@@ -112,9 +113,9 @@ Weight weight_of(const at::Tensor& codes, const at::Tensor& scales,
 // ---- activations ----------------------------------------------------------------------------
 
 struct Activations {
-  std::vector<int8_t> q, r;     // [rows, k]: the two int8 terms (VNNI)
+  std::vector<int8_t> q, r;     // [rows, k]: the int8 terms (VNNI; r empty with one)
   std::vector<int16_t> q16;     // [rows, k]: the one int16 term (plain AVX2)
-  std::vector<float> scale;     // [rows, groups]: s / 254 (VNNI: the dot is 254 q + r), or s
+  std::vector<float> scale;     // [rows, groups]: s / 254 (two terms: the dot is 254 q + r), or s
   std::vector<float> sum;       // [rows, 2 * groups]: exact sums of each half group
   int64_t rows, k;
 };
@@ -187,9 +188,9 @@ void quantize_rows(const T* x, int64_t rows, int64_t k, Activations& a, GroupFn 
 
 #ifdef MINISGL_BLOCK_VNNI
 template <typename T>
-void quantize_activations(const T* x, int64_t rows, int64_t k, Activations& a) {
+void quantize_activations(const T* x, int64_t rows, int64_t k, int64_t terms, Activations& a) {
   a.q.resize(rows * k);
-  a.r.resize(rows * k);
+  a.r.resize(terms == 2 ? rows * k : 0);
   quantize_rows(x, rows, k, a, [&](const __m256 (&v)[4], float amax, int64_t at) {
     const float s = amax / 127.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
     __m256i coarse[4], fine[4];
@@ -201,13 +202,14 @@ void quantize_activations(const T* x, int64_t rows, int64_t k, Activations& a) {
       fine[i] = _mm256_cvtps_epi32(_mm256_mul_ps(rest, _mm256_set1_ps(inv * 254.0f)));
     }
     store_int8x32(coarse, a.q.data() + at);
+    if (terms == 1) return s;
     store_int8x32(fine, a.r.data() + at);
     return s / 254.0f;
   });
 }
 #else
 template <typename T>
-void quantize_activations(const T* x, int64_t rows, int64_t k, Activations& a) {
+void quantize_activations(const T* x, int64_t rows, int64_t k, int64_t, Activations& a) {
   a.q16.resize(rows * k);
   quantize_rows(x, rows, k, a, [&](const __m256 (&v)[4], float amax, int64_t at) {
     const float s = amax / 32767.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
@@ -299,7 +301,7 @@ inline __m256 add_group(__m256 acc, __m256i dot, __m256 d, __m256 m, const Activ
 // activation quad serves both blocks) into out[ROWS][BLOCKS * 8].
 // NOTE: vpdpbusd's latency is several cycles: with few accumulators, CHAINS independent ones
 // per term keep the unit busy instead of waiting on one chain.
-template <int ROWS, int BITS, int MODE, int BLOCKS>
+template <int ROWS, int BITS, int MODE, int BLOCKS, int TERMS>
 void tile(const Activations& a, int64_t row0, const Weight& w, int64_t block, float* out) {
   constexpr int HALVES = MODE == kSixBit ? 2 : 1;  // sub-groups with their own scale
   constexpr int CHAINS = ROWS * BLOCKS >= 3 ? 1 : 2;
@@ -328,11 +330,13 @@ void tile(const Activations& a, int64_t row0, const Weight& w, int64_t block, fl
       const int chain = t % CHAINS;
       for (int r = 0; r < ROWS; ++r) {
         const int64_t at = (row0 + r) * k + g * kGroup + 4 * t;
-        const __m256i xq = broadcast_quad(a.q.data() + at), xr = broadcast_quad(a.r.data() + at);
+        const __m256i xq = broadcast_quad(a.q.data() + at);
+        const __m256i xr = TERMS == 2 ? broadcast_quad(a.r.data() + at) : xq;
         for (int b = 0; b < BLOCKS; ++b) {
           const __m256i q = BITS == 8 ? _mm256_sign_epi8(xq, sign_source[b]) : xq;
-          const __m256i f = BITS == 8 ? _mm256_sign_epi8(xr, sign_source[b]) : xr;
           coarse[r][b][chain] = _mm256_dpbusd_epi32(coarse[r][b][chain], codes[b], q);
+          if (TERMS == 1) continue;
+          const __m256i f = BITS == 8 ? _mm256_sign_epi8(xr, sign_source[b]) : xr;
           fine[r][b][chain] = _mm256_dpbusd_epi32(fine[r][b][chain], codes[b], f);
         }
       }
@@ -348,7 +352,8 @@ void tile(const Activations& a, int64_t row0, const Weight& w, int64_t block, fl
             fs = _mm256_add_epi32(fs, fine[r][b][i]);
           }
           for (int i = 0; i < CHAINS; ++i) coarse[r][b][i] = fine[r][b][i] = _mm256_setzero_si256();
-          const __m256i dot = _mm256_add_epi32(_mm256_mullo_epi32(cs, _mm256_set1_epi32(254)), fs);
+          const __m256i dot = TERMS == 1 ? cs
+              : _mm256_add_epi32(_mm256_mullo_epi32(cs, _mm256_set1_epi32(254)), fs);
           acc[r][b] = add_group<HALVES>(acc[r][b], dot, d, m, a, row0 + r, groups, g, h);
         }
       }
@@ -377,9 +382,9 @@ inline __m256i broadcast_quad16(const int16_t* p) {
 
 // vpmaddwd multiplies a lane's codes by the broadcast quad and sums pairs: lo / hi collect the
 // two half-quad sums of each of their lanes, and one vphaddd per group adds them into lane order.
-template <int ROWS, int BITS, int MODE, int BLOCKS>
+template <int ROWS, int BITS, int MODE, int BLOCKS, int TERMS>
 void tile(const Activations& a, int64_t row0, const Weight& w, int64_t block, float* out) {
-  static_assert(BLOCKS == 1, "AVX2's 16 registers hold tiles of one block");
+  static_assert(BLOCKS == 1 && TERMS == 2, "AVX2: tiles of one block, one int16 term");
   constexpr int HALVES = MODE == kSixBit ? 2 : 1;  // sub-groups with their own scale
   const int64_t groups = w.groups, k = a.k, gb = group_bytes(BITS);
   const int16_t* x = a.q16.data() + row0 * k;
@@ -427,31 +432,39 @@ constexpr int kTileBlocks = 2;  // blocks a tile spans (the last of an odd count
 constexpr int kTileBlocks = 1;
 #endif
 
-template <int BITS, int MODE, int BLOCKS>
+template <int BITS, int MODE, int BLOCKS, int TERMS>
 TileFn tile_for(int rows) {
   switch (rows) {
-    case 1: return tile<1, BITS, MODE, BLOCKS>;
-    case 2: return tile<2, BITS, MODE, BLOCKS>;
-    case 3: return tile<3, BITS, MODE, BLOCKS>;
-    default: return tile<4, BITS, MODE, BLOCKS>;
+    case 1: return tile<1, BITS, MODE, BLOCKS, TERMS>;
+    case 2: return tile<2, BITS, MODE, BLOCKS, TERMS>;
+    case 3: return tile<3, BITS, MODE, BLOCKS, TERMS>;
+    default: return tile<4, BITS, MODE, BLOCKS, TERMS>;
   }
 }
 
-template <int BLOCKS>
+template <int BLOCKS, int TERMS>
 TileFn pick_tile(int64_t bits, int64_t mode, int rows) {
-  if (mode == kSixBit) return tile_for<6, kSixBit, BLOCKS>(rows);
-  if (mode == kMins) return bits == 4 ? tile_for<4, kMins, BLOCKS>(rows)
-                                      : tile_for<5, kMins, BLOCKS>(rows);
+  if (mode == kSixBit) return tile_for<6, kSixBit, BLOCKS, TERMS>(rows);
+  if (mode == kMins) return bits == 4 ? tile_for<4, kMins, BLOCKS, TERMS>(rows)
+                                      : tile_for<5, kMins, BLOCKS, TERMS>(rows);
   switch (bits) {
-    case 4: return tile_for<4, kFlat, BLOCKS>(rows);
-    case 5: return tile_for<5, kFlat, BLOCKS>(rows);
-    default: return tile_for<8, kFlat, BLOCKS>(rows);
+    case 4: return tile_for<4, kFlat, BLOCKS, TERMS>(rows);
+    case 5: return tile_for<5, kFlat, BLOCKS, TERMS>(rows);
+    default: return tile_for<8, kFlat, BLOCKS, TERMS>(rows);
   }
 }
 
+template <int TERMS>
 TileFn pick_tile(int64_t bits, int64_t mode, int rows, int blocks) {
-  return blocks == kTileBlocks ? pick_tile<kTileBlocks>(bits, mode, rows)
-                               : pick_tile<1>(bits, mode, rows);
+  return blocks == kTileBlocks ? pick_tile<kTileBlocks, TERMS>(bits, mode, rows)
+                               : pick_tile<1, TERMS>(bits, mode, rows);
+}
+
+TileFn pick_tile(int64_t bits, int64_t mode, int rows, int blocks, int64_t terms) {
+#ifdef MINISGL_BLOCK_VNNI
+  if (terms == 1) return pick_tile<1>(bits, mode, rows, blocks);
+#endif
+  return pick_tile<2>(bits, mode, rows, blocks);
 }
 
 // One block's weights into columns block * 8 .. + 7 of the transposed weight [k, n].
@@ -500,7 +513,7 @@ void dequantize_all_t(const Weight& w, T* out) {
 
 // Every tile of out = activations x weight ([rows, n]), written in out's dtype.
 template <typename T>
-void run_tiles(const Activations& a, const Weight& w, T* out) {
+void run_tiles(const Activations& a, const Weight& w, int64_t terms, T* out) {
   const int64_t rows = a.rows, blocks = w.blocks;
   const int64_t n = blocks * kLanes;
   // NOTE: blocks outer, rows inner: a block's codes stay in L1 while every tile passes over them.
@@ -514,7 +527,7 @@ void run_tiles(const Activations& a, const Weight& w, T* out) {
       const int width = static_cast<int>(std::min<int64_t>(per_span, blocks - b));
       for (int64_t r = 0; r < rows; r += kMaxTileRows) {
         const int tile_rows = static_cast<int>(std::min<int64_t>(kMaxTileRows, rows - r));
-        pick_tile(w.bits, w.mode, tile_rows, width)(a, r, w, b, tile_out);
+        pick_tile(w.bits, w.mode, tile_rows, width, terms)(a, r, w, b, tile_out);
         for (int i = 0; i < tile_rows; ++i) {
           T* row = out + (r + i) * n + b * kLanes;
           const float* from = tile_out + i * width * kLanes;
@@ -546,22 +559,25 @@ bool block_kernel_vnni() {
 }
 
 // x: [..., k] float32 or bfloat16; codes [n / 8, k / 32, bytes]; scales float16; subs uint8
-// (kFlat: ignored). Returns x @ w.T as [..., n] in x's dtype.
+// (kFlat: ignored); terms: the activations' int8 terms with VNNI (1 or 2; 2 without VNNI).
+// Returns x @ w.T as [..., n] in x's dtype.
 at::Tensor block_matmul(at::Tensor x, at::Tensor codes, at::Tensor scales,
-                        at::Tensor subs, int64_t bits, int64_t mode) {
+                        at::Tensor subs, int64_t bits, int64_t mode, int64_t terms) {
 #ifdef MINISGL_AVX2
   TORCH_CHECK(x.is_contiguous() && (x.scalar_type() == at::kFloat ||
                                     x.scalar_type() == at::kBFloat16));
+  TORCH_CHECK(terms == 2 || (terms == 1 && block_kernel_vnni()),
+              "block_matmul: one-term activations need AVX-512 VNNI");
   const Weight w = weight_of(codes, scales, subs, bits, mode);
   const int64_t k = x.size(-1), rows = x.numel() / k, blocks = codes.size(0);
   TORCH_CHECK(k == w.groups * kGroup, "activations do not match the weight's input features");
   const int64_t n = blocks * kLanes;
   Activations a;
-  if (x.scalar_type() == at::kFloat) quantize_activations(x.data_ptr<float>(), rows, k, a);
-  else quantize_activations(x.data_ptr<at::BFloat16>(), rows, k, a);
+  if (x.scalar_type() == at::kFloat) quantize_activations(x.data_ptr<float>(), rows, k, terms, a);
+  else quantize_activations(x.data_ptr<at::BFloat16>(), rows, k, terms, a);
   auto result = at::empty({rows, n}, x.options());
-  if (x.scalar_type() == at::kFloat) run_tiles(a, w, result.data_ptr<float>());
-  else run_tiles(a, w, result.data_ptr<at::BFloat16>());
+  if (x.scalar_type() == at::kFloat) run_tiles(a, w, terms, result.data_ptr<float>());
+  else run_tiles(a, w, terms, result.data_ptr<at::BFloat16>());
   std::vector<int64_t> sizes = x.sizes().vec();
   sizes.back() = n;
   return result.view(sizes);

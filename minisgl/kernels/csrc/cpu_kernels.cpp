@@ -366,7 +366,7 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache
 
 // quant_matmul.cpp
 bool vnni_available();
-at::Tensor quant_matmul(at::Tensor x, at::Tensor codes, at::Tensor dm);
+at::Tensor quant_matmul(at::Tensor x, at::Tensor codes, at::Tensor dm, int64_t terms);
 at::Tensor quant_dequantize_t(at::Tensor codes, at::Tensor dm);
 // int8_matmul.cpp
 at::Tensor int8_matmul(at::Tensor x, at::Tensor codes, at::Tensor scales,
@@ -380,7 +380,7 @@ void lora_add(at::Tensor x, at::Tensor out, at::Tensor rows, at::Tensor ends,
 bool block_kernel_available();
 bool block_kernel_vnni();
 at::Tensor block_matmul(at::Tensor x, at::Tensor codes, at::Tensor scales,
-                        at::Tensor subs, int64_t bits, int64_t mode);
+                        at::Tensor subs, int64_t bits, int64_t mode, int64_t terms);
 at::Tensor block_dequantize(at::Tensor codes, at::Tensor scales, at::Tensor subs,
                             int64_t bits, int64_t mode, at::Tensor rows);
 at::Tensor block_dequantize_t(at::Tensor codes, at::Tensor scales, at::Tensor subs,

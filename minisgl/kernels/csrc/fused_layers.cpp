@@ -15,7 +15,7 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache
 at::Tensor silu_and_mul(at::Tensor x);
 // block_matmul.cpp
 at::Tensor block_matmul(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor subs,
-                        int64_t bits, int64_t mode);
+                        int64_t bits, int64_t mode, int64_t terms);
 
 FusedLayers::FusedLayers(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps,
                          double scale, at::Tensor cos, at::Tensor sin)
@@ -30,10 +30,10 @@ void FusedLayers::add_layer(at::Tensor input_norm, at::Tensor post_norm,
   Linear parsed[4];
   for (size_t i = 0; i < 4; ++i) {
     TORCH_CHECK(!linears[i].empty() && linears[i].size() % 3 == 0 &&
-                kinds[i].size() * 3 == linears[i].size() * 2, "three tensors and two kinds a part");
+                kinds[i].size() == linears[i].size(), "three tensors and three kinds a part");
     for (size_t p = 0; p < linears[i].size() / 3; ++p)
       parsed[i].push_back({linears[i][3 * p], linears[i][3 * p + 1], linears[i][3 * p + 2],
-                           kinds[i][2 * p], kinds[i][2 * p + 1]});
+                           kinds[i][3 * p], kinds[i][3 * p + 1], kinds[i][3 * p + 2]});
   }
   layers_.push_back({std::move(input_norm), std::move(post_norm), std::move(k_cache),
                      std::move(v_cache), std::move(parsed[0]), std::move(parsed[1]),
@@ -44,7 +44,7 @@ at::Tensor FusedLayers::matmul(const at::Tensor& x, const Linear& linear) {
   const auto rows = x.contiguous();
   std::vector<at::Tensor> outs;
   for (const Part& p : linear)
-    outs.push_back(block_matmul(rows, p.codes, p.scales, p.subs, p.bits, p.mode));
+    outs.push_back(block_matmul(rows, p.codes, p.scales, p.subs, p.bits, p.mode, p.terms));
   return outs.size() == 1 ? outs[0] : at::cat(outs, -1);
 }
 

@@ -13,7 +13,8 @@ class FusedLayers {
               at::Tensor cos, at::Tensor sin);
 
   // linears: q/k/v, o, gate/up, down, each as its parts' (codes, scales, subs) in row order;
-  // kinds: each part's (bits, mode); caches: the layer's K and V in the head-major pool.
+  // kinds: each part's (bits, mode, activation terms); caches: the layer's K and V in the
+  // head-major pool.
   void add_layer(at::Tensor input_norm, at::Tensor post_norm,
                  std::vector<std::vector<at::Tensor>> linears,
                  std::vector<std::vector<int64_t>> kinds, at::Tensor k_cache,
@@ -27,7 +28,7 @@ class FusedLayers {
  private:
   struct Part {
     at::Tensor codes, scales, subs;
-    int64_t bits, mode;
+    int64_t bits, mode, terms;
   };
   using Linear = std::vector<Part>;
   struct Layer {

@@ -32,7 +32,9 @@ constexpr int kMaxTileRows = 4;
 
 #ifdef MINISGL_VNNI
 
-// One row: per group, the two int8 terms q and r, the scale s and the exact float sum.
+// One row: per group, the int8 term q (and with TERMS 2 the second one, r), the scale s and the
+// exact float sum.
+template <int TERMS>
 void quantize_row(const at::BFloat16* x, int64_t k, int8_t* q, int8_t* r, float* scale,
                   float* sum) {
   for (int64_t g = 0; g < k / kGroup; ++g) {
@@ -44,10 +46,11 @@ void quantize_row(const at::BFloat16* x, int64_t k, int8_t* q, int8_t* r, float*
     __m512 inv_fine = _mm512_set1_ps(s > 0.0f ? 254.0f / s : 0.0f);
     for (int h = 0; h < 2; ++h) {
       __m512i coarse = _mm512_cvtps_epi32(_mm512_mul_ps(half[h], inv));  // nearest even
-      __m512 rest = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(coarse), _mm512_set1_ps(s), half[h]);
-      __m512i fine = _mm512_cvtps_epi32(_mm512_mul_ps(rest, inv_fine));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q + g * kGroup + 16 * h),
                        _mm512_cvtsepi32_epi8(coarse));
+      if (TERMS == 1) continue;
+      __m512 rest = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(coarse), _mm512_set1_ps(s), half[h]);
+      __m512i fine = _mm512_cvtps_epi32(_mm512_mul_ps(rest, inv_fine));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(r + g * kGroup + 16 * h),
                        _mm512_cvtsepi32_epi8(fine));
     }
@@ -73,7 +76,7 @@ struct Activations {  // quantize_row's output for all rows
 // ROWS activation rows times one block of 16 output features, over all groups.
 // NOTE: vpdpbusd's latency is several cycles: with few rows, CHAINS independent accumulators
 // per term and row (summed per group) keep the unit busy instead of waiting on one chain.
-template <int ROWS, int BITS>
+template <int ROWS, int BITS, int TERMS>
 void tile(const Activations& a, const uint8_t* codes, const at::Half* dm, at::BFloat16* out,
           int64_t out_stride) {
   constexpr int CHAINS = ROWS >= 4 ? 1 : 2;
@@ -92,7 +95,7 @@ void tile(const Activations& a, const uint8_t* codes, const at::Half* dm, at::BF
       for (int r = 0; r < ROWS; ++r) {
         const int64_t at = r * a.k + g * kGroup + input;
         coarse[r][h] = _mm512_dpbusd_epi32(coarse[r][h], w, broadcast_quad(a.q + at));
-        fine[r][h] = _mm512_dpbusd_epi32(fine[r][h], w, broadcast_quad(a.r + at));
+        if (TERMS == 2) fine[r][h] = _mm512_dpbusd_epi32(fine[r][h], w, broadcast_quad(a.r + at));
       }
     };
     for (int p = 0; p < kVectors; ++p) {
@@ -113,8 +116,10 @@ void tile(const Activations& a, const uint8_t* codes, const at::Half* dm, at::BF
         coarse_sum = _mm512_add_epi32(coarse_sum, coarse[r][h]);
         fine_sum = _mm512_add_epi32(fine_sum, fine[r][h]);
       }
-      __m512 dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(fine_sum), _mm512_set1_ps(1.0f / 254.0f),
-                                   _mm512_cvtepi32_ps(coarse_sum));
+      __m512 dot = TERMS == 1 ? _mm512_cvtepi32_ps(coarse_sum)
+                              : _mm512_fmadd_ps(_mm512_cvtepi32_ps(fine_sum),
+                                                _mm512_set1_ps(1.0f / 254.0f),
+                                                _mm512_cvtepi32_ps(coarse_sum));
       __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(a.scale[r * groups + g]));
       acc[r] = _mm512_fmadd_ps(dot, ds, acc[r]);
       offset_acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.sum[r * groups + g]), offset_acc[r]);
@@ -151,9 +156,9 @@ void dequantize_group(const uint8_t* codes, const at::Half* dm, at::BFloat16* ou
 
 using TileFn = void (*)(const Activations&, const uint8_t*, const at::Half*, at::BFloat16*,
                         int64_t);
-template <int BITS>
-constexpr TileFn kTiles[kMaxTileRows + 1] = {nullptr, tile<1, BITS>, tile<2, BITS>,
-                                             tile<3, BITS>, tile<4, BITS>};
+template <int BITS, int TERMS>
+constexpr TileFn kTiles[kMaxTileRows + 1] = {nullptr, tile<1, BITS, TERMS>, tile<2, BITS, TERMS>,
+                                             tile<3, BITS, TERMS>, tile<4, BITS, TERMS>};
 
 #endif  // MINISGL_VNNI
 
@@ -197,7 +202,7 @@ at::Tensor quant_dequantize_t(at::Tensor codes, at::Tensor dm) {
 #endif
 }
 
-at::Tensor quant_matmul(at::Tensor x, at::Tensor codes, at::Tensor dm) {
+at::Tensor quant_matmul(at::Tensor x, at::Tensor codes, at::Tensor dm, int64_t terms) {
 #ifdef MINISGL_VNNI
   TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kBFloat16);
   TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.dim() == 3);
@@ -206,19 +211,24 @@ at::Tensor quant_matmul(at::Tensor x, at::Tensor codes, at::Tensor dm) {
   const int64_t groups = k / kGroup, block_bytes = codes.size(2);
   TORCH_CHECK(k % kGroup == 0 && codes.size(1) == groups);
   TORCH_CHECK(block_bytes == kGroup * kLanes / 2 || block_bytes == kGroup * kLanes);
+  TORCH_CHECK(terms == 1 || terms == 2, "quant_matmul: activations are 1 or 2 int8 terms");
   const int64_t n = blocks * kLanes;
   std::vector<int64_t> sizes = x.sizes().vec();
   sizes.back() = n;
   auto out = at::empty(sizes, x.options());
-  std::vector<int8_t> q(rows * k), fine(rows * k);
+  std::vector<int8_t> q(rows * k), fine(terms == 2 ? rows * k : 0);
   std::vector<float> scale(rows * groups), sum(rows * groups);
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  auto fine_row = [&](int64_t r) { return terms == 2 ? fine.data() + r * k : nullptr; };
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
-      quantize_row(xp + r * k, k, q.data() + r * k, fine.data() + r * k,
-                   scale.data() + r * groups, sum.data() + r * groups);
+      (terms == 1 ? quantize_row<1> : quantize_row<2>)(xp + r * k, k, q.data() + r * k,
+                                                       fine_row(r), scale.data() + r * groups,
+                                                       sum.data() + r * groups);
   });
-  const TileFn* tiles = block_bytes == kGroup * kLanes ? kTiles<8> : kTiles<4>;
+  const bool eight_bit = block_bytes == kGroup * kLanes;
+  const TileFn* tiles = terms == 1 ? (eight_bit ? kTiles<8, 1> : kTiles<4, 1>)
+                                   : (eight_bit ? kTiles<8, 2> : kTiles<4, 2>);
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const at::Half* dp = dm.data_ptr<at::Half>();
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
@@ -228,7 +238,7 @@ at::Tensor quant_matmul(at::Tensor x, at::Tensor codes, at::Tensor dm) {
     for (int64_t b = begin; b < end; ++b) {
       for (int64_t r = 0; r < rows; r += kMaxTileRows) {
         const int tile_rows = static_cast<int>(std::min<int64_t>(kMaxTileRows, rows - r));
-        Activations a{q.data() + r * k, fine.data() + r * k, scale.data() + r * groups,
+        Activations a{q.data() + r * k, fine_row(r), scale.data() + r * groups,
                       sum.data() + r * groups, k};
         tiles[tile_rows](a, cp + b * groups * block_bytes, dp + b * groups * 2 * kLanes,
                          op + r * n + b * kLanes, n);
