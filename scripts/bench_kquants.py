@@ -1,11 +1,12 @@
 """The bundled model re-quantized to Q4_K_M by llama.cpp's own `llama-quantize`, served by
-minisgl (`--quantization gguf`: its blocks as in the file; and `none`: dequantized) and by
-llama.cpp's `llama-server` from the same file, side by side in one run: output tok/s and TPOT
-at each stream count, with each server process's resident memory (peak) beside the file size
-and the KV pool it was given.
+minisgl (`--quantization gguf`: its blocks as in the file; `gguf-int8`: the same with
+--cpu-int8-activations; and `none`: dequantized) and by llama.cpp's `llama-server` from the
+same file, side by side in one run: output tok/s and TPOT at each stream count, with each server
+process's resident memory (peak) beside the file size and the KV pool it was given.
 
     python scripts/bench_kquants.py                    # 1 and 64 streams
     python scripts/bench_kquants.py --concurrency 1 8 --methods gguf
+    python scripts/bench_kquants.py --methods gguf gguf-int8   # --cpu-int8-activations too
     python scripts/bench_kquants.py --methods gguf --baseline <a worktree of another commit>
 
 llama-server and llama-quantize are built once from the llama-cpp-python sdist's sources
@@ -25,6 +26,11 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 import compare  # noqa: E402 (this folder)
 from minisgl.models.weights import bundled_gguf, load_config, resolve_model_path  # noqa: E402
+
+
+# --methods: minisgl's flags for each
+METHOD_FLAGS = {"gguf": ("--quantization", "gguf"), "none": ("--quantization", "none"),
+                "gguf-int8": ("--quantization", "gguf", "--cpu-int8-activations")}
 
 
 def q4_k_m_file() -> Path:
@@ -65,7 +71,7 @@ def main() -> None:
     compare.add_serving_arguments(parser)
     parser.set_defaults(concurrency=[1, 64])
     parser.add_argument("--methods", nargs="+", default=["gguf", "none"],
-                        choices=["gguf", "none"])
+                        choices=list(METHOD_FLAGS))
     parser.add_argument("--dtype", default="auto", help="minisgl's --dtype")
     parser.add_argument("--skip-llama-cpp", action="store_true")
     parser.add_argument("--baseline", type=Path, default=None,
@@ -80,7 +86,7 @@ def main() -> None:
     for method in args.methods:
         for checkout, tag in checkouts:
             server = compare.start_minisgl(True, most, most * per_stream,
-                                           ("--model", str(model), "--quantization", method,
+                                           ("--model", str(model), *METHOD_FLAGS[method],
                                             "--dtype", args.dtype), checkout=checkout)
             try:
                 for c in args.concurrency:
