@@ -4,6 +4,7 @@ bundled model's shapes (random weights, so the weights stream from memory as in 
     python scripts/bench_linears.py                      # rows 1 8 64 512 2048
     python scripts/bench_linears.py --rows 64 --rounds 3
     python scripts/bench_linears.py --rows 64 96 128 --kernel-max-rows 0   # GGUF: always GEMM
+    python scripts/bench_linears.py --lm-head --rows 1 32 64 512   # the LM head's forms
 
 Forms: `bf16` (the prepacked oneDNN GEMM, `--quantization none`), `gguf-4bit` (4-bit blocks
 through quant_matmul, dequantized for a GEMM past VNNI_MAX_ROWS), `Q5_0` and `Q4_K_M` (GGUF
@@ -30,11 +31,12 @@ from minisgl.layers import gguf_weight
 from minisgl.layers.gguf_weight import GROUP, KINDS, SUPER, GgufBlocks, GgufWeight
 from minisgl.layers.linear import pack_weight
 from minisgl.layers.quant import (BlockWeight, WeightBlocks, activation_terms, block_weight,
-                                  vnni_kernels)
+                                  int8_weight, vnni_kernels)
 from minisgl.layers.w8a8 import Int8ChannelWeight
 
 LAYERS = 30
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down: [out, in]
+HEAD_SHAPE = (49152, 576)
 
 
 def random_4bit(out_features: int, in_features: int) -> BlockWeight:
@@ -96,12 +98,26 @@ def forms() -> dict[str, list[Callable[[torch.Tensor], torch.Tensor]]]:
     return out
 
 
+def head_forms() -> dict[str, list[Callable[[torch.Tensor], torch.Tensor]]]:
+    """The bundled model's LM head (49152 x 576) as the VNNI CPU serves it: its 8-bit copy with
+    two or one activation terms, and the prepacked bfloat16 GEMM."""
+    dense = torch.randn(*HEAD_SHAPE) * 0.05
+    with activation_terms(1):
+        one = int8_weight(dense)
+    packed = pack_weight(dense.to(torch.bfloat16))
+    return {"bf16": [lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [],
+                                                                  "")],
+            "int8-copy": [int8_weight(dense).matmul], "int8-copy/1": [one.matmul]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 512, 2048])
     parser.add_argument("--repeats", type=int, default=5, help="passes per figure (the best)")
     parser.add_argument("--rounds", type=int, default=1, help="the whole table this many times")
+    parser.add_argument("--lm-head", action="store_true",
+                        help="the LM head's forms instead of the 120 linears (VNNI only)")
     parser.add_argument("--kernel-max-rows", type=int, default=None,
                         help="the GGUF forms' crossover to dequantize + GEMM (0: always the "
                              "GEMM; default: gguf_weight.KERNEL_MAX_ROWS)")
@@ -112,18 +128,20 @@ def main() -> None:
         gguf_weight.ONE_TERM_MAX_ROWS = args.kernel_max_rows
     vnni = vnni_kernels() is not None
     torch.manual_seed(0)
-    matmuls = forms() if vnni else avx2_forms()
-    dense, fastest = ("bf16", "w8a8") if vnni else ("f32", "Q4_1")
+    matmuls = head_forms() if args.lm_head else forms() if vnni else avx2_forms()
+    shapes = [HEAD_SHAPE] if args.lm_head else SHAPES * LAYERS
+    dense, fastest = (("bf16", "int8-copy/1") if args.lm_head else ("bf16", "w8a8") if vnni
+                      else ("f32", "Q4_1"))
     dtype = torch.bfloat16 if vnni else torch.float32
     print("| rows | " + " | ".join(matmuls) + f" | {dense} / {fastest} |")
     print("|---|" + "---|" * (len(matmuls) + 1))
     for _ in range(args.rounds):
         for rows in args.rows:
-            inputs = {k: torch.randn(rows, k).to(dtype) for k in {s[1] for s in SHAPES}}
+            inputs = {k: torch.randn(rows, k).to(dtype) for k in {s[1] for s in shapes}}
             ms = {}
             for name, calls in matmuls.items():
                 def one_pass() -> None:
-                    for call, (_, in_features) in zip(calls, SHAPES * LAYERS):
+                    for call, (_, in_features) in zip(calls, shapes):
                         call(inputs[in_features])
                 one_pass()
                 best = float("inf")

@@ -84,8 +84,11 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     @property
     def int8_all_rows(self) -> bool:
-        """Every batch reads the int8 copy (w8a8's per-channel one), not only small ones."""
-        return isinstance(self.int8, Int8ChannelWeight)
+        """Every batch reads the int8 copy, not only small ones: w8a8's per-channel one, or the
+        8-bit one with one-term activations (faster than the GEMM at any batch), and no
+        prepacked copy is made."""
+        return isinstance(self.int8, Int8ChannelWeight) or (
+            isinstance(self.int8, VnniWeight) and self.int8.terms == 1)
 
     def add_int8_copy(self, per_channel: bool = False) -> None:
         """An 8-bit copy of this shard, where the VNNI kernel is built. By default
