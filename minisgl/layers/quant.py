@@ -6,8 +6,9 @@ one scale and one zero: w = (code - 8) * scale + zero (Q4_1: zero = min + 8 * sc
 stands for, so the tensor-parallel loaders of layers.linear shard it unchanged); `block_weight`
 then packs them for the fastest kernel this CPU has (BENCHMARKS.md, "Quantized weights"):
 - `VnniWeight`: minisgl's own kernel (kernels/csrc/quant_matmul.cpp: integer dot products on
-  AVX-512 VNNI, as llama.cpp runs Q4 x Q8, with activations kept to ~15 bits), at every batch
-  size; `int8_weight` puts a dense weight (the LM head) in its 8-bit form;
+  AVX-512 VNNI, as llama.cpp runs Q4 x Q8, with activations kept to ~15 bits, or to 8 as
+  llama.cpp's with `activation_terms(1)`), at every batch size; `int8_weight` puts a dense
+  weight (the LM head) in its 8-bit form;
 - `TorchInt4Weight`, on CPUs without it: torch's packed-int4 kernel for small batches and a
   dequantized bfloat16 GEMM for large ones.
 """

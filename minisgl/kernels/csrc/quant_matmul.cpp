@@ -14,8 +14,8 @@
 // A group's sum: sum_i w_i x_i = d * sum_i code_i x_i + m * sum_i x_i. The second sum is the
 // exact float one. For the first, each activation is two int8 terms, x ~ s * q + (s / 254) * r
 // (s = max |x| / 127; r quantizes what q leaves): about 15 bits, so the result is the dequantized
-// weights' product up to float rounding, where one term (llama.cpp's Q8 activations) gives a
-// larger logit error (BENCHMARKS.md).
+// weights' product up to float rounding. With `terms` 1 (--cpu-int8-activations) only q, as
+// llama.cpp's Q8 activations: half the dot products, a larger logit error (BENCHMARKS.md).
 #include "aten.h"
 
 #include <algorithm>
