@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from minisgl.kernels import cpu_kernels
-from minisgl.layers.quant import ONE_TERM_MAX_ROWS, terms_now
+from minisgl.layers.quant import terms_now
 
 GROUP = 32
 SUPER = 256
@@ -32,6 +32,7 @@ KINDS = {"Q4_0": (4, FLAT), "Q4_1": (4, FLAT), "Q5_0": (5, FLAT), "Q5_1": (5, FL
 # (the crossovers: BENCHMARKS.md, "k-quants on VNNI" against a bfloat16 GEMM and "The AVX2
 # block kernel's int16 products" against a float32 one)
 KERNEL_MAX_ROWS = 128  # VNNI
+ONE_TERM_MAX_ROWS = 2**40  # VNNI, one-term activations: the kernel keeps up at any batch
 AVX2_KERNEL_MAX_ROWS = 512
 
 

@@ -27,9 +27,9 @@ from minisgl.kernels import cpu_kernels
 GROUP = 32
 LANES = 16  # output features per block of the VNNI layout
 # NOTE: past this many rows, dequantizing the layer to bfloat16 and running the GEMM beats the
-# integer dot products (the crossover on the project's CPU: BENCHMARKS.md).
+# integer dot products of two-term activations (the crossover on the project's CPU:
+# BENCHMARKS.md); with one term the kernel stays ahead at any batch.
 VNNI_MAX_ROWS = 384
-ONE_TERM_MAX_ROWS = 2**40  # one-term activations: the kernel stays ahead at any batch
 # NOTE: past this many rows the int4 kernel's per-row dequantization costs more than
 # dequantizing the layer once and running the GEMM (the crossover: BENCHMARKS.md).
 KERNEL_MAX_ROWS = 192
@@ -172,15 +172,14 @@ class VnniWeight:
             [t.view(blocks, LANES, groups).transpose(1, 2) for t in (scales, offsets)],
             dim=2).to(torch.float16).contiguous()  # [out / 16, in / 32, 2, 16]
         self.kernels = vnni_kernels()
-        self.terms = _terms_now
-        self.max_rows = VNNI_MAX_ROWS if self.terms == 2 else ONE_TERM_MAX_ROWS
+        self.terms = terms_now()
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales_and_offsets))
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() > self.max_rows * self.in_features:
+        if self.terms == 2 and x.numel() > VNNI_MAX_ROWS * self.in_features:
             return x @ self.kernels.quant_dequantize_t(self.codes, self.scales_and_offsets)
         return self.kernels.quant_matmul(x.contiguous(), self.codes, self.scales_and_offsets,
                                          self.terms)
