@@ -1,7 +1,8 @@
 """Time one decode forward (model only: no scheduler, no sampler) at several batch sizes.
 
     python scripts/bench_decode_step.py --batch 1 8 32 64 --context 128 [--dtype bfloat16]
-        [--quantization gguf|w8a8_int8|none] [--model PATH] [--json-model-override-args '{...}']
+        [--quantization gguf|w8a8_int8|none] [--cpu-int8-activations] [--model PATH]
+        [--json-model-override-args '{...}']
 
 The windowed attention path (BENCHMARKS.md, "Sliding windows"): the bundled weights served as
 a Mistral with a window, beside the same model without one:
@@ -82,11 +83,13 @@ def main() -> None:
     parser.add_argument("--quantization", default=None, choices=["gguf", "w8a8_int8", "none"])
     parser.add_argument("--model", default=None, help="a model path (default: the bundled one)")
     parser.add_argument("--json-model-override-args", default=None)
+    parser.add_argument("--cpu-int8-activations", action="store_true")
     args = parser.parse_args()
     most = max(args.batch)
     engine = Engine(EngineConfig(model_path=args.model, dtype=args.dtype,
                                  max_running_requests=most,
                                  quantization=args.quantization,
+                                 cpu_int8_activations=args.cpu_int8_activations,
                                  json_model_override_args=args.json_model_override_args,
                                  max_total_tokens=most * (args.context + 8) + 16))
     read = weight_bytes(engine.model)

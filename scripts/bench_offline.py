@@ -48,7 +48,9 @@ def run_minisgl(prompts: list[list[int]], lens: list[int], concurrency: int, ove
                 args: argparse.Namespace) -> dict:
     with LLM(dtype=args.dtype, max_running_requests=concurrency, tp_size=args.tp_size,
              disable_overlap_schedule=not overlap, max_total_tokens=args.max_total_tokens,
-             quantization=args.quantization, page_size=args.page_size) as llm:
+             quantization=args.quantization, page_size=args.page_size,
+             cpu_int8_activations=args.cpu_int8_activations,
+             **({"model": args.model} if args.model else {})) as llm:
         engine = llm.runtime.engine
         params = [{"max_new_tokens": n, "ignore_eos": True, "temperature": args.temperature,
                    "top_p": 1.0, "top_k": -1} for n in lens]
@@ -112,6 +114,8 @@ def main() -> None:
     parser.add_argument("--quantization", default=None, choices=["gguf", "w8a8_int8", "none"])
     parser.add_argument("--page-size", type=int, default=None,
                         help="KV page size (default: the engine's, 16 on CPU)")
+    parser.add_argument("--cpu-int8-activations", action="store_true")
+    parser.add_argument("--model", default=None, help="a model path (default: the bundled one)")
     parser.add_argument("--compare-hf", action="store_true")
     parser.add_argument("--no-overlap-baseline", dest="overlap_baseline", action="store_false")
     parser.add_argument("--seed", type=int, default=0)

@@ -99,6 +99,32 @@ def test_kernel_against_float64(kind: str):
     assert torch.equal(as_bf16, dense.t().to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("kind", sorted(BLOCK_BYTES))
+def test_a_rows_product_does_not_depend_on_its_batch(kind: str):
+    """The kernel tiles a batch by its size (1-4 rows; with one int8 term, from 16 rows, spans
+    decoded once and tiles of 8 rows; past 256 KB of activations, blocks of rows), but a row's
+    result stays the same to the bit: a verify step's rows and a batch's rows decode as the
+    row would alone."""
+    out, in_features = 40, 768
+    weight = GgufWeight(decode(kind, random_blocks(kind, out, in_features, seed=5), out,
+                               in_features))
+    kernels = weight.kernels
+    x = torch.randn(700, in_features, generator=torch.Generator().manual_seed(2))
+    for terms in (1, 2) if kernels.block_kernel_vnni() else (2,):
+        for dtype in (torch.float32, torch.bfloat16):
+            def product(rows: torch.Tensor) -> torch.Tensor:
+                return kernels.block_matmul(rows.to(dtype).contiguous(), weight.codes,
+                                            weight.scales, weight.subs, weight.bits,
+                                            weight.mode, terms)
+            batch = product(x)
+            some = [*range(0, len(x), 29), 335, 336, len(x) - 1]  # the row blocks' edges too
+            assert torch.equal(batch[some], torch.cat([product(x[i:i + 1]) for i in some]))
+            in_twenties = torch.cat([product(x[i:i + 20]) for i in range(0, len(x), 20)])
+            assert torch.equal(batch, in_twenties), (terms, dtype)
+            in_fives = torch.cat([product(x[i:i + 5]) for i in range(0, 100, 5)])
+            assert torch.equal(batch[:100], in_fives), (terms, dtype)
+
+
 def test_a_shard_must_cut_whole_blocks():
     k_quant = decode("Q4_K", random_blocks("Q4_K", 8, 512), 8, 512)
     assert k_quant[:, 256:512].shape == (8, 256)

@@ -229,6 +229,9 @@ class Sampler:
                grammar: tuple[torch.Tensor, torch.Tensor] | None = None) -> SampleOutput:
         """`grammar`: (rows, int32 bitmask [rows, ceil(vocab / 32)]): those rows may only take
         the tokens whose bit is set; their logprobs are those of the masked logits."""
+        if grammar is None and args.raw_argmax and not args.return_logprobs:
+            # a bfloat16 logit widens exactly: its argmax is the float32 copy's, without the copy
+            return SampleOutput(next_tokens=argmax(logits).to(torch.int32))
         raw = logits.float()
         if grammar is not None:
             rows, bitmask = grammar

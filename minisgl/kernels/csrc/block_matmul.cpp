@@ -43,6 +43,11 @@ namespace {
 constexpr int64_t kGroup = 32;
 constexpr int64_t kLanes = 8;
 constexpr int kMaxTileRows = 4;
+// VNNI, one term: from kDecodedMinRows rows a span's codes are decoded once (DecodedSpan), its
+// tiles kSpanTileRows rows. (With two terms the dot products, not the decode, are the bound.)
+constexpr int kSpanTileRows = 8;
+constexpr int64_t kDecodedMinRows = 16;
+constexpr int64_t kActivationBlockBytes = 256 << 10;  // a block of rows' int8 activations
 enum Mode : int64_t { kFlat = 0, kMins = 1, kSixBit = 2 };
 
 int64_t group_bytes(int64_t bits) {
@@ -228,25 +233,42 @@ void quantize_activations(const T* x, int64_t rows, int64_t k, int64_t, Activati
 
 // ---- the integer dot products ---------------------------------------------------------------
 
-// The codes of quad t (inputs 4t .. 4t + 3 of the group) for the 8 lanes, as 32 bytes.
+// Byte operations on 32 bytes (a block's 8 lanes) or, with AVX-512, 64 (a span's two blocks).
+inline __m256i bits_and(__m256i a, __m256i b) { return _mm256_and_si256(a, b); }
+inline __m256i bits_or(__m256i a, __m256i b) { return _mm256_or_si256(a, b); }
+inline __m256i shift16(__m256i v, int left) {  // each 16-bit lane shifted left (right if < 0)
+  return left >= 0 ? _mm256_slli_epi16(v, left) : _mm256_srli_epi16(v, -left);
+}
+inline __m256i byte_of(__m256i, int8_t b) { return _mm256_set1_epi8(b); }
+#ifdef MINISGL_BLOCK_VNNI
+inline __m512i bits_and(__m512i a, __m512i b) { return _mm512_and_si512(a, b); }
+inline __m512i bits_or(__m512i a, __m512i b) { return _mm512_or_si512(a, b); }
+inline __m512i shift16(__m512i v, int left) {
+  return left >= 0 ? _mm512_slli_epi16(v, left) : _mm512_srli_epi16(v, -left);
+}
+inline __m512i byte_of(__m512i, int8_t b) { return _mm512_set1_epi8(b); }
+#endif
+
+// The codes of quad t (inputs 4t .. 4t + 3 of the group) for the 8 lanes of each block whose
+// group `load(offset)` reads (the offset in the group's bytes).
+template <int BITS, typename Load>
+inline auto quad_codes(Load load, int t) {
+  if (BITS == 8) return load(t * 32);
+  const auto v = load((t / 2) * 32), low4 = byte_of(v, 0x0F);
+  auto q = bits_and(t & 1 ? shift16(v, -4) : v, low4);
+  if (BITS == 5)  // bit t of the high-bit vector to bit 4
+    q = bits_or(q, bits_and(shift16(load(128), 4 - t), byte_of(v, 0x10)));
+  if (BITS == 6)  // bits 2u, 2u + 1 of vector t / 4 to bits 4, 5
+    q = bits_or(q, bits_and(shift16(load(128 + (t / 4) * 32), 4 - 2 * (t % 4)),
+                            byte_of(v, 0x30)));
+  return q;
+}
+
 template <int BITS>
 inline __m256i quad_codes(const uint8_t* c, int t) {
-  auto load = [](const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
-  if (BITS == 8) return load(c + t * 32);
-  const __m256i v = load(c + (t / 2) * 32), low4 = _mm256_set1_epi8(0x0F);
-  __m256i q = _mm256_and_si256(t & 1 ? _mm256_srli_epi16(v, 4) : v, low4);
-  if (BITS == 5) {  // bit t of the high-bit vector to bit 4
-    const __m256i h = load(c + 128);
-    const __m256i bit = t < 4 ? _mm256_slli_epi16(h, 4 - t) : _mm256_srli_epi16(h, t - 4);
-    q = _mm256_or_si256(q, _mm256_and_si256(bit, _mm256_set1_epi8(0x10)));
-  }
-  if (BITS == 6) {  // bits 2u, 2u + 1 of vector t / 4 to bits 4, 5
-    const __m256i h = load(c + 128 + (t / 4) * 32);
-    const int shift = 2 * (t % 4);
-    const __m256i bits = shift < 4 ? _mm256_slli_epi16(h, 4 - shift) : _mm256_srli_epi16(h, shift - 4);
-    q = _mm256_or_si256(q, _mm256_and_si256(bits, _mm256_set1_epi8(0x30)));
-  }
-  return q;
+  return quad_codes<BITS>([c](int64_t at) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + at));
+  }, t);
 }
 
 inline __m256i broadcast_quad(const int8_t* p) {
@@ -279,6 +301,9 @@ inline void group_scales(const Weight& w, int64_t block, int64_t g, int h, __m25
   d = _mm256_mul_ps(load_half8(p), bytes_to_float(s + h * kLanes, MODE == kSixBit));
   m = MODE == kMins ? _mm256_mul_ps(load_half8(p + kLanes), bytes_to_float(s + kLanes, false))
                     : _mm256_mul_ps(d, _mm256_set1_ps(-32.0f));
+  // NOTE: -ffast-math would otherwise fold a one-row tile's d' s into d (sc s), another rounding
+  // than wider tiles': every batch size must give a row the same result to the bit.
+  asm("" : "+x"(d), "+x"(m));
 }
 
 // acc + one group's (or half group's, HALVES == 2) integer dot `dot` of activation row `row`
@@ -361,6 +386,112 @@ void tile(const Activations& a, int64_t row0, const Weight& w, int64_t block, fl
   }
   for (int r = 0; r < ROWS; ++r)
     for (int b = 0; b < BLOCKS; ++b) _mm256_storeu_ps(out + (r * BLOCKS + b) * kLanes, acc[r][b]);
+}
+
+// Past a few rows a span's codes are decoded once into bytes (and its scales into float32 d' and
+// m'), and every tile of rows reads those: the 4-row tiles above decode a group's codes again for
+// each 4 rows. Byte 4 * lane + j of vector (g, t) is input 4t + j of group g for output lane
+// `lane` of the span's 16 (two blocks of 8; where the span has one, its codes twice and zero
+// scales for the second).
+// The float operations per row are the tiles' own, in their order: the same result to the bit.
+struct DecodedSpan {  // vectors of 64 bytes, aligned: no load splits a cache line
+  std::vector<__m512i> codes;  // [groups, 8 quads]
+  std::vector<__m512> d, m;    // [groups, halves]: 16 lanes each
+};
+
+constexpr int kSpanLanes = 2 * kLanes;
+
+template <int BITS, int MODE>
+void decode_span(const Weight& w, int64_t block, int width, DecodedSpan& s) {
+  constexpr int HALVES = MODE == kSixBit ? 2 : 1;
+  const int64_t groups = w.groups, gb = group_bytes(BITS);
+  s.codes.resize(groups * 8);
+  s.d.resize(groups * HALVES);
+  s.m.resize(groups * HALVES);
+  for (int64_t g = 0; g < groups; ++g) {
+    // a span of one block: its second lanes repeat the first's codes, with zero scales
+    const uint8_t* c0 = w.codes + (block * groups + g) * gb;
+    const uint8_t* c1 = width == 2 ? c0 + groups * gb : c0;
+    auto load = [c0, c1](int64_t at) {
+      return _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c0 + at))),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c1 + at)), 1);
+    };
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; ++t)
+      s.codes[g * 8 + t] = quad_codes<BITS>(load, t);
+    for (int b = 0; b < 2; ++b)
+      for (int h = 0; h < HALVES; ++h) {
+        __m256 d = _mm256_setzero_ps(), m = _mm256_setzero_ps();
+        if (b < width) group_scales<MODE>(w, block + b, g, h, d, m);
+        float* lanes_d = reinterpret_cast<float*>(&s.d[g * HALVES + h]) + kLanes * b;
+        float* lanes_m = reinterpret_cast<float*>(&s.m[g * HALVES + h]) + kLanes * b;
+        _mm256_storeu_ps(lanes_d, d);
+        _mm256_storeu_ps(lanes_m, m);
+      }
+  }
+}
+
+// ROWS rows (one int8 term each) times a decoded span's 16 lanes into out[ROWS][16]; HALVES 2:
+// each half group has its own scale (Q6_K).
+template <int ROWS, int HALVES>
+void decoded_tile(const Activations& a, int64_t row0, const DecodedSpan& s, int64_t groups,
+                  float* out) {
+  const int64_t k = a.k;
+  __m512 acc[ROWS];
+  __m512i dot[ROWS];
+  for (int r = 0; r < ROWS; ++r) {
+    acc[r] = _mm512_setzero_ps();
+    dot[r] = _mm512_setzero_si512();
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; ++t) {
+      const __m512i codes = s.codes[g * 8 + t];
+      for (int r = 0; r < ROWS; ++r) {
+        int32_t quad;
+        std::memcpy(&quad, a.q.data() + (row0 + r) * k + g * kGroup + 4 * t, sizeof(quad));
+        dot[r] = _mm512_dpbusd_epi32(dot[r], codes, _mm512_set1_epi32(quad));
+      }
+      if (t != 7 && !(HALVES == 2 && t == 3)) continue;
+      const int h = HALVES == 2 ? t / 4 : 0;
+      const __m512 d = s.d[g * HALVES + h], m = s.m[g * HALVES + h];
+      for (int r = 0; r < ROWS; ++r) {  // add_group's operations, in its order
+        const int64_t at = (row0 + r) * groups + g;
+        const float* halves = a.sum.data() + 2 * at;
+        const float sum = HALVES == 2 ? halves[h] : halves[0] + halves[1];
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]),
+                                 _mm512_mul_ps(d, _mm512_set1_ps(a.scale[at])), acc[r]);
+        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sum), acc[r]);
+        dot[r] = _mm512_setzero_si512();
+      }
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) _mm512_storeu_ps(out + r * kSpanLanes, acc[r]);
+}
+
+using DecodeSpanFn = void (*)(const Weight&, int64_t, int, DecodedSpan&);
+using DecodedTileFn = void (*)(const Activations&, int64_t, const DecodedSpan&, int64_t,
+                               float*);
+
+DecodeSpanFn pick_decode_span(int64_t bits, int64_t mode) {
+  if (mode == kSixBit) return decode_span<6, kSixBit>;
+  if (mode == kMins) return bits == 4 ? decode_span<4, kMins> : decode_span<5, kMins>;
+  return bits == 4 ? decode_span<4, kFlat> : decode_span<5, kFlat>;
+}
+
+template <int HALVES>
+DecodedTileFn decoded_tile_for(int rows) {
+  switch (rows) {
+    case 1: return decoded_tile<1, HALVES>;
+    case 2: return decoded_tile<2, HALVES>;
+    case 3: return decoded_tile<3, HALVES>;
+    case 4: return decoded_tile<4, HALVES>;
+    case 5: return decoded_tile<5, HALVES>;
+    case 6: return decoded_tile<6, HALVES>;
+    case 7: return decoded_tile<7, HALVES>;
+    default: return decoded_tile<8, HALVES>;
+  }
 }
 #else
 // The codes of quad t widened to int16: lo holds lanes 0, 1 | 4, 5 and hi lanes 2, 3 | 6, 7
@@ -511,6 +642,14 @@ void dequantize_all_t(const Weight& w, T* out) {
   });
 }
 
+// Rows of a tile's float32 output (`stride` floats apart) into out's columns from `column`.
+template <typename T>
+void store_rows(const float* from, int64_t stride, int rows, int width, T* out, int64_t n) {
+  for (int i = 0; i < rows; ++i)
+    for (int j = 0; j < width * kLanes; j += kLanes)
+      store_float8(out + i * n + j, load_float8(from + i * stride + j));
+}
+
 // Every tile of out = activations x weight ([rows, n]), written in out's dtype.
 template <typename T>
 void run_tiles(const Activations& a, const Weight& w, int64_t terms, T* out) {
@@ -520,22 +659,45 @@ void run_tiles(const Activations& a, const Weight& w, int64_t terms, T* out) {
   // One row reads each block once whatever the tile: tiles of one block stream the weight best.
   const int64_t per_span = rows == 1 ? 1 : kTileBlocks;
   const int64_t spans = (blocks + per_span - 1) / per_span;
-  at::parallel_for(0, spans, 1, [&](int64_t begin, int64_t end) {
-    float tile_out[kMaxTileRows * kTileBlocks * kLanes];
-    for (int64_t span = begin; span < end; ++span) {
-      const int64_t b = span * per_span;
-      const int width = static_cast<int>(std::min<int64_t>(per_span, blocks - b));
-      for (int64_t r = 0; r < rows; r += kMaxTileRows) {
-        const int tile_rows = static_cast<int>(std::min<int64_t>(kMaxTileRows, rows - r));
-        pick_tile(w.bits, w.mode, tile_rows, width, terms)(a, r, w, b, tile_out);
-        for (int i = 0; i < tile_rows; ++i) {
-          T* row = out + (r + i) * n + b * kLanes;
-          const float* from = tile_out + i * width * kLanes;
-          for (int j = 0; j < width * kLanes; ++j) row[j] = static_cast<T>(from[j]);
+#ifdef MINISGL_BLOCK_VNNI
+  const bool decoded = terms == 1 && rows >= kDecodedMinRows && w.bits != 8;
+#else
+  const bool decoded = false;
+#endif
+  // NOTE: past a few hundred rows, rows in blocks whose activations stay in L2 while every
+  // span passes over them (each span decoded once per block).
+  const int64_t row_block = decoded ? std::max<int64_t>(
+      kSpanTileRows, kActivationBlockBytes / a.k / kSpanTileRows * kSpanTileRows) : rows;
+  for (int64_t first = 0; first < rows; first += row_block) {
+    const int64_t last = std::min(rows, first + row_block);
+    at::parallel_for(0, spans, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t span = begin; span < end; ++span) {
+        const int64_t b = span * per_span;
+        const int width = static_cast<int>(std::min<int64_t>(per_span, blocks - b));
+#ifdef MINISGL_BLOCK_VNNI
+        if (decoded) {
+          static thread_local DecodedSpan codes;
+          float tile_out[kSpanTileRows * kSpanLanes];
+          pick_decode_span(w.bits, w.mode)(w, b, width, codes);
+          for (int64_t r = first; r < last; r += kSpanTileRows) {
+            const int tile_rows = static_cast<int>(std::min<int64_t>(kSpanTileRows, last - r));
+            const DecodedTileFn tile = w.mode == kSixBit ? decoded_tile_for<2>(tile_rows)
+                                                         : decoded_tile_for<1>(tile_rows);
+            tile(a, r, codes, w.groups, tile_out);
+            store_rows(tile_out, kSpanLanes, tile_rows, width, out + r * n + b * kLanes, n);
+          }
+          continue;
+        }
+#endif
+        float tile_out[kMaxTileRows * kTileBlocks * kLanes];
+        for (int64_t r = first; r < last; r += kMaxTileRows) {
+          const int tile_rows = static_cast<int>(std::min<int64_t>(kMaxTileRows, last - r));
+          pick_tile(w.bits, w.mode, tile_rows, width, terms)(a, r, w, b, tile_out);
+          store_rows(tile_out, width * kLanes, tile_rows, width, out + r * n + b * kLanes, n);
         }
       }
-    }
-  });
+    });
+  }
 }
 
 #endif  // MINISGL_AVX2
