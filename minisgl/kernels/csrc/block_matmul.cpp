@@ -122,6 +122,7 @@ struct Activations {
   std::vector<int16_t> q16;     // [rows, k]: the one int16 term (plain AVX2)
   std::vector<float> scale;     // [rows, groups]: s / 254 (two terms: the dot is 254 q + r), or s
   std::vector<float> sum;       // [rows, 2 * groups]: exact sums of each half group
+  std::vector<float> group_sum;  // [rows, groups]: the two halves' sums added
   int64_t rows, k;
 };
 
@@ -174,6 +175,7 @@ void quantize_rows(const T* x, int64_t rows, int64_t k, Activations& a, GroupFn 
   a.rows = rows;
   a.scale.resize(rows * groups);
   a.sum.resize(rows * groups * 2);
+  a.group_sum.resize(rows * groups);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     const __m256 sign_bit = _mm256_set1_ps(-0.0f);
     for (int64_t row = begin; row < end; ++row)
@@ -187,6 +189,8 @@ void quantize_rows(const T* x, int64_t rows, int64_t k, Activations& a, GroupFn 
         a.scale[row * groups + g] = group(v, horizontal_max(amax), at);
         a.sum[(row * groups + g) * 2] = horizontal_sum(_mm256_add_ps(v[0], v[1]));
         a.sum[(row * groups + g) * 2 + 1] = horizontal_sum(_mm256_add_ps(v[2], v[3]));
+        a.group_sum[row * groups + g] = a.sum[(row * groups + g) * 2] +
+                                        a.sum[(row * groups + g) * 2 + 1];
       }
   });
 }
@@ -312,8 +316,7 @@ template <int HALVES>
 inline __m256 add_group(__m256 acc, __m256i dot, __m256 d, __m256 m, const Activations& a,
                         int64_t row, int64_t groups, int64_t g, int h) {
   const int64_t at = row * groups + g;
-  const float* halves = a.sum.data() + 2 * at;
-  const float sum = HALVES == 2 ? halves[h] : halves[0] + halves[1];
+  const float sum = HALVES == 2 ? a.sum[2 * at + h] : a.group_sum[at];
   acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(a.scale[at])),
                         acc);
   return _mm256_fmadd_ps(m, _mm256_set1_ps(sum), acc);
@@ -458,8 +461,7 @@ void decoded_tile(const Activations& a, int64_t row0, const DecodedSpan& s, int6
       const __m512 d = s.d[g * HALVES + h], m = s.m[g * HALVES + h];
       for (int r = 0; r < ROWS; ++r) {  // add_group's operations, in its order
         const int64_t at = (row0 + r) * groups + g;
-        const float* halves = a.sum.data() + 2 * at;
-        const float sum = HALVES == 2 ? halves[h] : halves[0] + halves[1];
+        const float sum = HALVES == 2 ? a.sum[2 * at + h] : a.group_sum[at];
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]),
                                  _mm512_mul_ps(d, _mm512_set1_ps(a.scale[at])), acc[r]);
         acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sum), acc[r]);
