@@ -122,7 +122,6 @@ struct Activations {
   std::vector<int16_t> q16;     // [rows, k]: the one int16 term (plain AVX2)
   std::vector<float> scale;     // [rows, groups]: s / 254 (two terms: the dot is 254 q + r), or s
   std::vector<float> sum;       // [rows, 2 * groups]: exact sums of each half group
-  std::vector<float> group_sum;  // [rows, groups]: the two halves' sums added
   int64_t rows, k;
 };
 
@@ -175,7 +174,6 @@ void quantize_rows(const T* x, int64_t rows, int64_t k, Activations& a, GroupFn 
   a.rows = rows;
   a.scale.resize(rows * groups);
   a.sum.resize(rows * groups * 2);
-  a.group_sum.resize(rows * groups);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     const __m256 sign_bit = _mm256_set1_ps(-0.0f);
     for (int64_t row = begin; row < end; ++row)
@@ -189,8 +187,6 @@ void quantize_rows(const T* x, int64_t rows, int64_t k, Activations& a, GroupFn 
         a.scale[row * groups + g] = group(v, horizontal_max(amax), at);
         a.sum[(row * groups + g) * 2] = horizontal_sum(_mm256_add_ps(v[0], v[1]));
         a.sum[(row * groups + g) * 2 + 1] = horizontal_sum(_mm256_add_ps(v[2], v[3]));
-        a.group_sum[row * groups + g] = a.sum[(row * groups + g) * 2] +
-                                        a.sum[(row * groups + g) * 2 + 1];
       }
   });
 }
@@ -316,7 +312,8 @@ template <int HALVES>
 inline __m256 add_group(__m256 acc, __m256i dot, __m256 d, __m256 m, const Activations& a,
                         int64_t row, int64_t groups, int64_t g, int h) {
   const int64_t at = row * groups + g;
-  const float sum = HALVES == 2 ? a.sum[2 * at + h] : a.group_sum[at];
+  const float* halves = a.sum.data() + 2 * at;
+  const float sum = HALVES == 2 ? halves[h] : halves[0] + halves[1];
   acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(a.scale[at])),
                         acc);
   return _mm256_fmadd_ps(m, _mm256_set1_ps(sum), acc);
@@ -412,7 +409,6 @@ void decode_span(const Weight& w, int64_t block, int width, DecodedSpan& s) {
   s.d.resize(groups * HALVES);
   s.m.resize(groups * HALVES);
   for (int64_t g = 0; g < groups; ++g) {
-    // a span of one block: its second lanes repeat the first's codes, with zero scales
     const uint8_t* c0 = w.codes + (block * groups + g) * gb;
     const uint8_t* c1 = width == 2 ? c0 + groups * gb : c0;
     auto load = [c0, c1](int64_t at) {
@@ -461,7 +457,8 @@ void decoded_tile(const Activations& a, int64_t row0, const DecodedSpan& s, int6
       const __m512 d = s.d[g * HALVES + h], m = s.m[g * HALVES + h];
       for (int r = 0; r < ROWS; ++r) {  // add_group's operations, in its order
         const int64_t at = (row0 + r) * groups + g;
-        const float sum = HALVES == 2 ? a.sum[2 * at + h] : a.group_sum[at];
+        const float* halves = a.sum.data() + 2 * at;
+        const float sum = HALVES == 2 ? halves[h] : halves[0] + halves[1];
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]),
                                  _mm512_mul_ps(d, _mm512_set1_ps(a.scale[at])), acc[r]);
         acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sum), acc[r]);
@@ -644,13 +641,43 @@ void dequantize_all_t(const Weight& w, T* out) {
   });
 }
 
-// Rows of a tile's float32 output (`stride` floats apart) into out's columns from `column`.
+// `rows` rows of a tile's float32 output (`stride` floats apart) into out (`n` apart), its
+// first `width` blocks of lanes, in out's dtype.
 template <typename T>
 void store_rows(const float* from, int64_t stride, int rows, int width, T* out, int64_t n) {
   for (int i = 0; i < rows; ++i)
     for (int j = 0; j < width * kLanes; j += kLanes)
       store_float8(out + i * n + j, load_float8(from + i * stride + j));
 }
+
+// Rows first .. last - 1 of the span of `width` blocks from block b, in 4-row tiles.
+template <typename T>
+void tiled_span_rows(const Activations& a, const Weight& w, int64_t terms, int64_t b, int width,
+                     int64_t first, int64_t last, T* out, int64_t n) {
+  float tile_out[kMaxTileRows * kTileBlocks * kLanes];
+  for (int64_t r = first; r < last; r += kMaxTileRows) {
+    const int tile_rows = static_cast<int>(std::min<int64_t>(kMaxTileRows, last - r));
+    pick_tile(w.bits, w.mode, tile_rows, width, terms)(a, r, w, b, tile_out);
+    store_rows(tile_out, width * kLanes, tile_rows, width, out + r * n + b * kLanes, n);
+  }
+}
+
+#ifdef MINISGL_BLOCK_VNNI
+// The same rows with one term, the span decoded once into `codes`.
+template <typename T>
+void decoded_span_rows(const Activations& a, const Weight& w, DecodedSpan& codes, int64_t b,
+                       int width, int64_t first, int64_t last, T* out, int64_t n) {
+  pick_decode_span(w.bits, w.mode)(w, b, width, codes);
+  float tile_out[kSpanTileRows * kSpanLanes];
+  for (int64_t r = first; r < last; r += kSpanTileRows) {
+    const int tile_rows = static_cast<int>(std::min<int64_t>(kSpanTileRows, last - r));
+    const DecodedTileFn tile = w.mode == kSixBit ? decoded_tile_for<2>(tile_rows)
+                                                 : decoded_tile_for<1>(tile_rows);
+    tile(a, r, codes, w.groups, tile_out);
+    store_rows(tile_out, kSpanLanes, tile_rows, width, out + r * n + b * kLanes, n);
+  }
+}
+#endif
 
 // Every tile of out = activations x weight ([rows, n]), written in out's dtype.
 template <typename T>
@@ -677,26 +704,13 @@ void run_tiles(const Activations& a, const Weight& w, int64_t terms, T* out) {
         const int64_t b = span * per_span;
         const int width = static_cast<int>(std::min<int64_t>(per_span, blocks - b));
 #ifdef MINISGL_BLOCK_VNNI
+        static thread_local DecodedSpan codes;
         if (decoded) {
-          static thread_local DecodedSpan codes;
-          float tile_out[kSpanTileRows * kSpanLanes];
-          pick_decode_span(w.bits, w.mode)(w, b, width, codes);
-          for (int64_t r = first; r < last; r += kSpanTileRows) {
-            const int tile_rows = static_cast<int>(std::min<int64_t>(kSpanTileRows, last - r));
-            const DecodedTileFn tile = w.mode == kSixBit ? decoded_tile_for<2>(tile_rows)
-                                                         : decoded_tile_for<1>(tile_rows);
-            tile(a, r, codes, w.groups, tile_out);
-            store_rows(tile_out, kSpanLanes, tile_rows, width, out + r * n + b * kLanes, n);
-          }
+          decoded_span_rows(a, w, codes, b, width, first, last, out, n);
           continue;
         }
 #endif
-        float tile_out[kMaxTileRows * kTileBlocks * kLanes];
-        for (int64_t r = first; r < last; r += kMaxTileRows) {
-          const int tile_rows = static_cast<int>(std::min<int64_t>(kMaxTileRows, last - r));
-          pick_tile(w.bits, w.mode, tile_rows, width, terms)(a, r, w, b, tile_out);
-          store_rows(tile_out, width * kLanes, tile_rows, width, out + r * n + b * kLanes, n);
-        }
+        tiled_span_rows(a, w, terms, b, width, first, last, out, n);
       }
     });
   }
