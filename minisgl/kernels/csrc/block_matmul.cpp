@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -117,11 +118,33 @@ Weight weight_of(const at::Tensor& codes, const at::Tensor& scales,
 
 // ---- activations ----------------------------------------------------------------------------
 
+// A buffer that only grows and is never cleared: each call writes every value it reads.
+// NOTE: std::vector's resize would zero rows * k bytes per call, on the engine thread while
+// the other threads wait.
+template <typename T>
+class Scratch {
+ public:
+  void resize(int64_t n) {
+    if (n > capacity_) {
+      data_.reset(new T[n]);
+      capacity_ = n;
+    }
+  }
+  T* data() { return data_.get(); }
+  const T* data() const { return data_.get(); }
+  T& operator[](int64_t i) { return data_[i]; }
+  const T& operator[](int64_t i) const { return data_[i]; }
+
+ private:
+  std::unique_ptr<T[]> data_;
+  int64_t capacity_ = 0;
+};
+
 struct Activations {
-  std::vector<int8_t> q, r;     // [rows, k]: the int8 terms (VNNI; r empty with one)
-  std::vector<int16_t> q16;     // [rows, k]: the one int16 term (plain AVX2)
-  std::vector<float> scale;     // [rows, groups]: s / 254 (two terms: the dot is 254 q + r), or s
-  std::vector<float> sum;       // [rows, 2 * groups]: exact sums of each half group
+  Scratch<int8_t> q, r;      // [rows, k]: the int8 terms (VNNI; r unused with one)
+  Scratch<int16_t> q16;      // [rows, k]: the one int16 term (plain AVX2)
+  Scratch<float> scale;      // [rows, groups]: s / 254 (two terms: the dot is 254 q + r), or s
+  Scratch<float> sum;        // [rows, 2 * groups]: exact sums of each half group
   int64_t rows, k;
 };
 
@@ -195,7 +218,7 @@ void quantize_rows(const T* x, int64_t rows, int64_t k, Activations& a, GroupFn 
 template <typename T>
 void quantize_activations(const T* x, int64_t rows, int64_t k, int64_t terms, Activations& a) {
   a.q.resize(rows * k);
-  a.r.resize(terms == 2 ? rows * k : 0);
+  if (terms == 2) a.r.resize(rows * k);
   quantize_rows(x, rows, k, a, [&](const __m256 (&v)[4], float amax, int64_t at) {
     const float s = amax / 127.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
     __m256i coarse[4], fine[4];
@@ -750,7 +773,7 @@ at::Tensor block_matmul(at::Tensor x, at::Tensor codes, at::Tensor scales,
   const int64_t k = x.size(-1), rows = x.numel() / k, blocks = codes.size(0);
   TORCH_CHECK(k == w.groups * kGroup, "activations do not match the weight's input features");
   const int64_t n = blocks * kLanes;
-  Activations a;
+  static thread_local Activations a;  // reused: see Scratch
   if (x.scalar_type() == at::kFloat) quantize_activations(x.data_ptr<float>(), rows, k, terms, a);
   else quantize_activations(x.data_ptr<at::BFloat16>(), rows, k, terms, a);
   auto result = at::empty({rows, n}, x.options());
