@@ -46,11 +46,10 @@ def output_lens(args: argparse.Namespace, count: int) -> list[int]:
 
 def run_minisgl(prompts: list[list[int]], lens: list[int], concurrency: int, overlap: bool,
                 args: argparse.Namespace) -> dict:
-    with LLM(dtype=args.dtype, max_running_requests=concurrency, tp_size=args.tp_size,
+    with LLM(args.model, dtype=args.dtype, max_running_requests=concurrency, tp_size=args.tp_size,
              disable_overlap_schedule=not overlap, max_total_tokens=args.max_total_tokens,
              quantization=args.quantization, page_size=args.page_size,
-             cpu_int8_activations=args.cpu_int8_activations,
-             **({"model": args.model} if args.model else {})) as llm:
+             cpu_int8_activations=args.cpu_int8_activations) as llm:
         engine = llm.runtime.engine
         params = [{"max_new_tokens": n, "ignore_eos": True, "temperature": args.temperature,
                    "top_p": 1.0, "top_k": -1} for n in lens]

@@ -28,7 +28,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <memory>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -118,33 +117,19 @@ Weight weight_of(const at::Tensor& codes, const at::Tensor& scales,
 
 // ---- activations ----------------------------------------------------------------------------
 
-// A buffer that only grows and is never cleared: each call writes every value it reads.
-// NOTE: std::vector's resize would zero rows * k bytes per call, on the engine thread while
-// the other threads wait.
+// v sized for at least n values: buffers reused across calls only grow, so a call does not
+// zero rows * k bytes (std::vector's resize would) on the engine thread while the others wait.
+// Each call writes every value it reads.
 template <typename T>
-class Scratch {
- public:
-  void resize(int64_t n) {
-    if (n > capacity_) {
-      data_.reset(new T[n]);
-      capacity_ = n;
-    }
-  }
-  T* data() { return data_.get(); }
-  const T* data() const { return data_.get(); }
-  T& operator[](int64_t i) { return data_[i]; }
-  const T& operator[](int64_t i) const { return data_[i]; }
-
- private:
-  std::unique_ptr<T[]> data_;
-  int64_t capacity_ = 0;
-};
+void grow(std::vector<T>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+}
 
 struct Activations {
-  Scratch<int8_t> q, r;      // [rows, k]: the int8 terms (VNNI; r unused with one)
-  Scratch<int16_t> q16;      // [rows, k]: the one int16 term (plain AVX2)
-  Scratch<float> scale;      // [rows, groups]: s / 254 (two terms: the dot is 254 q + r), or s
-  Scratch<float> sum;        // [rows, 2 * groups]: exact sums of each half group
+  std::vector<int8_t> q, r;     // [rows, k]: the int8 terms (VNNI; r unused with one)
+  std::vector<int16_t> q16;     // [rows, k]: the one int16 term (plain AVX2)
+  std::vector<float> scale;     // [rows, groups]: s / 254 (two terms: the dot is 254 q + r), or s
+  std::vector<float> sum;       // [rows, 2 * groups]: exact sums of each half group
   int64_t rows, k;
 };
 
@@ -195,8 +180,8 @@ void quantize_rows(const T* x, int64_t rows, int64_t k, Activations& a, GroupFn 
   const int64_t groups = k / kGroup;
   a.k = k;
   a.rows = rows;
-  a.scale.resize(rows * groups);
-  a.sum.resize(rows * groups * 2);
+  grow(a.scale, rows * groups);
+  grow(a.sum, rows * groups * 2);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     const __m256 sign_bit = _mm256_set1_ps(-0.0f);
     for (int64_t row = begin; row < end; ++row)
@@ -217,8 +202,8 @@ void quantize_rows(const T* x, int64_t rows, int64_t k, Activations& a, GroupFn 
 #ifdef MINISGL_BLOCK_VNNI
 template <typename T>
 void quantize_activations(const T* x, int64_t rows, int64_t k, int64_t terms, Activations& a) {
-  a.q.resize(rows * k);
-  if (terms == 2) a.r.resize(rows * k);
+  grow(a.q, rows * k);
+  if (terms == 2) grow(a.r, rows * k);
   quantize_rows(x, rows, k, a, [&](const __m256 (&v)[4], float amax, int64_t at) {
     const float s = amax / 127.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
     __m256i coarse[4], fine[4];
@@ -238,7 +223,7 @@ void quantize_activations(const T* x, int64_t rows, int64_t k, int64_t terms, Ac
 #else
 template <typename T>
 void quantize_activations(const T* x, int64_t rows, int64_t k, int64_t, Activations& a) {
-  a.q16.resize(rows * k);
+  grow(a.q16, rows * k);
   quantize_rows(x, rows, k, a, [&](const __m256 (&v)[4], float amax, int64_t at) {
     const float s = amax / 32767.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
     __m256i q[4];  // cvtps rounds to nearest even
@@ -428,9 +413,9 @@ template <int BITS, int MODE>
 void decode_span(const Weight& w, int64_t block, int width, DecodedSpan& s) {
   constexpr int HALVES = MODE == kSixBit ? 2 : 1;
   const int64_t groups = w.groups, gb = group_bytes(BITS);
-  s.codes.resize(groups * 8);
-  s.d.resize(groups * HALVES);
-  s.m.resize(groups * HALVES);
+  grow(s.codes, groups * 8);
+  grow(s.d, groups * HALVES);
+  grow(s.m, groups * HALVES);
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* c0 = w.codes + (block * groups + g) * gb;
     const uint8_t* c1 = width == 2 ? c0 + groups * gb : c0;
@@ -723,11 +708,13 @@ void run_tiles(const Activations& a, const Weight& w, int64_t terms, T* out) {
   for (int64_t first = 0; first < rows; first += row_block) {
     const int64_t last = std::min(rows, first + row_block);
     at::parallel_for(0, spans, 1, [&](int64_t begin, int64_t end) {
+#ifdef MINISGL_BLOCK_VNNI
+      static thread_local DecodedSpan codes;
+#endif
       for (int64_t span = begin; span < end; ++span) {
         const int64_t b = span * per_span;
         const int width = static_cast<int>(std::min<int64_t>(per_span, blocks - b));
 #ifdef MINISGL_BLOCK_VNNI
-        static thread_local DecodedSpan codes;
         if (decoded) {
           decoded_span_rows(a, w, codes, b, width, first, last, out, n);
           continue;
@@ -773,7 +760,7 @@ at::Tensor block_matmul(at::Tensor x, at::Tensor codes, at::Tensor scales,
   const int64_t k = x.size(-1), rows = x.numel() / k, blocks = codes.size(0);
   TORCH_CHECK(k == w.groups * kGroup, "activations do not match the weight's input features");
   const int64_t n = blocks * kLanes;
-  static thread_local Activations a;  // reused: see Scratch
+  static thread_local Activations a;  // reused: see grow
   if (x.scalar_type() == at::kFloat) quantize_activations(x.data_ptr<float>(), rows, k, terms, a);
   else quantize_activations(x.data_ptr<at::BFloat16>(), rows, k, terms, a);
   auto result = at::empty({rows, n}, x.options());

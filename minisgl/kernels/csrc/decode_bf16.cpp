@@ -73,9 +73,9 @@ struct Task {
 // flight across the K -> V and task boundaries, where a request's pages (2 KiB runs per head
 // at 16 tokens) start cold: the KV of a decode batch comes from DRAM. A prefill's comes from
 // cache, where one tile without the continuation is the faster distance.
-// NOTE: into L2, not L1: the L1's few miss buffers cap how many lines are in flight, and a
-// decode batch's KV read at 17 GB/s that way against 25-29 GB/s into L2 (of ~41 a plain
-// two-thread read gets); the tile's rows move from L2 to L1 on their own.
+// NOTE: into L2, not L1: the L1's few miss buffers cap how many lines are in flight, far
+// below what DRAM can deliver; the tile's rows move from L2 to L1 on their own (BENCHMARKS.md,
+// "Decode attention's KV prefetched into L2").
 constexpr int64_t kDecodeAhead = 4 * kTile, kPrefillAhead = kTile;
 
 // NOTE: inlined by force: a call in the value pass would spill its register accumulators
