@@ -17,7 +17,7 @@ import torch
 from minisgl import LLM
 from minisgl.engine import Engine, EngineConfig
 from minisgl.engine.quantization import check_int8_activations
-from minisgl.layers.gguf_weight import GgufWeight, block_kernels
+from minisgl.layers.gguf_weight import OFFSET_FOLDED, GgufWeight, block_kernels
 from minisgl.layers.quant import (VnniWeight, WeightBlocks, activation_terms, block_weight,
                                   int8_weight)
 from minisgl.models.gguf_decode import BLOCK_BYTES, decode
@@ -49,8 +49,9 @@ def rounded(x: torch.Tensor) -> torch.Tensor:
 
 def one_term_product(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor
                      ) -> torch.Tensor:
-    """What a kernel computes for w = d * code + m (`offsets`: m per weight): d * code times the
-    rounded activations, m times the exact ones, in float64."""
+    """What a kernel computes for w = d * code + m (`offsets`: m per weight, zero where the
+    kernel folds m into the integer dot product): d * code times the rounded activations, m times
+    the exact ones, in float64."""
     exact = x.double()
     return rounded(x) @ (weight - offsets).t() + exact @ offsets.t()
 
@@ -100,8 +101,9 @@ def test_block_kernel_multiplies_activations_rounded_to_one_int8(kind: str):
         weight = GgufWeight(blocks)
         zero = GgufWeight(dataclasses.replace(blocks, codes=torch.zeros_like(blocks.codes)))
     assert weight.terms == 1
+    offsets = zero.rows().double() * (kind not in OFFSET_FOLDED)
     for dtype in (torch.float32, torch.bfloat16):
-        check_kernel(weight.matmul, weight.rows().double(), zero.rows().double(), dtype)
+        check_kernel(weight.matmul, weight.rows().double(), offsets, dtype)
 
 
 @pytest.fixture(scope="module")

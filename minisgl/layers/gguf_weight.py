@@ -22,12 +22,16 @@ from minisgl.layers.quant import terms_now
 GROUP = 32
 SUPER = 256
 LANES = 8  # output features per block of the kernel's layout
-FLAT, MINS, SIX_BIT = 0, 1, 2  # the kernel's scale modes
+FLAT, MINS, SIX_BIT, SYMMETRIC = 0, 1, 2, 3  # the kernel's scale modes
 # kind -> (code bits, scale mode)
 # ("W4": an int4 checkpoint's groups of 32 to 128 inputs, a zero point each: models.hf_quant)
-KINDS = {"Q4_0": (4, FLAT), "Q4_1": (4, FLAT), "Q5_0": (5, FLAT), "Q5_1": (5, FLAT),
-         "Q8_0": (8, FLAT), "Q4_K": (4, MINS), "Q5_K": (5, MINS), "Q6_K": (6, SIX_BIT),
+KINDS = {"Q4_0": (4, SYMMETRIC), "Q4_1": (4, FLAT), "Q5_0": (5, SYMMETRIC), "Q5_1": (5, FLAT),
+         "Q8_0": (8, SYMMETRIC), "Q4_K": (4, MINS), "Q5_K": (5, MINS), "Q6_K": (6, SIX_BIT),
          "W4": (4, MINS)}
+# With one activation term these kinds' m' (a fixed multiple of d') is folded into the integer
+# dot product: the whole weight times the rounded activations, as llama.cpp computes them;
+# the others multiply d' * code by the rounded activations and m' by the exact ones.
+OFFSET_FOLDED = frozenset(kind for kind, (_, mode) in KINDS.items() if mode in (SYMMETRIC, SIX_BIT))
 # NOTE: past this many rows the dequantized weight and a GEMM beat the integer dot products
 # (the crossovers: BENCHMARKS.md, "k-quants on VNNI" against a bfloat16 GEMM and "The AVX2
 # block kernel's int16 products" against a float32 one)

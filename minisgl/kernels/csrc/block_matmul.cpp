@@ -12,7 +12,8 @@
 //   6-bit codes add 2 vectors: vector 4 + h, bits 2u, 2u + 1 = bits 4, 5 of quad 4h + u's code;
 //   8-bit codes (Q8_0): 8 vectors of signed codes, vector t = quad t.
 // Scales (`mode`):
-//   kFlat (Q4_0 .. Q8_0): per (block, group) 8 float16 scales d and 8 float16 offsets m;
+//   kFlat (Q4_1, Q5_1): per (block, group) 8 float16 scales d and 8 float16 offsets m;
+//   kSymmetric (Q4_0, Q5_0, Q8_0): kFlat's, with m = -o d for the type's fixed o (8, 16, 0);
 //   kMins (Q4_K, Q5_K; int4 checkpoints' groups of 32-128 as sc = 1, mn = zero point): per
 //     (block, super-block of 256 or the checkpoint's group) 8 float16 d and 8 float16 -dmin,
 //     per (block, group) 8 uint8 sub-scales sc and 8 uint8 mins mn: d' = d sc, m' = -dmin mn;
@@ -22,7 +23,9 @@
 // Activations keep ~15 bits. With VNNI, as in quant_matmul.cpp, each is two int8 terms,
 // x ~ s q + (s / 254) r, or one (`terms` 1: llama.cpp's numerics, x ~ s q); on plain AVX2 each
 // is one int16 term, x ~ s q (s = max |x| / 32767), and the codes are widened to int16 for
-// vpmaddwd.
+// vpmaddwd. With one term, where m' = -o d' (kSymmetric, and kSixBit's o = 32) the offset
+// folds into the integer dot product, d' s sum_i (code_i - o) q_i: the whole weight times the
+// rounded activations, as llama.cpp computes these types, and one float sum fewer per group.
 #include "aten.h"
 
 #include <algorithm>
@@ -48,7 +51,14 @@ constexpr int kMaxTileRows = 4;
 constexpr int kSpanTileRows = 8;
 constexpr int64_t kDecodedMinRows = 16;
 constexpr int64_t kActivationBlockBytes = 256 << 10;  // a block of rows' int8 activations
-enum Mode : int64_t { kFlat = 0, kMins = 1, kSixBit = 2 };
+enum Mode : int64_t { kFlat = 0, kMins = 1, kSixBit = 2, kSymmetric = 3 };
+
+constexpr bool flat_scales(int64_t mode) { return mode == kFlat || mode == kSymmetric; }
+
+// The o of m' = -o d' that one term folds into the dot product; -1 where m' is the weight's own.
+constexpr int code_offset(int64_t bits, int64_t mode) {
+  return mode == kSixBit ? 32 : mode != kSymmetric ? -1 : bits == 8 ? 0 : 1 << (bits - 1);
+}
 
 int64_t group_bytes(int64_t bits) {
   return bits == 8 ? 256 : 128 + (bits - 4) * 32;
@@ -80,7 +90,7 @@ int code_at(const Weight& w, int64_t block, int64_t g, int lane, int i) {
 
 // d' and m' of (block, group g, lane) for input i of the group
 void scale_at(const Weight& w, int64_t block, int64_t g, int lane, int i, float& d, float& m) {
-  if (w.mode == kFlat) {
+  if (flat_scales(w.mode)) {
     const at::Half* p = w.scales + (block * w.groups + g) * 2 * kLanes;
     d = p[lane];
     m = p[kLanes + lane];
@@ -106,10 +116,11 @@ Weight weight_of(const at::Tensor& codes, const at::Tensor& scales,
   TORCH_CHECK(codes.size(2) == group_bytes(bits), "codes do not match the bit width");
   const int64_t groups = codes.size(1), supers = scales.size(1);
   TORCH_CHECK(scales.size(0) == codes.size(0) && supers > 0 && groups % supers == 0);
-  TORCH_CHECK(mode == kFlat ? supers == groups
+  TORCH_CHECK(mode >= kFlat && mode <= kSymmetric, "unknown scale mode");
+  TORCH_CHECK(flat_scales(mode) ? supers == groups
                             : subs.is_contiguous() && subs.scalar_type() == at::kByte);
   return {codes.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(),
-          mode == kFlat ? nullptr : subs.data_ptr<uint8_t>(), groups, bits, mode,
+          flat_scales(mode) ? nullptr : subs.data_ptr<uint8_t>(), groups, bits, mode,
           groups / supers, codes.size(0)};
 }
 
@@ -130,6 +141,10 @@ struct Activations {
   std::vector<int16_t> q16;     // [rows, k]: the one int16 term (plain AVX2)
   std::vector<float> scale;     // [rows, groups]: s / 254 (two terms: the dot is 254 q + r), or s
   std::vector<float> sum;       // [rows, 2 * groups]: exact sums of each half group
+  // one term: the integer sums of q's half groups, and q + 128 where a decoded span of a folding
+  // weight reads it (the unsigned operand of vpdpbusd, the codes made signed)
+  std::vector<int32_t> q_sum;   // [rows, 2 * groups]
+  std::vector<uint8_t> u;       // [rows, k]
   int64_t rows, k;
 };
 
@@ -152,13 +167,20 @@ inline void store_float8(at::BFloat16* p, __m256 v) {  // rounded to nearest eve
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
 }
 
-// 32 int32 values (4 vectors) saturated to 32 int8 bytes in order.
-inline void store_int8x32(const __m256i (&v)[4], int8_t* out) {
+// 32 int32 values (4 vectors) saturated to 32 int8 bytes in order; returns the bytes.
+inline __m256i store_int8x32(const __m256i (&v)[4], int8_t* out) {
   const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]),
                                             _mm256_packs_epi32(v[2], v[3]));
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
-                      _mm256_permutevar8x32_epi32(packed, order));
+  const __m256i bytes = _mm256_permutevar8x32_epi32(packed, order);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), bytes);
+  return bytes;
+}
+
+inline int32_t horizontal_sum(__m256i v) {
+  const __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  const __m128i t = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+  return _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 1)));
 }
 
 inline float horizontal_sum(__m256 v) {
@@ -200,10 +222,14 @@ void quantize_rows(const T* x, int64_t rows, int64_t k, Activations& a, GroupFn 
 }
 
 #ifdef MINISGL_BLOCK_VNNI
+// `unsigned_copy`: one term, also a.u.
 template <typename T>
-void quantize_activations(const T* x, int64_t rows, int64_t k, int64_t terms, Activations& a) {
+void quantize_activations(const T* x, int64_t rows, int64_t k, int64_t terms,
+                          bool unsigned_copy, Activations& a) {
   grow(a.q, rows * k);
   if (terms == 2) grow(a.r, rows * k);
+  if (terms == 1) grow(a.q_sum, rows * k / kGroup * 2);
+  if (unsigned_copy) grow(a.u, rows * k);
   quantize_rows(x, rows, k, a, [&](const __m256 (&v)[4], float amax, int64_t at) {
     const float s = amax / 127.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
     __m256i coarse[4], fine[4];
@@ -214,15 +240,22 @@ void quantize_activations(const T* x, int64_t rows, int64_t k, int64_t terms, Ac
       const __m256 rest = _mm256_fnmadd_ps(c, _mm256_set1_ps(s), v[i]);
       fine[i] = _mm256_cvtps_epi32(_mm256_mul_ps(rest, _mm256_set1_ps(inv * 254.0f)));
     }
-    store_int8x32(coarse, a.q.data() + at);
-    if (terms == 1) return s;
+    const __m256i bytes = store_int8x32(coarse, a.q.data() + at);
+    if (terms == 1) {
+      a.q_sum[at / kGroup * 2] = horizontal_sum(_mm256_add_epi32(coarse[0], coarse[1]));
+      a.q_sum[at / kGroup * 2 + 1] = horizontal_sum(_mm256_add_epi32(coarse[2], coarse[3]));
+      if (unsigned_copy)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.u.data() + at),
+                            _mm256_xor_si256(bytes, _mm256_set1_epi8(-128)));
+      return s;
+    }
     store_int8x32(fine, a.r.data() + at);
     return s / 254.0f;
   });
 }
 #else
 template <typename T>
-void quantize_activations(const T* x, int64_t rows, int64_t k, int64_t, Activations& a) {
+void quantize_activations(const T* x, int64_t rows, int64_t k, int64_t, bool, Activations& a) {
   grow(a.q16, rows * k);
   quantize_rows(x, rows, k, a, [&](const __m256 (&v)[4], float amax, int64_t at) {
     const float s = amax / 32767.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
@@ -297,7 +330,7 @@ inline __m256 bytes_to_float(const uint8_t* p, bool is_signed) {
 // d' and m' of the 8 lanes of (block, group g), half h of the group for kSixBit.
 template <int MODE>
 inline void group_scales(const Weight& w, int64_t block, int64_t g, int h, __m256& d, __m256& m) {
-  if (MODE == kFlat) {
+  if (flat_scales(MODE)) {
     const at::Half* p = w.scales + (block * w.groups + g) * 2 * kLanes;
     d = load_half8(p);
     m = load_half8(p + kLanes);
@@ -325,6 +358,21 @@ inline __m256 add_group(__m256 acc, __m256i dot, __m256 d, __m256 m, const Activ
   acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(a.scale[at])),
                         acc);
   return _mm256_fmadd_ps(m, _mm256_set1_ps(sum), acc);
+}
+
+// One term, m' = -OFFSET d' folded: acc + d' s times the integer dot of the codes less OFFSET
+// with the row's q, sum_i code_i q_i - OFFSET sum_i q_i.
+template <int HALVES, int OFFSET>
+inline __m256 add_folded_group(__m256 acc, __m256i dot, __m256 d, const Activations& a,
+                               int64_t row, int64_t groups, int64_t g, int h) {
+  const int64_t at = row * groups + g;
+  if (OFFSET != 0) {
+    const int32_t* halves = a.q_sum.data() + 2 * at;
+    const int32_t sum = HALVES == 2 ? halves[h] : halves[0] + halves[1];
+    dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(OFFSET * sum));
+  }
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(a.scale[at])),
+                         acc);
 }
 
 // ROWS activation rows times one block of 8 output features, over all groups, into out_f32.
@@ -387,7 +435,11 @@ void tile(const Activations& a, int64_t row0, const Weight& w, int64_t block, fl
           for (int i = 0; i < CHAINS; ++i) coarse[r][b][i] = fine[r][b][i] = _mm256_setzero_si256();
           const __m256i dot = TERMS == 1 ? cs
               : _mm256_add_epi32(_mm256_mullo_epi32(cs, _mm256_set1_epi32(254)), fs);
-          acc[r][b] = add_group<HALVES>(acc[r][b], dot, d, m, a, row0 + r, groups, g, h);
+          if constexpr (TERMS == 1 && code_offset(BITS, MODE) >= 0)
+            acc[r][b] = add_folded_group<HALVES, code_offset(BITS, MODE)>(acc[r][b], dot, d, a,
+                                                                         row0 + r, groups, g, h);
+          else
+            acc[r][b] = add_group<HALVES>(acc[r][b], dot, d, m, a, row0 + r, groups, g, h);
         }
       }
     }
@@ -401,21 +453,29 @@ void tile(const Activations& a, int64_t row0, const Weight& w, int64_t block, fl
 // each 4 rows. Byte 4 * lane + j of vector (g, t) is input 4t + j of group g for output lane
 // `lane` of the span's 16 (two blocks of 8; where the span has one, its codes twice and zero
 // scales for the second).
+// A folding weight's codes are decoded less their offset, as signed bytes, and its tiles take
+// the activations as unsigned ones, q + 128: each group's (or half group's) dot product starts
+// at -128 times the sum of its codes, so it ends at sum_i (code_i - o) q_i exactly.
 // The float operations per row are the tiles' own, in their order: the same result to the bit.
 struct DecodedSpan {  // vectors of 64 bytes, aligned: no load splits a cache line
   std::vector<__m512i> codes;  // [groups, 8 quads]
   std::vector<__m512> d, m;    // [groups, halves]: 16 lanes each
+  std::vector<__m512i> start;  // folding: [groups * halves + 1], the dot products' start (0 last)
 };
 
 constexpr int kSpanLanes = 2 * kLanes;
 
 template <int BITS, int MODE>
 void decode_span(const Weight& w, int64_t block, int width, DecodedSpan& s) {
-  constexpr int HALVES = MODE == kSixBit ? 2 : 1;
+  constexpr int HALVES = MODE == kSixBit ? 2 : 1, OFFSET = code_offset(BITS, MODE);
   const int64_t groups = w.groups, gb = group_bytes(BITS);
   grow(s.codes, groups * 8);
   grow(s.d, groups * HALVES);
   grow(s.m, groups * HALVES);
+  if (OFFSET >= 0) {
+    grow(s.start, groups * HALVES + 1);
+    s.start[groups * HALVES] = _mm512_setzero_si512();
+  }
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* c0 = w.codes + (block * groups + g) * gb;
     const uint8_t* c1 = width == 2 ? c0 + groups * gb : c0;
@@ -424,9 +484,19 @@ void decode_span(const Weight& w, int64_t block, int width, DecodedSpan& s) {
           _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c0 + at))),
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c1 + at)), 1);
     };
+    __m512i code_sums[HALVES] = {};  // 128 times each lane's codes, per half
 #pragma GCC unroll 8
-    for (int t = 0; t < 8; ++t)
-      s.codes[g * 8 + t] = quad_codes<BITS>(load, t);
+    for (int t = 0; t < 8; ++t) {
+      __m512i codes = quad_codes<BITS>(load, t);
+      if (OFFSET > 0) codes = _mm512_sub_epi8(codes, _mm512_set1_epi8(OFFSET));
+      if (OFFSET >= 0)
+        code_sums[t * HALVES / 8] = _mm512_dpbusd_epi32(code_sums[t * HALVES / 8],
+                                                        _mm512_set1_epi8(-128), codes);
+      s.codes[g * 8 + t] = codes;
+    }
+    if (OFFSET >= 0)
+      for (int h = 0; h < HALVES; ++h)
+        s.start[g * HALVES + h] = _mm512_sub_epi32(_mm512_setzero_si512(), code_sums[h]);
     for (int b = 0; b < 2; ++b)
       for (int h = 0; h < HALVES; ++h) {
         __m256 d = _mm256_setzero_ps(), m = _mm256_setzero_ps();
@@ -440,16 +510,17 @@ void decode_span(const Weight& w, int64_t block, int width, DecodedSpan& s) {
 }
 
 // ROWS rows (one int8 term each) times a decoded span's 16 lanes into out[ROWS][16]; HALVES 2:
-// each half group has its own scale (Q6_K).
-template <int ROWS, int HALVES>
+// each half group has its own scale (Q6_K); FOLD: the span's weight folds its offset.
+template <int ROWS, int HALVES, bool FOLD>
 void decoded_tile(const Activations& a, int64_t row0, const DecodedSpan& s, int64_t groups,
                   float* out) {
   const int64_t k = a.k;
+  const void* x = FOLD ? static_cast<const void*>(a.u.data()) : a.q.data();
   __m512 acc[ROWS];
   __m512i dot[ROWS];
   for (int r = 0; r < ROWS; ++r) {
     acc[r] = _mm512_setzero_ps();
-    dot[r] = _mm512_setzero_si512();
+    dot[r] = FOLD ? s.start[0] : _mm512_setzero_si512();
   }
   for (int64_t g = 0; g < groups; ++g) {
 #pragma GCC unroll 8
@@ -457,20 +528,25 @@ void decoded_tile(const Activations& a, int64_t row0, const DecodedSpan& s, int6
       const __m512i codes = s.codes[g * 8 + t];
       for (int r = 0; r < ROWS; ++r) {
         int32_t quad;
-        std::memcpy(&quad, a.q.data() + (row0 + r) * k + g * kGroup + 4 * t, sizeof(quad));
-        dot[r] = _mm512_dpbusd_epi32(dot[r], codes, _mm512_set1_epi32(quad));
+        std::memcpy(&quad, static_cast<const char*>(x) + (row0 + r) * k + g * kGroup + 4 * t,
+                    sizeof(quad));
+        dot[r] = FOLD ? _mm512_dpbusd_epi32(dot[r], _mm512_set1_epi32(quad), codes)
+                      : _mm512_dpbusd_epi32(dot[r], codes, _mm512_set1_epi32(quad));
       }
       if (t != 7 && !(HALVES == 2 && t == 3)) continue;
       const int h = HALVES == 2 ? t / 4 : 0;
       const __m512 d = s.d[g * HALVES + h], m = s.m[g * HALVES + h];
-      for (int r = 0; r < ROWS; ++r) {  // add_group's operations, in its order
+      const __m512i next = FOLD ? s.start[g * HALVES + h + 1] : _mm512_setzero_si512();
+      for (int r = 0; r < ROWS; ++r) {  // add_group's (add_folded_group's) operations, in order
         const int64_t at = (row0 + r) * groups + g;
-        const float* halves = a.sum.data() + 2 * at;
-        const float sum = HALVES == 2 ? halves[h] : halves[0] + halves[1];
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]),
                                  _mm512_mul_ps(d, _mm512_set1_ps(a.scale[at])), acc[r]);
-        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sum), acc[r]);
-        dot[r] = _mm512_setzero_si512();
+        if (!FOLD) {
+          const float* halves = a.sum.data() + 2 * at;
+          const float sum = HALVES == 2 ? halves[h] : halves[0] + halves[1];
+          acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sum), acc[r]);
+        }
+        dot[r] = next;
       }
     }
   }
@@ -484,20 +560,23 @@ using DecodedTileFn = void (*)(const Activations&, int64_t, const DecodedSpan&, 
 DecodeSpanFn pick_decode_span(int64_t bits, int64_t mode) {
   if (mode == kSixBit) return decode_span<6, kSixBit>;
   if (mode == kMins) return bits == 4 ? decode_span<4, kMins> : decode_span<5, kMins>;
+  if (mode == kSymmetric)
+    return bits == 4 ? decode_span<4, kSymmetric>
+                     : bits == 5 ? decode_span<5, kSymmetric> : decode_span<8, kSymmetric>;
   return bits == 4 ? decode_span<4, kFlat> : decode_span<5, kFlat>;
 }
 
-template <int HALVES>
+template <int HALVES, bool FOLD>
 DecodedTileFn decoded_tile_for(int rows) {
   switch (rows) {
-    case 1: return decoded_tile<1, HALVES>;
-    case 2: return decoded_tile<2, HALVES>;
-    case 3: return decoded_tile<3, HALVES>;
-    case 4: return decoded_tile<4, HALVES>;
-    case 5: return decoded_tile<5, HALVES>;
-    case 6: return decoded_tile<6, HALVES>;
-    case 7: return decoded_tile<7, HALVES>;
-    default: return decoded_tile<8, HALVES>;
+    case 1: return decoded_tile<1, HALVES, FOLD>;
+    case 2: return decoded_tile<2, HALVES, FOLD>;
+    case 3: return decoded_tile<3, HALVES, FOLD>;
+    case 4: return decoded_tile<4, HALVES, FOLD>;
+    case 5: return decoded_tile<5, HALVES, FOLD>;
+    case 6: return decoded_tile<6, HALVES, FOLD>;
+    case 7: return decoded_tile<7, HALVES, FOLD>;
+    default: return decoded_tile<8, HALVES, FOLD>;
   }
 }
 #else
@@ -583,6 +662,12 @@ TileFn tile_for(int rows) {
 template <int BLOCKS, int TERMS>
 TileFn pick_tile(int64_t bits, int64_t mode, int rows) {
   if (mode == kSixBit) return tile_for<6, kSixBit, BLOCKS, TERMS>(rows);
+  if constexpr (TERMS == 1) {
+    if (mode == kSymmetric)
+      return bits == 4 ? tile_for<4, kSymmetric, BLOCKS, TERMS>(rows)
+                       : bits == 5 ? tile_for<5, kSymmetric, BLOCKS, TERMS>(rows)
+                                   : tile_for<8, kSymmetric, BLOCKS, TERMS>(rows);
+  }  // with two terms kSymmetric is kFlat
   if (mode == kMins) return bits == 4 ? tile_for<4, kMins, BLOCKS, TERMS>(rows)
                                       : tile_for<5, kMins, BLOCKS, TERMS>(rows);
   switch (bits) {
@@ -633,7 +718,7 @@ template <typename T>
 using DequantizeFn = void (*)(const Weight&, int64_t, T*, int64_t);
 
 template <typename T>
-DequantizeFn<T> pick_dequantize(int64_t bits, int64_t mode) {
+DequantizeFn<T> pick_dequantize(int64_t bits, int64_t mode) {  // kSymmetric: as kFlat
   if (mode == kSixBit) return dequantize_block_t<6, kSixBit, T>;
   if (mode == kMins) return bits == 4 ? dequantize_block_t<4, kMins, T>
                                       : dequantize_block_t<5, kMins, T>;
@@ -679,13 +764,23 @@ void decoded_span_rows(const Activations& a, const Weight& w, DecodedSpan& codes
   float tile_out[kSpanTileRows * kSpanLanes];
   for (int64_t r = first; r < last; r += kSpanTileRows) {
     const int tile_rows = static_cast<int>(std::min<int64_t>(kSpanTileRows, last - r));
-    const DecodedTileFn tile = w.mode == kSixBit ? decoded_tile_for<2>(tile_rows)
-                                                 : decoded_tile_for<1>(tile_rows);
+    const DecodedTileFn tile = w.mode == kSixBit ? decoded_tile_for<2, true>(tile_rows)
+        : w.mode == kSymmetric ? decoded_tile_for<1, true>(tile_rows)
+                               : decoded_tile_for<1, false>(tile_rows);
     tile(a, r, codes, w.groups, tile_out);
     store_rows(tile_out, kSpanLanes, tile_rows, width, out + r * n + b * kLanes, n);
   }
 }
 #endif
+
+// Whether run_tiles decodes each span once (one term, past a few rows).
+bool decodes_spans(const Weight& w, int64_t rows, int64_t terms) {
+#ifdef MINISGL_BLOCK_VNNI
+  return terms == 1 && rows >= kDecodedMinRows && (w.bits != 8 || w.mode == kSymmetric);
+#else
+  return false;
+#endif
+}
 
 // Every tile of out = activations x weight ([rows, n]), written in out's dtype.
 template <typename T>
@@ -696,11 +791,7 @@ void run_tiles(const Activations& a, const Weight& w, int64_t terms, T* out) {
   // One row reads each block once whatever the tile: tiles of one block stream the weight best.
   const int64_t per_span = rows == 1 ? 1 : kTileBlocks;
   const int64_t spans = (blocks + per_span - 1) / per_span;
-#ifdef MINISGL_BLOCK_VNNI
-  const bool decoded = terms == 1 && rows >= kDecodedMinRows && w.bits != 8;
-#else
-  const bool decoded = false;
-#endif
+  const bool decoded = decodes_spans(w, rows, terms);
   // NOTE: past a few hundred rows, rows in blocks whose activations stay in L2 while every
   // span passes over them (each span decoded once per block).
   const int64_t row_block = decoded ? std::max<int64_t>(
@@ -761,8 +852,11 @@ at::Tensor block_matmul(at::Tensor x, at::Tensor codes, at::Tensor scales,
   TORCH_CHECK(k == w.groups * kGroup, "activations do not match the weight's input features");
   const int64_t n = blocks * kLanes;
   static thread_local Activations a;  // reused: see grow
-  if (x.scalar_type() == at::kFloat) quantize_activations(x.data_ptr<float>(), rows, k, terms, a);
-  else quantize_activations(x.data_ptr<at::BFloat16>(), rows, k, terms, a);
+  const bool unsigned_copy = decodes_spans(w, rows, terms) && code_offset(bits, mode) >= 0;
+  if (x.scalar_type() == at::kFloat)
+    quantize_activations(x.data_ptr<float>(), rows, k, terms, unsigned_copy, a);
+  else
+    quantize_activations(x.data_ptr<at::BFloat16>(), rows, k, terms, unsigned_copy, a);
   auto result = at::empty({rows, n}, x.options());
   if (x.scalar_type() == at::kFloat) run_tiles(a, w, terms, result.data_ptr<float>());
   else run_tiles(a, w, terms, result.data_ptr<at::BFloat16>());
