@@ -129,6 +129,10 @@ class GgufWeight:
                              f"kernel's blocks of {LANES} x {GROUP}")
         self.kind, self.out_features, self.in_features = blocks.kind, out, in_features
         self.bits, self.mode = KINDS[blocks.kind]
+        if self.mode == SYMMETRIC:  # the kernel takes m' as this multiple of d', not as stored
+            offset = 0 if self.bits == 8 else 1 << (self.bits - 1)
+            if not torch.equal(blocks.scales[..., 1], -offset * blocks.scales[..., 0]):
+                raise ValueError(f"{blocks.kind} blocks with offsets other than {-offset} d")
         rows, groups = out // LANES, in_features // GROUP
         codes = blocks.codes.view(torch.uint8).view(rows, LANES, groups, 8, 4)
         quads = codes.permute(0, 2, 3, 1, 4).reshape(rows, groups, 8, 4 * LANES)
