@@ -8,6 +8,11 @@ process's resident memory (peak) beside the file size and the KV pool it was giv
     python scripts/bench_kquants.py --concurrency 1 8 --methods gguf
     python scripts/bench_kquants.py --methods gguf gguf-int8   # --cpu-int8-activations too
     python scripts/bench_kquants.py --methods gguf --baseline <a worktree of another commit>
+    python scripts/bench_kquants.py --quality --methods gguf gguf-int8   # no servers
+
+`--quality`: each method's prefill logits over tests/data's text (twice: 294 tokens) against
+the same file dequantized in float32 (relative error, perplexity, greedy agreement), instead of the
+servers.
 
 llama-server and llama-quantize are built once from the llama-cpp-python sdist's sources
 (scripts/compare.py); the Q4_K_M file is made once into the cache folder (requantized from
@@ -65,6 +70,35 @@ def kv_pool_mb(model: Path, tokens: int, bytes_per_value: int) -> float:
     return tokens * per_token * bytes_per_value / 1e6
 
 
+def quality(model: Path, methods: list[str]) -> None:
+    sys.path.insert(0, str(REPO))
+    from minisgl.engine import Engine, EngineConfig
+    from tests.engine_probe import prefill_logits
+    from tests.reference import prompt_ids
+    from tests.test_quantization import TEXT, perplexity, relative_error
+
+    ids = prompt_ids(TEXT + "\n\n" + TEXT)
+    configs = {"float32": dict(dtype="float32", quantization="none"),
+               "gguf": dict(dtype="bfloat16", quantization="gguf"),
+               "gguf-int8": dict(dtype="bfloat16", quantization="gguf",
+                                 cpu_int8_activations=True),
+               "none": dict(dtype="bfloat16", quantization="none")}
+    logits = {}
+    for name in ["float32", *methods]:
+        engine = Engine(EngineConfig(model_path=str(model), max_total_tokens=4096,
+                                     max_running_requests=4, **configs[name]))
+        logits[name] = prefill_logits(engine, ids)
+        engine.shutdown()
+    reference = logits["float32"]
+    print(f"\n{model.name}, {len(ids)} tokens, against itself dequantized in float32\n")
+    print("| method | perplexity | logits' relative error | greedy agreement |")
+    print("|---|---|---|---|")
+    for name, ours in logits.items():
+        agree = (ours.argmax(-1) == reference.argmax(-1)).float().mean().item()
+        print(f"| {name} | {perplexity(ours, ids):.4f} | {relative_error(ours, reference):.4f} "
+              f"| {agree:.4f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -76,8 +110,12 @@ def main() -> None:
     parser.add_argument("--skip-llama-cpp", action="store_true")
     parser.add_argument("--baseline", type=Path, default=None,
                         help="another checkout of minisgl (a worktree), served after this one")
+    parser.add_argument("--quality", action="store_true",
+                        help="logits against the dequantized float32 model, no servers")
     args = parser.parse_args()
     model = q4_k_m_file()
+    if args.quality:
+        return quality(model, args.methods)
     most = max(args.concurrency)
     per_stream = args.input_len + args.output_len + 16
     rows: dict[str, dict[int, dict]] = {}

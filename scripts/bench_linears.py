@@ -5,6 +5,7 @@ bundled model's shapes (random weights, so the weights stream from memory as in 
     python scripts/bench_linears.py --rows 64 --rounds 3
     python scripts/bench_linears.py --rows 64 96 128 --kernel-max-rows 0   # GGUF: always GEMM
     python scripts/bench_linears.py --lm-head --rows 1 32 64 512   # the LM head's forms
+    python scripts/bench_linears.py --threads 1 --forms Q4_K_M/1 gguf-4bit/1   # one core
 
 Forms: `bf16` (the prepacked oneDNN GEMM, `--quantization none`), `gguf-4bit` (4-bit blocks
 through quant_matmul, dequantized for a GEMM past VNNI_MAX_ROWS), `Q5_0` and `Q4_K_M` (GGUF
@@ -22,17 +23,22 @@ serves: `f32` (the dense float32 GEMM, `--quantization none`), `Q4_1` (the bundl
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
 
-from minisgl.layers import gguf_weight
-from minisgl.layers.gguf_weight import GROUP, KINDS, SUPER, GgufBlocks, GgufWeight
-from minisgl.layers.linear import pack_weight
-from minisgl.layers.quant import (BlockWeight, WeightBlocks, activation_terms, block_weight,
-                                  int8_weight, vnni_kernels)
-from minisgl.layers.w8a8 import Int8ChannelWeight
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's minisgl
+
+from minisgl.layers import gguf_weight  # noqa: E402
+from minisgl.layers.gguf_weight import (GROUP, KINDS, SUPER, GgufBlocks,  # noqa: E402
+                                        GgufWeight)
+from minisgl.layers.linear import pack_weight  # noqa: E402
+from minisgl.layers.quant import (BlockWeight, WeightBlocks, activation_terms,  # noqa: E402
+                                  block_weight, int8_weight, vnni_kernels)
+from minisgl.layers.w8a8 import Int8ChannelWeight  # noqa: E402
 
 LAYERS = 30
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down: [out, in]
@@ -51,6 +57,9 @@ def random_gguf(kind: str, out_features: int, in_features: int) -> GgufWeight:
     codes = torch.randint(0, 1 << bits, (out_features, in_features), dtype=torch.uint8)
     per_scale = SUPER if kind.endswith("_K") else GROUP
     scales = torch.rand(out_features, in_features // per_scale, 2) * 0.01
+    if kind in ("Q4_0", "Q5_0"):  # the offset the type fixes
+        scales = scales.half().float()
+        scales[..., 1] = -(1 << (bits - 1)) * scales[..., 0]
     subs = (torch.randint(0, 64, (out_features, in_features // GROUP, 2), dtype=torch.int16)
             if kind.endswith("_K") else None)
     return GgufWeight(GgufBlocks(kind, codes, scales.half().float(), subs))
@@ -118,6 +127,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="the whole table this many times")
     parser.add_argument("--lm-head", action="store_true",
                         help="the LM head's forms instead of the 120 linears (VNNI only)")
+    parser.add_argument("--forms", nargs="+", default=None, help="only these forms")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch's threads (1: one core, steadier on a shared machine)")
     parser.add_argument("--kernel-max-rows", type=int, default=None,
                         help="the GGUF forms' crossover to dequantize + GEMM (0: always the "
                              "GEMM; default: gguf_weight.KERNEL_MAX_ROWS)")
@@ -126,15 +138,20 @@ def main() -> None:
         gguf_weight.KERNEL_MAX_ROWS = args.kernel_max_rows
         gguf_weight.AVX2_KERNEL_MAX_ROWS = args.kernel_max_rows
         gguf_weight.ONE_TERM_MAX_ROWS = args.kernel_max_rows
+    if args.threads:
+        torch.set_num_threads(args.threads)
     vnni = vnni_kernels() is not None
     torch.manual_seed(0)
     matmuls = head_forms() if args.lm_head else forms() if vnni else avx2_forms()
+    if args.forms:
+        matmuls = {name: matmuls[name] for name in args.forms}
     shapes = [HEAD_SHAPE] if args.lm_head else SHAPES * LAYERS
     dense, fastest = (("bf16", "int8-copy/1") if args.lm_head else ("bf16", "w8a8") if vnni
                       else ("f32", "Q4_1"))
     dtype = torch.bfloat16 if vnni else torch.float32
-    print("| rows | " + " | ".join(matmuls) + f" | {dense} / {fastest} |")
-    print("|---|" + "---|" * (len(matmuls) + 1))
+    ratio = dense in matmuls and fastest in matmuls
+    print("| rows | " + " | ".join(matmuls) + (f" | {dense} / {fastest} |" if ratio else " |"))
+    print("|---|" + "---|" * (len(matmuls) + ratio))
     for _ in range(args.rounds):
         for rows in args.rows:
             inputs = {k: torch.randn(rows, k).to(dtype) for k in {s[1] for s in shapes}}
@@ -151,7 +168,7 @@ def main() -> None:
                     best = min(best, time.perf_counter() - started)
                 ms[name] = best * 1e3
             print(f"| {rows} | " + " | ".join(f"{v:.2f}" for v in ms.values())
-                  + f" | {ms[dense] / ms[fastest]:.2f}x |", flush=True)
+                  + (f" | {ms[dense] / ms[fastest]:.2f}x |" if ratio else " |"), flush=True)
 
 
 if __name__ == "__main__":
