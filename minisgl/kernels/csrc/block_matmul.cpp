@@ -756,13 +756,26 @@ void tiled_span_rows(const Activations& a, const Weight& w, int64_t terms, int64
 }
 
 #ifdef MINISGL_BLOCK_VNNI
-// The same rows with one term, the span decoded once into `codes`.
+// The same rows with one term, the span decoded once into `codes`. The next span's codes (a
+// step's weights come from DRAM) go towards L2 meanwhile, a share with each tile: a span is too
+// short a run for the hardware prefetcher to get ahead of, and a burst of prefetches at once
+// gains little (BENCHMARKS.md, "One term, a type's fixed offset folded").
 template <typename T>
 void decoded_span_rows(const Activations& a, const Weight& w, DecodedSpan& codes, int64_t b,
                        int width, int64_t first, int64_t last, T* out, int64_t n) {
   pick_decode_span(w.bits, w.mode)(w, b, width, codes);
   float tile_out[kSpanTileRows * kSpanLanes];
+  const int64_t block_bytes = w.groups * group_bytes(w.bits);
+  const char* next = reinterpret_cast<const char*>(w.codes + (b + width) * block_bytes);
+  const int64_t next_bytes = std::clamp<int64_t>(w.blocks - b - width, 0, kTileBlocks) *
+                             block_bytes;
+  const int64_t tiles = (last - first + kSpanTileRows - 1) / kSpanTileRows;
+  const int64_t per_tile = (next_bytes / 64 + tiles - 1) / tiles * 64;
+  int64_t fetched = 0;
   for (int64_t r = first; r < last; r += kSpanTileRows) {
+    for (const int64_t upto = std::min(next_bytes, fetched + per_tile); fetched < upto;
+         fetched += 64)
+      _mm_prefetch(next + fetched, _MM_HINT_T1);
     const int tile_rows = static_cast<int>(std::min<int64_t>(kSpanTileRows, last - r));
     const DecodedTileFn tile = w.mode == kSixBit ? decoded_tile_for<2, true>(tile_rows)
         : w.mode == kSymmetric ? decoded_tile_for<1, true>(tile_rows)
