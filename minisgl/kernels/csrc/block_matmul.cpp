@@ -136,6 +136,13 @@ void grow(std::vector<T>& v, int64_t n) {
   if (static_cast<int64_t>(v.size()) < n) v.resize(n);
 }
 
+// What one call's tiles read besides the int8 terms and their scales.
+struct Reads {
+  bool exact_sums;     // a.sum: the offset term of a weight whose offset is its own
+  bool q_sums;         // a.q_sum: the 4-row tiles' folded offset
+  bool unsigned_copy;  // a.u: the decoded spans' folded offset
+};
+
 struct Activations {
   std::vector<int8_t> q, r;     // [rows, k]: the int8 terms (VNNI; r unused with one)
   std::vector<int16_t> q16;     // [rows, k]: the one int16 term (plain AVX2)
@@ -196,14 +203,15 @@ inline float horizontal_max(__m256 v) {
 }
 
 // Per group of 32 inputs of every row: its 32 values and their largest magnitude to `group`,
-// which quantizes them to at, and the exact sums of both halves to a.sum.
+// which quantizes them to at, and (`exact_sums`) the exact sums of both halves to a.sum.
 template <typename T, typename GroupFn>
-void quantize_rows(const T* x, int64_t rows, int64_t k, Activations& a, GroupFn group) {
+void quantize_rows(const T* x, int64_t rows, int64_t k, bool exact_sums, Activations& a,
+                   GroupFn group) {
   const int64_t groups = k / kGroup;
   a.k = k;
   a.rows = rows;
   grow(a.scale, rows * groups);
-  grow(a.sum, rows * groups * 2);
+  if (exact_sums) grow(a.sum, rows * groups * 2);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     const __m256 sign_bit = _mm256_set1_ps(-0.0f);
     for (int64_t row = begin; row < end; ++row)
@@ -215,6 +223,7 @@ void quantize_rows(const T* x, int64_t rows, int64_t k, Activations& a, GroupFn 
           amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[i]));
         }
         a.scale[row * groups + g] = group(v, horizontal_max(amax), at);
+        if (!exact_sums) continue;
         a.sum[(row * groups + g) * 2] = horizontal_sum(_mm256_add_ps(v[0], v[1]));
         a.sum[(row * groups + g) * 2 + 1] = horizontal_sum(_mm256_add_ps(v[2], v[3]));
       }
@@ -222,15 +231,15 @@ void quantize_rows(const T* x, int64_t rows, int64_t k, Activations& a, GroupFn 
 }
 
 #ifdef MINISGL_BLOCK_VNNI
-// `unsigned_copy`: one term, also a.u.
 template <typename T>
-void quantize_activations(const T* x, int64_t rows, int64_t k, int64_t terms,
-                          bool unsigned_copy, Activations& a) {
+void quantize_activations(const T* x, int64_t rows, int64_t k, int64_t terms, Reads reads,
+                          Activations& a) {
   grow(a.q, rows * k);
   if (terms == 2) grow(a.r, rows * k);
-  if (terms == 1) grow(a.q_sum, rows * k / kGroup * 2);
-  if (unsigned_copy) grow(a.u, rows * k);
-  quantize_rows(x, rows, k, a, [&](const __m256 (&v)[4], float amax, int64_t at) {
+  if (reads.q_sums) grow(a.q_sum, rows * k / kGroup * 2);
+  if (reads.unsigned_copy) grow(a.u, rows * k);
+  quantize_rows(x, rows, k, reads.exact_sums, a,
+                [&](const __m256 (&v)[4], float amax, int64_t at) {
     const float s = amax / 127.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
     __m256i coarse[4], fine[4];
     for (int i = 0; i < 4; ++i) {  // cvtps rounds to nearest even
@@ -242,9 +251,11 @@ void quantize_activations(const T* x, int64_t rows, int64_t k, int64_t terms,
     }
     const __m256i bytes = store_int8x32(coarse, a.q.data() + at);
     if (terms == 1) {
-      a.q_sum[at / kGroup * 2] = horizontal_sum(_mm256_add_epi32(coarse[0], coarse[1]));
-      a.q_sum[at / kGroup * 2 + 1] = horizontal_sum(_mm256_add_epi32(coarse[2], coarse[3]));
-      if (unsigned_copy)
+      if (reads.q_sums) {
+        a.q_sum[at / kGroup * 2] = horizontal_sum(_mm256_add_epi32(coarse[0], coarse[1]));
+        a.q_sum[at / kGroup * 2 + 1] = horizontal_sum(_mm256_add_epi32(coarse[2], coarse[3]));
+      }
+      if (reads.unsigned_copy)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.u.data() + at),
                             _mm256_xor_si256(bytes, _mm256_set1_epi8(-128)));
       return s;
@@ -255,9 +266,9 @@ void quantize_activations(const T* x, int64_t rows, int64_t k, int64_t terms,
 }
 #else
 template <typename T>
-void quantize_activations(const T* x, int64_t rows, int64_t k, int64_t, bool, Activations& a) {
+void quantize_activations(const T* x, int64_t rows, int64_t k, int64_t, Reads, Activations& a) {
   grow(a.q16, rows * k);
-  quantize_rows(x, rows, k, a, [&](const __m256 (&v)[4], float amax, int64_t at) {
+  quantize_rows(x, rows, k, true, a, [&](const __m256 (&v)[4], float amax, int64_t at) {
     const float s = amax / 32767.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
     __m256i q[4];  // cvtps rounds to nearest even
     for (int i = 0; i < 4; ++i)
@@ -459,7 +470,7 @@ void tile(const Activations& a, int64_t row0, const Weight& w, int64_t block, fl
 // The float operations per row are the tiles' own, in their order: the same result to the bit.
 struct DecodedSpan {  // vectors of 64 bytes, aligned: no load splits a cache line
   std::vector<__m512i> codes;  // [groups, 8 quads]
-  std::vector<__m512> d, m;    // [groups, halves]: 16 lanes each
+  std::vector<__m512> d, m;    // [groups, halves]: 16 lanes each (m: non-folding weights)
   std::vector<__m512i> start;  // folding: [groups * halves + 1], the dot products' start (0 last)
 };
 
@@ -471,7 +482,7 @@ void decode_span(const Weight& w, int64_t block, int width, DecodedSpan& s) {
   const int64_t groups = w.groups, gb = group_bytes(BITS);
   grow(s.codes, groups * 8);
   grow(s.d, groups * HALVES);
-  grow(s.m, groups * HALVES);
+  if (OFFSET < 0) grow(s.m, groups * HALVES);
   if (OFFSET >= 0) {
     grow(s.start, groups * HALVES + 1);
     s.start[groups * HALVES] = _mm512_setzero_si512();
@@ -501,10 +512,9 @@ void decode_span(const Weight& w, int64_t block, int width, DecodedSpan& s) {
       for (int h = 0; h < HALVES; ++h) {
         __m256 d = _mm256_setzero_ps(), m = _mm256_setzero_ps();
         if (b < width) group_scales<MODE>(w, block + b, g, h, d, m);
-        float* lanes_d = reinterpret_cast<float*>(&s.d[g * HALVES + h]) + kLanes * b;
-        float* lanes_m = reinterpret_cast<float*>(&s.m[g * HALVES + h]) + kLanes * b;
-        _mm256_storeu_ps(lanes_d, d);
-        _mm256_storeu_ps(lanes_m, m);
+        _mm256_storeu_ps(reinterpret_cast<float*>(&s.d[g * HALVES + h]) + kLanes * b, d);
+        if (OFFSET < 0)
+          _mm256_storeu_ps(reinterpret_cast<float*>(&s.m[g * HALVES + h]) + kLanes * b, m);
       }
   }
 }
@@ -535,7 +545,7 @@ void decoded_tile(const Activations& a, int64_t row0, const DecodedSpan& s, int6
       }
       if (t != 7 && !(HALVES == 2 && t == 3)) continue;
       const int h = HALVES == 2 ? t / 4 : 0;
-      const __m512 d = s.d[g * HALVES + h], m = s.m[g * HALVES + h];
+      const __m512 d = s.d[g * HALVES + h];
       const __m512i next = FOLD ? s.start[g * HALVES + h + 1] : _mm512_setzero_si512();
       for (int r = 0; r < ROWS; ++r) {  // add_group's (add_folded_group's) operations, in order
         const int64_t at = (row0 + r) * groups + g;
@@ -544,7 +554,7 @@ void decoded_tile(const Activations& a, int64_t row0, const DecodedSpan& s, int6
         if (!FOLD) {
           const float* halves = a.sum.data() + 2 * at;
           const float sum = HALVES == 2 ? halves[h] : halves[0] + halves[1];
-          acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sum), acc[r]);
+          acc[r] = _mm512_fmadd_ps(s.m[g * HALVES + h], _mm512_set1_ps(sum), acc[r]);
         }
         dot[r] = next;
       }
@@ -796,15 +806,15 @@ bool decodes_spans(const Weight& w, int64_t rows, int64_t terms) {
 }
 
 // Every tile of out = activations x weight ([rows, n]), written in out's dtype.
+// `decoded`: decodes_spans's answer for this call.
 template <typename T>
-void run_tiles(const Activations& a, const Weight& w, int64_t terms, T* out) {
+void run_tiles(const Activations& a, const Weight& w, int64_t terms, bool decoded, T* out) {
   const int64_t rows = a.rows, blocks = w.blocks;
   const int64_t n = blocks * kLanes;
   // NOTE: blocks outer, rows inner: a block's codes stay in L1 while every tile passes over them.
   // One row reads each block once whatever the tile: tiles of one block stream the weight best.
   const int64_t per_span = rows == 1 ? 1 : kTileBlocks;
   const int64_t spans = (blocks + per_span - 1) / per_span;
-  const bool decoded = decodes_spans(w, rows, terms);
   // NOTE: past a few hundred rows, rows in blocks whose activations stay in L2 while every
   // span passes over them (each span decoded once per block).
   const int64_t row_block = decoded ? std::max<int64_t>(
@@ -865,14 +875,16 @@ at::Tensor block_matmul(at::Tensor x, at::Tensor codes, at::Tensor scales,
   TORCH_CHECK(k == w.groups * kGroup, "activations do not match the weight's input features");
   const int64_t n = blocks * kLanes;
   static thread_local Activations a;  // reused: see grow
-  const bool unsigned_copy = decodes_spans(w, rows, terms) && code_offset(bits, mode) >= 0;
+  const bool decoded = decodes_spans(w, rows, terms);
+  const bool folds = terms == 1 && code_offset(bits, mode) >= 0;
+  const Reads reads{!folds, folds && !decoded && code_offset(bits, mode) > 0, folds && decoded};
   if (x.scalar_type() == at::kFloat)
-    quantize_activations(x.data_ptr<float>(), rows, k, terms, unsigned_copy, a);
+    quantize_activations(x.data_ptr<float>(), rows, k, terms, reads, a);
   else
-    quantize_activations(x.data_ptr<at::BFloat16>(), rows, k, terms, unsigned_copy, a);
+    quantize_activations(x.data_ptr<at::BFloat16>(), rows, k, terms, reads, a);
   auto result = at::empty({rows, n}, x.options());
-  if (x.scalar_type() == at::kFloat) run_tiles(a, w, terms, result.data_ptr<float>());
-  else run_tiles(a, w, terms, result.data_ptr<at::BFloat16>());
+  if (x.scalar_type() == at::kFloat) run_tiles(a, w, terms, decoded, result.data_ptr<float>());
+  else run_tiles(a, w, terms, decoded, result.data_ptr<at::BFloat16>());
   std::vector<int64_t> sizes = x.sizes().vec();
   sizes.back() = n;
   return result.view(sizes);
