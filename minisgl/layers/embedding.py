@@ -11,7 +11,8 @@ from torch import nn
 from minisgl.distributed import all_gather_last_dim, all_reduce, get_tp_info
 from minisgl.layers.base import Layer
 from minisgl.layers.gguf_weight import GgufBlocks, GgufWeight, cat_rows
-from minisgl.layers.quant import VnniWeight, int8_weight, vnni_kernels
+from minisgl.layers.quant import (LANES, VnniWeight, WeightBlocks, block_weight, int8_weight,
+                                  vnni_kernels)
 from minisgl.layers.w8a8 import Int8ChannelWeight, fits_int8
 from minisgl.layers.shard import copy_into, read_rows
 
@@ -30,24 +31,27 @@ class VocabParallelEmbedding(Layer):
         self.shard = -(-vocab_size // tp.size)  # padded so every rank has the same rows
         self.start = tp.rank * self.shard
         self.weight = nn.Parameter(torch.zeros(self.shard, hidden), requires_grad=False)
-        self.table_blocks: GgufWeight | None = None  # --quantization gguf: the file's table
+        # --quantization gguf: the file's table as blocks (each kernel's layout)
+        self.table_blocks: GgufWeight | VnniWeight | None = None
 
     def expect_gguf_blocks(self) -> None:
-        """The table comes as GGUF blocks (layers.gguf_weight): the dense one is never filled
-        (a tied LM head, sharing it, reads the blocks too)."""
+        """The table comes as the file's blocks (GgufBlocks for block_matmul, or WeightBlocks
+        for the VNNI kernel): the dense one is never filled (a tied LM head, sharing it,
+        multiplies with the blocks too)."""
         self.weight.data = torch.empty(0, self.weight.shape[1], dtype=self.weight.dtype)
+
+    def expect_blocks(self, bits: int) -> None:
+        self.expect_gguf_blocks()
 
     def load(self, name: str, source: Any, shard_id: Any = None) -> None:
         rows = min(self.shard, self.vocab_size - self.start)
-        if isinstance(source, GgufBlocks):
-            part = source[self.start:self.start + rows]
-            if rows < self.shard:  # padding rows of the last rank: all-zero blocks
-                pad = GgufBlocks(part.kind, part.codes.new_zeros(self.shard - rows, part.shape[1]),
-                                 part.scales.new_zeros(self.shard - rows, *part.scales.shape[1:]),
-                                 None if part.subs is None else
-                                 part.subs.new_zeros(self.shard - rows, *part.subs.shape[1:]))
-                part = cat_rows([part, pad])
-            self.table_blocks = GgufWeight(part)
+        if isinstance(source, (GgufBlocks, WeightBlocks)):
+            # NOTE: padded with all-zero blocks to whole kernel blocks (and the last rank's
+            # padding rows); the LM head drops the padding's logits
+            whole = -(-self.shard // LANES) * LANES
+            part = _zero_padded(source[self.start:self.start + rows], whole)
+            self.table_blocks = (GgufWeight(part) if isinstance(part, GgufBlocks) else
+                                 block_weight(part, self.weight.dtype))
             return
         copy_into(self.weight.data[:rows], read_rows(source, self.start, rows), name)
         self.weight.data[rows:].zero_()  # padding rows of the last rank
@@ -111,7 +115,7 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.packed = pack_weight(self.weight.data)
 
     @property
-    def blocks_head(self) -> GgufWeight | None:
+    def blocks_head(self) -> GgufWeight | VnniWeight | None:
         """The GGUF blocks this head multiplies with (its own table's, or the tied one's)."""
         if self.table_blocks is not None or self.tied_to is None:
             return self.table_blocks
@@ -120,7 +124,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         blocks = self.blocks_head
         if blocks is not None:
-            local = blocks.matmul(hidden)
+            local = blocks.matmul(hidden)[..., :self.shard]
         elif self.int8 is not None and (self.int8_all_rows or hidden.shape[0] <= INT8_MAX_ROWS):
             local = self.int8.matmul(hidden)
         elif self.packed is not None:
@@ -131,3 +135,18 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
+
+
+def _zero_padded(blocks: GgufBlocks | WeightBlocks, rows: int) -> GgufBlocks | WeightBlocks:
+    """`blocks` with all-zero rows (weights 0) added up to `rows`."""
+    pad = rows - blocks.shape[0]
+    if pad == 0:
+        return blocks
+    if isinstance(blocks, WeightBlocks):
+        zero = WeightBlocks.empty(pad, blocks.shape[1], blocks.bits)
+        return WeightBlocks(*(torch.cat([getattr(blocks, f), getattr(zero, f)])
+                              for f in ("codes", "scales", "zeros")), blocks.bits)
+    return cat_rows([blocks, GgufBlocks(
+        blocks.kind, blocks.codes.new_zeros(pad, *blocks.codes.shape[1:]),
+        blocks.scales.new_zeros(pad, *blocks.scales.shape[1:]),
+        None if blocks.subs is None else blocks.subs.new_zeros(pad, *blocks.subs.shape[1:]))])

@@ -186,16 +186,22 @@ class VnniWeight:
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight [out, in] the layout encodes (for tests)."""
+        return self.rows()
+
+    def rows(self, index: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows `index` of the weight (all by default) as float32 [len, in]: a vocabulary
+        table held in this layout is looked up here."""
         blocks, groups = self.codes.shape[:2]
-        if self.bits == 4:
-            nibbles = torch.stack([self.codes & 15, self.codes >> 4], dim=-1).view(
-                blocks, groups, 4, LANES, 4, 2).permute(0, 3, 1, 2, 5, 4)
-        else:
-            nibbles = self.codes.view(blocks, groups, 8, LANES, 4).permute(0, 3, 1, 2, 4)
-        codes = nibbles.reshape(self.out_features, groups, GROUP).float()
-        scales, offsets = self.scales_and_offsets.float().permute(2, 0, 3, 1).reshape(
-            2, self.out_features, groups)
-        return (codes * scales[..., None] + offsets[..., None]).view(self.out_features, -1)
+        index = torch.arange(self.out_features) if index is None else index.reshape(-1)
+        block, lane = index // LANES, index % LANES
+        if self.bits == 4:  # [len, groups, 4 p, 4 j]: inputs 8p + j low, 8p + 4 + j high
+            packed = self.codes.view(blocks, groups, 4, LANES, 4)[block, :, :, lane]
+            codes = torch.stack([packed & 15, packed >> 4], dim=-2)
+        else:  # [len, groups, 8 p, 4 j]: input 4p + j
+            codes = self.codes.view(blocks, groups, 8, LANES, 4)[block, :, :, lane]
+        scales, offsets = self.scales_and_offsets[block, :, :, lane].float().unbind(-1)
+        codes = codes.reshape(len(index), groups, GROUP).float()
+        return (codes * scales[..., None] + offsets[..., None]).view(len(index), -1)
 
 
 class TorchInt4Weight:

@@ -90,7 +90,7 @@ def kernel_for(kind: str, out_features: int, experts: bool, table: bool, dtype: 
     vnni_runs = (vnni_kernels() is not None and out_features % LANES == 0
                  and dtype == torch.bfloat16)
     if kind in BLOCK_BYTES and vnni_runs:
-        return None if table else "vnni"
+        return "vnni"
     if block_kernels() is not None and kind in KINDS and not experts:
         return "avx2"
     return "torch" if kind in ("Q4_0", "Q4_1") and not table and dtype == torch.bfloat16 else None
