@@ -97,10 +97,10 @@ class ParallelLMHead(VocabParallelEmbedding):
     def add_int8_copy(self, per_channel: bool = False) -> None:
         """An 8-bit copy of this shard, where the VNNI kernel is built. By default
         (--quantization gguf) layers.quant.int8_weight: Q8_0's form, a scale per 32 values,
-        half the bytes of bfloat16, for decode batches of at most INT8_MAX_ROWS rows; from a
-        GGUF's Q8_0 table it holds the file's codes up to the bfloat16 rounding of the loaded
-        table. `per_channel` (--quantization w8a8_int8): a scale per vocabulary row
-        (layers.w8a8), for every batch, as the method's linears."""
+        half the bytes of bfloat16, for decode batches of at most INT8_MAX_ROWS rows (a GGUF
+        table of block types is the head itself instead: blocks_head). `per_channel`
+        (--quantization w8a8_int8): a scale per vocabulary row (layers.w8a8), for every
+        batch, as the method's linears."""
         if vnni_kernels() is None or self.weight.dtype != torch.bfloat16 or self.blocks_head:
             return
         if per_channel and fits_int8(self.weight):
