@@ -206,14 +206,14 @@ def test_lof_serves_the_longest_output_first():
 @pytest.mark.parametrize("policy", ["lpm", "random", "lof"])
 def test_policies_keep_outputs_and_lpm_shares_in_batch(policy: str):
     """Four groups of three requests, each group sharing a 96-token prefix nobody cached yet,
-    all arriving at once. fcfs admits them all in one round (no hits); lpm admits one per
-    group first, so the other two hit its pages."""
+    all arriving at once. fcfs admits them all in one round (no hits: the chunk holds all
+    1212 prompt tokens); lpm admits one per group first, so the other two hit its pages."""
     rng = random.Random(42)
     prompts = []
     for group in random_prompts(4, 96, 96, seed=43):
         prompts += [group + [rng.randrange(100, 20000) for _ in range(5)] for _ in range(3)]
-    fcfs, fcfs_stats = run_all(prompts)
-    outs, stats = run_all(prompts, schedule_policy=policy)
+    fcfs, fcfs_stats = run_all(prompts, chunked_prefill_size=2048)
+    outs, stats = run_all(prompts, schedule_policy=policy, chunked_prefill_size=2048)
     for ids, out, expected in zip(prompts, outs, fcfs):
         ref.assert_greedy_matches(ids, out["output_ids"], expected["output_ids"])
     assert fcfs_stats["cached_prompt_tokens"] == 0
