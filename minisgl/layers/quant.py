@@ -191,17 +191,8 @@ class VnniWeight:
     def rows(self, index: torch.Tensor | None = None) -> torch.Tensor:
         """Rows `index` of the weight (all by default) as float32 [len, in]: a vocabulary
         table held in this layout is looked up here."""
-        blocks, groups = self.codes.shape[:2]
         index = torch.arange(self.out_features) if index is None else index.reshape(-1)
-        block, lane = index // LANES, index % LANES
-        if self.bits == 4:  # [len, groups, 4 p, 4 j]: inputs 8p + j low, 8p + 4 + j high
-            packed = self.codes.view(blocks, groups, 4, LANES, 4)[block, :, :, lane]
-            codes = torch.stack([packed & 15, packed >> 4], dim=-2)
-        else:  # [len, groups, 8 p, 4 j]: input 4p + j
-            codes = self.codes.view(blocks, groups, 8, LANES, 4)[block, :, :, lane]
-        scales, offsets = self.scales_and_offsets[block, :, :, lane].float().unbind(-1)
-        codes = codes.reshape(len(index), groups, GROUP).float()
-        return (codes * scales[..., None] + offsets[..., None]).view(len(index), -1)
+        return self.kernels.quant_rows(self.codes, self.scales_and_offsets, index)
 
 
 class TorchInt4Weight:

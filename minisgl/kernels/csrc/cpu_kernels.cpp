@@ -368,6 +368,7 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache
 bool vnni_available();
 at::Tensor quant_matmul(at::Tensor x, at::Tensor codes, at::Tensor dm, int64_t terms);
 at::Tensor quant_dequantize_t(at::Tensor codes, at::Tensor dm);
+at::Tensor quant_rows(at::Tensor codes, at::Tensor dm, at::Tensor rows);
 // int8_matmul.cpp
 at::Tensor int8_matmul(at::Tensor x, at::Tensor codes, at::Tensor scales,
                        int64_t group);
@@ -405,6 +406,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("vnni_available", &vnni_available,
         "whether quant_matmul was built (AVX-512 VNNI and BF16)");
   m.def("quant_dequantize_t", &quant_dequantize_t, "a quant_matmul weight as bf16 [k, n]",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("quant_rows", &quant_rows, "rows of a quant_matmul weight as float32",
         py::call_guard<py::gil_scoped_release>());
   m.def("quant_matmul", &quant_matmul, "4/8-bit block weights x bfloat16 activations (CPU)",
         py::call_guard<py::gil_scoped_release>());

@@ -202,6 +202,42 @@ at::Tensor quant_dequantize_t(at::Tensor codes, at::Tensor dm) {
 #endif
 }
 
+// The weight's rows `rows` (output features) as float32 [len, k], read from the layout: a
+// vocabulary table held in it is looked up here (the embedding).
+at::Tensor quant_rows(at::Tensor codes, at::Tensor dm, at::Tensor rows) {
+  TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.dim() == 3);
+  TORCH_CHECK(dm.is_contiguous() && dm.scalar_type() == at::kHalf);
+  const int64_t blocks = codes.size(0), groups = codes.size(1), block_bytes = codes.size(2);
+  const int64_t n = blocks * kLanes, k = groups * kGroup;
+  const bool eight = block_bytes == kGroup * kLanes;
+  TORCH_CHECK(eight || block_bytes == kGroup * kLanes / 2, "codes of 4 or 8 bits");
+  const at::Tensor picked = rows.to(at::kLong).contiguous();
+  TORCH_CHECK(picked.numel() == 0 || (picked.min().item<int64_t>() >= 0 &&
+                                      picked.max().item<int64_t>() < n), "row out of range");
+  auto out = at::empty({picked.numel(), k}, codes.options().dtype(at::kFloat));
+  const int64_t* index = picked.data_ptr<int64_t>();
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const at::Half* dp = dm.data_ptr<at::Half>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, picked.numel(), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t block = index[r] / kLanes, lane = index[r] % kLanes;
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* c = cp + (block * groups + g) * block_bytes + 4 * lane;
+        const at::Half* h = dp + (block * groups + g) * 2 * kLanes + lane;
+        const float d = h[0], m = h[kLanes];
+        float* o = op + r * k + g * kGroup;
+        for (int i = 0; i < kGroup; ++i) {
+          const int code = eight ? c[(i / 4) * 64 + i % 4]
+                                 : (c[(i / 8) * 64 + i % 4] >> (i % 8 / 4 * 4)) & 15;
+          o[i] = d * code + m;
+        }
+      }
+    }
+  });
+  return out;
+}
+
 at::Tensor quant_matmul(at::Tensor x, at::Tensor codes, at::Tensor dm, int64_t terms) {
 #ifdef MINISGL_VNNI
   TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kBFloat16);
