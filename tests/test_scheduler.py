@@ -293,12 +293,12 @@ def test_default_chunk_keeps_cpu_activations_under_the_allocator_limit() -> None
     assert default_chunk("cuda", False, gate_up * 2) == 8192
     assert default_chunk("cpu", True, gate_up * 2) == 256  # mixed: the stall bound wins
     bf16, fp32 = default_chunk("cpu", False, gate_up * 2), default_chunk("cpu", False, gate_up * 4)
-    assert (bf16, fp32) == (2048, 1024)
+    assert (bf16, fp32) == (4096, 2048)
     for chunk, row in ((bf16, gate_up * 2), (fp32, gate_up * 4)):
         assert chunk * row <= CPU_ALLOCATION_LIMIT < 2 * chunk * row
     assert default_chunk("cpu", False, 1 << 20) == 1024  # never below the floor
     with LLM(dtype="bfloat16", load_format="dummy", max_total_tokens=4096) as llm:
-        assert llm.runtime.scheduler.config.chunked_prefill_size == 2048
+        assert llm.runtime.scheduler.config.chunked_prefill_size == 4096
 
 
 def test_integrity_check_finds_a_repeated_page_and_runs_idle_on_pools_it_can_afford(

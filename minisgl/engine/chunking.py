@@ -7,10 +7,9 @@ from minisgl.args import CPU_MIXED_CHUNK, DEFAULT_CHUNK
 
 # NOTE: glibc serves an allocation above 32 MiB (its largest mmap threshold) with a fresh
 # mapping, so a prefill step whose activations are wider page-faults them in anew at every
-# layer; below it, the step's freed activations stay in glibc's arenas, resident, at a few times
-# the widest one. CPU prefill runs as fast in chunks of 1024 rows as of 4096 (BENCHMARKS.md),
-# so the default chunk keeps the widest activation, the merged gate/up output, within 16 MiB.
-CPU_ALLOCATION_LIMIT = 16 << 20
+# layer, which costs more per row than a narrower step (BENCHMARKS.md). On CPU the default
+# chunk keeps the widest activation, the merged gate/up output, under that size.
+CPU_ALLOCATION_LIMIT = 32 << 20
 CPU_SMALLEST_CHUNK = 1024
 
 
