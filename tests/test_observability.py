@@ -372,6 +372,23 @@ def test_first_kernel_build_says_so(tmp_path):
     assert (seeded / "minisgl_cpu_kernels.so").exists()
 
 
+def test_a_built_library_loads_without_the_build_lock(tmp_path):
+    """Where a finished build's library lies, a start imports it without torch's loader, which
+    would take the folder's lock (and write its build file) even with nothing to build."""
+    assert cpu_kernels() is not None
+    warm = build_folder()
+    seeded = tmp_path / "kernels" / warm.name
+    seeded.mkdir(parents=True)
+    shutil.copy(warm / "minisgl_cpu_kernels.so", seeded)
+    code = ("import logging; logging.basicConfig(level=logging.INFO); "
+            "from minisgl.kernels.cpu import cpu_kernels; assert cpu_kernels() is not None")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "MINISGL_CACHE_DIR": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    assert "compiling" not in done.stderr
+    assert sorted(p.name for p in seeded.iterdir()) == ["minisgl_cpu_kernels.so"]
+
+
 @pytest.mark.parametrize("flags", [["--log-requests-level", "5"],
                                    ["--log-requests-format", "xml"],
                                    ["--log-format", "yaml"]])

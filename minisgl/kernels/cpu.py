@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import logging
 import time
 from pathlib import Path
@@ -33,9 +34,12 @@ def cpu_kernels() -> Any | None:
     if cpu_kernels_disabled():
         return None
     try:
+        build = build_folder()
+        built = _import_built(build)
+        if built is not None:
+            return built
         from torch.utils.cpp_extension import load
 
-        build = build_folder()
         build.mkdir(parents=True, exist_ok=True)
         _wait_for_other_build(build / "lock")
         started = time.perf_counter()
@@ -54,12 +58,35 @@ def cpu_kernels() -> Any | None:
         return None
 
 
+def _import_built(build: Path) -> Any | None:
+    """The module a finished build left, imported without torch's loader: the loader takes the
+    folder's lock even when nothing needs building, and a process killed while holding it
+    (a test's server torn down at start-up) would stall every later start on the lock."""
+    library = build / f"{NAME}.so"
+    if (build / "lock").exists() or not library.exists():
+        return None
+    import torch  # noqa: F401  (the module links against the libraries torch loads)
+
+    try:
+        spec = importlib.util.spec_from_file_location(NAME, library)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    except ImportError:  # a library cut short by a killed link: build it again
+        return None
+
+
 def build_folder() -> Path:
-    """The cache folder of this checkout's kernels. NOTE: one per source, flags and source
-    folder: ninja's build commands name the sources' paths, so two checkouts sharing one
-    folder would rebuild it in turn."""
+    """The cache folder of this checkout's kernels. NOTE: one per source, flags, source folder
+    and torch version: ninja's build commands name the sources' paths, so two checkouts sharing
+    one folder would rebuild it in turn, and a module built against another torch would not
+    load."""
+    import torch
+
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS)
-                            + " ".join(CFLAGS).encode() + str(CSRC).encode()).hexdigest()
+                            + " ".join(CFLAGS).encode() + str(CSRC).encode()
+                            + torch.__version__.encode()).hexdigest()
     return cache_root() / "kernels" / digest[:16]
 
 
