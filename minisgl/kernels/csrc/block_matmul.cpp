@@ -138,6 +138,7 @@ void grow(std::vector<T>& v, int64_t n) {
 
 // What one call's tiles read besides the int8 terms and their scales.
 struct Reads {
+  bool signed_copy;    // a.q (one term; two always read it)
   bool exact_sums;     // a.sum: the offset term of a weight whose offset is its own
   bool q_sums;         // a.q_sum: the 4-row tiles' folded offset
   bool unsigned_copy;  // a.u: the decoded spans' folded offset
@@ -203,7 +204,9 @@ inline float horizontal_max(__m256 v) {
 }
 
 // Per group of 32 inputs of every row: its 32 values and their largest magnitude to `group`,
-// which quantizes them to at, and (`exact_sums`) the exact sums of both halves to a.sum.
+// which quantizes them and returns their scale, and (`exact_sums`) the exact sums of both halves.
+// NOTE: the buffers' pointers are taken once, into locals: the int8 stores through them may
+// alias any memory, so pointers read from the vectors (or a closure) would reload after each.
 template <typename T, typename GroupFn>
 void quantize_rows(const T* x, int64_t rows, int64_t k, bool exact_sums, Activations& a,
                    GroupFn group) {
@@ -212,7 +215,13 @@ void quantize_rows(const T* x, int64_t rows, int64_t k, bool exact_sums, Activat
   a.rows = rows;
   grow(a.scale, rows * groups);
   if (exact_sums) grow(a.sum, rows * groups * 2);
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  float* const scales = a.scale.data();
+  float* const sums = exact_sums ? a.sum.data() : nullptr;
+  at::parallel_for(0, rows, 16, [=](int64_t begin, int64_t end) {
+    // locals, not the closure's members: registers the int8 stores cannot alias
+    float* const scale_out = scales;
+    float* const sum_out = sums;
+    GroupFn quantize_group = group;
     const __m256 sign_bit = _mm256_set1_ps(-0.0f);
     for (int64_t row = begin; row < end; ++row)
       for (int64_t g = 0; g < groups; ++g) {
@@ -222,47 +231,64 @@ void quantize_rows(const T* x, int64_t rows, int64_t k, bool exact_sums, Activat
           v[i] = load_float8(x + at + 8 * i);
           amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[i]));
         }
-        a.scale[row * groups + g] = group(v, horizontal_max(amax), at);
-        if (!exact_sums) continue;
-        a.sum[(row * groups + g) * 2] = horizontal_sum(_mm256_add_ps(v[0], v[1]));
-        a.sum[(row * groups + g) * 2 + 1] = horizontal_sum(_mm256_add_ps(v[2], v[3]));
+        scale_out[row * groups + g] = quantize_group(v, horizontal_max(amax), at);
+        if (sum_out == nullptr) continue;
+        sum_out[(row * groups + g) * 2] = horizontal_sum(_mm256_add_ps(v[0], v[1]));
+        sum_out[(row * groups + g) * 2 + 1] = horizontal_sum(_mm256_add_ps(v[2], v[3]));
       }
   });
 }
 
 #ifdef MINISGL_BLOCK_VNNI
+// One term: q only where a tile reads it (a folding weight's decoded spans read u alone).
+template <int TERMS, typename T>
+void quantize_activations(const T* x, int64_t rows, int64_t k, Reads reads, Activations& a) {
+  const bool signed_copy = TERMS == 2 || reads.signed_copy;
+  if (signed_copy) grow(a.q, rows * k);
+  if (TERMS == 2) grow(a.r, rows * k);
+  if (reads.q_sums) grow(a.q_sum, rows * k / kGroup * 2);
+  if (reads.unsigned_copy) grow(a.u, rows * k);
+  int8_t* const q = signed_copy ? a.q.data() : nullptr;
+  int8_t* const r = TERMS == 2 ? a.r.data() : nullptr;
+  int32_t* const q_sum = reads.q_sums ? a.q_sum.data() : nullptr;
+  uint8_t* const u = reads.unsigned_copy ? a.u.data() : nullptr;
+  quantize_rows(x, rows, k, reads.exact_sums, a,
+                [=](const __m256 (&v)[4], float amax, int64_t at) {
+    const float s = amax / 127.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
+    __m256i coarse[4];
+    __m256 rounded[4];
+    for (int i = 0; i < 4; ++i) {  // cvtps rounds to nearest even
+      rounded[i] = _mm256_round_ps(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      coarse[i] = _mm256_cvtps_epi32(rounded[i]);
+    }
+    int8_t bytes[32];
+    const __m256i packed = store_int8x32(coarse, signed_copy ? q + at : bytes);
+    if (TERMS == 1) {
+      if (q_sum != nullptr) {
+        q_sum[at / kGroup * 2] = horizontal_sum(_mm256_add_epi32(coarse[0], coarse[1]));
+        q_sum[at / kGroup * 2 + 1] = horizontal_sum(_mm256_add_epi32(coarse[2], coarse[3]));
+      }
+      if (u != nullptr)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(u + at),
+                            _mm256_xor_si256(packed, _mm256_set1_epi8(-128)));
+      return s;
+    }
+    __m256i fine[4];
+    for (int i = 0; i < 4; ++i) {
+      const __m256 rest = _mm256_fnmadd_ps(rounded[i], _mm256_set1_ps(s), v[i]);
+      fine[i] = _mm256_cvtps_epi32(_mm256_mul_ps(rest, _mm256_set1_ps(inv * 254.0f)));
+    }
+    store_int8x32(fine, r + at);
+    return s / 254.0f;
+  });
+}
+
 template <typename T>
 void quantize_activations(const T* x, int64_t rows, int64_t k, int64_t terms, Reads reads,
                           Activations& a) {
-  grow(a.q, rows * k);
-  if (terms == 2) grow(a.r, rows * k);
-  if (reads.q_sums) grow(a.q_sum, rows * k / kGroup * 2);
-  if (reads.unsigned_copy) grow(a.u, rows * k);
-  quantize_rows(x, rows, k, reads.exact_sums, a,
-                [&](const __m256 (&v)[4], float amax, int64_t at) {
-    const float s = amax / 127.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
-    __m256i coarse[4], fine[4];
-    for (int i = 0; i < 4; ++i) {  // cvtps rounds to nearest even
-      const __m256 c = _mm256_round_ps(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)),
-                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      coarse[i] = _mm256_cvtps_epi32(c);
-      const __m256 rest = _mm256_fnmadd_ps(c, _mm256_set1_ps(s), v[i]);
-      fine[i] = _mm256_cvtps_epi32(_mm256_mul_ps(rest, _mm256_set1_ps(inv * 254.0f)));
-    }
-    const __m256i bytes = store_int8x32(coarse, a.q.data() + at);
-    if (terms == 1) {
-      if (reads.q_sums) {
-        a.q_sum[at / kGroup * 2] = horizontal_sum(_mm256_add_epi32(coarse[0], coarse[1]));
-        a.q_sum[at / kGroup * 2 + 1] = horizontal_sum(_mm256_add_epi32(coarse[2], coarse[3]));
-      }
-      if (reads.unsigned_copy)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.u.data() + at),
-                            _mm256_xor_si256(bytes, _mm256_set1_epi8(-128)));
-      return s;
-    }
-    store_int8x32(fine, a.r.data() + at);
-    return s / 254.0f;
-  });
+  if (terms == 1) quantize_activations<1>(x, rows, k, reads, a);
+  else quantize_activations<2>(x, rows, k, reads, a);
 }
 #else
 template <typename T>
@@ -877,7 +903,8 @@ at::Tensor block_matmul(at::Tensor x, at::Tensor codes, at::Tensor scales,
   static thread_local Activations a;  // reused: see grow
   const bool decoded = decodes_spans(w, rows, terms);
   const bool folds = terms == 1 && code_offset(bits, mode) >= 0;
-  const Reads reads{!folds, folds && !decoded && code_offset(bits, mode) > 0, folds && decoded};
+  const Reads reads{!(folds && decoded), !folds, folds && !decoded && code_offset(bits, mode) > 0,
+                    folds && decoded};
   if (x.scalar_type() == at::kFloat)
     quantize_activations(x.data_ptr<float>(), rows, k, terms, reads, a);
   else
