@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
+from typing import Callable
 
 import psutil
 import torch
@@ -19,12 +21,19 @@ logger = logging.getLogger(__name__)
 
 def return_freed_heap() -> None:
     """Hand the C heap's free pages back to the OS. NOTE: glibc keeps what loading the weights
-    freed (a checkpoint's decoded blocks) in the process, where neither the KV pool's sizing
-    from `available` memory nor anything outside sees it."""
+    freed (a checkpoint's decoded blocks) and a large step's activations in the process, where
+    neither the KV pool's sizing from `available` memory nor anything outside sees it."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.lru_cache(maxsize=1)
+def _malloc_trim() -> Callable[[int], int] | None:
     try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        return ctypes.CDLL("libc.so.6").malloc_trim
     except (OSError, AttributeError):  # not glibc
-        pass
+        return None
 
 
 def allocate_kv_pool(config: EngineConfig, arch: ModelArch, kv_heads: int, page_size: int,

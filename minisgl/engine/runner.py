@@ -14,11 +14,15 @@ from minisgl.engine.forward import (ForwardInput, ForwardOutput, InputLogprobs, 
                                     to_host)
 from minisgl.engine.graph import GraphRunner
 from minisgl.engine.lora import LoraModules
+from minisgl.engine.memory import return_freed_heap
 from minisgl.engine.pooling import last_token_embeddings
 from minisgl.engine.sampler import Sampler
 from minisgl.engine.scoring import score_rows
 from minisgl.engine.speculation import Speculator
 from minisgl.engine.tp_message import PHASES
+
+# CPU: after a step of this many tokens the heap's free pages go back to the OS (see forward)
+RETURN_HEAP_AFTER_TOKENS = 1024
 
 
 class ModelRunner:
@@ -54,6 +58,10 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.begin_step(fwd.lora_loads, fwd.batch)
         logits, scored, embeddings = self._logits(fwd)
+        if self.device.type == "cpu" and len(fwd.load_indices) >= RETURN_HEAP_AFTER_TOKENS:
+            # NOTE: glibc keeps a prefill chunk's freed activations (~100 MB at 4096 tokens)
+            # resident, on top of a KV pool that fills as the requests decode
+            return_freed_heap()
         if fwd.logits_only:
             return ForwardOutput(logits=logits.float())
         if not self.tp.is_primary:  # rank 0 samples; every rank stores its choice
