@@ -138,7 +138,7 @@ void grow(std::vector<T>& v, int64_t n) {
 
 // What one call's tiles read besides the int8 terms and their scales.
 struct Reads {
-  bool signed_copy;    // a.q (one term; two always read it)
+  bool signed_copy;    // a.q (every tile but a folding weight's decoded spans)
   bool exact_sums;     // a.sum: the offset term of a weight whose offset is its own
   bool q_sums;         // a.q_sum: the 4-row tiles' folded offset
   bool unsigned_copy;  // a.u: the decoded spans' folded offset
@@ -175,14 +175,15 @@ inline void store_float8(at::BFloat16* p, __m256 v) {  // rounded to nearest eve
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
 }
 
-// 32 int32 values (4 vectors) saturated to 32 int8 bytes in order; returns the bytes.
-inline __m256i store_int8x32(const __m256i (&v)[4], int8_t* out) {
+// 32 int32 values (4 vectors) saturated to 32 int8 bytes in order.
+inline __m256i pack_int8x32(const __m256i (&v)[4]) {
   const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]),
                                             _mm256_packs_epi32(v[2], v[3]));
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  const __m256i bytes = _mm256_permutevar8x32_epi32(packed, order);
+  return _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+inline void store32(void* out, __m256i bytes) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), bytes);
-  return bytes;
 }
 
 inline int32_t horizontal_sum(__m256i v) {
@@ -205,8 +206,6 @@ inline float horizontal_max(__m256 v) {
 
 // Per group of 32 inputs of every row: its 32 values and their largest magnitude to `group`,
 // which quantizes them and returns their scale, and (`exact_sums`) the exact sums of both halves.
-// NOTE: the buffers' pointers are taken once, into locals: the int8 stores through them may
-// alias any memory, so pointers read from the vectors (or a closure) would reload after each.
 template <typename T, typename GroupFn>
 void quantize_rows(const T* x, int64_t rows, int64_t k, bool exact_sums, Activations& a,
                    GroupFn group) {
@@ -215,13 +214,7 @@ void quantize_rows(const T* x, int64_t rows, int64_t k, bool exact_sums, Activat
   a.rows = rows;
   grow(a.scale, rows * groups);
   if (exact_sums) grow(a.sum, rows * groups * 2);
-  float* const scales = a.scale.data();
-  float* const sums = exact_sums ? a.sum.data() : nullptr;
-  at::parallel_for(0, rows, 16, [=](int64_t begin, int64_t end) {
-    // locals, not the closure's members: registers the int8 stores cannot alias
-    float* const scale_out = scales;
-    float* const sum_out = sums;
-    GroupFn quantize_group = group;
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     const __m256 sign_bit = _mm256_set1_ps(-0.0f);
     for (int64_t row = begin; row < end; ++row)
       for (int64_t g = 0; g < groups; ++g) {
@@ -231,10 +224,10 @@ void quantize_rows(const T* x, int64_t rows, int64_t k, bool exact_sums, Activat
           v[i] = load_float8(x + at + 8 * i);
           amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[i]));
         }
-        scale_out[row * groups + g] = quantize_group(v, horizontal_max(amax), at);
-        if (sum_out == nullptr) continue;
-        sum_out[(row * groups + g) * 2] = horizontal_sum(_mm256_add_ps(v[0], v[1]));
-        sum_out[(row * groups + g) * 2 + 1] = horizontal_sum(_mm256_add_ps(v[2], v[3]));
+        a.scale[row * groups + g] = group(v, horizontal_max(amax), at);
+        if (!exact_sums) continue;
+        a.sum[(row * groups + g) * 2] = horizontal_sum(_mm256_add_ps(v[0], v[1]));
+        a.sum[(row * groups + g) * 2 + 1] = horizontal_sum(_mm256_add_ps(v[2], v[3]));
       }
   });
 }
@@ -243,12 +236,11 @@ void quantize_rows(const T* x, int64_t rows, int64_t k, bool exact_sums, Activat
 // One term: q only where a tile reads it (a folding weight's decoded spans read u alone).
 template <int TERMS, typename T>
 void quantize_activations(const T* x, int64_t rows, int64_t k, Reads reads, Activations& a) {
-  const bool signed_copy = TERMS == 2 || reads.signed_copy;
-  if (signed_copy) grow(a.q, rows * k);
+  if (reads.signed_copy) grow(a.q, rows * k);
   if (TERMS == 2) grow(a.r, rows * k);
   if (reads.q_sums) grow(a.q_sum, rows * k / kGroup * 2);
   if (reads.unsigned_copy) grow(a.u, rows * k);
-  int8_t* const q = signed_copy ? a.q.data() : nullptr;
+  int8_t* const q = reads.signed_copy ? a.q.data() : nullptr;
   int8_t* const r = TERMS == 2 ? a.r.data() : nullptr;
   int32_t* const q_sum = reads.q_sums ? a.q_sum.data() : nullptr;
   uint8_t* const u = reads.unsigned_copy ? a.u.data() : nullptr;
@@ -262,16 +254,14 @@ void quantize_activations(const T* x, int64_t rows, int64_t k, Reads reads, Acti
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       coarse[i] = _mm256_cvtps_epi32(rounded[i]);
     }
-    int8_t bytes[32];
-    const __m256i packed = store_int8x32(coarse, signed_copy ? q + at : bytes);
+    const __m256i bytes = pack_int8x32(coarse);
+    if (q != nullptr) store32(q + at, bytes);
     if (TERMS == 1) {
       if (q_sum != nullptr) {
         q_sum[at / kGroup * 2] = horizontal_sum(_mm256_add_epi32(coarse[0], coarse[1]));
         q_sum[at / kGroup * 2 + 1] = horizontal_sum(_mm256_add_epi32(coarse[2], coarse[3]));
       }
-      if (u != nullptr)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(u + at),
-                            _mm256_xor_si256(packed, _mm256_set1_epi8(-128)));
+      if (u != nullptr) store32(u + at, _mm256_xor_si256(bytes, _mm256_set1_epi8(-128)));
       return s;
     }
     __m256i fine[4];
@@ -279,7 +269,7 @@ void quantize_activations(const T* x, int64_t rows, int64_t k, Reads reads, Acti
       const __m256 rest = _mm256_fnmadd_ps(rounded[i], _mm256_set1_ps(s), v[i]);
       fine[i] = _mm256_cvtps_epi32(_mm256_mul_ps(rest, _mm256_set1_ps(inv * 254.0f)));
     }
-    store_int8x32(fine, r + at);
+    store32(r + at, pack_int8x32(fine));
     return s / 254.0f;
   });
 }
