@@ -59,8 +59,8 @@ class ModelRunner:
             self.lora.begin_step(fwd.lora_loads, fwd.batch)
         logits, scored, embeddings = self._logits(fwd)
         if self.device.type == "cpu" and len(fwd.load_indices) >= RETURN_HEAP_AFTER_TOKENS:
-            # NOTE: glibc keeps a prefill chunk's freed activations (~100 MB at 4096 tokens)
-            # resident, on top of a KV pool that fills as the requests decode
+            # NOTE: glibc keeps a prefill chunk's freed activations resident, on top of a KV
+            # pool that fills as the requests decode (BENCHMARKS.md)
             return_freed_heap()
         if fwd.logits_only:
             return ForwardOutput(logits=logits.float())
