@@ -272,7 +272,12 @@ def test_chat_template_flag_kwargs_and_served_name(minisgl_server_factory, tmp_p
                     client.completions.create(model=model, prompt="Hi", max_tokens=1)
                 continue
             out = client.completions.create(model=model, prompt="Hi", max_tokens=1)
-            assert out.model == (model if model in served else "my-model")
+            assert out.model == "my-model"  # the first served name, whichever was asked for
+            chunks = list(client.chat.completions.create(
+                model=model, messages=MESSAGES[1:], max_tokens=2, stream=True))
+            assert chunks and {c.model for c in chunks} == {"my-model"}
+        assert 'model_name="my-model"' in requests.get(server.url + "/metrics", timeout=30).text
+        assert 'model_name="alias"' not in requests.get(server.url + "/metrics", timeout=30).text
         base = client.chat.completions.create(model="my-model", messages=MESSAGES[1:],
                                               max_tokens=1)
         greeted = client.chat.completions.create(

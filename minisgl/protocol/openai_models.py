@@ -26,7 +26,7 @@ class UnknownModel(InvalidRequest):
 
 @dataclass
 class OpenAIModel:
-    names: list[str]  # the served names; answers report the first unless a request names one
+    names: list[str]  # the served names; answers report the first (as vLLM does)
     aliases: set[str]  # what a request's `model` may name: a served name, the model's path
     strict: bool  # --strict-model-name: any other name is a 404
     context_len: int
@@ -77,9 +77,9 @@ class OpenAIModel:
     def resolve(self, body: dict[str, Any]) -> tuple[str, str | None]:
         """(the name an answer reports, the LoRA adapter to use or None). `model` names an
         adapter as `base:adapter` (SGLang) or by its name alone (vLLM), and is reported as
-        given. Otherwise the requested name if it is a served name, else the first served
-        name: any `model` is served (one model per server, as SGLang does), unless
-        --strict-model-name asks for a 404 on names that are not the model's."""
+        given. Otherwise the first served name, whichever name the request gave: any `model`
+        is served (one model per server, as SGLang does), unless --strict-model-name asks for
+        a 404 on names that are not the model's."""
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise InvalidRequest("model must be a string")
@@ -91,7 +91,7 @@ class OpenAIModel:
         if self.strict and model and model not in self.aliases:
             raise UnknownModel(f"The model `{model}` does not exist (this server serves "
                                f"`{self.names[0]}`).")
-        return (model if model in self.names else self.names[0]), None
+        return self.names[0], None
 
     def _adapter(self, model: str) -> str | None:
         adapters = self.adapters()
