@@ -273,7 +273,7 @@ def test_dashboard_in_headless_chromium(observed):
 EVERY_PLOT_HAS_DATA = """(() => {
   const canvases = [...document.querySelectorAll('#charts canvas')];
   const points = Object.fromEntries(canvases.map(c => [c.id, Number(c.dataset.points)]));
-  return canvases.length === 8 && Object.values(points).every(n => n > 0) ? points : null;
+  return canvases.length === 7 && Object.values(points).every(n => n > 0) ? points : null;
 })()"""
 # the y-axis labels (the text drawn right-aligned) of each canvas the code given draws
 AXIS_LABELS = """(() => {
@@ -309,12 +309,14 @@ async def watch_dashboard(executable: str, url: str, device: str | None) -> None
         # a count gets whole-number ticks, each once (not 0, 0, 1, 1, 1 for 0..1)
         assert (await page.evaluate(AXIS_LABELS % REQUESTS_0_TO_1))["chart-requests"] == ["0", "1"]
         labels = await page.evaluate(AXIS_LABELS % "render()")
-        assert len(labels) == 8, labels
+        assert len(labels) == 7, labels
         assert all(len(set(ls)) == len(ls) >= 2 for ls in labels.values()), labels
         assert all(label.isdigit() for label in labels["chart-requests"]), labels
         # "CUDA: launch time only" is a note for CUDA servers
         text = await page.evaluate("document.body.innerText")
         assert ("CUDA" in text) == (device == "cuda"), (device, text)
+        # no speculative-decoding panel on a server that does not speculate
+        assert "Speculative" not in text and "chart-spec" not in labels, text
         # readable on a phone: nothing wider than the screen
         assert await page.evaluate(
             "document.documentElement.scrollWidth <= window.innerWidth"), "horizontal scroll"
@@ -337,6 +339,7 @@ def test_dashboard_page_needs_no_key_but_its_data_does(observed):
     assert requests.get(observed.url + "/metrics", timeout=30).status_code == 401
     data = requests.get(observed.url + "/dashboard/data", headers=AUTH, timeout=30).json()
     assert data["server"]["args"]["api_key"] == "<set>"
+    assert data["server"]["speculation"] is False  # the page draws no speculation panel
     assert data["samples"] and {"running", "waiting", "kv_requests", "kv_cache", "output_tok_s",
                                 "ttft_p99", "itl_p99", "prefill_tok_s", "decode_tok_s",
                                 "busy"} <= set(data["samples"][-1])

@@ -52,7 +52,9 @@ class Dashboard:
             info.pop("internal_states")
             # NOTE: `device` is the one the engine runs on; the args say "auto" by default
             body["server"] = {"model": self.runtime.model_name, "version": __version__,
-                              "device": self.runtime.engine.device.type, "args": info}
+                              "device": self.runtime.engine.device.type,
+                              "speculation": self.runtime.engine.speculation is not None,
+                              "args": info}
         return json_response(body)
 
     @contextlib.asynccontextmanager

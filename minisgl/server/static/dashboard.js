@@ -8,7 +8,8 @@ const COLORS = ["#4fa3ff", "#f5a623", "#7ed321", "#e85d75"];
 
 const count = (v) => v.toFixed(0);
 
-// `integer`: a count of things, whose axis shows whole numbers only; `cuda`: a note for CUDA
+// `integer`: a count of things, whose axis shows whole numbers only; `cuda`: a note for CUDA;
+// `speculative`: drawn only on a server that speculates
 const CHARTS = [
   { id: "requests", title: "Requests", series: [["running", "running"], ["waiting", "waiting"]],
     format: count, integer: true },
@@ -23,7 +24,8 @@ const CHARTS = [
   { id: "batch", title: "Batch composition (tokens forwarded / s)",
     series: [["prefill_tok_s", "prefill"], ["decode_tok_s", "decode"]], format: count },
   { id: "spec", title: "Speculative decoding: tokens per verify step (0: none verified)",
-    series: [["spec_accept_length", "accept length"]], format: (v) => v.toFixed(1) },
+    series: [["spec_accept_length", "accept length"]], format: (v) => v.toFixed(1),
+    speculative: true },
   { id: "busy", title: "Engine busy share", cuda: "CUDA: launch time only", series: [["busy", "busy"]],
     format: pct, max: 1 },
 ];
@@ -78,6 +80,7 @@ class Chart {
   constructor(spec, parent) {
     this.spec = spec;
     const box = el("section", { class: "chart" });
+    this.box = box;
     this.heading = el("h2", {}, spec.title);
     box.appendChild(this.heading);
     this.canvas = el("canvas", { id: "chart-" + spec.id, "data-points": "0" });
@@ -153,7 +156,7 @@ class Chart {
 }
 
 const state = { samples: [], since: 0, key: sessionStorage.getItem("minisgl-key") || "" };
-const charts = CHARTS.map((spec) => new Chart(spec, document.getElementById("charts")));
+let charts = CHARTS.map((spec) => new Chart(spec, document.getElementById("charts")));
 const statNodes = STATS.map(([key, label, format]) => {
   const box = el("div", { class: "stat" });
   box.appendChild(el("div", { class: "label" }, label));
@@ -180,6 +183,13 @@ function render() {
 function showServer(server) {
   document.getElementById("model").textContent =
     server.model + " · minisgl " + server.version + " · " + server.device;
+  charts = charts.filter((chart) => {
+    if (chart.spec.speculative && !server.speculation) {
+      chart.box.remove();
+      return false;
+    }
+    return true;
+  });
   charts.forEach((chart) => {
     const note = server.device === "cuda" && chart.spec.cuda;
     chart.heading.textContent = chart.spec.title + (note ? " (" + note + ")" : "");
