@@ -149,6 +149,12 @@ class ModelArch:
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelArch:
+        if isinstance(config.get("text_config"), dict):
+            # NOTE: a multimodal config (Qwen2.5-VL, Llama 4, Mistral 3) keeps its text model's
+            # numbers there: read them, under the checkpoint's own architecture, so that
+            # check_supported names it rather than a missing field failing first
+            config = {**config["text_config"],
+                      **{k: v for k, v in config.items() if k != "text_config"}}
         archs = config.get("architectures") or [""]
         model_type = config.get("model_type", "")
         heads = config["num_attention_heads"]
