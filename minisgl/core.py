@@ -217,13 +217,6 @@ def _check_logit_bias(bias: Any) -> dict[int, float]:
     return checked
 
 
-def check_logprob_start_len(start: int, prompt_len: int) -> None:
-    """Input logprobs must start inside the prompt (SGLang refuses the same)."""
-    if start >= prompt_len:
-        raise InvalidRequest(f"logprob_start_len ({start}) must be below the number of prompt "
-                             f"tokens ({prompt_len})")
-
-
 class Req:
     """One sequence being scheduled.
 
@@ -281,13 +274,15 @@ class Req:
         return (f"Req(uid={self.uid}, rid={self.rid!r}, tokens={len(self.host_ids)}, "
                 f"kv_len={self.kv_len}, finish_reason={self.finish_reason})")
 
-    def cache_ids(self, end: int | None = None) -> list[int]:
-        """host_ids[:end] as the prefix cache keys them: an adapter's tokens are offset by
-        its uid, so one adapter's KV never serves another's (or the base model's) requests."""
+    def cache_ids(self, end: int | None = None, long_rope: bool = False) -> list[int]:
+        """host_ids[:end] as the prefix cache keys them: offset by the KV's kind (its LoRA
+        adapter; `long_rope`: a LongRoPE prompt rotated by the long factors throughout), so
+        KV computed one way never serves a request that computes it another."""
         ids = self.host_ids[:end]
-        if not self.lora_uid:
+        kind = self.lora_uid * 2 + long_rope
+        if not kind:
             return ids
-        offset = self.lora_uid << 32
+        offset = kind << 32
         return [t + offset for t in ids]
 
     @property
@@ -362,6 +357,9 @@ class Batch:
     decode_rows: int = 0  # mixed: the trailing rows that decode
     # --enable-lora: per row the adapter slot it uses (-1: none); None when no row uses one
     lora_slots: list[int] | None = None
+    # [num_tokens] each token's row of the RoPE table, where some row is not the token's
+    # position (layers.rotary.LongRopeSwitch); attention reads input_positions
+    rope_positions: torch.Tensor | None = None
     # a verify step laid out for a CUDA graph: every row forwards this many tokens, its own
     # then filler ones (engine.speculation); 0 otherwise
     row_tokens: int = 0

@@ -24,18 +24,23 @@ def engine() -> Engine:
 def forward_spans(engine: Engine, ids: list[int], spans: list[tuple[int, int]]) -> torch.Tensor:
     """Logits of every position of one request (page-table row 0), run as the given
     [start, end) steps through the paged KV pool: a step after the first has the earlier ones
-    as its cached prefix, and a one-token step after the first is a decode."""
+    as its cached prefix, and a one-token step after the first is a decode. `ids` are the
+    request's prompt (a LongRoPE table's rows follow from its length)."""
     assert engine.page_table.shape[1] >= len(ids)
     engine.page_table[0, : len(ids)] = torch.arange(len(ids), dtype=torch.int32)
+    long_rope = engine.arch.long_rope
     logits = []
     for start, end in spans:
         positions = torch.arange(start, end)
+        rope = (None if long_rope is None else
+                long_rope.table_rows(positions, [start], [end - start], [len(ids)]))
         batch = Batch("decode" if end - start == 1 and start else "prefill", 1, table_rows=[0],
                       cached_lens=[start], seq_lens=[end], extend_lens=[end - start],
                       input_positions=positions, out_loc=positions.clone())
         engine.attn_backend.prepare_metadata(batch)
         with torch.inference_mode():
-            logits.append(engine.model(torch.tensor(ids[start:end]), positions, batch,
+            logits.append(engine.model(torch.tensor(ids[start:end]),
+                                       positions if rope is None else rope, batch,
                                        engine.attn_backend, None).float())
     return torch.cat(logits)
 

@@ -312,7 +312,23 @@ def test_phi4_mini_partial_rotary_matches_transformers(tmp_path, attention: str)
                         attention=attention, check=rotates_12_of_16)
 
 
+def sharp_longrope_phi3(path) -> torch.nn.Module:
+    """A tiny Phi-3 with LongRoPE (an original context of 32 in 256 positions) and a partial
+    rotary factor, its queries and keys scaled up: random weights attend almost uniformly,
+    whatever the rotation (the two factor sets' logprobs would differ by ~1e-3 only)."""
+    model = save_tiny("Phi3ForCausalLM", "Phi3Config", path, partial_rotary_factor=0.5,
+                      rope_parameters=longrope(32, 4), original_max_position_embeddings=32,
+                      **PHI3_IDS)
+    qk_rows = (TINY["num_attention_heads"] + TINY["num_key_value_heads"]) * 16  # head_dim 16
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.qkv_proj.weight[:qk_rows] *= 8
+    model.save_pretrained(path)
+    return model
+
+
 def longrope(original: int, half: int) -> dict:
+    """(Phi3Config takes its own original_max_position_embeddings over the one given here.)"""
     gen = torch.Generator().manual_seed(13)
     return {"rope_type": "longrope", "rope_theta": 10000.0,
             "original_max_position_embeddings": original,
@@ -320,19 +336,85 @@ def longrope(original: int, half: int) -> dict:
             "long_factor": (1 + 8 * torch.rand(half, generator=gen)).tolist()}
 
 
+@pytest.mark.parametrize("attention", ["kernel", "sdpa"])
 @pytest.mark.parametrize("context", ["short", "long"])
-def test_phi3_longrope_matches_transformers(tmp_path, context: str) -> None:
-    """LongRoPE (Phi-3 128k), here with an original context of 32 in 256 positions and a
-    partial rotary factor. Served with --context-length 32, every sequence rotates by the short
-    factors, as transformers does up to 32 tokens; served with the whole 256, by the long ones,
-    as transformers does for a sequence past 32 (60 tokens here)."""
-    model = save_tiny("Phi3ForCausalLM", "Phi3Config", tmp_path, partial_rotary_factor=0.5,
-                      rope_parameters=longrope(32, 4), **PHI3_IDS)
+def test_phi3_longrope_matches_transformers(tmp_path, context: str, attention: str) -> None:
+    """LongRoPE (Phi-3 128k), on sharp_longrope_phi3. Served with --context-length 32, every
+    sequence rotates by the short factors, as transformers does up to 32 tokens; a sequence
+    past 32 (60 tokens here, served with the whole 256) by the long ones from its first token,
+    as transformers does."""
+    model = sharp_longrope_phi3(tmp_path)
     if context == "short":
         spans = [(0, 20), (20, 28)] + [(p, p + 1) for p in range(28, 32)]
-        assert_logits_match(model, str(tmp_path), spans, seed=13, context_length=32)
+        assert_logits_match(model, str(tmp_path), spans, seed=13, attention=attention,
+                            context_length=32)
     else:
-        assert_logits_match(model, str(tmp_path), STEPS["chunked prefill"], seed=13)
+        assert_logits_match(model, str(tmp_path), STEPS["chunked prefill"], seed=13,
+                            attention=attention)
+
+
+LOGPROB_TOLERANCE = 1e-4  # |ours - transformers'| per sampled token's logprob, float32
+
+
+def cached_greedy(model: torch.nn.Module, ids: list[int], new_tokens: int
+                  ) -> tuple[list[int], list[float]]:
+    """transformers' greedy tokens and their logprobs, one forward a token over its KV cache:
+    each forward picks LongRoPE's factors by its own length, earlier keys keep theirs."""
+    from transformers import DynamicCache
+    tokens, logprobs, cache, step = [], [], DynamicCache(), ids
+    with torch.inference_mode():
+        for _ in range(new_tokens):
+            out = model(input_ids=torch.tensor([step]), cache=cache, use_cache=True)
+            scores = out.logits[0, -1].float().log_softmax(-1)
+            tokens.append(int(scores.argmax()))
+            logprobs.append(float(scores.max()))
+            step = tokens[-1:]
+    return tokens, logprobs
+
+
+def assert_generated(result: dict, expected: tuple[list[int], list[float]], what: str) -> None:
+    tokens, logprobs = expected
+    assert result["output_ids"] == tokens, what
+    ours = [entry[0] for entry in result["meta_info"]["output_token_logprobs"]]
+    assert max(abs(a - b) for a, b in zip(ours, logprobs)) < LOGPROB_TOLERANCE, what
+
+
+def test_phi3_longrope_picks_the_factors_per_sequence(tmp_path) -> None:
+    """Served at the whole 256 positions (original 32), in one batch chunked by 16 tokens, at
+    TP 1 and 2: a 10-token prompt decoding to 26 tokens rotates by the short factors, a
+    40-token one by the long factors from its first token, and one of 20 decoding past 32 by
+    the short ones, then the long ones from position 32 on (its earlier keys keep theirs;
+    transformers' generate would recompute them at the crossing). The prefix cache never
+    serves one rotation's KV to the other: the 40-token prompt's first 20 tokens run as a
+    short prompt before the batch, and again after it."""
+    from minisgl.llm import LLM
+    model = sharp_longrope_phi3(tmp_path)
+    gen = torch.Generator().manual_seed(21)
+    prompts = [torch.randint(0, TINY["vocab_size"], (n,), generator=gen).tolist()
+               for n in (10, 40, 20)]
+    new_tokens = [16, 8, 24]
+    expected = [cached_greedy(model, ids, n) for ids, n in zip(prompts, new_tokens)]
+    head = cached_greedy(model, prompts[1][:20], 4)
+    with torch.inference_mode():  # the reference is transformers' own generate where no
+        for ids, n, (tokens, _) in zip(prompts[:2], new_tokens, expected):  # sequence crosses
+            out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                                 pad_token_id=0, eos_token_id=None)
+            assert out[0, len(ids):].tolist() == tokens
+    params = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in new_tokens]
+    for tp in (1, 2):
+        with LLM(model=str(tmp_path), dtype="float32", max_total_tokens=1024, tp_size=tp,
+                 chunked_prefill_size=16) as llm:
+            short = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+            first = llm.generate(input_ids=prompts[1][:20], sampling_params=short,
+                                 return_logprob=True)
+            outputs = llm.generate(input_ids=prompts, sampling_params=params,
+                                   return_logprob=True)
+            again = llm.generate(input_ids=prompts[1][:20], sampling_params=short,
+                                 return_logprob=True)
+            for i, (result, reference) in enumerate(zip(outputs, expected)):
+                assert_generated(result, reference, f"tp {tp}, prompt {i}")
+            assert_generated(first, head, f"tp {tp}, the short head, first")
+            assert_generated(again, head, f"tp {tp}, the short head, again")
 
 
 def test_dynamic_rope_is_the_default_within_the_context(tmp_path) -> None:

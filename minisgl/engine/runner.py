@@ -83,20 +83,23 @@ class ModelRunner:
         (each None without any)."""
         batch = fwd.batch
         input_ids = self.token_pool.view(-1)[fwd.load_indices]
+        # NOTE: the model's RoPE reads these rows (attention reads batch.input_positions)
+        positions = (batch.input_positions if batch.rope_positions is None
+                     else batch.rope_positions)
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
-            return self.graph_runner.replay(batch, input_ids, batch.input_positions), None, None
+            return self.graph_runner.replay(batch, input_ids, positions), None, None
         if fwd.num_scored_rows or fwd.embed_rows is not None:
             # NOTE: the same collectives as the model's forward on the other ranks: the LM
             # head on the sampling rows, then (every rank) on the scored rows
-            hidden = self.model.hidden_states(input_ids, batch.input_positions, batch,
-                                              self.attn_backend, fwd.logit_rows)
+            hidden = self.model.hidden_states(input_ids, positions, batch, self.attn_backend,
+                                              fwd.logit_rows)
             embeddings = (None if fwd.embed_rows is None
                           else last_token_embeddings(hidden, fwd.embed_rows))
             logits = self.model.lm_head(hidden[: batch.size])
             scored = (score_rows(self.model.lm_head, hidden[batch.size:], fwd.input_logprobs)
                       if fwd.num_scored_rows else None)
             return logits, scored, embeddings
-        return self.model(input_ids, batch.input_positions, batch, self.attn_backend,
+        return self.model(input_ids, positions, batch, self.attn_backend,
                           fwd.logit_rows), None, None
 
     def _sample(self, fwd: ForwardInput, logits: torch.Tensor,

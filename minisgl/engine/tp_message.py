@@ -39,12 +39,13 @@ class StepMessage:
     location_writes: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     lora_slots: list[int] | None = None  # Batch.lora_slots
     lora_loads: list[tuple[int, int, str]] = field(default_factory=list)  # ForwardInput's
+    rope_positions: torch.Tensor | None = None  # Batch.rope_positions (not padded)
 
     def pack(self) -> list[np.ndarray]:
         tokens, locations = self.token_writes, self.location_writes
         meta = [PHASES.index(self.phase), self.size, int(self.logits_only),
                 int(self.logit_rows is not None), self.decode_rows, int(self.verify_step),
-                self.row_tokens]
+                self.row_tokens, int(self.rope_positions is not None)]
         return [
             _ints(meta), _ints(self.table_rows), _ints(self.cached_lens), _ints(self.seq_lens),
             _ints(self.extend_lens), _ints(self.positions), _ints(self.out_loc),
@@ -63,15 +64,17 @@ class StepMessage:
             _ints([len(path.encode()) for _, _, path in self.lora_loads]),
             np.frombuffer(b"".join(path.encode() for _, _, path in self.lora_loads),
                           dtype=np.uint8).astype(np.int64),
+            _ints(self.rope_positions if self.rope_positions is not None else []),
         ]
 
     @classmethod
     def unpack(cls, arrays: list[np.ndarray]) -> StepMessage:
         (meta, rows, cached, seq_lens, extend, positions, out_loc, load, write, logit_rows,
          token_rows, token_starts, token_lens, token_ids, location_lens, location_idx,
-         location_vals, lora_slots, load_slots, load_uids, path_lens, path_bytes) = arrays
+         location_vals, lora_slots, load_slots, load_uids, path_lens, path_bytes,
+         rope_positions) = arrays
         (phase, size, logits_only, has_logit_rows, decode_rows, verify_step,
-         row_tokens) = meta.tolist()
+         row_tokens, has_rope_positions) = meta.tolist()
         tokens, at = [], 0
         for row, start, n in zip(token_rows.tolist(), token_starts.tolist(), token_lens.tolist()):
             tokens.append((row, start, torch.from_numpy(token_ids[at:at + n])))
@@ -92,7 +95,8 @@ class StepMessage:
                    torch.from_numpy(load), torch.from_numpy(write),
                    torch.from_numpy(logit_rows) if has_logit_rows else None, bool(logits_only),
                    decode_rows, bool(verify_step), row_tokens, tokens, locations,
-                   None if slots == [-2] else slots, loads)
+                   None if slots == [-2] else slots, loads,
+                   torch.from_numpy(rope_positions) if has_rope_positions else None)
 
     def resolve(self, batch: Batch, load_indices: torch.Tensor, write_indices: torch.Tensor,
                 logit_rows: torch.Tensor | None,
@@ -120,7 +124,9 @@ class StepMessage:
         return Batch(self.phase, self.size, self.table_rows, self.cached_lens, self.seq_lens,
                      self.extend_lens, input_positions=self.positions.to(device),
                      out_loc=self.out_loc.to(device), decode_rows=self.decode_rows,
-                     lora_slots=self.lora_slots, row_tokens=self.row_tokens)
+                     lora_slots=self.lora_slots, row_tokens=self.row_tokens,
+                     rope_positions=None if self.rope_positions is None
+                     else self.rope_positions.to(device))
 
 
 def _ints(values: object) -> np.ndarray:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import logging
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -11,8 +11,6 @@ import torch
 from minisgl.kernels import cpu_kernels, cuda_kernels
 from minisgl.kernels.cuda import FLASHINFER_HEAD_DIMS
 from minisgl.layers.base import Layer
-
-logger = logging.getLogger(__name__)
 
 
 def _inverse_frequencies(head_dim: int, rope: dict[str, Any], positions: int
@@ -51,25 +49,59 @@ def _inverse_frequencies(head_dim: int, rope: dict[str, Any], positions: int
 def _longrope(exponents: torch.Tensor, theta: float, rope: dict[str, Any], positions: int,
               max_positions: int) -> tuple[torch.Tensor, float]:
     """LongRoPE (Phi-3): each dimension's frequency divided by its own factor, the
-    `short_factor`s for a context up to original_max_position_embeddings, the `long_factor`s
-    past it; cos and sin scaled by sqrt(1 + ln(factor) / ln(original)).
-
-    transformers picks the set per forward by the sequence's length, which would give the
-    keys of one cached prefix two rotations; as vLLM does, the served context picks one set
-    for every sequence: a context up to the original one serves exactly transformers' short
-    factors, a longer one the long factors (exact for sequences past the original length)."""
+    `short_factor`s for a table of up to original_max_position_embeddings positions, the
+    `long_factor`s for a longer one (LongRopeSwitch says which rows a sequence reads); cos and
+    sin scaled by sqrt(1 + ln(factor) / ln(original)), whichever set."""
     original = rope["original_max_position_embeddings"]
     factor = rope.get("factor") or max_positions / original
     attention = rope.get("attention_factor")
     if attention is None:
         attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
     long = positions > original
-    if long:
-        logger.warning("LongRoPE: the served context (%d) is longer than the original %d: the "
-                       "long factors rotate every sequence (--context-length %d keeps the short "
-                       "ones)", positions, original, original)
     factors = torch.tensor(rope["long_factor" if long else "short_factor"], dtype=torch.float32)
     return 1.0 / (factors * theta ** exponents), float(attention)
+
+
+@dataclass(frozen=True)
+class LongRopeSwitch:
+    """LongRoPE served past its original context. As in transformers, vLLM and SGLang, a
+    sequence rotates with the short factors while it is within `original` tokens and with the
+    long ones past it, decided per sequence: a prompt longer than `original` rotates with the
+    long factors from its first token; a shorter one with the short factors, and its tokens
+    from position `original` on with the long ones (its earlier keys keep their rotation).
+
+    The rotary table holds the short factors' rows below `original`, the long factors' from
+    there to `offset` (the served context), and at `offset + p` the long factors' rows of the
+    positions p below `original`: a token's position is its row except in a long prompt."""
+
+    original: int
+    offset: int
+
+    def long_prompt(self, prompt_len: int) -> bool:
+        return prompt_len > self.original
+
+    def table_rows(self, positions: torch.Tensor, starts: list[int], counts: list[int],
+                   prompt_lens: list[int]) -> torch.Tensor | None:
+        """Each token's row of the table, for a forward whose sequences run from `starts`
+        for `counts` tokens (`positions`: theirs, concatenated); None where every row is the
+        token's position."""
+        rows, first = None, 0
+        for start, count, prompt_len in zip(starts, counts, prompt_lens):
+            below = min(start + count, self.original) - start
+            if below > 0 and self.long_prompt(prompt_len):
+                rows = positions.clone() if rows is None else rows
+                rows[first:first + below] += self.offset
+            first += count
+        return rows
+
+
+def long_rope_switch(rope: dict[str, Any], positions: int) -> LongRopeSwitch | None:
+    """The switch of a LongRoPE table of `positions` (the served context) past its original
+    context; None for any other RoPE, or within the original context (the short factors)."""
+    if rope.get("rope_type", rope.get("type")) not in ("longrope", "su"):
+        return None
+    original = rope["original_max_position_embeddings"]
+    return LongRopeSwitch(original, positions) if positions > original else None
 
 
 def _yarn(inv_freq: torch.Tensor, head_dim: int, theta: float, rope: dict[str, Any],
@@ -114,7 +146,14 @@ class RotaryEmbedding(Layer):
         self.rotary_dim = rotary_dim or head_dim
         inv_freq, scale = _inverse_frequencies(self.rotary_dim, rope, max_positions)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        # [max_positions, head_dim/2], scaled as the RoPE type says (YaRN's attention factor)
+        switch = long_rope_switch(rope, max_positions)
+        if switch is not None:  # inv_freq: the long factors' (see LongRopeSwitch)
+            original = switch.original
+            short, _ = _inverse_frequencies(self.rotary_dim, rope, original)
+            freqs = torch.cat((torch.outer(torch.arange(original, dtype=torch.float32), short),
+                               freqs[original:], freqs[:original]))
+        # [rows, head_dim/2], scaled as the RoPE type says (YaRN's attention factor); a row per
+        # position, and LongRoPE's long prompts' rows after them
         self.register_buffer("cos", freqs.cos() * scale, persistent=False)
         self.register_buffer("sin", freqs.sin() * scale, persistent=False)
         self._cos_sin: torch.Tensor | None = None  # [max_positions, head_dim] (CUDA kernel)

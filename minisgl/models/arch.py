@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from minisgl.layers.rotary import LongRopeSwitch, long_rope_switch
+
 # What sets a family apart from the Llama decoder, whatever its config says; a config matches
 # a family by its model_type or by its architectures entry.
 FAMILY_TRAITS: dict[tuple[str, str], dict[str, bool]] = {
@@ -199,6 +201,11 @@ class ModelArch:
     def rope_positions(self) -> int:
         """The positions a RoPE table covers: the served context."""
         return self.served_context or self.max_position_embeddings
+
+    @property
+    def long_rope(self) -> LongRopeSwitch | None:
+        """LongRoPE served past its original context: which sequences rotate how."""
+        return long_rope_switch(self.rope, self.rope_positions)
 
     @property
     def sliding_window(self) -> int | None:

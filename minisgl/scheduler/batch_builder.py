@@ -63,6 +63,7 @@ class BatchBuilder:
         self.engine, self.table, self.page_size = engine, table, page_size
         self.adapters = adapters
         self.multi_rank = engine.tp.size > 1
+        self.long_rope = engine.arch.long_rope
 
     def prefill(self, chunks: list[PrefillChunk]) -> ScheduledBatch:
         return self._build("prefill", [c.req for c in chunks], [c.start for c in chunks],
@@ -145,10 +146,15 @@ class BatchBuilder:
         dummy_write = self.table.dummy_row * ctx
         write = torch.tensor([r * ctx + e if last and not req.prefill_only else dummy_write
                               for req, r, e, last in zip(reqs, rows, ends, last_chunk)])
+        rope = None  # NOTE: a decode token's row is its position
+        if self.long_rope is not None and phase != "decode":
+            rope = self.long_rope.table_rows(positions, starts, counts,
+                                             [r.prompt_len for r in reqs])
         batch = Batch(phase, len(reqs), table_rows=rows, cached_lens=starts, seq_lens=ends,
                       extend_lens=counts, input_positions=positions.to(device, non_blocking=True),
                       out_loc=locations.to(device, non_blocking=True), decode_rows=decode_rows,
-                      lora_slots=self.adapters.row_slots(reqs))
+                      lora_slots=self.adapters.row_slots(reqs),
+                      rope_positions=None if rope is None else rope.to(device, non_blocking=True))
         loads = self.adapters.take_loads()
         self.engine.plan_batch(batch)
         sample_args = self.engine.sampler.sampling_args(
@@ -179,7 +185,8 @@ class BatchBuilder:
                                   write, rows_host, decode_rows=decode_rows,
                                   token_writes=tokens,
                                   location_writes=location_writes,
-                                  lora_slots=batch.lora_slots, lora_loads=loads)
+                                  lora_slots=batch.lora_slots, lora_loads=loads,
+                                  rope_positions=rope)
         fwd = ForwardInput(batch=batch, load_indices=load.to(device, non_blocking=True),
                            write_indices=write.to(device, non_blocking=True),
                            logit_rows=None if rows_host is None else rows_host.to(

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Callable, TypeVar
 
-from minisgl.core import SamplingParams, check_logprob_start_len
+from minisgl.core import SamplingParams
 from minisgl.stop_regex import compile_stop_regex
 from minisgl.errors import InvalidRequest, QueueFull
 from minisgl.scheduler.cache import pages_spanned
@@ -150,7 +150,8 @@ def check_one(spec: RequestSpec, limits: RequestLimits, rid_taken: Callable[[str
         raise InvalidRequest("an embedding request generates no tokens (max_new_tokens 0)")
     if spec.rid is not None and rid_taken(spec.rid):
         raise InvalidRequest(f"a request with rid {spec.rid!r} is already running")
-    if spec.logprob_num >= 0:
-        check_logprob_start_len(spec.logprob_start_len, len(ids))
+    if spec.logprob_num >= 0 and spec.logprob_start_len >= len(ids):  # as SGLang refuses it
+        raise InvalidRequest(f"logprob_start_len ({spec.logprob_start_len}) must be below the "
+                             f"number of prompt tokens ({len(ids)})")
     if params.grammar is not None and spec.matcher is None:
         raise InvalidRequest(f"{params.grammar[0]}: the grammar was not compiled")

@@ -19,6 +19,7 @@ import torch
 
 from minisgl.core import Req
 from minisgl.kvcache import CacheHandle
+from minisgl.layers.rotary import LongRopeSwitch
 from minisgl.scheduler.cache import CacheManager, locations_for, pages_spanned
 from minisgl.scheduler.decode import DecodeManager
 from minisgl.scheduler.lora import AdapterTable
@@ -68,9 +69,11 @@ class NewTokenRatio:
 
 class PrefillManager:
     def __init__(self, cache: CacheManager, table: TableManager, decode: DecodeManager,
-                 order: WaitingOrder, adapters: AdapterTable) -> None:
+                 order: WaitingOrder, adapters: AdapterTable,
+                 long_rope: LongRopeSwitch | None = None) -> None:
         self.cache, self.table, self.decode = cache, table, decode
         self.adapters = adapters
+        self.long_rope = long_rope
         self.order = order
         self.waiting: deque[Req] = deque()
         self.chunked: Req | None = None  # admitted, prompt only partly prefilled
@@ -100,7 +103,7 @@ class PrefillManager:
         """Give an admitted request's slot back, and its KV: whole pages to the prefix cache,
         the rest to the free pages."""
         locations = self.table.locations(req.table_idx, req.kv_len)
-        self.cache.release(req.cache_ids(req.cacheable_len), locations, req.shared_len,
+        self.cache.release(self._cache_ids(req, req.cacheable_len), locations, req.shared_len,
                            req.cache_handle)
         self.adapters.release(req.lora_uid)
         self.table.free(req.table_idx)
@@ -135,7 +138,7 @@ class PrefillManager:
             """One prefix match per request and round, redone only once pages were evicted."""
             found = matches.get(req)
             if found is None or found[2] != self.cache.evictions:
-                found = (*self.cache.match(req.cache_ids(), self._matched_len(req)),
+                found = (*self.cache.match(self._cache_ids(req), self._matched_len(req)),
                          self.cache.evictions)
                 matches[req] = found
             return found[0], found[1]
@@ -161,6 +164,12 @@ class PrefillManager:
                 self.chunked = req
         return chunks
 
+    def _cache_ids(self, req: Req, end: int | None = None) -> list[int]:
+        """The request's ids as the prefix cache keys them: a LongRoPE long prompt's KV is
+        rotated otherwise than a short one's."""
+        return req.cache_ids(end, long_rope=self.long_rope is not None
+                             and self.long_rope.long_prompt(req.prompt_len))
+
     @staticmethod
     def _matched_len(req: Req) -> int:
         """How much of host_ids the prefix cache may serve (up to the last token, see
@@ -181,7 +190,8 @@ class PrefillManager:
     def share(self, req: Req) -> None:
         """Let later requests match this request's prefilled pages while it runs."""
         locations = self.table.locations(req.table_idx, req.kv_len)
-        shared = self.cache.share(req.cache_ids(), locations, req.shared_len, req.cache_handle)
+        shared = self.cache.share(self._cache_ids(req), locations, req.shared_len,
+                                  req.cache_handle)
         if shared is not None:
             req.shared_len, req.cache_handle = shared
 

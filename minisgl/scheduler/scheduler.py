@@ -66,7 +66,7 @@ class Scheduler:
         self.adapters = AdapterTable(engine.config.max_loras_per_batch if engine.lora else 0,
                                      engine.config.max_loaded_loras)
         self.prefill = PrefillManager(self.cache, self.table, self.decode, self.order,
-                                      self.adapters)
+                                      self.adapters, engine.arch.long_rope)
         self.builder = BatchBuilder(engine, self.table, ps, self.adapters)
         self.governor = (DraftGovernor() if engine.speculation is not None
                          and not config.speculative_always_draft else None)
