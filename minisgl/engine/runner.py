@@ -64,7 +64,7 @@ class ModelRunner:
             return_freed_heap()
         if fwd.logits_only:
             return ForwardOutput(logits=logits.float())
-        if not self.tp.is_primary:  # rank 0 samples; every rank stores its choice
+        if self.tp.rank:  # rank 0 samples; every rank stores its choice
             next_tokens = torch.empty(len(fwd.write_indices), dtype=torch.int32,
                                       device=self.device)
             self.token_pool.view(-1)[fwd.write_indices] = broadcast(next_tokens, 0)

@@ -115,7 +115,9 @@ def parse_chat(body: dict[str, Any], model: OpenAIModel, template_takes_tools: b
     template_kwargs = {**chat_template_kwargs(body), "add_generation_prompt": generation_prompt}
     reasoning, thinking = request_reasoning(body, model.reasoning_parser,
                                             model.template_thinking, template_kwargs, prefix)
-    tools = parse_tool_use(body)
+    tools = (parse_tool_use(body) if any(body.get(name) is not None for name in
+                                         ("tools", "tool_choice", "parallel_tool_calls"))
+             else None)
     if tools is not None:
         messages, extra = render_tools(messages, tools, template_takes_tools)
         template_kwargs = {**template_kwargs, **extra}

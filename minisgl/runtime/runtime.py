@@ -45,6 +45,7 @@ class Runtime:
             self.model_name = self.served_names[0]
             self.requests = RequestManager(self.scheduler, self.tokenizer, grammar,
                                            Metrics(self.model_name), self._request_log())
+            self.scheduler.sink = self.requests.deliver  # NOTE: directly, once it exists
             for name, path, pinned in args.lora_adapters():
                 try:
                     add_adapter(self.scheduler.adapters, self.engine.lora, name, path, pinned)

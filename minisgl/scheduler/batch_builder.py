@@ -94,9 +94,9 @@ class BatchBuilder:
             req.kv_len += count
             req.device_len += count
             req.tail_loc = tail
+        lora_slots, loads = self._adapters_of(reqs)
         batch = Batch("decode", len(reqs), table_rows=rows, cached_lens=[], seq_lens=[],
-                      extend_lens=[], lora_slots=self.adapters.row_slots(reqs))
-        loads = self.adapters.take_loads()
+                      extend_lens=[], lora_slots=lora_slots)
         message = None
         if self.multi_rank:  # the engine fills in the layout (StepMessage.resolve)
             tokens, location_writes = self.table.take_log()
@@ -146,6 +146,7 @@ class BatchBuilder:
         dummy_write = self.table.dummy_row * ctx
         write = torch.tensor([r * ctx + e if last and not req.prefill_only else dummy_write
                               for req, r, e, last in zip(reqs, rows, ends, last_chunk)])
+        lora_slots, loads = self._adapters_of(reqs)
         rope = None  # NOTE: a decode token's row is its position
         if self.long_rope is not None and phase != "decode":
             rope = self.long_rope.table_rows(positions, starts, counts,
@@ -153,9 +154,8 @@ class BatchBuilder:
         batch = Batch(phase, len(reqs), table_rows=rows, cached_lens=starts, seq_lens=ends,
                       extend_lens=counts, input_positions=positions.to(device, non_blocking=True),
                       out_loc=locations.to(device, non_blocking=True), decode_rows=decode_rows,
-                      lora_slots=self.adapters.row_slots(reqs),
+                      lora_slots=lora_slots,
                       rope_positions=None if rope is None else rope.to(device, non_blocking=True))
-        loads = self.adapters.take_loads()
         self.engine.plan_batch(batch)
         sample_args = self.engine.sampler.sampling_args(
             reqs, prompt_lens=[len(r.prompt_ids) for r in reqs],
@@ -196,6 +196,14 @@ class BatchBuilder:
                            embed_rows=torch.tensor(embed_rows, dtype=torch.int64).to(
                                device, non_blocking=True) if embed_rows else None)
         return ScheduledBatch(reqs, last_chunk, fwd)
+
+    def _adapters_of(self, reqs: list[Req]
+                     ) -> tuple[list[int] | None, list[tuple[int, int, str]]]:
+        """Each row's LoRA adapter slot and the adapter loads due; (None, []) while no admitted
+        request uses an adapter."""
+        if not self.adapters.active and not self.adapters.pending:
+            return None, []
+        return self.adapters.row_slots(reqs), self.adapters.take_loads()
 
     def _grammar_rows(self, reqs: list[Req], last_chunk: list[bool]) -> GrammarMask | None:
         """The rows whose token must follow a grammar (mask not filled yet); None if none."""

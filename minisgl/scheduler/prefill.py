@@ -105,7 +105,8 @@ class PrefillManager:
         locations = self.table.locations(req.table_idx, req.kv_len)
         self.cache.release(self._cache_ids(req, req.cacheable_len), locations, req.shared_len,
                            req.cache_handle)
-        self.adapters.release(req.lora_uid)
+        if req.lora_uid:
+            self.adapters.release(req.lora_uid)
         self.table.free(req.table_idx)
         req.table_idx, req.cache_handle = -1, None
 
@@ -146,7 +147,7 @@ class PrefillManager:
         for req in self.order.order(self.waiting, lambda r: match(r)[0].length):
             if budget <= 0 or self.chunked is not None or self.table.num_free == 0:
                 break
-            if not self.adapters.can_admit(req.lora_uid):
+            if req.lora_uid and not self.adapters.can_admit(req.lora_uid):
                 continue  # NOTE: its adapter needs a slot the running requests' adapters hold
             if self.order.shares_in_batch and self._shares_uncached(req, match(req)[0].length,
                                                                     admitted):
@@ -221,7 +222,8 @@ class PrefillManager:
         req.tail_loc = int(prefix[-1]) if handle.length else -1
         self._admissions += 1
         req.admitted_at = self._admissions
-        self.adapters.admit(req.lora_uid)
+        if req.lora_uid:
+            self.adapters.admit(req.lora_uid)
         return True
 
     def _next_chunk(self, req: Req, budget: int) -> PrefillChunk | None:

@@ -100,7 +100,7 @@ class Scheduler:
             return rid in self.reqs or (rid_taken is not None and rid_taken(rid))
 
         specs = [fill_max_new_tokens(spec, self.limits) for spec in specs]
-        adapters = [self.adapters.uid_of(spec.lora) for spec in specs]  # NOTE: all or none
+        adapters = [self.adapters.uid_of(spec.lora) if spec.lora else 0 for spec in specs]
         waiting = len(self.prefill.waiting) + self._pending_new()
         displaced = self._displaceable(specs, waiting)
         check_batch(specs, self.limits, taken, waiting - len(displaced))

@@ -58,9 +58,11 @@ class Server:
                            args.split_list(args.cors_origins), DASHBOARD_OPEN_PATHS)
 
     def build_app(self) -> web.Application:
+        middlewares = [self.errors_middleware, self.guard.middleware]
+        if self.embeddings.serves_embeddings:  # NOTE: it refuses the generation endpoints
+            middlewares.append(self.embeddings.middleware)
         app = web.Application(client_max_size=self.args.max_request_bytes,
-                              middlewares=[self.errors_middleware, self.guard.middleware,
-                                           self.embeddings.middleware])
+                              middlewares=middlewares)
         app[MAX_BODY] = self.args.max_request_bytes
         app.on_response_prepare.append(self.guard.add_cors_headers)
         app.cleanup_ctx.append(self._timeline_sampling)
@@ -121,7 +123,7 @@ class Server:
     def ensure_ready(self) -> None:
         if self.shutting_down:
             raise HTTPError(503, "the server is shutting down")
-        if not self.runtime.running:
+        if not self.manager.running:
             raise HTTPError(503, "the scheduler is not running (see the server log)")
 
     # ---- SGLang-native generation ------------------------------------------------------------
@@ -140,7 +142,7 @@ class Server:
     # ---- operations --------------------------------------------------------------------------
 
     async def health(self, request: web.Request) -> web.Response:
-        if self.shutting_down or not self.runtime.running:
+        if self.shutting_down or not self.manager.running:
             return error_response(503, "unhealthy: shutting down or the scheduler stopped")
         return web.Response(status=200)
 
@@ -213,7 +215,7 @@ class Server:
         self.shutting_down = True
         self.manager.abort_all("the server is shutting down")
         deadline = time.monotonic() + SHUTDOWN_GRACE_S
-        while self.manager.handles and self.runtime.running and time.monotonic() < deadline:
+        while self.manager.handles and self.manager.running and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         await runner.cleanup()  # stops listening, lets handlers write their last chunk
         await self.runtime.stop()

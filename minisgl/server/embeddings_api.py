@@ -36,7 +36,7 @@ class EmbeddingsAPI:
     @web.middleware
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """An embedding server refuses the generation endpoints, naming the flag."""
-        if self.serves_embeddings and request.path in GENERATION_PATHS:
+        if request.path in GENERATION_PATHS:
             raise HTTPError(400, f"{request.path}: {GENERATION_ONLY}")
         return await handler(request)
 
