@@ -17,7 +17,7 @@ from gguf import quants
 
 from minisgl import LLM
 from minisgl.layers.gguf_weight import GgufWeight, StackedWeight, block_kernels
-from minisgl.models.gguf_decode import BLOCK_BYTES, decode
+from minisgl.models.gguf_decode import BLOCK_BYTES, read_gguf_blocks
 from tests import reference as ref
 from tests.gguf_requant import encode, requant_gguf
 from tests.test_gguf_types import assert_matches_transformers, hf_model
@@ -60,7 +60,7 @@ def test_blocks_decode_exactly_as_the_gguf_package(kind: str):
         sources.append(quantized_blocks(kind, 16, 512))
     for raw in sources:
         want = quants.dequantize(raw, getattr(Kind, kind))
-        blocks = decode(kind, raw, 16, 512)
+        blocks = read_gguf_blocks(kind, raw, 16, 512)
         assert np.array_equal(blocks.dequantize().numpy(), want)
         assert np.array_equal(GgufWeight(blocks).rows().numpy(), want)  # the packed layout
         rows = torch.tensor([3, 0, 15])
@@ -71,7 +71,7 @@ def test_blocks_decode_exactly_as_the_gguf_package(kind: str):
 def test_kernel_against_float64(kind: str):
     out, in_features = 40, 768
     raw = random_blocks(kind, out, in_features, seed=3)
-    weight = GgufWeight(decode(kind, raw, out, in_features))
+    weight = GgufWeight(read_gguf_blocks(kind, raw, out, in_features))
     dense = torch.from_numpy(quants.dequantize(raw, getattr(Kind, kind))).double()
     gen = torch.Generator().manual_seed(0)
     for rows in ROWS:
@@ -106,7 +106,7 @@ def test_a_rows_product_does_not_depend_on_its_batch(kind: str):
     result stays the same to the bit: a verify step's rows and a batch's rows decode as the
     row would alone."""
     out, in_features = 40, 768
-    weight = GgufWeight(decode(kind, random_blocks(kind, out, in_features, seed=5), out,
+    weight = GgufWeight(read_gguf_blocks(kind, random_blocks(kind, out, in_features, seed=5), out,
                                in_features))
     kernels = weight.kernels
     x = torch.randn(700, in_features, generator=torch.Generator().manual_seed(2))
@@ -126,11 +126,11 @@ def test_a_rows_product_does_not_depend_on_its_batch(kind: str):
 
 
 def test_a_shard_must_cut_whole_blocks():
-    k_quant = decode("Q4_K", random_blocks("Q4_K", 8, 512), 8, 512)
+    k_quant = read_gguf_blocks("Q4_K", random_blocks("Q4_K", 8, 512), 8, 512)
     assert k_quant[:, 256:512].shape == (8, 256)
     with pytest.raises(ValueError, match="multiples of 256"):
         k_quant[:, 0:128]
-    flat = decode("Q5_0", random_blocks("Q5_0", 8, 96), 8, 96)
+    flat = read_gguf_blocks("Q5_0", random_blocks("Q5_0", 8, 96), 8, 96)
     with pytest.raises(ValueError, match="multiples of 32"):
         flat[:, 0:48]
 

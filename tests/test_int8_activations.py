@@ -20,7 +20,7 @@ from minisgl.engine.quantization import check_int8_activations
 from minisgl.layers.gguf_weight import OFFSET_FOLDED, GgufWeight, block_kernels
 from minisgl.layers.quant import (VnniWeight, WeightBlocks, activation_terms, block_weight,
                                   int8_weight)
-from minisgl.models.gguf_decode import BLOCK_BYTES, decode
+from minisgl.models.gguf_decode import BLOCK_BYTES, read_gguf_blocks
 from tests import reference as ref
 from tests.engine_probe import prefill_logits
 from tests.test_gguf_kquants import random_blocks
@@ -96,7 +96,7 @@ def test_vnni_kernel_multiplies_activations_rounded_to_one_int8(bits: int):
 @pytest.mark.parametrize("kind", sorted(BLOCK_BYTES))
 def test_block_kernel_multiplies_activations_rounded_to_one_int8(kind: str):
     out, in_features = 40, 768
-    blocks = decode(kind, random_blocks(kind, out, in_features, seed=3), out, in_features)
+    blocks = read_gguf_blocks(kind, random_blocks(kind, out, in_features, seed=3), out, in_features)
     with activation_terms(1):
         weight = GgufWeight(blocks)
         zero = GgufWeight(dataclasses.replace(blocks, codes=torch.zeros_like(blocks.codes)))

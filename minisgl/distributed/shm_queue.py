@@ -58,7 +58,7 @@ def _pad16(n: int) -> int:
     return (n + 15) & ~15
 
 
-def encode(arrays: Sequence[np.ndarray]) -> np.ndarray:
+def encode_arrays(arrays: Sequence[np.ndarray]) -> np.ndarray:
     """[n, (dtype, length) * n] + each array's bytes padded to 8: one uint8 payload."""
     header = np.empty(1 + 2 * len(arrays), dtype=np.int64)
     header[0] = len(arrays)
@@ -76,8 +76,8 @@ def encode(arrays: Sequence[np.ndarray]) -> np.ndarray:
     return payload
 
 
-def decode(payload: np.ndarray) -> list[np.ndarray]:
-    """Inverse of `encode`; the arrays are views of `payload`."""
+def decode_arrays(payload: np.ndarray) -> list[np.ndarray]:
+    """Inverse of `encode_arrays`; the arrays are views of `payload`."""
     count = int(payload[:8].view(np.int64)[0])
     header = payload[: 8 * (1 + 2 * count)].view(np.int64)
     offset = header.nbytes
@@ -151,7 +151,7 @@ class ShmQueue:
             ) -> None:
         """Queue one message. Raises QueueClosed when the reader is gone (or `alive()` says
         so while waiting for room)."""
-        payload = encode(arrays)
+        payload = encode_arrays(arrays)
         total = len(payload)
         start = 0
         while True:
@@ -206,7 +206,7 @@ class ShmQueue:
             parts.append(data)
             if flags & FLAG_LAST:
                 break
-        return decode(parts[0] if len(parts) == 1 else np.concatenate(parts))
+        return decode_arrays(parts[0] if len(parts) == 1 else np.concatenate(parts))
 
     def _get_fragment(self) -> tuple[np.ndarray, int]:
         while True:

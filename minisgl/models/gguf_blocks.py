@@ -26,7 +26,7 @@ import torch
 
 from minisgl.layers.gguf_weight import KINDS, GgufBlocks, block_kernels
 from minisgl.layers.quant import GROUP, LANES, WeightBlocks, vnni_kernels
-from minisgl.models.gguf_decode import decode
+from minisgl.models.gguf_decode import read_gguf_blocks
 
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
@@ -146,8 +146,8 @@ def _decode_tensor(tensor: Any, kernel: str, experts: bool, permuted_heads: int 
     if experts:  # [experts, out, in]: one weight per expert
         raw = np.asarray(tensor.data).reshape(int(tensor.shape[2]), -1)
         return [decode_blocks(kind, e, out_features, in_features) for e in raw]
-    weight = (decode(kind, tensor.data, out_features, in_features) if kernel == "avx2" else
-              decode_blocks(kind, tensor.data, out_features, in_features))
+    weight = (read_gguf_blocks(kind, tensor.data, out_features, in_features)
+              if kernel == "avx2" else decode_blocks(kind, tensor.data, out_features, in_features))
     return weight if permuted_heads is None else unpermute_rows(weight, permuted_heads)
 
 

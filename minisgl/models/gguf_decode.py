@@ -46,7 +46,7 @@ def _bits(raw: torch.Tensor, count: int, width: int = 1) -> torch.Tensor:
     return (raw.unsqueeze(-2) >> shifts) & ((1 << width) - 1)
 
 
-def decode(kind: str, raw: np.ndarray, out_features: int, in_features: int) -> GgufBlocks:
+def read_gguf_blocks(kind: str, raw: np.ndarray, out_features: int, in_features: int) -> GgufBlocks:
     size = BLOCK_BYTES[kind]
     per_block = SUPER if kind.endswith("_K") else GROUP
     if in_features % per_block:

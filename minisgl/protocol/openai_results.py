@@ -20,7 +20,7 @@ from minisgl.runtime import Prompt, ReqHandle
 from minisgl.runtime.tokenizer import Tokenizer
 
 
-def finish_reason(reason: dict[str, Any] | None) -> str | None:
+def openai_finish_reason(reason: dict[str, Any] | None) -> str | None:
     return None if reason is None else reason.get("type")
 
 
@@ -102,10 +102,9 @@ class CompletionAnswer(_Answer):
     def _choice(self, k: int, h: ReqHandle, cursor: Cursor) -> dict[str, Any]:
         """What the client has not been sent yet of choice k; advances the cursor."""
         text = h.text
+        reason = openai_finish_reason(h.finish_reason) if h.finished else None
         choice: dict[str, Any] = {"index": k, "text": cursor.prefix + text[cursor.chars:],
-                                  "logprobs": None,
-                                  "finish_reason": finish_reason(h.finish_reason) if h.finished
-                                  else None}
+                                  "logprobs": None, "finish_reason": reason}
         if h.finished:
             choice["matched_stop"] = matched_stop(h.finish_reason)
         if h.logprob_num >= 0:
@@ -151,7 +150,7 @@ class ChatAnswer(_Answer):
             reasoning, text = self.reasoning.new_parser().parse(h.text)
         message: dict[str, Any] = {"role": "assistant", "content": text,
                                    "reasoning_content": reasoning}
-        reason = finish_reason(h.finish_reason)
+        reason = openai_finish_reason(h.finish_reason)
         if self.tools is not None:
             parser = self.tools.parser(self.parser_name)
             message["content"], calls = parser.parse(text)
@@ -192,7 +191,7 @@ class ChatAnswer(_Answer):
             if len(content) > self._content_sent.get(k, 0):
                 delta["content"] = content[self._content_sent.get(k, 0):]
             self._content_sent[k] = len(content)
-            reason = finish_reason(h.finish_reason)
+            reason = openai_finish_reason(h.finish_reason)
         else:
             if k not in self._parsers:
                 self._parsers[k] = self.tools.parser(self.parser_name)
@@ -204,7 +203,7 @@ class ChatAnswer(_Answer):
                 delta["content"] = new.content
             if new.tool_calls:
                 delta["tool_calls"] = new.tool_calls
-            reason = parser.finish_reason(finish_reason(h.finish_reason))
+            reason = parser.finish_reason(openai_finish_reason(h.finish_reason))
         logprobs = chat_logprobs(self.tokens, h, cursor) if h.logprob_num >= 0 else None
         if (not delta and not reasoning and not h.finished
                 and not (logprobs and logprobs["content"])):

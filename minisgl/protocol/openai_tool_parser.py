@@ -41,7 +41,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from minisgl.protocol.openai_tool_scan import WS, CallScanner, decode
+from minisgl.protocol.openai_tool_scan import WS, CallScanner, json_string_value
 
 HERMES_OPEN, HERMES_CLOSE, PYTHON_TAG = "<tool_call>", "</tool_call>", "<|python_tag|>"
 MISTRAL_TAG = "[TOOL_CALLS]"
@@ -306,7 +306,7 @@ class ToolCallParser(ContentStream):
         if not call.confirmed:
             name = scan.span("name")
             if name is not None and name[1] is not None:
-                value = decode(text[name[0]:name[1]])
+                value = json_string_value(text[name[0]:name[1]])
                 if value not in self.names:
                     self._not_a_call()
                     return True

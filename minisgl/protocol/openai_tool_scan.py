@@ -12,7 +12,7 @@ WS = " \t\r\n"
 ARGUMENT_KEYS = ("arguments", "parameters")
 
 
-def decode(raw: str) -> str | None:
+def json_string_value(raw: str) -> str | None:
     """A JSON string's value; None if `raw` is not one (a bad escape, another kind)."""
     try:
         value = json.loads(raw)
@@ -58,7 +58,7 @@ class CallScanner:
             elif c == '"':
                 self.in_string = False
                 if self.expect == "in_key":
-                    self.key = decode(text[self.key_start:i + 1])
+                    self.key = json_string_value(text[self.key_start:i + 1])
                     self.broken = self.key is None
                     self.expect = "colon"
                 elif self.depth == 1:  # a string value at the top level
