@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from minisgl.engine.cuda_stream import EventWaiter, wait_event
+from minisgl.engine.stream import EventWaiter, wait_event
 
 WAIT_MODES = ("sync", "thread", "thread+probe", "poll")
 

@@ -469,7 +469,7 @@ def test_rope_on_cuda_at_every_head_size(head_dim: int) -> None:
 
 
 def test_polling_stream_completes_like_the_waiter_thread() -> None:
-    from minisgl.engine.cuda_stream import CudaStream
+    from minisgl.engine.stream import CudaStream
 
     async def run(stream) -> list:
         outs = []

@@ -20,7 +20,7 @@ from minisgl.attention.flashinfer_backend import (
 )
 from minisgl.attention.torch_backend import TorchBackend
 from minisgl.core import Batch
-from minisgl.engine.cuda_stream import wait_event
+from minisgl.engine.stream import wait_event
 from minisgl.engine.graph import GraphRunner, graph_batch_sizes
 from minisgl.errors import EngineFailed
 from tests import paged_scenario as scenario
@@ -225,7 +225,7 @@ def test_wait_event_polls_until_ready_then_backs_off() -> None:
 
 def test_gpu_modules_import_without_flashinfer_or_cuda() -> None:
     code = ("import sys, minisgl.engine.graph, minisgl.attention.flashinfer_backend, "
-            "minisgl.engine.cuda_stream; assert 'flashinfer' not in sys.modules")
+            "minisgl.engine.stream; assert 'flashinfer' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT)
     subprocess.run([sys.executable, "scripts/bench_gpu.py", "--help"], check=True,
                    cwd=REPO_ROOT, capture_output=True)

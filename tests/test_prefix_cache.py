@@ -7,8 +7,7 @@ import random
 import pytest
 import torch
 
-from minisgl.kvcache.naive import NaiveCache
-from minisgl.kvcache.radix import RadixCache
+from minisgl.kvcache.prefix_cache import NaiveCache, RadixCache
 
 PAGE_SIZES = [1, 4]
 

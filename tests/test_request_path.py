@@ -106,7 +106,7 @@ def test_a_request_enters_no_module_of_a_feature_it_does_not_use(traced, request
     calls = traced.trace(request_kind)
     files = sorted(calls)
     print(f"{request_kind.__name__}: {len(files)} files: {' '.join(files)}")
-    assert "scheduler/scheduler.py" in files and "engine/runner.py" in files  # it traced
+    assert "scheduler/scheduler.py" in files and "engine/engine.py" in files  # it traced
     entered = {feature: sorted(set(modules) & set(files))
                for feature, modules in FEATURE_MODULES.items()}
     assert not any(entered.values()), {f: m for f, m in entered.items() if m}

@@ -1,5 +1,5 @@
 """How the scheduler task awaits a launched forward: the waiter thread and the event probe of
-`minisgl.engine.completion.Completion`, with stand-in events on CPU (the same code runs on CUDA
+`minisgl.engine.stream.Completion`, with stand-in events on CPU (the same code runs on CUDA
 events in tests/test_gpu.py). The timing side (how late the thread alone is under a busy loop)
 is `python scripts/bench_gpu.py events --device cpu`, recorded in BENCHMARKS.md."""
 
@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from minisgl.engine.completion import Completion
-from minisgl.engine.cuda_stream import EventWaiter
+from minisgl.engine.stream import Completion
+from minisgl.engine.stream import EventWaiter
 from minisgl.errors import EngineFailed
 
 

@@ -1,5 +1,7 @@
-"""The engine: the model, its device memory (KV pool, page table, token pool) and the stream
-its forwards run on.
+"""The engine: the model, its device memory (KV pool, page table, token pool), the stream its
+forwards run on, and the step itself (`ModelRunner`): gather the input ids from the token pool,
+run the model (a captured CUDA graph for a decode batch that fits one), sample on rank 0, and
+write the sampled ids back into the token pool, where the next batch gathers them.
 
 With `tp_size` N > 1 the rank-0 engine also owns ranks 1..N-1 (`minisgl.distributed.worker`):
 `launch` first puts the step message into each rank's shared-memory ring, and every forward
@@ -12,6 +14,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import time
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable
@@ -20,30 +23,46 @@ import numpy as np
 import torch
 
 from minisgl.args import device_default
-from minisgl.flag_checks import lora_adapters
 from minisgl.core import Batch
-from minisgl.distributed.context import TPInfo, bind_thread, create_group, tp_context
+from minisgl.distributed.context import (
+    TPInfo,
+    bind_thread,
+    broadcast,
+    create_group,
+    tp_context,
+)
 from minisgl.distributed.shm_queue import QueueClosed
 from minisgl.distributed.worker import GLOO_TIMEOUT_S, TPWorkers, cpu_threads
 from minisgl.engine.chunking import default_chunk
-from minisgl.engine.completion import Completion
-from minisgl.engine.failure import FailureWatch
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.draft_model import DraftModel
-from minisgl.engine.forward import ForwardInput, ForwardOutput
+from minisgl.engine.failure import FailureWatch
+from minisgl.engine.forward import (
+    ForwardInput,
+    ForwardOutput,
+    InputLogprobs,
+    VerifyRows,
+    to_host,
+)
 from minisgl.engine.graph import GraphRunner, supports_graphs
 from minisgl.engine.lora import LoraModules, lora_settings
-from minisgl.engine.memory import allocate_kv_pool, release_cuda_memory
+from minisgl.engine.memory import (
+    allocate_kv_pool,
+    release_cuda_memory,
+    return_freed_heap,
+)
 from minisgl.engine.model_loading import attention_for, draft_arch, kv_heads, load_model
 from minisgl.engine.placement import check_tp_size, resolve_device, resolve_dtype
+from minisgl.engine.pooling import last_token_embeddings
 from minisgl.engine.quantization import check_int8_activations, resolve_quantization
-from minisgl.engine.runner import ModelRunner
 from minisgl.engine.sampler import Sampler
+from minisgl.engine.scoring import score_rows
 from minisgl.engine.speculation import Speculator, spec_config
-from minisgl.engine.stream import CpuStream
-from minisgl.engine.tp_message import StepMessage
+from minisgl.engine.stream import Completion, CpuStream
+from minisgl.engine.tp_message import PHASES, StepMessage
 from minisgl.env import cuda_wait_mode
 from minisgl.errors import EngineFailed
+from minisgl.flag_checks import lora_adapters
 from minisgl.kvcache import KVPool
 from minisgl.layers.moe import syncs_on_host
 from minisgl.models import ModelArch, check_supported, load_config, resolve_model_path
@@ -182,7 +201,7 @@ class Engine:
             if binding is not None:
                 bind_thread(*binding)  # NOTE: _build runs on the engine thread itself
         else:
-            from minisgl.engine.cuda_stream import CudaStream
+            from minisgl.engine.stream import CudaStream
 
             self.stream = CudaStream(self.device, binding, poll=cuda_wait_mode() == "poll")
         if self.workers is not None:
@@ -398,3 +417,131 @@ def _share_cores(threads: int) -> int:
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     return previous
+
+
+# CPU: after a step of this many tokens the heap's free pages go back to the OS (see forward)
+RETURN_HEAP_AFTER_TOKENS = 1024
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, attn_backend, sampler: Sampler,
+                 token_pool: torch.Tensor, graph_runner: GraphRunner | None, tp: TPInfo,
+                 speculator: Speculator | None = None, lora: LoraModules | None = None
+                 ) -> None:
+        self.model, self.attn_backend, self.sampler = model, attn_backend, sampler
+        self.token_pool, self.graph_runner, self.tp = token_pool, graph_runner, tp
+        self.speculator = speculator  # rank 0 of a speculating engine
+        self.lora = lora  # --enable-lora
+        self.device = token_pool.device
+        self.phase_seconds = {phase: 0.0 for phase in PHASES}
+        self.phase_steps = {phase: 0 for phase in PHASES}
+        self.forwarded_tokens = {"prefill": 0, "decode": 0}  # mixed steps count in both
+
+    def plan_batch(self, batch: Batch) -> None:
+        """Host side, when the batch is scheduled: pad a decode batch to its graph size (dummy
+        rows, dummy page), then build the attention metadata."""
+        if self.graph_runner is not None:
+            self.graph_runner.pad_batch(batch)
+        self.attn_backend.prepare_metadata(batch)
+
+    def resolve(self, fwd: ForwardInput) -> None:
+        """Lay out a verify step once the steps before it ran (rank 0; see engine.speculation)."""
+        assert self.speculator is not None
+        self.speculator.resolve(fwd)
+        self.plan_batch(fwd.batch)
+
+    def forward(self, fwd: ForwardInput) -> ForwardOutput:
+        """Runs on the engine stream (GPU) or the engine thread (CPU), in launch order."""
+        started = time.perf_counter()
+        if self.lora is not None:
+            self.lora.begin_step(fwd.lora_loads, fwd.batch)
+        logits, scored, embeddings = self._logits(fwd)
+        if self.device.type == "cpu" and len(fwd.load_indices) >= RETURN_HEAP_AFTER_TOKENS:
+            # NOTE: glibc keeps a prefill chunk's freed activations resident, on top of a KV
+            # pool that fills as the requests decode (BENCHMARKS.md)
+            return_freed_heap()
+        if fwd.logits_only:
+            return ForwardOutput(logits=logits.float())
+        if self.tp.rank:  # rank 0 samples; every rank stores its choice
+            next_tokens = torch.empty(len(fwd.write_indices), dtype=torch.int32,
+                                      device=self.device)
+            self.token_pool.view(-1)[fwd.write_indices] = broadcast(next_tokens, 0)
+            return ForwardOutput()
+        output = self._sample(fwd, logits, scored)
+        output.embeddings = embeddings
+        if self.speculator is not None and fwd.verify is None:
+            self.speculator.record_step(fwd)
+        self._count(fwd.batch, started, verify=fwd.verify)
+        return output
+
+    def _logits(self, fwd: ForwardInput
+                ) -> tuple[torch.Tensor, InputLogprobs | None, torch.Tensor | None]:
+        """The batch's next-token logits (replayed from a CUDA graph where one fits), the
+        input logprobs of its scored prompt rows and the embeddings of its embedding rows
+        (each None without any)."""
+        batch = fwd.batch
+        input_ids = self.token_pool.view(-1)[fwd.load_indices]
+        # NOTE: the model's RoPE reads these rows (attention reads batch.input_positions)
+        positions = (batch.input_positions if batch.rope_positions is None
+                     else batch.rope_positions)
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            return self.graph_runner.replay(batch, input_ids, positions), None, None
+        if fwd.num_scored_rows or fwd.embed_rows is not None:
+            # NOTE: the same collectives as the model's forward on the other ranks: the LM
+            # head on the sampling rows, then (every rank) on the scored rows
+            hidden = self.model.hidden_states(input_ids, positions, batch, self.attn_backend,
+                                              fwd.logit_rows)
+            embeddings = (None if fwd.embed_rows is None
+                          else last_token_embeddings(hidden, fwd.embed_rows))
+            logits = self.model.lm_head(hidden[: batch.size])
+            scored = (score_rows(self.model.lm_head, hidden[batch.size:], fwd.input_logprobs)
+                      if fwd.num_scored_rows else None)
+            return logits, scored, embeddings
+        return self.model(input_ids, positions, batch, self.attn_backend,
+                          fwd.logit_rows), None, None
+
+    def _sample(self, fwd: ForwardInput, logits: torch.Tensor,
+                scored: InputLogprobs | None) -> ForwardOutput:
+        """Rank 0: sample (under the grammar's mask), store the ids in the token pool, share
+        them with the other ranks, and copy the results to the host."""
+        mask = None
+        if fwd.grammar is not None:  # NOTE: may wait for the scheduler (see GrammarMask)
+            bitmask = fwd.grammar.wait()
+            mask = (fwd.grammar.rows, bitmask.to(self.device, non_blocking=True))
+        if fwd.verify is not None:
+            assert self.speculator is not None
+            output, stored = self.speculator.verify(fwd, logits, self.sampler, mask)
+            self.token_pool.view(-1)[fwd.write_indices] = stored
+            if self.tp.size > 1:
+                broadcast(stored, 0)
+            return output
+        sample = self.sampler.sample(logits[: fwd.batch.size], fwd.sample_args, self.token_pool,
+                                     mask)
+        self.token_pool.view(-1)[fwd.write_indices] = sample.next_tokens
+        if self.tp.size > 1:
+            broadcast(sample.next_tokens, 0)
+        tops = sample.top_logprobs
+        return ForwardOutput(
+            token_ids=to_host(sample.next_tokens), logprobs=to_host(sample.logprobs),
+            top_logprobs=None if tops is None else (to_host(tops[0]), to_host(tops[1])),
+            input_logprobs=scored)
+
+    def _count(self, batch: Batch, started: float, verify: VerifyRows | None) -> None:
+        """NOTE: on CPU this is the real compute time; on CUDA only the launch time. A verify
+        step counts as decode, with its rows' tokens (not the fillers of a graph's layout)."""
+        phase = "decode" if verify is not None else batch.phase
+        seconds = time.perf_counter() - started
+        self.phase_seconds[phase] += seconds
+        self.phase_steps[phase] += 1
+        if phase == "decode":
+            tokens = sum(verify.counts) if verify is not None else batch.size  # no fillers
+            self.forwarded_tokens["decode"] += tokens
+            if self.speculator is not None:
+                self.speculator.observe_step(tokens, seconds)
+            return
+        self.forwarded_tokens["decode"] += batch.decode_rows
+        self.forwarded_tokens["prefill"] += sum(batch.extend_lens[:batch.size - batch.decode_rows])
+
+    @property
+    def busy_seconds(self) -> float:
+        return sum(self.phase_seconds.values())

@@ -1,8 +1,6 @@
 """The paged KV pool and the prefix caches that share its pages between requests."""
 
-from minisgl.kvcache.naive import NaiveCache
 from minisgl.kvcache.pool import KVPool
-from minisgl.kvcache.prefix_cache import CacheHandle, PrefixCache
-from minisgl.kvcache.radix import RadixCache
+from minisgl.kvcache.prefix_cache import CacheHandle, NaiveCache, PrefixCache, RadixCache
 
 __all__ = ["CacheHandle", "KVPool", "NaiveCache", "PrefixCache", "RadixCache"]

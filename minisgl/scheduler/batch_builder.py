@@ -16,7 +16,7 @@ import torch
 from minisgl.core import Batch, Phase, Req, span_indices
 from minisgl.engine import (Engine, ForwardInput, GrammarMask, InputLogprobRows, StepMessage,
                             VerifyRows)
-from minisgl.engine.completion import Completion
+from minisgl.engine.stream import Completion
 from minisgl.scheduler.lora import AdapterTable
 from minisgl.scheduler.prefill import PrefillChunk
 from minisgl.scheduler.table import TableManager
