@@ -10,10 +10,9 @@ from minisgl.args import ServerArgs
 from minisgl.core import SamplingParams
 from minisgl.env import no_openmp_on_this_thread
 from minisgl.errors import InvalidRequest
-from minisgl.protocol.embeddings import (EMBEDDING_ONLY, EmbeddingRequest, EmbeddingShape,
-                                         embed, encode_results, parse_encode)
-from minisgl.protocol.native import KNOWN_FIELDS, GenerateRequest, parse_generate
-from minisgl.protocol.native_results import generate_results
+from minisgl.protocol.embeddings import (EMBEDDING_ONLY, EmbeddingRequest, EmbeddingShape, embed,
+                                         encode_results, parse_encode)
+from minisgl.protocol.native import KNOWN_FIELDS, GenerateRequest, generate_results, parse_generate
 from minisgl.protocol.token_texts import TokenTexts
 from minisgl.runtime import Runtime
 

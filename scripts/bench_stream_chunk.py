@@ -33,7 +33,7 @@ WORKLOADS = {  # name: (logprob_num, logprob_start_len)
 def new_stream() -> Callable[[Any], dict[str, Any]]:
     """One stream's chunk function (handle -> result dict) in the checkout on sys.path."""
     try:
-        from minisgl.protocol.native_results import GenerateStream
+        from minisgl.protocol.native import GenerateStream
     except ImportError:  # a checkout from before the protocol package
         from minisgl.runtime.native import generate_result
         return lambda handle: generate_result(handle, None, False)

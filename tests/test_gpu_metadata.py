@@ -13,11 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from minisgl.attention import AttentionBackend
-from minisgl.attention.flashinfer_backend import (
-    build_paged_metadata,
-    page_indices,
-    paged_view,
-)
+from minisgl.attention.flashinfer_backend import build_paged_metadata, page_indices, paged_view
 from minisgl.attention.torch_backend import TorchBackend
 from minisgl.core import Batch
 from minisgl.engine.stream import wait_event

@@ -11,8 +11,7 @@ from typing import Any
 
 import pytest
 
-from minisgl.engine.stream import Completion
-from minisgl.engine.stream import EventWaiter
+from minisgl.engine.stream import Completion, EventWaiter
 from minisgl.errors import EngineFailed
 
 

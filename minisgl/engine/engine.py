@@ -24,33 +24,17 @@ import torch
 
 from minisgl.args import device_default
 from minisgl.core import Batch
-from minisgl.distributed.context import (
-    TPInfo,
-    bind_thread,
-    broadcast,
-    create_group,
-    tp_context,
-)
+from minisgl.distributed.context import TPInfo, bind_thread, broadcast, create_group, tp_context
 from minisgl.distributed.shm_queue import QueueClosed
 from minisgl.distributed.worker import GLOO_TIMEOUT_S, TPWorkers, cpu_threads
 from minisgl.engine.chunking import default_chunk
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.draft_model import DraftModel
 from minisgl.engine.failure import FailureWatch
-from minisgl.engine.forward import (
-    ForwardInput,
-    ForwardOutput,
-    InputLogprobs,
-    VerifyRows,
-    to_host,
-)
+from minisgl.engine.forward import ForwardInput, ForwardOutput, InputLogprobs, VerifyRows, to_host
 from minisgl.engine.graph import GraphRunner, supports_graphs
 from minisgl.engine.lora import LoraModules, lora_settings
-from minisgl.engine.memory import (
-    allocate_kv_pool,
-    release_cuda_memory,
-    return_freed_heap,
-)
+from minisgl.engine.memory import allocate_kv_pool, release_cuda_memory, return_freed_heap
 from minisgl.engine.model_loading import attention_for, draft_arch, kv_heads, load_model
 from minisgl.engine.placement import check_tp_size, resolve_device, resolve_dtype
 from minisgl.engine.pooling import last_token_embeddings

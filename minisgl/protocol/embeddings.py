@@ -14,12 +14,12 @@ from typing import Any
 
 from minisgl.core import SamplingParams
 from minisgl.errors import InvalidRequest
-from minisgl.protocol.fields import (UnknownFields, batch_rids, check_adapter_name,
-                                     check_priority, is_int, per_item, refuse_unsupported)
-from minisgl.protocol.native import INERT_FIELDS as NATIVE_INERT_FIELDS
-from minisgl.protocol.native import UNSUPPORTED_FIELDS as NATIVE_UNSUPPORTED_FIELDS
+from minisgl.protocol.fields import (UnknownFields, batch_rids, check_adapter_name, check_priority,
+                                     ids_prompts, is_int, per_item, refuse_unsupported,
+                                     text_prompts)
+from minisgl.protocol.native import (INERT_FIELDS as NATIVE_INERT_FIELDS,
+                                     UNSUPPORTED_FIELDS as NATIVE_UNSUPPORTED_FIELDS)
 from minisgl.protocol.openai_models import OpenAIModel
-from minisgl.protocol.prompts import ids_prompts, text_prompts
 from minisgl.runtime import Prompt, ReqHandle, RequestManager, Runtime
 
 ENCODING_FORMATS = ("float", "base64")

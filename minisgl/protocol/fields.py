@@ -1,4 +1,6 @@
-"""The field policy every endpoint follows, and the small checks its parsers share.
+"""The field policy every endpoint follows, the small checks its parsers share, and the prompt
+shapes every endpoint takes (a string or a non-empty list of strings, token ids or a non-empty
+list of such lists: `text_prompts`, `ids_prompts`).
 
 - a field minisgl acts on is checked and used;
 - a field that changes nothing a client sees (an endpoint's inert set) is accepted with any
@@ -14,8 +16,9 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-from minisgl.core import asks_nothing
+from minisgl.core import SamplingParams, asks_nothing
 from minisgl.errors import InvalidRequest
+from minisgl.runtime import Prompt
 
 logger = logging.getLogger(__name__)
 
@@ -110,3 +113,21 @@ def check_adapter_name(name: Any) -> str | None:
         raise InvalidRequest(f"lora_path must be an adapter name (a string) or null, got "
                              f"{name!r}")
     return name
+
+
+def text_prompts(value: Any) -> tuple[bool, list[Prompt]] | None:
+    """(one prompt rather than a list, the prompts) of text; None if `value` is not text."""
+    if isinstance(value, str):
+        return True, [Prompt([], SamplingParams(), text=value)]
+    if isinstance(value, list) and value and all(isinstance(t, str) for t in value):
+        return False, [Prompt([], SamplingParams(), text=t) for t in value]
+    return None
+
+
+def ids_prompts(value: Any) -> tuple[bool, list[Prompt]] | None:
+    """(one prompt rather than a list, the prompts) of token ids; None if `value` is not."""
+    if is_ids(value) and value:
+        return True, [Prompt(list(value), SamplingParams())]
+    if isinstance(value, list) and value and all(is_ids(x) for x in value):
+        return False, [Prompt(list(ids), SamplingParams()) for ids in value]
+    return None

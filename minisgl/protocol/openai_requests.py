@@ -10,14 +10,13 @@ from typing import Any
 from minisgl.core import GRAMMAR_FIELDS
 from minisgl.errors import InvalidRequest
 from minisgl.protocol.fields import (UnknownFields, check_adapter_name, check_int, check_priority,
-                                     flag)
+                                     flag, ids_prompts, text_prompts)
 from minisgl.protocol.openai_fields import (CHAT_FIELDS, COMPLETION_FIELDS, MAX_TOP_LOGPROBS,
                                             StreamOptions, chat_template_kwargs, check_fields,
                                             normalize_messages, sampling_params, split_prefill,
                                             stream_options)
 from minisgl.protocol.openai_models import OpenAIModel
 from minisgl.protocol.openai_tools import ToolUse, parse_tool_use, render_tools
-from minisgl.protocol.prompts import ids_prompts, text_prompts
 from minisgl.protocol.reasoning import THINK_END, Reasoning, request_reasoning
 from minisgl.runtime import ChatPrompt, Prompt
 from minisgl.scheduler import expand_samples

@@ -28,8 +28,7 @@ from minisgl.scheduler.cache import CacheManager
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.decode import DecodeManager
 from minisgl.scheduler.events import Queued, ReqEvent
-from minisgl.scheduler.intake import (RequestLimits, RequestSpec, check_batch,
-                                     fill_max_new_tokens)
+from minisgl.scheduler.intake import RequestLimits, RequestSpec, check_batch, fill_max_new_tokens
 from minisgl.scheduler.integrity import check_kv_integrity
 from minisgl.scheduler.lora import Adapter, AdapterTable, load_adapter, unload_adapter
 from minisgl.scheduler.policy import WaitingOrder

@@ -14,15 +14,14 @@ from aiohttp import web
 from minisgl.core import SamplingParams
 from minisgl.errors import InvalidRequest, QueueFull
 from minisgl.protocol.fields import UnknownFields
-from minisgl.protocol.native import parse_abort, parse_adapter_request, parse_generate
-from minisgl.protocol.native_results import GenerateStream, generate_results
+from minisgl.protocol.native import (GenerateStream, generate_results, parse_abort,
+                                     parse_adapter_request, parse_generate)
 from minisgl.protocol.openai_models import UnknownModel
 from minisgl.protocol.token_texts import TokenTexts
 from minisgl.runtime import Runtime
 from minisgl.runtime.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from minisgl.scheduler import RequestSpec
-from minisgl.server.dashboard import OPEN_PATHS as DASHBOARD_OPEN_PATHS
-from minisgl.server.dashboard import Dashboard
+from minisgl.server.dashboard import OPEN_PATHS as DASHBOARD_OPEN_PATHS, Dashboard
 from minisgl.server.embeddings_api import EmbeddingsAPI
 from minisgl.server.guard import Guard, Handler
 from minisgl.server.http import (MAX_BODY, HTTPError, error_response, json_response, read_json,

@@ -9,8 +9,8 @@ from typing import Callable
 from aiohttp import web
 
 from minisgl.protocol.embeddings import (EMBEDDING_ONLY, GENERATION_ONLY, EmbeddingAborted,
-                                         EmbeddingRequest, EmbeddingShape, embed,
-                                         encode_results, openai_embeddings_body, parse_encode,
+                                         EmbeddingRequest, EmbeddingShape, embed, encode_results,
+                                         openai_embeddings_body, parse_encode,
                                          parse_openai_embeddings)
 from minisgl.protocol.fields import UnknownFields
 from minisgl.protocol.openai_models import OpenAIModel
