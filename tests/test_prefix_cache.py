@@ -391,7 +391,7 @@ def test_fuzz(page_size: int, seed: int) -> None:
 def test_share_hands_a_running_requests_pages_to_the_cache(page_size: int) -> None:
     """CacheManager.share: the prefilled whole pages of a live request become matchable (and
     stay locked by it); its release then frees only what the cache does not hold."""
-    from minisgl.scheduler.cache import CacheManager
+    from minisgl.scheduler.memory import CacheManager
     cache = RadixCache(page_size)
     manager = CacheManager(16, page_size, cache)
     tokens = seq(page_size, 1, 2, 3) + [7]
@@ -414,7 +414,7 @@ def test_share_hands_a_running_requests_pages_to_the_cache(page_size: int) -> No
 
 
 def test_share_skips_what_another_request_cached_meanwhile(page_size: int) -> None:
-    from minisgl.scheduler.cache import CacheManager
+    from minisgl.scheduler.memory import CacheManager
     cache = RadixCache(page_size)
     manager = CacheManager(16, page_size, cache)
     tokens = seq(page_size, 1, 2)

@@ -18,8 +18,8 @@ from minisgl.engine import (Engine, ForwardInput, GrammarMask, InputLogprobRows,
                             VerifyRows)
 from minisgl.engine.stream import Completion
 from minisgl.scheduler.lora import AdapterTable
+from minisgl.scheduler.memory import TableManager
 from minisgl.scheduler.prefill import PrefillChunk
-from minisgl.scheduler.table import TableManager
 
 
 @dataclass

@@ -10,9 +10,9 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, TypeVar
 
 from minisgl.core import SamplingParams
-from minisgl.stop_regex import compile_stop_regex
 from minisgl.errors import InvalidRequest, QueueFull
-from minisgl.scheduler.cache import pages_spanned
+from minisgl.scheduler.memory import pages_spanned
+from minisgl.stop_regex import compile_stop_regex
 
 
 @dataclass

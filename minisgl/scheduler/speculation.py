@@ -13,8 +13,7 @@ step in flight after it writes below that bound.
 from __future__ import annotations
 
 from minisgl.core import Req
-from minisgl.scheduler.cache import CacheManager
-from minisgl.scheduler.table import TableManager
+from minisgl.scheduler.memory import CacheManager, TableManager
 
 
 def speculates(req: Req, grammar_drafts: bool) -> bool:

@@ -8,9 +8,8 @@ from typing import Any
 
 from minisgl.engine import Engine, ForwardOutput
 from minisgl.scheduler.batch_builder import ScheduledBatch
-from minisgl.scheduler.cache import CacheManager
-from minisgl.scheduler.decode import DecodeManager
-from minisgl.scheduler.prefill import PrefillManager
+from minisgl.scheduler.memory import CacheManager
+from minisgl.scheduler.prefill import DecodeManager, PrefillManager
 
 
 @dataclass

@@ -1,15 +1,27 @@
-"""KV pages: the free-page stack plus the prefix cache, which holds the pages of finished
-requests and the prefilled pages of running ones.
+"""What a running request holds: a slot, KV pages and a cached prefix, and the check that each
+is accounted for.
 
-A page is free, owned by exactly one live request, or held by the prefix cache (locked while
-live requests use it as their prefix). Eviction moves unlocked cached pages back to free.
+Slots (`TableManager`): a slot is one row of the page table and of the token pool. The page
+table maps (slot, position) to a KV location; the token pool holds (slot, position) token
+ids, where each batch gathers its input ids and writes its sampled ids. On a GPU both live on
+the device, so a host mirror of the page table answers "where is this request's KV" without a
+device sync. With tensor parallelism every other rank keeps its own page table and token pool:
+with `mirror=True` each host write is also logged, and the next step carries the log there.
+
+KV pages (`CacheManager`): the free-page stack plus the prefix cache, which holds the pages of
+finished requests and the prefilled pages of running ones. A page is free, owned by exactly one
+live request, or held by the prefix cache (locked while live requests use it as their prefix).
+Eviction moves unlocked cached pages back to free. `check_kv_integrity` proves it: every page
+is exactly one of free, owned by a live request, or held by the prefix cache; every slot is
+free or owned by exactly one request.
 """
-
 from __future__ import annotations
 
 import numpy as np
 import torch
 
+from minisgl.core import Req
+from minisgl.errors import IntegrityError
 from minisgl.kvcache import CacheHandle, PrefixCache
 
 
@@ -142,3 +154,90 @@ def locations_for(spans: list[tuple[int, int, int]], pages: torch.Tensor, page_s
             parts.append(block.view(-1)[: count - cont])
             used += fresh
     return torch.cat(parts)
+
+
+class TableManager:
+    def __init__(self, max_running: int, dummy_row: int, page_table: torch.Tensor,
+                 token_pool: torch.Tensor, mirror: bool = False) -> None:
+        self.max_running = max_running
+        self.page_table = page_table
+        self.token_pool = token_pool
+        self.context_len = page_table.shape[1]
+        self.dummy_row = dummy_row  # padding rows (CUDA graphs) point here, never at a request
+        on_host = page_table.device.type == "cpu"
+        self.host_page_table = page_table if on_host else torch.zeros_like(page_table, device="cpu")
+        self._free_rows = list(range(max_running - 1, -1, -1))  # pop() hands out row 0 first
+        self.token_log: list[tuple[int, int, torch.Tensor]] | None = [] if mirror else None
+        self.location_log: list[tuple[torch.Tensor, torch.Tensor]] | None = [] if mirror else None
+
+    def take_log(self) -> tuple[list, list]:
+        """(token writes, location writes) since the last call, in order (mirror=True)."""
+        assert self.token_log is not None and self.location_log is not None
+        tokens, locations = self.token_log, self.location_log
+        self.token_log, self.location_log = [], []
+        return tokens, locations
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free_rows)
+
+    def allocate(self) -> int:
+        return self._free_rows.pop()
+
+    def free(self, row: int) -> None:
+        self._free_rows.append(row)
+
+    def free_rows(self) -> list[int]:
+        return list(self._free_rows)
+
+    def write_tokens(self, row: int, token_ids: list[int]) -> None:
+        ids = torch.tensor(token_ids, dtype=torch.int32)
+        self.token_pool[row, : len(token_ids)].copy_(ids, non_blocking=True)
+        if self.token_log is not None:
+            self.token_log.append((row, 0, ids))
+
+    def write_locations(self, flat_indices: torch.Tensor, locations: torch.Tensor) -> None:
+        """page_table[i // context_len, i % context_len] = location, for flat indices i."""
+        locations = locations.to(torch.int32)
+        if self.location_log is not None:
+            self.location_log.append((flat_indices, locations))
+        if self.host_page_table is not self.page_table:
+            self.host_page_table.view(-1)[flat_indices] = locations
+            device = self.page_table.device
+            self.page_table.view(-1)[flat_indices.to(device, non_blocking=True)] = locations.to(
+                device, non_blocking=True)
+        else:
+            self.page_table.view(-1)[flat_indices] = locations
+
+    def locations(self, row: int, length: int) -> torch.Tensor:
+        return self.host_page_table[row, :length].to(torch.int64)
+
+
+def check_kv_integrity(cache: CacheManager, table: TableManager, admitted: list[Req],
+                       live: bool) -> None:
+    """`admitted`: every request holding a slot (live, or finished and not yet released);
+    `live`: whether any request is still running. Raises IntegrityError."""
+    ps = cache.page_size
+    free = cache.free_page_ids()
+    cached = cache.cached_locations()
+    owned = []
+    for req in admitted:
+        own = table.locations(req.table_idx, req.kv_len)[req.shared_len:]
+        owned.append(own[::ps] // ps)
+    parts = [free, cached[::ps] // ps if len(cached) else cached, *owned]
+    pages = np.concatenate([np.asarray(p) for p in parts])  # NOTE: numpy, see CacheManager
+    if len(pages) != cache.num_pages:
+        raise IntegrityError(
+            f"{len(pages)} pages accounted for (free {len(free)}, cached {len(cached) // ps}, "
+            f"owned {sum(len(o) for o in owned)}), the pool has {cache.num_pages}")
+    if len(pages) and (pages.min() < 0 or pages.max() >= cache.num_pages):
+        raise IntegrityError("a page id outside the pool")
+    seen = np.zeros(cache.num_pages, dtype=np.bool_)  # O(pages); a sort took seconds on GPUs'
+    seen[pages] = True  # pools of millions of pages
+    if not seen.all():  # as many ids as pages, all in range: one missing means one repeated
+        raise IntegrityError("a page is counted twice")
+    rows = table.free_rows() + [r.table_idx for r in admitted]
+    if sorted(rows) != list(range(table.max_running)):
+        raise IntegrityError("slots leaked or shared")
+    if not live and not admitted and cache.locked_size:
+        raise IntegrityError("cache locked with no request")
