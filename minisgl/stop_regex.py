@@ -1,5 +1,5 @@
 """SGLang's `stop_regex`, checked and measured once per pattern: compiled for the `regex`
-package (searched with a timeout by runtime.detokenizer) and bounded in how far right of a
+package (searched with a timeout by runtime.tokenizer) and bounded in how far right of a
 match's start matching can look, so that each step searches only where a new match can still
 start."""
 
@@ -32,7 +32,7 @@ class StopRegex:
     None; once a text of length N had no match, no match can start before N - reach."""
 
     pattern: str
-    compiled: Any  # a regex.Pattern: searched with a timeout (runtime.detokenizer)
+    compiled: Any  # a regex.Pattern: searched with a timeout (runtime.tokenizer)
     reach: int | None
 
 

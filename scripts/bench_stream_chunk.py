@@ -45,8 +45,8 @@ def new_stream() -> Callable[[Any], dict[str, Any]]:
 def measure(tokens: int, prompt_len: int, repeats: int) -> dict[str, dict[str, float]]:
     from minisgl.core import SamplingParams
     from minisgl.runtime import ReqHandle
-    from minisgl.runtime.detokenizer import DecodeState
-    from minisgl.server.sse import encode_event
+    from minisgl.runtime.tokenizer import DecodeState
+    from minisgl.server.http import encode_event
 
     prompt = [(7 * i) % 49152 for i in range(prompt_len)]
     results = {}

@@ -1,6 +1,7 @@
 """The path of one request through the code: the minisgl files a live server enters for one
-`/generate` and one streamed chat completion (traced by tests/request_trace.py), and none of a
-feature's modules for a request that does not use the feature."""
+`/generate` and one streamed chat completion (traced by tests/request_trace.py: outside the
+model's forward), at most MOST_FILES, and none of a feature's modules for a request that does
+not use the feature."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import requests
 from tests.conftest import READY, REPO_ROOT, SERVER_DEFAULT_ARGS, SERVER_START_TIMEOUT_S
 from tests.test_hardening import SHALLOW
 
+MOST_FILES = {"generate": 20, "chat_stream": 24}  # a path short enough to hold in one's head
 # what each feature alone enters: a request that does not use it must enter none of these
 FEATURE_MODULES = {
     "LoRA": ("scheduler/lora.py", "engine/lora.py", "models/peft.py"),
@@ -102,11 +104,12 @@ def chat_stream(url: str) -> None:
 
 
 @pytest.mark.parametrize("request_kind", [generate, chat_stream], ids=lambda f: f.__name__)
-def test_a_request_enters_no_module_of_a_feature_it_does_not_use(traced, request_kind) -> None:
+def test_a_request_takes_a_short_path_through_no_unused_feature(traced, request_kind) -> None:
     calls = traced.trace(request_kind)
     files = sorted(calls)
     print(f"{request_kind.__name__}: {len(files)} files: {' '.join(files)}")
     assert "scheduler/scheduler.py" in files and "engine/engine.py" in files  # it traced
+    assert len(files) <= MOST_FILES[request_kind.__name__], files
     entered = {feature: sorted(set(modules) & set(files))
                for feature, modules in FEATURE_MODULES.items()}
     assert not any(entered.values()), {f: m for f, m in entered.items() if m}

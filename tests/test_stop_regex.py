@@ -210,7 +210,7 @@ def test_incremental_search_finds_what_a_full_search_of_each_prefix_finds(patter
     import random
 
     from minisgl.core import SamplingParams
-    from minisgl.runtime.detokenizer import DecodeState, IncrementalDetokenizer
+    from minisgl.runtime.tokenizer import DecodeState, IncrementalDetokenizer
 
     rng = random.Random(pattern)
     detok = IncrementalDetokenizer(CharTokenizer())

@@ -112,8 +112,11 @@ def parse_chat(body: dict[str, Any], model: OpenAIModel, template_takes_tools: b
                              "final message")
     messages, prefix = split_prefill(normalize_messages(body.get("messages")), continue_final)
     template_kwargs = {**chat_template_kwargs(body), "add_generation_prompt": generation_prompt}
-    reasoning, thinking = request_reasoning(body, model.reasoning_parser,
-                                            model.template_thinking, template_kwargs, prefix)
+    reasoning, thinking = None, False
+    if model.reasoning_parser is not None or any(
+            name in body for name in ("separate_reasoning", "stream_reasoning")):
+        reasoning, thinking = request_reasoning(body, model.reasoning_parser,
+                                                model.template_thinking, template_kwargs, prefix)
     tools = (parse_tool_use(body) if any(body.get(name) is not None for name in
                                          ("tools", "tool_choice", "parallel_tool_calls"))
              else None)

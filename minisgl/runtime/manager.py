@@ -18,10 +18,9 @@ import torch
 from minisgl.core import SamplingParams
 from minisgl.errors import EngineFailed, InvalidRequest
 from minisgl.grammar import GrammarBackend
-from minisgl.runtime.detokenizer import DecodeState, IncrementalDetokenizer
 from minisgl.runtime.metrics import Metrics
 from minisgl.runtime.request_log import RequestLog
-from minisgl.runtime.tokenizer import Tokenizer
+from minisgl.runtime.tokenizer import DecodeState, IncrementalDetokenizer, Tokenizer
 from minisgl.scheduler import Queued, ReqEvent, RequestSpec, Scheduler
 
 logger = logging.getLogger(__name__)

@@ -16,8 +16,7 @@ from typing import Any, Callable, Iterator, get_args
 
 from prometheus_client import (CollectorRegistry, Counter, Histogram, disable_created_metrics,
                                generate_latest)
-from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
-                                   HistogramMetricFamily)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from minisgl.core import Phase

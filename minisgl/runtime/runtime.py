@@ -11,13 +11,13 @@ from typing import Any
 from minisgl.args import ServerArgs
 from minisgl.engine import Engine, EngineConfig
 from minisgl.env import quiet_tokenizer_threads
+from minisgl.errors import InvalidRequest
 from minisgl.grammar import create_grammar_backend
 from minisgl.models import model_name
 from minisgl.runtime.manager import RequestManager
 from minisgl.runtime.metrics import Metrics
 from minisgl.runtime.request_log import RequestLog
 from minisgl.runtime.tokenizer import Tokenizer
-from minisgl.errors import InvalidRequest
 from minisgl.scheduler import Scheduler, SchedulerConfig
 from minisgl.scheduler.lora import add_adapter
 

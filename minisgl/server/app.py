@@ -25,10 +25,9 @@ from minisgl.server.dashboard import OPEN_PATHS as DASHBOARD_OPEN_PATHS, Dashboa
 from minisgl.server.embeddings_api import EmbeddingsAPI
 from minisgl.server.guard import Guard, Handler
 from minisgl.server.http import (MAX_BODY, HTTPError, error_response, json_response, read_json,
-                                 too_large)
+                                 stream_response, too_large, wait_all)
 from minisgl.server.openai_api import OpenAIAPI
 from minisgl.server.responses_api import ResponsesAPI
-from minisgl.server.sse import stream_response, wait_all
 from minisgl.server.timeline import Timeline
 from minisgl.version import __version__
 

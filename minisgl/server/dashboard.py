@@ -12,8 +12,8 @@ from typing import Any, AsyncIterator
 from aiohttp import web
 
 from minisgl.runtime import Runtime
-from minisgl.server.timeline import Timeline
 from minisgl.server.http import json_response
+from minisgl.server.timeline import Timeline
 from minisgl.version import __version__
 
 STATIC = Path(__file__).parent / "static"

@@ -1,12 +1,20 @@
 """HTTP plumbing shared by the endpoints: errors as `{"error": {"message", "type", "code"}}`,
-JSON responses, and reading a JSON body (its fields are parsed in minisgl.protocol)."""
+JSON responses, reading a JSON body (its fields are parsed in minisgl.protocol), and
+server-sent events: following several requests at once, and the one streaming response shape
+every endpoint uses (`data: <json>` events, then `data: [DONE]`)."""
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+from contextlib import aclosing
+from typing import Any, AsyncIterator, Callable
 
 import orjson
 from aiohttp import web
+from sse_starlette import ServerSentEvent
+
+from minisgl.runtime import ReqHandle, RequestManager
+
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
@@ -58,3 +66,95 @@ async def read_json(request: web.Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise HTTPError(400, "the request body must be a JSON object")
     return body
+
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def encode_event(obj: Any) -> bytes:
+    """`data: <json>\\n\\n` (orjson never writes a raw newline, so it is one data line)."""
+    return ServerSentEvent(data=orjson.dumps(obj).decode(), sep="\n").encode()
+
+
+DONE = ServerSentEvent(data="[DONE]", sep="\n").encode()
+
+
+def encode_typed_event(obj: dict[str, Any]) -> bytes:
+    """`event: <its type>` then its data line, as OpenAI streams the Responses API."""
+    return ServerSentEvent(data=orjson.dumps(obj).decode(), event=obj["type"],
+                           sep="\n").encode()
+
+
+async def follow(manager: RequestManager, handles: list[ReqHandle]
+                 ) -> AsyncIterator[tuple[int, ReqHandle]]:
+    """Yields (index, handle) whenever a handle's state changed, until all finished; each
+    handle's last yield is the one where it is finished. Leaving early (the client went away,
+    the handler was cancelled) aborts every request still running."""
+    if len(handles) == 1:  # the common case: no pump task, no queue
+        async with aclosing(manager.updates(handles[0])) as updates:
+            async for handle in updates:
+                yield 0, handle
+        return
+    changed: asyncio.Queue[int] = asyncio.Queue()
+
+    async def pump(i: int, handle: ReqHandle) -> None:
+        async with aclosing(manager.updates(handle)) as updates:
+            async for _ in updates:
+                changed.put_nowait(i)
+
+    tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
+    done: set[int] = set()
+    try:
+        while len(done) < len(handles):
+            i = await changed.get()
+            if i in done:
+                continue  # its final state was already yielded
+            if handles[i].finished:
+                done.add(i)
+            yield i, handles[i]
+    finally:
+        for task in tasks:
+            task.cancel()  # NOTE: cancelling a pump closes `updates`, which aborts the request
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def wait_all(manager: RequestManager, handles: list[ReqHandle]) -> None:
+    """Wait until every handle finished; cancellation aborts the unfinished ones."""
+    await asyncio.gather(*(manager.wait(h) for h in handles))
+
+
+async def stream_response(request: web.Request, manager: RequestManager,
+                          handles: list[ReqHandle],
+                          chunk: Callable[[int, ReqHandle], Any | None],
+                          first: list[Any] = (), last: Callable[[], list[Any]] | None = None,
+                          typed: bool = False) -> web.StreamResponse:
+    """Stream the handles' progress: the `first` events, then `chunk(i, handle)` each time
+    handle i changed (None: nothing new to send; a list: several events), then the `last()`
+    events and [DONE], or with `typed`, each event named by its type and no [DONE] (the
+    Responses API). A client that goes away, before or during the stream, aborts the requests
+    still running."""
+    response = web.StreamResponse(headers=SSE_HEADERS)
+    response.content_type = "text/event-stream"
+    response.charset = "utf-8"
+    try:
+        encode = encode_typed_event if typed else encode_event
+        await response.prepare(request)
+        for event in first:
+            await response.write(encode(event))
+        async with aclosing(follow(manager, handles)) as updates:
+            async for i, handle in updates:
+                news = chunk(i, handle)
+                for event in news if isinstance(news, list) else [news]:
+                    if event is not None:
+                        await response.write(encode(event))
+        for event in (last() if last is not None else []):
+            await response.write(encode(event))
+        if not typed:
+            await response.write(DONE)
+    except ConnectionResetError:
+        pass  # the client went away
+    finally:
+        for handle in handles:  # NOTE: all finished unless the client went away
+            if not handle.finished:
+                manager.abort(handle.rid, "the client disconnected")
+    return response

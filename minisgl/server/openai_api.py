@@ -15,8 +15,7 @@ from minisgl.protocol.openai_results import ChatAnswer, CompletionAnswer
 from minisgl.protocol.token_texts import TokenTexts
 from minisgl.protocol.tokenize import detokenize, tokenize
 from minisgl.runtime import Runtime
-from minisgl.server.http import json_response, read_json
-from minisgl.server.sse import stream_response, wait_all
+from minisgl.server.http import json_response, read_json, stream_response, wait_all
 
 
 class OpenAIAPI:

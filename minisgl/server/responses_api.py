@@ -16,8 +16,7 @@ from minisgl.protocol.responses_results import ResponseAnswer
 from minisgl.protocol.responses_store import ResponseStore, UnknownResponse
 from minisgl.protocol.token_texts import TokenTexts
 from minisgl.runtime import Runtime
-from minisgl.server.http import HTTPError, json_response, read_json
-from minisgl.server.sse import stream_response, wait_all
+from minisgl.server.http import HTTPError, json_response, read_json, stream_response, wait_all
 
 
 class ResponsesAPI:
