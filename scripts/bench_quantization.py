@@ -5,7 +5,7 @@ decode step and the bandwidth that implies (bytes / TPOT).
     python scripts/bench_quantization.py                  # 1 8 32 64 streams
     python scripts/bench_quantization.py --concurrency 1 --skip-llama-cpp
     python scripts/bench_quantization.py --methods none w8a8_int8 --concurrency 64
-    git worktree add /tmp/baseline e1856bb^     # the code when issue 18 was filed
+    git worktree add /tmp/baseline e1856bb^     # the code before --quantization gguf
     python scripts/bench_quantization.py --baseline /tmp/baseline --skip-llama-cpp
 
 Same client (scripts/bench_serving.py through `/v1/completions`, ignore_eos, greedy) and the

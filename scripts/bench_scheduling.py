@@ -1,4 +1,4 @@
-"""Scheduling benchmarks (issue 17), each side by side on fresh servers in one run.
+"""Scheduling benchmarks, each side by side on fresh servers in one run.
 
   mixed     16 streams decode while 2,000-token prompts arrive every few seconds: inter-token
             latency of the streams (p50 / p99) and output tok/s over the same fixed work,

@@ -1,4 +1,4 @@
-"""What real clients trip over (issue 28): a complete answer on its last allowed token, the
+"""What real clients trip over: a complete answer on its last allowed token, the
 logprob shapes OpenAI's schema promises, echo of token-id prompts, and the other servers'
 ways to ask for a constrained answer (vLLM's structured_outputs / guided_*, llama.cpp's
 grammar and response_format schema), each honoured or refused, never ignored. A real server,

@@ -1,4 +1,4 @@
-"""`--quantization fp8` (issue 18): linear weights float8 e4m3 with a scale per output feature,
+"""`--quantization fp8`: linear weights float8 e4m3 with a scale per output feature,
 weight-only, through the Triton kernel (kernels/fp8_matmul.py) for decode batches of up to
 KERNEL_MAX_ROWS rows and widen + cuBLAS above. The kernel is checked against float64 math on
 the same fp8 weights (what is left is bfloat16 rounding); the method, against the float32 model

@@ -1,5 +1,5 @@
-"""GGUF blocks of every type the AVX2 kernel runs, k-quants included, kept in their codes
-(issue 32, item 1): decoded exactly as the gguf package dequantizes them, multiplied to within
+"""GGUF blocks of every type the AVX2 kernel runs, k-quants included, kept in their codes:
+decoded exactly as the gguf package dequantizes them, multiplied to within
 the activations' ~15 bits of the float64 product, and a Q4_K_M-style re-encoding of the bundled
 model (llama.cpp's layout for it: Q4_K / Q6_K where a row is whole 256-value super-blocks,
 Q5_0 / Q8_0 elsewhere) served against transformers in float32 on the same file."""

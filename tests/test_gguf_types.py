@@ -1,4 +1,4 @@
-"""Every GGUF tensor type loads and answers (issue 28, item 15), and a layer-count override cuts
+"""Every GGUF tensor type loads and answers, and a layer-count override cuts
 any checkpoint down to its first layers (item 11).
 
 The files are the bundled model re-encoded by tests.gguf_requant, cut to a few layers so they

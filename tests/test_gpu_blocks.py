@@ -1,4 +1,4 @@
-"""Quantized checkpoints on CUDA (issue 32, item 2 on GPU; layers.gpu_blocks): AWQ, GPTQ and
+"""Quantized checkpoints on CUDA (layers.gpu_blocks): AWQ, GPTQ and
 compressed-tensors int4 and block-wise / per-channel fp8 weights kept as the checkpoint stores
 them, through the Triton kernels kernels/int4_matmul and kernels/fp8_matmul.
 

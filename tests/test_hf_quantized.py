@@ -1,4 +1,4 @@
-"""Quantized Hugging Face checkpoints (issue 32, item 2 on CPU): the bundled model written as
+"""Quantized Hugging Face checkpoints on CPU: the bundled model written as
 AWQ, GPTQ, compressed-tensors int4 and block-wise fp8 (tests.hf_quant_writers) loads without a
 dense copy and matches transformers in float32 on the weights each checkpoint encodes; TP 3
 equals TP 1 on one int4 format; layouts and methods we cannot run are one-line errors naming

@@ -1,4 +1,4 @@
-"""`--quantization gguf` (issue 18): the bundled GGUF's Q4_1 linear weights served 4-bit, as
+"""`--quantization gguf`: the bundled GGUF's Q4_1 linear weights served 4-bit, as
 in the file, through the VNNI kernel (kernels/csrc/quant_matmul.cpp; torch's int4 kernel on CPUs
 without it), and its Q8_0 token table (the tied LM head) 8-bit. The reference is the float32
 model on the same weights dequantized (transformers' GGUF reader): the same math, so what

@@ -1,4 +1,4 @@
-"""Reasoning output (issue 34, --reasoning-parser): the streaming parser on hand-written texts cut
+"""Reasoning output (--reasoning-parser): the streaming parser on hand-written texts cut
 at every place, where an answer starts (SGLang's rules) on real Jinja templates, the matcher
 that holds a grammar back until `</think>` (a multi-token marker here), then the real `openai`
 SDK against a real server.

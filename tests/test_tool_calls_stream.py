@@ -1,4 +1,4 @@
-"""Tool calls streamed as they are written (issue 28): the incremental parser on hand-written
+"""Tool calls streamed as they are written: the incremental parser on hand-written
 texts fed at every split (no server), then the real `openai` SDK and LangChain against a real
 server: arguments arrive in pieces that reassemble to the non-streamed answer's,
 `parallel_tool_calls: false` bounds the answer to one call, and `auto` streams its content."""

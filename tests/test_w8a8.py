@@ -1,4 +1,4 @@
-"""`--quantization w8a8_int8` (issue 18): int8 linear weights (and LM head) per output feature,
+"""`--quantization w8a8_int8`: int8 linear weights (and LM head) per output feature,
 activations int8 per token and group of 32 inputs, through kernels/csrc/int8_matmul.cpp. The
 reference is the float32 model on the same (dequantized GGUF) weights; the method changes the
 math (weights and activations both lose bits), so its bounds are its own, stated beside what

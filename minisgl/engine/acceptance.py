@@ -1,4 +1,4 @@
-"""Verifying drafts (issue 31's first part): one target forward scores a row's last accepted
+"""Verifying drafts: one target forward scores a row's last accepted
 token and its k drafted ones, k + 1 distributions; the row keeps the longest prefix of drafts
 the target accepts, then one token of the target's own. Rows are independent and vectorised;
 a row drafts between 0 and k tokens (`draft_lens`, the rest padding).

@@ -1,4 +1,4 @@
-"""N-gram drafts (`--speculative-algorithm NGRAM`, issue 31's first part): a request's own
+"""N-gram drafts (`--speculative-algorithm NGRAM`): a request's own
 tokens (prompt and output) predict its next ones. The last n tokens, for n from the longest
 window down, are looked up among the earlier n-grams of the request; the tokens that followed
 the most recent earlier match are the draft.
