@@ -61,7 +61,7 @@ def no_openmp_on_this_thread() -> Iterator[None]:
     loop's thread, while the engine thread serves. NOTE: one op there big enough to go parallel
     gives this thread its own OpenMP team; with more OpenMP threads than cores libgomp stops
     spinning between parallel regions, and every later CPU engine step runs slower for the
-    rest of the process (BENCHMARKS.md, "overlap mode at 2 streams")."""
+    rest of the process (BENCHMARKS.md, "Overlap mode at 2 streams")."""
     import torch
 
     setter = _omp_set_num_threads()

@@ -3,7 +3,7 @@ weight-only, through the Triton kernel (kernels/fp8_matmul.py) for decode batche
 KERNEL_MAX_ROWS rows and widen + cuBLAS above. The kernel is checked against float64 math on
 the same fp8 weights (what is left is bfloat16 rounding); the method, against the float32 model
 on the original weights, with bounds of its own beside what was measured on an H100 (bundled
-SmolLM2; BENCHMARKS.md, "GPU, second session"): logits relative error 0.073-0.076 /
+SmolLM2; BENCHMARKS.md, "GPU (H100 / H200)"): logits relative error 0.073-0.076 /
 0.103-0.111 (long / short prompt, two runs; dense bf16 0.016 / 0.026); perplexity of the
 paragraph twice 4.188-4.205 (fp32 4.105, bf16 4.089): e4m3 keeps 3 mantissa bits, so it costs
 a 135M model 2-2.4% of perplexity (w8a8_int8, int8 weights per feature and int8 activations,

@@ -19,8 +19,8 @@ loading itself: models.loader).
   batch, its bf16 table staying for the embedding.
 - `fp8`: any model's linear weights float8 e4m3 per output feature (layers.fp8), on CUDA
   (compute capability 8.9+, Triton); activations stay in the serving dtype. It halves the
-  bytes a small decode batch reads, for decode speed at low batch sizes (BENCHMARKS.md, "GPU,
-  second session"). As SGLang quantizes a bf16 checkpoint online: it loads dense, then each
+  bytes a small decode batch reads, for decode speed at low batch sizes (BENCHMARKS.md, "GPU
+  (H100 / H200)"). As SGLang quantizes a bf16 checkpoint online: it loads dense, then each
   layer's weight is quantized and released; the LM head and the embedding stay in the serving
   dtype.
 - `awq`, `gptq`, `compressed-tensors` (int4) and `fp8` checkpoints (config.json's

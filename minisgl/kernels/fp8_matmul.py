@@ -8,7 +8,7 @@ One matmul kernel, two inner loops chosen per launch by the autotuner (keyed on 
 widths and the row count rounded up to a power of two):
 - `DOT`: tiles of 16 rows through tensor cores (tl.dot on the widened weight tile), for any
   row count (the layer sends it at most KERNEL_MAX_ROWS, above which cuBLAS on bf16 weights
-  is faster: BENCHMARKS.md, "GPU, second session");
+  is faster: BENCHMARKS.md, "GPU (H100 / H200)");
 - a GEMV, one row per program: each keeps a [BLOCK_N, BLOCK_K] float32 partial product and
   reduces it once at the end, without padding the row to a 16-row tile.
 The float32 accumulator is scaled per output feature once, after the K loop; with block

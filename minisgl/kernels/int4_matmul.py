@@ -51,7 +51,7 @@ def tile_fits_group(block_k: int, group: int, k: int) -> bool:
 def _prune(configs: list[triton.Config], named_args: dict, **_: object) -> list[triton.Config]:
     """The GEMV (any BLOCK_K: it takes a scale per word) for up to 4 rows, alone for one row
     (where every tile loses to it, so tiles there only let the autotuner pick wrong: BENCHMARKS
-    "GPU, fifth session"); tiles of up to the row bucket's rows (16 at least) that fit the
+    "GPU (H100 / H200)"); tiles of up to the row bucket's rows (16 at least) that fit the
     groups (groups are multiples of 32 inputs or whole rows, so the 32-input tiles always do)."""
     group, k, bucket = named_args["GROUP"], named_args["K"], named_args["M_BUCKET"]
     return [c for c in configs if (bucket <= 4 if not c.kwargs["DOT"] else

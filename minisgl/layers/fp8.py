@@ -7,7 +7,7 @@ Decode batches of up to KERNEL_MAX_ROWS rows run kernels/fp8_matmul (Triton), wh
 per weight instead of 2: at a few rows a step is bound by those bytes. Larger batches widen the
 weight (scales applied) to the activations' dtype in one pass for cuBLAS. At many rows both lose
 to cuBLAS on bf16 weights: fp8 weight-only is for latency at few streams (and for memory), not
-for throughput at many (figures: BENCHMARKS.md, "GPU, second session").
+for throughput at many (figures: BENCHMARKS.md, "GPU (H100 / H200)").
 """
 
 from __future__ import annotations

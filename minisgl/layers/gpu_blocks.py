@@ -24,7 +24,7 @@ from minisgl.layers.fp8 import Fp8ChannelWeight, kernel_or_widened
 from minisgl.layers.gguf_weight import GROUP, BlockSlots, GgufBlocks, cat_rows
 
 # Above it, dequantize + cuBLAS: the kernel's tiles lose to widening from a few rows on
-# (BENCHMARKS.md, "GPU, fourth session")
+# (BENCHMARKS.md, "GPU (H100 / H200)")
 KERNEL_MAX_ROWS = 2
 
 
