@@ -3,7 +3,7 @@ on vs off, side by side in one run.
 
 Two workloads of chat prompts to the bundled model, greedy:
 - grounded: rewrite, repeat, extract from or continue a given text (passages of this repo's
-  README): the output copies the input, where n-gram drafts are right;
+  docs): the output copies the input, where n-gram drafts are right;
 - chat: open questions, where they are mostly wrong.
 `--streams C` requests decode at once (max_running_requests C, max(2C, --min-requests)
 requests, so every step has C rows once the first prefills are done). Output tok/s = output
@@ -56,8 +56,11 @@ QUESTIONS = ("What is the boiling point of water?", "Write a haiku about autumn.
 
 
 def passages(count: int, words: int = 90) -> list[str]:
-    """Paragraphs of plain prose from the README, about `words` words each."""
-    text = (ROOT / "README.md").read_text()
+    """Paragraphs of plain prose from the user documentation (README.md, then docs/ in name
+    order, design.md aside), about `words` words each."""
+    pages = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").glob("*.md")
+                                         if p.name != "design.md")]
+    text = "\n\n".join(page.read_text() for page in pages)
     paragraphs = [" ".join(p.split()) for p in re.split(r"\n\s*\n", text)]
     prose = [p for p in paragraphs if len(p.split()) > 30 and not p.startswith(("```", "|", "#"))]
     return [" ".join(p.split()[:words]) for p in (prose * count)[:count]]
