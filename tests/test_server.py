@@ -125,6 +125,16 @@ def test_health_and_info_endpoints(minisgl_server):
     assert isinstance(states, list) and len(states) == 1
     assert states[0]["kv_pool_tokens"] == 20000
     assert {"num_running_reqs", "num_waiting_reqs", "kv_used_tokens"} <= set(states[0])
+    # the configuration as resolved, in sections, and printed at start as one block
+    resolved = server_info["resolved"]
+    assert set(resolved) == {"model", "engine", "scheduler", "server"}
+    assert resolved["model"]["dtype"] == "float32" and resolved["engine"]["device"] == "cpu"
+    assert resolved["engine"]["kv_pool_tokens"] == 20000
+    assert resolved["engine"]["max_running_requests"] == 32
+    chunk = resolved["scheduler"]["chunked_prefill_size"]
+    assert isinstance(chunk, int) and chunk == server_info["chunked_prefill_size"]
+    log = "".join(minisgl_server.stderr)
+    assert "running with:" in log and f"scheduler.chunked_prefill_size = {chunk}" in log
 
     r = get(minisgl_server, "/health_generate")
     assert r.status_code == 200, r.text

@@ -4,6 +4,7 @@ HTTP server and the offline `LLM` hold this object and reach nothing below it.""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -125,6 +126,12 @@ class Runtime:
         """New requests cannot name it at once; returns once its requests finished."""
         await self.scheduler.unload_adapter(name)
 
+    def config_block(self) -> str:
+        """resolved_config as lines of `section.name = value`."""
+        return "\n".join(f"  {section}.{name} = {value}"
+                         for section, values in self.resolved_config().items()
+                         for name, value in values.items())
+
     def model_info(self) -> dict[str, Any]:
         """SGLang's /model_info fields."""
         arch = self.engine.arch
@@ -133,6 +140,34 @@ class Runtime:
                 "is_generation": not self.args.is_embedding,
                 "model_type": arch.model_type, "architectures": [arch.architecture],
                 "preferred_sampling_params": None, "weight_version": "default"}
+
+    def resolved_config(self) -> dict[str, dict[str, Any]]:
+        """What this server runs with, each value as resolved (the flags, then the device's, the
+        model's and the memory's defaults for what they left open), in sections: printed at
+        start as one block (`config_block`) and /server_info's `resolved`."""
+        engine, scheduler, args = self.engine, self.scheduler, self.args
+        arch, spec, graphs = engine.arch, engine.speculation, engine.runner.graph_runner
+        return {
+            "model": {"path": str(self.model_path), "served_names": list(self.served_names),
+                      "architecture": arch.architecture, "layers": arch.num_layers,
+                      "context_length": self.context_len,
+                      "dtype": str(engine.dtype).removeprefix("torch."),
+                      "quantization": engine.quantization, "tokenizer": self.tokenizer_path},
+            "engine": {"device": str(engine.device), "tp_size": engine.tp.size,
+                       "attention_backend": type(engine.attn_backend).__name__,
+                       "cuda_graph_batch_sizes": list(graphs.batch_sizes) if graphs else [],
+                       "kv_pool_tokens": scheduler.limits.pool_tokens,
+                       "page_size": engine.page_size, "max_running_requests": engine.max_running,
+                       "speculation": None if spec is None else {
+                           "algorithm": spec.algorithm, "num_draft_tokens": spec.num_draft_tokens},
+                       "lora": engine.lora is not None},
+            "scheduler": dataclasses.asdict(scheduler.config),
+            "server": {"host": args.host, "port": args.port, "api_key": bool(args.api_key),
+                       "is_embedding": args.is_embedding,
+                       "tool_call_parser": args.tool_call_parser,
+                       "reasoning_parser": args.reasoning_parser,
+                       "grammar_backend": args.grammar_backend},
+        }
 
     def server_info(self) -> dict[str, Any]:
         """SGLang's /server_info: the flags, with the values the engine resolved (a router
@@ -145,7 +180,7 @@ class Runtime:
                 "max_total_num_tokens": limits.pool_tokens,
                 "context_length": self.context_len, "page_size": self.engine.page_size,
                 "chunked_prefill_size": self.scheduler.config.chunked_prefill_size,
-                "internal_states": [self.state()]}
+                "resolved": self.resolved_config(), "internal_states": [self.state()]}
 
     def load(self) -> list[dict[str, int]]:
         """SGLang's /get_load: one entry per data-parallel rank (one here)."""

@@ -50,6 +50,7 @@ class Dashboard:
         if since <= 0:
             info = self.runtime.server_info()
             info.pop("internal_states")
+            info.pop("resolved")  # NOTE: the same values, nested
             # NOTE: `device` is the one the engine runs on; the args say "auto" by default
             body["server"] = {"model": self.runtime.model_name, "version": __version__,
                               "device": self.runtime.engine.device.type,

@@ -56,7 +56,8 @@ async def run_server(args: ServerArgs) -> None:
         for sock in sockets:
             sock.close()
         raise
-    logger.info("model %s loaded in %.1f s", runtime.model_path, time.perf_counter() - started)
+    logger.info("model %s loaded in %.1f s; running with:\n%s", runtime.model_path,
+                time.perf_counter() - started, runtime.config_block())
     await runtime.start()
     server = Server(runtime)
     try:

@@ -785,7 +785,7 @@ void tiled_span_rows(const Activations& a, const Weight& w, int64_t terms, int64
 // The same rows with one term, the span decoded once into `codes`. The next span's codes (a
 // step's weights come from DRAM) go towards L2 meanwhile, a share with each tile: a span is too
 // short a run for the hardware prefetcher to get ahead of, and a burst of prefetches at once
-// gains little (BENCHMARKS.md, "One term, a type's fixed offset folded").
+// gains little (BENCHMARKS.md, "One int8 activation term").
 template <typename T>
 void decoded_span_rows(const Activations& a, const Weight& w, DecodedSpan& codes, int64_t b,
                        int width, int64_t first, int64_t last, T* out, int64_t n) {

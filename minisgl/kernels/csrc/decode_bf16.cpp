@@ -75,7 +75,7 @@ struct Task {
 // cache, where one tile without the continuation is the faster distance.
 // NOTE: into L2, not L1: the L1's few miss buffers cap how many lines are in flight, far
 // below what DRAM can deliver; the tile's rows move from L2 to L1 on their own (BENCHMARKS.md,
-// "Decode attention's KV prefetched into L2").
+// "Decode attention").
 constexpr int64_t kDecodeAhead = 4 * kTile, kPrefillAhead = kTile;
 
 // NOTE: inlined by force: a call in the value pass would spill its register accumulators

@@ -244,7 +244,7 @@ void lora_add(at::Tensor x, at::Tensor out, at::Tensor rows, at::Tensor ends,
   int64_t max_kernel_rows = kMaxKernelRows;
 #ifdef MINISGL_VNNI
   // NOTE: the tiles beat the per-slot GEMMs at a prefill's rows too (BENCHMARKS.md,
-  // "Multi-LoRA on an AVX-512 machine")
+  // "Multi-LoRA")
   if (x.scalar_type() == at::kBFloat16) max_kernel_rows = rows.numel();
 #endif
   const int32_t* end_of = ends.data_ptr<int32_t>();
