@@ -50,7 +50,7 @@ browser:
 	    $$SUDO apt-get install -y -q --no-install-recommends chromium >/dev/null; }; } || \
 	echo "chromium could not be installed: the dashboard's browser test will be skipped"
 
-# minisgl vs llama.cpp llama-server vs transformers, appended to BENCHMARKS.md (~25 min the
+# minisgl vs llama.cpp llama-server vs transformers, written into BENCHMARKS.md (~25 min the
 # first time: it builds llama-server into ~/.cache/minisgl/llama.cpp)
 bench: $(STAMP)
 	$(PY) scripts/compare.py $(ARGS)

@@ -13,7 +13,8 @@ Offline (scripts/bench_offline.py): minisgl `LLM.generate` vs transformers `gene
 batches, bf16, on the same prompts: fixed lengths (64 in, 128 out) at batch 1 / 8 / 32, and the
 nano-vllm workload scaled down (64 prompts, lengths uniform in 32-512) at 32 / 64.
 
-Prints a ratio table and appends it, with the command and the machine, to BENCHMARKS.md.
+Prints a ratio table and writes it, with the command and the machine, into BENCHMARKS.md's
+"Peer comparison (make bench)" section as its latest run (the one before goes: git keeps it).
 """
 
 from __future__ import annotations
@@ -296,11 +297,29 @@ def default_precision() -> str:
     return f"by default here {str(dtype).removeprefix('torch.')}, --quantization {method}"
 
 
+SECTION = "## Peer comparison (make bench)"
+LATEST_RUN = "### The latest run"
+
+
+def with_latest_run(document: str, run: str) -> str:
+    """BENCHMARKS.md with `run` as the first subsection of SECTION, in place of the run written
+    there before (the file holds today's figures; earlier runs stay in git)."""
+    if SECTION not in document:
+        return document.rstrip("\n") + f"\n\n{SECTION}\n\n{run}"
+    head, _, rest = document.partition(SECTION + "\n")
+    intro, _, body = rest.partition("\n### ")
+    body = "### " + body if body else ""
+    if body.startswith(LATEST_RUN):  # NOTE: up to the next subsection or section
+        ends = [i for i in (body.find("\n### ", 1), body.find("\n## ")) if i >= 0]
+        body = body[min(ends) + 1:] if ends else ""
+    return f"{head}{SECTION}\n{intro.rstrip()}\n\n{run.rstrip()}\n\n{body}"
+
+
 def report(args: argparse.Namespace, serving: dict[str, dict[int, dict]],
            offline: list[tuple[OfflineWorkload, list[dict]]],
            llama_note: str, command: str) -> str:
     import torch
-    lines = [f"## Peer comparison ({date.today().isoformat()}, `scripts/compare.py`)", "",
+    lines = [f"{LATEST_RUN} (measured {date.today().isoformat()})", "",
              f"`{command}`", "",
              f"Machine: {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
              f"{torch.get_num_threads()} torch threads. minisgl serves SmolLM2-135M-Instruct "
@@ -422,9 +441,8 @@ def main() -> None:
     text = report(args, serving, offline, llama_note, command.strip())
     print(text)
     if args.append is not None:
-        with args.append.open("a") as out:
-            out.write("\n" + text)
-        log(f"appended to {args.append}")
+        args.append.write_text(with_latest_run(args.append.read_text(), text))
+        log(f"written to {args.append}, section {SECTION!r}")
 
 
 if __name__ == "__main__":
