@@ -53,7 +53,7 @@ browser:
 # minisgl vs llama.cpp llama-server vs transformers, written into BENCHMARKS.md (~25 min the
 # first time: it builds llama-server into ~/.cache/minisgl/llama.cpp)
 bench: $(STAMP)
-	$(PY) scripts/compare.py $(ARGS)
+	$(PY) -m minisgl.bench compare $(ARGS)
 
 clean:
 	rm -rf $(VENV) $(SGLANG_VENV) build *.egg-info

@@ -358,8 +358,8 @@ def test_dummy_int4_groups_have_the_dense_dummy_spread():
 @needs_int4_gpu
 @pytest.mark.gpu
 def test_dummy_int4_model_decodes_on_cuda_with_graphs():
-    """The Llama-3.1-8B shape (2 layers) with random int4 groups, as bench_gpu.py's `decode
-    --quantization awq` runs it: graphs captured (each row count tuned before its capture),
+    """The Llama-3.1-8B shape (2 layers) with random int4 groups, as `python -m minisgl.bench gpu
+    decode --quantization awq` runs it: graphs captured (each row count tuned before its capture),
     greedy decode equal to an eager run."""
     from minisgl import LLM
     outs = []

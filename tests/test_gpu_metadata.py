@@ -223,7 +223,7 @@ def test_gpu_modules_import_without_flashinfer_or_cuda() -> None:
     code = ("import sys, minisgl.engine.graph, minisgl.attention.flashinfer_backend, "
             "minisgl.engine.stream; assert 'flashinfer' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT)
-    subprocess.run([sys.executable, "scripts/bench_gpu.py", "--help"], check=True,
+    subprocess.run([sys.executable, "-m", "minisgl.bench", "gpu", "--help"], check=True,
                    cwd=REPO_ROOT, capture_output=True)
 
 

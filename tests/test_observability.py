@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from minisgl.kernels.cpu import build_folder, cpu_kernels
 from minisgl.runtime.metrics import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS
-from tests.browser import Browser, chromium_path
+from minisgl.bench.browser import Browser, chromium_path
 from tests.conftest import REPO_ROOT, start_minisgl_server
 from tests.test_server import wait_for
 

@@ -1,7 +1,7 @@
 """How the scheduler task awaits a launched forward: the waiter thread and the event probe of
 `minisgl.engine.stream.Completion`, with stand-in events on CPU (the same code runs on CUDA
 events in tests/test_gpu.py). The timing side (how late the thread alone is under a busy loop)
-is `python scripts/bench_gpu.py events --device cpu`, recorded in BENCHMARKS.md."""
+is `python -m minisgl.bench gpu events --device cpu`, recorded in BENCHMARKS.md."""
 
 from __future__ import annotations
 

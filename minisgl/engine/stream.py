@@ -11,7 +11,7 @@ ways:
   (no sync) and yields with `asyncio.sleep(0)` while the event is young, then backs off to
   short sleeps. No thread and no cross-thread wake-up; it costs loop iterations meanwhile.
 
-`scripts/event_waits.py` measures both against a blocking synchronize.
+`minisgl/bench/event_waits.py` measures both against a blocking synchronize.
 """
 
 from __future__ import annotations

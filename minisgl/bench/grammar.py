@@ -2,7 +2,7 @@
 with 0%, 50% and 100% of the requests under a grammar, rounds alternating, and the time the
 scheduler spends filling the grammar masks per step.
 
-    python scripts/bench_grammar.py --concurrency 32 --output-len 64 --rounds 2
+    python -m minisgl.bench grammar --concurrency 32 --output-len 64 --rounds 2
 
 Every request runs to --output-len: the free ones ignore EOS, the constrained ones follow a
 regex far longer than the output (`[a-z ]{2000}`), so both kinds do the same work.
@@ -11,14 +11,10 @@ regex far longer than the output (`[a-z ]{2000}`), so both kinds do the same wor
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from minisgl import LLM  # noqa: E402
-from minisgl.scheduler.batch_builder import ScheduledBatch  # noqa: E402
+from minisgl import LLM
+from minisgl.scheduler.batch_builder import ScheduledBatch
 
 GRAMMAR = {"regex": "[a-z ]{2000}"}
 

@@ -7,7 +7,7 @@ By default it starts each server in turn (`python -m minisgl serve --port 0`, th
 `--` added to both) and stops it before the next, so the two never share the cores; give
 --embedding-url / --generation-url to measure servers already running instead.
 
-    python scripts/bench_embeddings.py --concurrency 1 64 --num-requests 256 --input-len 128 \
+    python -m minisgl.bench embeddings --concurrency 1 64 --num-requests 256 --input-len 128 \
         -- --dtype bfloat16
 """
 
@@ -29,7 +29,7 @@ from typing import Iterator
 
 import aiohttp
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 READY = re.compile(r"minisgl ready: listening on (http://\S+)")
 START_TIMEOUT_S = 600.0
 
@@ -88,7 +88,7 @@ def served(extra: list[str], url: str | None) -> Iterator[str]:
             proc.wait()
 
 
-def prompts(count: int, length: int, seed: int, vocab: int = 49152) -> list[list[int]]:
+def token_prompts(count: int, length: int, seed: int, vocab: int = 49152) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(count)]
 
@@ -115,17 +115,17 @@ async def run_level(url: str, path: str, bodies: list[dict], concurrency: int
         return time.perf_counter() - started, latencies
 
 
-def measure(url: str, server: str, args: argparse.Namespace, embedding: bool) -> list[Row]:
+def measure_endpoint(url: str, server: str, args: argparse.Namespace, embedding: bool) -> list[Row]:
     path = "/v1/embeddings" if embedding else "/generate"
     endpoint = path if embedding else "/generate max_new_tokens=1"
     rows = []
     for level, concurrency in enumerate(args.concurrency):
         # NOTE: fresh prompts per level, the same on both servers: no prefix-cache hits
-        batch = prompts(args.num_requests, args.input_len, args.seed + level)
+        batch = token_prompts(args.num_requests, args.input_len, args.seed + level)
         bodies = ([{"input": p, "encoding_format": "float"} for p in batch] if embedding else
                   [{"input_ids": p, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
                    for p in batch])
-        warmup = prompts(min(concurrency, args.num_requests), args.input_len, -1 - level)
+        warmup = token_prompts(min(concurrency, args.num_requests), args.input_len, -1 - level)
         warm = ([{"input": p} for p in warmup] if embedding else
                 [{"input_ids": p, "sampling_params": {"max_new_tokens": 1}} for p in warmup])
         asyncio.run(run_level(url, path, warm, concurrency))
@@ -152,9 +152,9 @@ def main() -> None:
     flags = list(args.server_flags)
     rows = []
     with served([*flags, "--is-embedding"], args.embedding_url) as url:
-        rows += measure(url, "--is-embedding", args, embedding=True)
+        rows += measure_endpoint(url, "--is-embedding", args, embedding=True)
     with served(flags, args.generation_url) as url:
-        rows += measure(url, "generation", args, embedding=False)
+        rows += measure_endpoint(url, "generation", args, embedding=False)
 
     print(f"\n{args.num_requests} requests per row, {args.input_len} tokens each, server flags: "
           f"{' '.join(flags) or '(defaults)'}\n")

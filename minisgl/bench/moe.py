@@ -1,11 +1,11 @@
 """A mixture-of-experts decode step against the dense model of equal active parameters, side by
 side in one run (model forward only, random weights, the shipped real shapes with few layers).
 
-    python scripts/bench_moe.py                                   # qwen3-30b-a3b, 2 layers
-    python scripts/bench_moe.py --config mixtral-8x7b --layers 1 --steps 5
-    MINISGL_DISABLE_CPU_KERNELS=1 python scripts/bench_moe.py   # torch's grouped matmul
-    python scripts/bench_moe.py --kernel   # the experts' matmul alone: ours vs torch's
-    python scripts/bench_moe.py --lora --rows 1 32 64   # 0, 1 and 8 adapters on every linear
+    python -m minisgl.bench moe                                   # qwen3-30b-a3b, 2 layers
+    python -m minisgl.bench moe --config mixtral-8x7b --layers 1 --steps 5
+    MINISGL_DISABLE_CPU_KERNELS=1 python -m minisgl.bench moe   # torch's grouped matmul
+    python -m minisgl.bench moe --kernel   # the experts' matmul alone: ours vs torch's
+    python -m minisgl.bench moe --lora --rows 1 32 64   # 0, 1 and 8 adapters on every linear
 
 The dense equivalent keeps the attention and swaps each layer's experts for one MLP as wide as
 the k experts a token goes to (Qwen3-30B-A3B: 8 x 768 = 6144; Mixtral: 2 x 14336), so both read
@@ -19,19 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench_decode_step import decode_batch, decode_step_seconds  # noqa: E402 (this folder)
-from minisgl.engine import Engine, EngineConfig  # noqa: E402
-from minisgl.models.arch import ModelArch  # noqa: E402
-from minisgl.models.weights import load_config, resolve_model_path  # noqa: E402
+from minisgl.bench.decode_step import decode_batch, decode_step_seconds
+from minisgl.engine import Engine, EngineConfig
+from minisgl.models.arch import ModelArch
+from minisgl.models.weights import load_config, resolve_model_path
 
 DENSE_ARCHITECTURE = {"Qwen3MoeForCausalLM": ("Qwen3ForCausalLM", "qwen3"),
                       "MixtralForCausalLM": ("MistralForCausalLM", "mistral")}

@@ -1,6 +1,6 @@
 """Kernel breakdown of bs=1 decode on CUDA (dummy weights), eager and with CUDA graphs.
 
-    python scripts/profile_gpu_decode.py [--model llama-3.1-8b]
+    python -m minisgl.bench gpu-profile [--model llama-3.1-8b]
 
 Generates 65 tokens after a 512-token prompt under torch.profiler and prints, per mode, the
 kernels by total GPU time (count, mean). BENCHMARKS.md's GPU decode breakdown came from this.
@@ -10,15 +10,11 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 import time
-from pathlib import Path
 
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from minisgl import LLM  # noqa: E402
+from minisgl import LLM
 
 
 def main() -> None:

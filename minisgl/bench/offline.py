@@ -5,9 +5,9 @@ and (with --compare-hf) transformers `generate` in static batches of the same si
 same prompts and lengths. Reports output tok/s, the engine's idle fraction of wall time, the
 decode step time and the achieved weight-read bandwidth.
 
-    python scripts/bench_offline.py --concurrency 32 64 --num-prompts 64 \
+    python -m minisgl.bench offline --concurrency 32 64 --num-prompts 64 \
         --input-len 64 --output-len 128 --compare-hf
-    python scripts/bench_offline.py --concurrency 64 --temperature 1.0 --no-overlap-baseline
+    python -m minisgl.bench offline --concurrency 64 --temperature 1.0 --no-overlap-baseline
 
 Greedy by default; `--temperature` samples (top_p / top_k at their defaults), `--quantization`
 picks the weight form.
@@ -19,16 +19,13 @@ import argparse
 import json
 import platform
 import random
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench_decode_step import weight_bytes  # noqa: E402 (this folder)
-from minisgl import LLM  # noqa: E402
+from minisgl import LLM
+from minisgl.bench.decode_step import weight_bytes
 
 
 def make_prompts(args: argparse.Namespace) -> list[list[int]]:

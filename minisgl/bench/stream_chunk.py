@@ -2,9 +2,9 @@
 the request's handle and encoding it as an SSE event, once per new token, as the server does.
 No model runs: the handle is fed synthetic tokens and logprobs, so only that cost is timed.
 
-    python scripts/bench_stream_chunk.py                       # this checkout
+    python -m minisgl.bench stream-chunk                       # this checkout
     git worktree add /tmp/baseline REV
-    python scripts/bench_stream_chunk.py --baseline /tmp/baseline   # and REV, side by side
+    python -m minisgl.bench stream-chunk --baseline /tmp/baseline   # and REV, side by side
 
 Workloads: a plain stream; output logprobs with the top 5; and prompt logprobs from position 0
 of a long prompt (plus the output's), the case where a chunk carries the most entries.
@@ -22,7 +22,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 WORKLOADS = {  # name: (logprob_num, logprob_start_len)
     "plain": (-1, -1),
     "output logprobs, top 5": (5, -1),
@@ -42,7 +42,7 @@ def new_stream() -> Callable[[Any], dict[str, Any]]:
     return lambda handle: stream.chunk(0, handle)
 
 
-def measure(tokens: int, prompt_len: int, repeats: int) -> dict[str, dict[str, float]]:
+def measure_chunks(tokens: int, prompt_len: int, repeats: int) -> dict[str, dict[str, float]]:
     from minisgl.core import SamplingParams
     from minisgl.runtime import ReqHandle
     from minisgl.runtime.tokenizer import DecodeState
@@ -98,7 +98,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.json:
-        print(json.dumps(measure(args.tokens, args.prompt_len, args.repeats)))
+        print(json.dumps(measure_chunks(args.tokens, args.prompt_len, args.repeats)))
         return
     this = run_in(REPO, args)
     base = run_in(args.baseline, args) if args.baseline is not None else None

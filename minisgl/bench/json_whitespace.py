@@ -2,7 +2,7 @@
 without it (`--constrained-json-disable-any-whitespace`): the same chat prompts, greedy, through
 `LLM.generate`, one request at a time (by default).
 
-    python scripts/bench_json_whitespace.py --prompts-per-schema 10 --max-new-tokens 256
+    python -m minisgl.bench json-whitespace --prompts-per-schema 10 --max-new-tokens 256
 
 `--temperature T` samples instead (request i gets sampling_seed i), `--no-chat-template` sends
 the user text bare (completion style), `--short-prompts` uses three terse prompts for every
@@ -21,15 +21,11 @@ import argparse
 import json
 import re
 import statistics
-import sys
-from pathlib import Path
 from typing import Any
 
 import jsonschema
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from minisgl import LLM  # noqa: E402
+from minisgl import LLM
 
 FLAT = {"type": "object", "properties": {
     "name": {"type": "string"}, "age": {"type": "integer"},
@@ -103,7 +99,7 @@ def valid(text: str, schema: dict[str, Any]) -> bool:
     return True
 
 
-def run(flag: bool, args: argparse.Namespace) -> dict[str, Any]:
+def run_schemas(flag: bool, args: argparse.Namespace) -> dict[str, Any]:
     with LLM(dtype=args.dtype, constrained_json_disable_any_whitespace=flag) as llm:
         prompts = requests(llm, args.prompts_per_schema, not args.no_chat_template,
                            args.short_prompts)
@@ -147,7 +143,7 @@ def main() -> None:
                      "--short-prompts")
     settings = {"any whitespace (default)": False,
                 "compact (--constrained-json-disable-any-whitespace)": True}
-    results = {label: run(flag, args)["rows"] for label, flag in settings.items()}
+    results = {label: run_schemas(flag, args)["rows"] for label, flag in settings.items()}
     n = len(next(iter(results.values())))
     print(f"{n} requests ({args.prompts_per_schema} per schema x {len(SCHEMAS)} schemas), "
           f"{'temperature %g' % args.temperature if args.temperature else 'greedy'}, "

@@ -6,12 +6,12 @@
   priority  TTFT of urgent requests (priority 20) arriving every second or so into a server
             saturated by priority-0 requests: idle server, saturated without
             --enable-priority-scheduling, saturated with it.
-  prefix    scripts/bench_serving.py's shared-prefix workload, all requests at once:
+  prefix    minisgl/bench/serving.py's shared-prefix workload, all requests at once:
             fcfs vs lpm (with in-batch prefix sharing): cache hit rate and tok/s.
 
-    python scripts/bench_scheduling.py mixed priority prefix
-    python scripts/bench_scheduling.py mixed --rounds 3
-    python scripts/bench_scheduling.py mixed --chunk-sizes 128 256 512 1024 2048
+    python -m minisgl.bench scheduling mixed priority prefix
+    python -m minisgl.bench scheduling mixed --rounds 3
+    python -m minisgl.bench scheduling mixed --chunk-sizes 128 256 512 1024 2048
 
 Prints one markdown table per workload (paste into BENCHMARKS.md with the command).
 """
@@ -23,7 +23,6 @@ import asyncio
 import json
 import random
 import statistics
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -31,29 +30,24 @@ from typing import Any
 
 import aiohttp
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
+from minisgl.bench import serving
+from minisgl.bench.compare import ServerProcess, start_minisgl
+from minisgl.server.timeline import percentile
 
-import bench_serving  # noqa: E402 (this folder)
-from compare import Server, start_minisgl  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
+
 
 POOL_TOKENS = 200_000
 
 
-def server_state(server: Server) -> dict[str, Any]:
+def server_state(server: ServerProcess) -> dict[str, Any]:
     with urllib.request.urlopen(server.url + "/get_server_info", timeout=30) as resp:
         return json.load(resp)["internal_states"][0]
 
 
-def client_args(url: str, priority: int | None = None) -> argparse.Namespace:
-    return bench_serving.parse_args(["--base-url", url, "--backend", "sglang", "--ignore-eos",
-                                     "--quiet"] + ([] if priority is None else
-                                                   ["--priority", str(priority)]))
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3 if ordered else float("nan")
+def percentile_ms(values: list[float], q: float) -> float:
+    value = percentile(values, q)
+    return float("nan") if value is None else value * 1e3
 
 
 def tokens(rng: random.Random, n: int) -> list[int]:
@@ -69,7 +63,8 @@ async def warm(url: str) -> None:
     """One-time costs (oneDNN primitives for new shapes, KV pool page faults) before timing."""
     rng = random.Random(99)
     async with session() as s:
-        await asyncio.gather(*(bench_serving.one_request(s, client_args(url), tokens(rng, n), 4)
+        await asyncio.gather(*(serving.one_request(s, serving.sglang_client(url),
+                                                   tokens(rng, n), 4)
                                for n in (16, 300, 2000)))
 
 
@@ -80,15 +75,15 @@ async def mixed_load(url: str, args: argparse.Namespace) -> dict[str, Any]:
     stream_prompts = [[tokens(rng, args.stream_input) for _ in range(args.stream_requests)]
                       for _ in range(args.streams)]
     long_prompts = [tokens(rng, args.long_input) for _ in range(args.long_prompts)]
-    cargs = client_args(url)
+    cargs = serving.sglang_client(url)
     async with session() as s:
-        async def stream(prompts: list[list[int]]) -> list[bench_serving.Result]:
-            return [await bench_serving.one_request(s, cargs, p, args.stream_output)
+        async def stream(prompts: list[list[int]]) -> list[serving.Result]:
+            return [await serving.one_request(s, cargs, p, args.stream_output)
                     for p in prompts]
 
-        async def long_one(k: int, prompt: list[int]) -> bench_serving.Result:
+        async def long_one(k: int, prompt: list[int]) -> serving.Result:
             await asyncio.sleep(args.long_first + k * args.long_every)
-            return await bench_serving.one_request(s, cargs, prompt, args.long_output)
+            return await serving.one_request(s, cargs, prompt, args.long_output)
 
         started = time.perf_counter()
         streams = [asyncio.create_task(stream(p)) for p in stream_prompts]
@@ -98,7 +93,7 @@ async def mixed_load(url: str, args: argparse.Namespace) -> dict[str, Any]:
     everything = stream_results + longs
     assert all(r.ok for r in everything), [r.error for r in everything if not r.ok][:3]
     itl = [x for r in stream_results for x in r.itl]
-    return {"itl_p50_ms": percentile(itl, 0.5), "itl_p99_ms": percentile(itl, 0.99),
+    return {"itl_p50_ms": percentile_ms(itl, 0.5), "itl_p99_ms": percentile_ms(itl, 0.99),
             "itl_max_ms": max(itl) * 1e3,
             "long_ttft_ms": statistics.median(r.ttft for r in longs) * 1e3,
             "output_tok_s": sum(r.output_len for r in everything) / duration,
@@ -136,17 +131,18 @@ async def priority_load(url: str, args: argparse.Namespace, saturate: bool) -> d
     rng = random.Random(args.seed + 1)
     background = [tokens(rng, args.input_len) for _ in range(args.background_requests)]
     probes = [tokens(rng, args.input_len) for _ in range(args.probes)]
-    low, urgent = client_args(url, 0), client_args(url, args.urgent_priority)
+    low = serving.sglang_client(url, "--priority", "0")
+    urgent = serving.sglang_client(url, "--priority", str(args.urgent_priority))
     async with session() as s:
         semaphore = asyncio.Semaphore(args.background_concurrency)
 
-        async def one_background(prompt: list[int]) -> bench_serving.Result:
+        async def one_background(prompt: list[int]) -> serving.Result:
             async with semaphore:
-                return await bench_serving.one_request(s, low, prompt, args.output_len)
+                return await serving.one_request(s, low, prompt, args.output_len)
 
-        async def probe(k: int, prompt: list[int]) -> bench_serving.Result:
+        async def probe(k: int, prompt: list[int]) -> serving.Result:
             await asyncio.sleep(args.probe_first + k * args.probe_every)
-            return await bench_serving.one_request(s, urgent, prompt, args.probe_output)
+            return await serving.one_request(s, urgent, prompt, args.probe_output)
 
         started = time.perf_counter()
         tasks = [asyncio.create_task(one_background(p)) for p in background] if saturate else []
@@ -192,7 +188,7 @@ def bench_prefix(args: argparse.Namespace) -> None:
             "--prefix-len", str(args.prefix_len), "--input-len", "64", "--output-len", "32",
             "--num-prompts", str(args.groups * args.per_group),
             "--max-concurrency", str(args.groups * args.per_group), "--seed", str(args.seed)]
-    print(f"\n### prefix: bench_serving.py {' '.join(argv)} (all at once)\n")
+    print(f"\n### prefix: serving.py {' '.join(argv)} (all at once)\n")
     print("| server | cache hit rate | input tok/s | output tok/s | TTFT median ms |")
     print("|---|---|---|---|---|")
     for policy in ("fcfs", "lpm"):
@@ -201,7 +197,7 @@ def bench_prefix(args: argparse.Namespace) -> None:
         try:
             asyncio.run(warm(server.url))
             before = server_state(server)
-            result = asyncio.run(bench_serving.run(bench_serving.parse_args(
+            result = asyncio.run(serving.run(serving.parse_args(
                 ["--base-url", server.url, *argv])))
             after = server_state(server)
         finally:

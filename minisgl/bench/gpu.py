@@ -1,14 +1,14 @@
 """GPU benchmarks (CUDA only), all on dummy weights from the shipped shape-only configs.
 
-    python scripts/bench_gpu.py decode   # bs=1 decode tok/s and memory-bandwidth utilisation
-    python scripts/bench_gpu.py decode --quantization none fp8 awq   # one row per method
-    python scripts/bench_gpu.py linears  # the Llama-3.1-8B linears alone: bf16 vs fp8 kernel
-    python scripts/bench_gpu.py checkpoint-linears  # the same: int4 (AWQ) / block fp8 forms
-    python scripts/bench_gpu.py offline  # nano-vllm's offline workload through minisgl.LLM
-    python scripts/bench_gpu.py idle     # GPU idle between decode steps, overlap on vs off
-    python scripts/bench_gpu.py events   # awaiting copy-done: waiter thread vs polling
-    python scripts/bench_gpu.py events --device cpu  # the same hand-off, stand-in events, no GPU
-    python scripts/bench_gpu.py all --json results.json
+    python -m minisgl.bench gpu decode   # bs=1 decode tok/s and memory-bandwidth utilisation
+    python -m minisgl.bench gpu decode --quantization none fp8 awq   # one row per method
+    python -m minisgl.bench gpu linears  # the Llama-3.1-8B linears alone: bf16 vs fp8 kernel
+    python -m minisgl.bench gpu checkpoint-linears  # the same: int4 (AWQ) / block fp8 forms
+    python -m minisgl.bench gpu offline  # nano-vllm's offline workload through minisgl.LLM
+    python -m minisgl.bench gpu idle     # GPU idle between decode steps, overlap on vs off
+    python -m minisgl.bench gpu events   # awaiting copy-done: waiter thread vs polling
+    python -m minisgl.bench gpu events --device cpu  # the same hand-off, stand-in events, no GPU
+    python -m minisgl.bench gpu all --json results.json
 
 decode: `--model llama-3.1-8b --load-format dummy`; one request, decode time = time(1 + N new
 tokens) - time(1 new token), plus the median GPU time of a decode step (CUDA events around
@@ -49,9 +49,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from minisgl import LLM  # noqa: E402
+from minisgl import LLM
 
 PEAK_TBPS = [  # substring of torch.cuda.get_device_name -> HBM bandwidth, TB/s
     ("GH200", 4.0), ("H200", 4.8), ("H100 NVL", 3.9), ("H100 PCIe", 2.0), ("H100", 3.35),
@@ -268,8 +266,8 @@ def bench_linears(args: argparse.Namespace) -> list[dict[str, Any]]:
 def bench_checkpoint_linears(args: argparse.Namespace) -> list[dict[str, Any]]:
     import triton.testing
 
-    from minisgl.layers.fp8 import Fp8ChannelWeight
     from minisgl.layers import gpu_blocks
+    from minisgl.layers.fp8 import Fp8ChannelWeight
     from minisgl.layers.gpu_blocks import Int4GroupWeight
 
     def timed(fn: Any) -> float:
@@ -388,7 +386,7 @@ def bench_idle(args: argparse.Namespace) -> list[dict[str, Any]]:
 # ---- events ----------------------------------------------------------------------------------
 
 def bench_events(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from event_waits import benchmark_waiters  # this folder
+    from minisgl.bench.event_waits import benchmark_waiters
     rows = []
     for busy in (0.0, 50.0):
         for row in benchmark_waiters(args.device, tuple(args.event_ms), args.event_iters, busy):
@@ -456,7 +454,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()
     if not torch.cuda.is_available() and not (args.what == "events" and args.device == "cpu"):
-        raise SystemExit("bench_gpu.py needs a CUDA device (only `events --device cpu` runs "
+        raise SystemExit("gpu.py needs a CUDA device (only `events --device cpu` runs "
                          "without one)")
 
     if args.fp8_kernel_max_rows is not None:

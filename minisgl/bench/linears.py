@@ -1,11 +1,11 @@
 """The linear layers alone, per weight form: ms per pass over the 30 layers' four linears of the
 bundled model's shapes (random weights, so the weights stream from memory as in a step).
 
-    python scripts/bench_linears.py                      # rows 1 8 64 512 2048
-    python scripts/bench_linears.py --rows 64 --rounds 3
-    python scripts/bench_linears.py --rows 64 96 128 --kernel-max-rows 0   # GGUF: always GEMM
-    python scripts/bench_linears.py --lm-head --rows 1 32 64 512   # the LM head's forms
-    python scripts/bench_linears.py --threads 1 --forms Q4_K_M/1 gguf-4bit/1   # one core
+    python -m minisgl.bench linears                      # rows 1 8 64 512 2048
+    python -m minisgl.bench linears --rows 64 --rounds 3
+    python -m minisgl.bench linears --rows 64 96 128 --kernel-max-rows 0   # GGUF: always GEMM
+    python -m minisgl.bench linears --lm-head --rows 1 32 64 512   # the LM head's forms
+    python -m minisgl.bench linears --threads 1 --forms Q4_K_M/1 gguf-4bit/1   # one core
 
 Forms: `bf16` (the prepacked oneDNN GEMM, `--quantization none`), `gguf-4bit` (4-bit blocks
 through quant_matmul, dequantized for a GEMM past VNNI_MAX_ROWS), `Q5_0` and `Q4_K_M` (GGUF
@@ -23,22 +23,17 @@ serves: `f32` (the dense float32 GEMM, `--quantization none`), `Q4_1` (the bundl
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 from typing import Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's minisgl
-
-from minisgl.layers import gguf_weight  # noqa: E402
-from minisgl.layers.gguf_weight import (GROUP, KINDS, SUPER, GgufBlocks,  # noqa: E402
-                                        GgufWeight)
-from minisgl.layers.linear import pack_weight  # noqa: E402
-from minisgl.layers.quant import (BlockWeight, WeightBlocks, activation_terms,  # noqa: E402
-                                  block_weight, int8_weight, vnni_kernels)
-from minisgl.layers.w8a8 import Int8ChannelWeight  # noqa: E402
+from minisgl.layers import gguf_weight
+from minisgl.layers.gguf_weight import GROUP, KINDS, SUPER, GgufBlocks, GgufWeight
+from minisgl.layers.linear import pack_weight
+from minisgl.layers.quant import (BlockWeight, WeightBlocks, activation_terms, block_weight,
+                                  int8_weight, vnni_kernels)
+from minisgl.layers.w8a8 import Int8ChannelWeight
 
 LAYERS = 30
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down: [out, in]

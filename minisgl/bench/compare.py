@@ -1,15 +1,15 @@
 """minisgl against the peers a CPU user would pick instead, side by side in one run.
 
-    python scripts/compare.py                      # what `make bench` runs
-    python scripts/compare.py --concurrency 1 8 --skip-offline --no-append
+    python -m minisgl.bench compare                      # what `make bench` runs
+    python -m minisgl.bench compare --concurrency 1 8 --skip-offline --no-append
 
 Serving (same random token-id prompts, same lengths, streamed through each server's
-`/v1/completions` by scripts/bench_serving.py):
+`/v1/completions` by minisgl/bench/serving.py):
   - minisgl (overlap loop) and minisgl --disable-overlap-schedule;
   - llama.cpp `llama-server` on the same GGUF file (-np = concurrency, -t = cores), built once
     from the llama.cpp sources inside the llama-cpp-python sdist into ~/.cache/minisgl/llama.cpp
     (if it cannot be built, the table says so and the rest goes on).
-Offline (scripts/bench_offline.py): minisgl `LLM.generate` vs transformers `generate` in static
+Offline (minisgl/bench/offline.py): minisgl `LLM.generate` vs transformers `generate` in static
 batches, bf16, on the same prompts: fixed lengths (64 in, 128 out) at batch 1 / 8 / 32, and the
 nano-vllm workload scaled down (64 prompts, lengths uniform in 32-512) at 32 / 64.
 
@@ -35,12 +35,11 @@ from dataclasses import dataclass, field
 from datetime import date
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
+from minisgl.bench import offline, serving
+from minisgl.models.weights import bundled_gguf
 
-import bench_offline  # noqa: E402 (this folder)
-import bench_serving  # noqa: E402
-from minisgl.models.weights import bundled_gguf  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
+
 
 LLAMA_CACHE = Path(os.environ.get("MINISGL_LLAMA_CPP_CACHE",
                                   Path.home() / ".cache" / "minisgl" / "llama.cpp"))
@@ -48,7 +47,7 @@ READY = re.compile(r"minisgl ready: listening on (http://\S+)")
 
 
 def log(message: str) -> None:
-    print(f"[compare {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 # ---- llama.cpp -----------------------------------------------------------------------------
@@ -98,7 +97,7 @@ def build_llama_server(cache: Path = LLAMA_CACHE) -> tuple[Path | None, str]:
 # ---- servers -------------------------------------------------------------------------------
 
 @dataclass
-class Server:
+class ServerProcess:
     name: str
     proc: subprocess.Popen
     url: str = ""
@@ -114,7 +113,7 @@ class Server:
                 self.proc.wait()
 
 
-def _collect(server: Server, ready: threading.Event) -> None:
+def _collect(server: ServerProcess, ready: threading.Event) -> None:
     assert server.proc.stdout is not None
     for line in server.proc.stdout:
         server.lines.append(line)
@@ -126,7 +125,7 @@ def _collect(server: Server, ready: threading.Event) -> None:
 
 
 def start_minisgl(overlap: bool, max_running: int, max_total_tokens: int,
-                  extra: tuple[str, ...] = (), checkout: Path = REPO) -> Server:
+                  extra: tuple[str, ...] = (), checkout: Path = REPO) -> ServerProcess:
     """`checkout`: the minisgl source tree to serve (another commit's, for a baseline)."""
     cmd = [sys.executable, "-m", "minisgl", "serve", "--port", "0", "--log-level", "warning",
            "--max-running-requests", str(max_running), "--max-total-tokens",
@@ -135,7 +134,7 @@ def start_minisgl(overlap: bool, max_running: int, max_total_tokens: int,
         cmd.append("--disable-overlap-schedule")
     proc = subprocess.Popen(cmd, cwd=checkout, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    server = Server(" ".join(["minisgl", *extra] + ([] if overlap else
+    server = ServerProcess(" ".join(["minisgl", *extra] + ([] if overlap else
                                                     ["--disable-overlap-schedule"])), proc)
     ready = threading.Event()
     threading.Thread(target=_collect, args=(server, ready), daemon=True).start()
@@ -153,13 +152,13 @@ def free_port() -> int:
 
 
 def start_llama(binary: Path, gguf: Path, slots: int, context_per_slot: int,
-                extra: tuple[str, ...] = ()) -> Server:
+                extra: tuple[str, ...] = ()) -> ServerProcess:
     port = free_port()
     cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
            "-np", str(slots), "-c", str(slots * context_per_slot), "-t", str(os.cpu_count()),
            "-cb", "--no-webui", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    server = Server("llama.cpp llama-server", proc, url=f"http://127.0.0.1:{port}")
+    server = ServerProcess("llama.cpp llama-server", proc, url=f"http://127.0.0.1:{port}")
     threading.Thread(target=_collect, args=(server, threading.Event()), daemon=True).start()
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
@@ -174,7 +173,7 @@ def start_llama(binary: Path, gguf: Path, slots: int, context_per_slot: int,
     raise RuntimeError("llama-server did not start:\n" + "".join(server.lines[-30:]))
 
 
-def load(server: Server, concurrency: int, prompts: int, input_len: int, output_len: int,
+def load(server: ServerProcess, concurrency: int, prompts: int, input_len: int, output_len: int,
          seed: int, probe: bool = False) -> dict:
     """One bench_serving run against `server` through `/v1/completions`, ignore_eos."""
     argv = ["--base-url", server.url, "--backend", "openai", "--quiet", "--ignore-eos",
@@ -182,10 +181,10 @@ def load(server: Server, concurrency: int, prompts: int, input_len: int, output_
             "--input-len", str(input_len), "--output-len", str(output_len), "--seed", str(seed)]
     if probe:
         argv.append("--probe-health")
-    return asyncio.run(bench_serving.run(bench_serving.parse_args(argv)))
+    return asyncio.run(serving.run(serving.parse_args(argv)))
 
 
-def bench(server: Server, concurrency: int, args: argparse.Namespace, probe: bool = False
+def bench(server: ServerProcess, concurrency: int, args: argparse.Namespace, probe: bool = False
           ) -> dict:
     # NOTE: a few short requests first: one-time costs (oneDNN primitives for new batch
     # shapes, page faults in the KV pool) are not what the run measures
@@ -268,12 +267,12 @@ def run_offline(args: argparse.Namespace, load: OfflineWorkload) -> list[dict]:
         ns = argparse.Namespace(dtype="bfloat16", tp_size=1, max_total_tokens=65536,
                                 input_len=load.input_len, output_len=load.output_len,
                                 num_prompts=load.prompts or max(4, 2 * c), seed=args.seed + c)
-        prompts = bench_offline.make_prompts(ns)
-        lens = bench_offline.output_lens(ns, len(prompts))
+        prompts = offline.make_prompts(ns)
+        lens = offline.output_lens(ns, len(prompts))
         log(f"offline {load.name}, concurrency {c}, {len(prompts)} prompts")
-        rows.append(bench_offline.run_minisgl(prompts, lens, c, True, ns))
+        rows.append(offline.run_minisgl(prompts, lens, c, True, ns))
         if not args.skip_hf:
-            rows.append(bench_offline.run_hf(prompts, lens, c, ns))
+            rows.append(offline.run_hf(prompts, lens, c, ns))
     return rows
 
 
@@ -315,7 +314,7 @@ def with_latest_run(document: str, run: str) -> str:
     return f"{head}{SECTION}\n{intro.rstrip()}\n\n{run.rstrip()}\n\n{body}"
 
 
-def report(args: argparse.Namespace, serving: dict[str, dict[int, dict]],
+def peer_report(args: argparse.Namespace, serving: dict[str, dict[int, dict]],
            offline: list[tuple[OfflineWorkload, list[dict]]],
            llama_note: str, command: str) -> str:
     import torch
@@ -387,7 +386,7 @@ def report(args: argparse.Namespace, serving: dict[str, dict[int, dict]],
 
 
 def add_serving_arguments(parser: argparse.ArgumentParser) -> None:
-    """The serving workload `bench` runs (also scripts/bench_quantization.py's)."""
+    """The serving workload `bench` runs (also minisgl/bench/quantization.py's)."""
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
@@ -424,7 +423,7 @@ def main() -> None:
     parser.add_argument("--append", type=Path, default=REPO / "BENCHMARKS.md")
     parser.add_argument("--no-append", dest="append", action="store_const", const=None)
     args = parser.parse_args()
-    command = "python scripts/compare.py " + " ".join(sys.argv[1:])
+    command = "python -m minisgl.bench compare " + " ".join(sys.argv[1:])
 
     llama = None
     llama_note = "not run (" + ("--skip-serving" if args.skip_serving else "--skip-llama-cpp") + ")"
@@ -438,7 +437,7 @@ def main() -> None:
     serving = {} if args.skip_serving else run_serving(args, llama)
     offline = [] if args.skip_offline else [(load, run_offline(args, load))
                                             for load in offline_workloads(args)]
-    text = report(args, serving, offline, llama_note, command.strip())
+    text = peer_report(args, serving, offline, llama_note, command.strip())
     print(text)
     if args.append is not None:
         args.append.write_text(with_latest_run(args.append.read_text(), text))

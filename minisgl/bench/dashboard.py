@@ -3,8 +3,8 @@ with the /dashboard page closed and open (a real headless Chromium polling it, r
 CPU priority, as a browser on another machine would cost this one nothing), in alternating
 rounds against one server.
 
-    python scripts/bench_dashboard.py --rounds 2 --screenshot docs/dashboard.png
-    python scripts/bench_dashboard.py --url http://127.0.0.1:PORT --modes closed  # any server
+    python -m minisgl.bench dashboard --rounds 2 --screenshot docs/dashboard.png
+    python -m minisgl.bench dashboard --url http://127.0.0.1:PORT --modes closed  # any server
 """
 
 from __future__ import annotations
@@ -16,34 +16,33 @@ import sys
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
-sys.path.insert(0, str(REPO))
+from minisgl.bench import serving
+from minisgl.bench.browser import Browser, chromium_path
+from minisgl.bench.compare import start_minisgl
 
-import bench_serving  # noqa: E402 (this folder)
-from compare import start_minisgl  # noqa: E402
-from tests.browser import Browser, chromium_path  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
+
 
 EVERY_PLOT_HAS_DATA = ("[...document.querySelectorAll('#charts canvas')]"
                        ".every(c => Number(c.dataset.points) > 0)")
 
 
-def client_args(url: str, args: argparse.Namespace) -> argparse.Namespace:
-    return bench_serving.parse_args([
-        "--base-url", url, "--backend", "sglang", "--ignore-eos", "--quiet", "--probe-health",
+def _client(url: str, args: argparse.Namespace) -> argparse.Namespace:
+    return serving.sglang_client(
+        url, "--probe-health",
         "--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.streams),
-        "--input-len", str(args.input_len), "--output-len", str(args.output_len)])
+        "--input-len", str(args.input_len), "--output-len", str(args.output_len))
 
 
 async def one_round(url: str, args: argparse.Namespace, open_page: bool,
                     screenshot: Path | None) -> dict[str, Any]:
     if not open_page:
-        return await bench_serving.run(client_args(url, args))
+        return await serving.run(_client(url, args))
     async with Browser(chromium_path() or "chromium", nice=args.browser_nice) as browser:
         page = await browser.page()
         await page.set_viewport(1280, 1000)
         await page.send("Page.navigate", url=url + "/dashboard")
-        result = await bench_serving.run(client_args(url, args))
+        result = await serving.run(_client(url, args))
         await page.wait_for(EVERY_PLOT_HAS_DATA, 30, "every plot to receive data")
         if screenshot is not None:
             await page.screenshot(screenshot)
@@ -73,7 +72,7 @@ def main() -> None:
     results: dict[str, list[dict[str, Any]]] = {mode: [] for mode in args.modes}
     try:
         # NOTE: a whole round first, discarded: the first 64-row batches pay one-time costs
-        asyncio.run(bench_serving.run(client_args(url, args)))
+        asyncio.run(serving.run(_client(url, args)))
         for r in range(args.rounds):
             for mode in args.modes:
                 last = r == args.rounds - 1 and mode == "open"

@@ -2,9 +2,9 @@
 --page says otherwise), and prefill
 against SDPA's fused CPU kernel (GQA heads repeated, as the torch backend ran it before).
 
-    python scripts/bench_attention.py                       # SmolLM2's heads, bfloat16
-    python scripts/bench_attention.py --heads 32 --kv-heads 8 --head-dim 128
-    python scripts/bench_attention.py --decode-only --page 16 64   # page sizes side by side
+    python -m minisgl.bench attention                       # SmolLM2's heads, bfloat16
+    python -m minisgl.bench attention --heads 32 --kv-heads 8 --head-dim 128
+    python -m minisgl.bench attention --decode-only --page 16 64   # page sizes side by side
 
 Decode is timed two ways: one layer repeated (its KV stays in L3) and 30 layers in turn (the
 KV comes from DRAM, as in serving).
@@ -13,16 +13,13 @@ KV comes from DRAM, as in serving).
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 from typing import Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from minisgl.kernels import cpu_kernels
 
-from minisgl.kernels import cpu_kernels  # noqa: E402 (this checkout's)
 
 def per_call_ms(fn: Callable[[], object], calls: int) -> float:
     for _ in range(2):

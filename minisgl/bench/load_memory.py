@@ -3,8 +3,8 @@ Llama (the bundled model's tokenizer and vocabulary, hidden 2048, 16 / 4 heads, 
 layers: ~0.6B parameters at 12) written in `--method`'s layout (tests/hf_quant_writers.py),
 then served with each `--tp` size in a fresh process.
 
-    python scripts/bench_load_memory.py --method awq --tp 1 2 3
-    python scripts/bench_load_memory.py --gguf <a GGUF file> --tp 1   # its blocks, as served
+    python -m minisgl.bench load-memory --method awq --tp 1 2 3
+    python -m minisgl.bench load-memory --gguf <a GGUF file> --tp 1   # its blocks, as served
 
 Prints, per tensor-parallel size, the peak RSS of rank 0's process and of the largest worker
 beside the checkpoint's size on disk.
@@ -23,8 +23,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
 SHAPE = dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=16,
              num_key_value_heads=4, head_dim=128)
@@ -116,7 +115,8 @@ def main() -> None:
 def print_peaks(model: Path, tp_sizes: list[int]) -> None:
     print("| tp | rank 0 peak RSS MB | largest worker peak RSS MB |\n|---|---|---|")
     for tp in tp_sizes:
-        done = subprocess.run([sys.executable, __file__, "--load-once", str(model), str(tp)],
+        done = subprocess.run([sys.executable, "-m", "minisgl.bench", "load-memory",
+                               "--load-once", str(model), str(tp)],
                               capture_output=True, text=True, check=True)
         peaks = json.loads(done.stdout.strip().splitlines()[-1])
         print(f"| {tp} | {peaks['rank0_mb']:.0f} | "

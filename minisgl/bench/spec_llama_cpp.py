@@ -1,10 +1,10 @@
 """Speculative decoding in minisgl and in llama.cpp's server, each on vs off, side by side in
-one run: the grounded workload of scripts/bench_speculation.py (chat prompts whose answers
+one run: the grounded workload of minisgl/bench/speculation.py (chat prompts whose answers
 copy a passage), one stream, greedy, through `/v1/chat/completions` of each server. Both serve
 the bundled GGUF file: llama.cpp its Q4_1 blocks, minisgl `--dtype` (float32 here where
 bfloat16 has no AVX-512 support). The figure to compare is each engine's on / off ratio.
 
-    python scripts/bench_spec_llama_cpp.py [--prompts 8] [--output-len 128]
+    python -m minisgl.bench spec-llama-cpp [--prompts 8] [--output-len 128]
         [--llama-spec ngram-simple "ngram-simple --spec-ngram-simple-size-n 3" ...]
 
 Each --llama-spec entry is a `--spec-type` value, optionally with more llama-server flags.
@@ -17,18 +17,13 @@ import json
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench_speculation import prompts  # noqa: E402
-from compare import Server, build_llama_server, start_llama, start_minisgl  # noqa: E402
-
-from minisgl.models.weights import bundled_gguf  # noqa: E402
+from minisgl.bench.compare import ServerProcess, build_llama_server, start_llama, start_minisgl
+from minisgl.bench.speculation import chat_prompts
+from minisgl.models.weights import bundled_gguf
 
 
-def chat(server: Server, text: str, output_len: int) -> int:
+def chat(server: ServerProcess, text: str, output_len: int) -> int:
     """Output tokens of one greedy chat completion."""
     body = json.dumps({"model": "default", "messages": [{"role": "user", "content": text}],
                        "temperature": 0, "max_tokens": output_len}).encode()
@@ -38,7 +33,7 @@ def chat(server: Server, text: str, output_len: int) -> int:
         return json.loads(resp.read())["usage"]["completion_tokens"]
 
 
-def run(server: Server, texts: list[str], output_len: int) -> float:
+def chat_tok_s(server: ServerProcess, texts: list[str], output_len: int) -> float:
     """Output tok/s over the prompts, one at a time (after one to warm up)."""
     try:
         chat(server, texts[0], 8)
@@ -60,21 +55,21 @@ def main() -> None:
         "ngram-simple", "ngram-simple --spec-ngram-simple-size-n 3 --spec-ngram-simple-size-m 8",
         "ngram-map-k"])
     args = parser.parse_args()
-    texts = prompts("grounded", args.prompts)
+    texts = chat_prompts("grounded", args.prompts)
     binary, version = build_llama_server()
     rows = []
     served = ("--dtype", args.dtype)
-    off = run(start_minisgl(True, 1, 8192, served), texts, args.output_len)
-    on = run(start_minisgl(True, 1, 8192, (*served, "--speculative-algorithm", "NGRAM")),
+    off = chat_tok_s(start_minisgl(True, 1, 8192, served), texts, args.output_len)
+    on = chat_tok_s(start_minisgl(True, 1, 8192, (*served, "--speculative-algorithm", "NGRAM")),
              texts, args.output_len)
     rows.append(("minisgl", "NGRAM", off, on))
     if binary is None:
         print(f"llama.cpp skipped: {version}", file=sys.stderr)
     else:
         gguf = bundled_gguf()
-        off = run(start_llama(binary, gguf, 1, 8192), texts, args.output_len)
+        off = chat_tok_s(start_llama(binary, gguf, 1, 8192), texts, args.output_len)
         for spec in args.llama_spec:
-            on = run(start_llama(binary, gguf, 1, 8192, ("--spec-type", *spec.split())), texts,
+            on = chat_tok_s(start_llama(binary, gguf, 1, 8192, ("--spec-type", *spec.split())), texts,
                      args.output_len)
             rows.append((f"llama.cpp ({version.strip()})", spec, off, on))
     print("| server | speculation | off tok/s | on tok/s | on / off |")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import os
-import signal
 import shutil
+import signal
 import subprocess
 import tempfile
 import time

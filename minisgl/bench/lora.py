@@ -2,7 +2,7 @@
 distinct adapters in the batch (rank 16 on every linear), beside the same model served without
 --enable-lora, all in one run on one machine (offline LLM, greedy, fixed lengths).
 
-    python scripts/bench_lora.py [--streams 1 32 64] [--input-len 64] [--output-len 64]
+    python -m minisgl.bench lora [--streams 1 32 64] [--input-len 64] [--output-len 64]
                                  [--repeats 3] [--dtype auto]
 
 The adapters are random PEFT adapters made once under ~/.cache/minisgl/lora-bench.
@@ -11,17 +11,14 @@ The adapters are random PEFT adapters made once under ~/.cache/minisgl/lora-benc
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from minisgl.env import cache_root  # noqa: E402
-from minisgl.llm import LLM  # noqa: E402
-from minisgl.models import resolve_model_path  # noqa: E402
+from minisgl.env import cache_root
+from minisgl.llm import LLM
+from minisgl.models import resolve_model_path
 
 ADAPTERS = 8
 RANK = 16

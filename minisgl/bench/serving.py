@@ -5,7 +5,7 @@ Metric definitions follow sglang.bench_serving: TTFT = first streamed token; ITL
 streamed chunks; TPOT = (latency - TTFT) / (output tokens - 1); throughputs over the wall time
 from the first request sent to the last response done.
 
-    python scripts/bench_serving.py --base-url http://127.0.0.1:30000 --backend sglang \
+    python -m minisgl.bench serving --base-url http://127.0.0.1:30000 --backend sglang \
         --num-prompts 128 --max-concurrency 32 --input-len 128 --output-len 128 --ignore-eos
 """
 
@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
-
 
 WORDS = ("time year people way day man thing woman life child world school state family "
          "student group country problem hand part place case week company system program "
@@ -237,6 +236,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quiet", action="store_true")
     parser.add_argument("--output-json", type=Path)
     return parser.parse_args(argv)
+
+
+def sglang_client(url: str, *flags: str) -> argparse.Namespace:
+    """Settings for a run against a minisgl server's /generate: ignore_eos, quiet, `flags`."""
+    return parse_args(["--base-url", url, "--backend", "sglang", "--ignore-eos", "--quiet",
+                       *flags])
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -2,7 +2,7 @@
 blocking `event.synchronize()` on the loop thread (the latency floor), the waiter thread alone,
 the waiter thread with the event probe (the default), and polling from the event loop.
 
-`python scripts/bench_gpu.py events` runs it on a GPU; `--device cpu` measures the thread
+`python -m minisgl.bench gpu events` runs it on a GPU; `--device cpu` measures the thread
 hand-off alone, with stand-in events (BENCHMARKS.md, "Awaiting the copy-done event")."""
 
 from __future__ import annotations

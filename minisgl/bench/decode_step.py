@@ -1,12 +1,12 @@
 """Time one decode forward (model only: no scheduler, no sampler) at several batch sizes.
 
-    python scripts/bench_decode_step.py --batch 1 8 32 64 --context 128 [--dtype bfloat16]
+    python -m minisgl.bench decode-step --batch 1 8 32 64 --context 128 [--dtype bfloat16]
         [--quantization gguf|w8a8_int8|none] [--cpu-int8-activations] [--model PATH]
         [--json-model-override-args '{...}']
 
 The windowed attention path (BENCHMARKS.md, "Sliding windows"): the bundled weights served as
 a Mistral with a window, beside the same model without one:
-    python scripts/bench_decode_step.py --batch 1 8 --context 2048 --dtype float32 \
+    python -m minisgl.bench decode-step --batch 1 8 --context 2048 --dtype float32 \
         --json-model-override-args '{"architectures": ["MistralForCausalLM"],
                                      "model_type": "mistral", "sliding_window": 256}'
 

@@ -4,18 +4,18 @@ minisgl (`--quantization gguf`: its blocks as in the file; `gguf-int8`: the same
 same file, side by side in one run: output tok/s and TPOT at each stream count, with each server
 process's resident memory (peak) beside the file size and the KV pool it was given.
 
-    python scripts/bench_kquants.py                    # 1 and 64 streams
-    python scripts/bench_kquants.py --concurrency 1 8 --methods gguf
-    python scripts/bench_kquants.py --methods gguf gguf-int8   # --cpu-int8-activations too
-    python scripts/bench_kquants.py --methods gguf --baseline <a worktree of another commit>
-    python scripts/bench_kquants.py --quality --methods gguf gguf-int8   # no servers
+    python -m minisgl.bench kquants                    # 1 and 64 streams
+    python -m minisgl.bench kquants --concurrency 1 8 --methods gguf
+    python -m minisgl.bench kquants --methods gguf gguf-int8   # --cpu-int8-activations too
+    python -m minisgl.bench kquants --methods gguf --baseline <a worktree of another commit>
+    python -m minisgl.bench kquants --quality --methods gguf gguf-int8   # no servers
 
 `--quality`: each method's prefill logits over tests/data's text (twice: 294 tokens) against
 the same file dequantized in float32 (relative error, perplexity, greedy agreement), instead of the
 servers.
 
 llama-server and llama-quantize are built once from the llama-cpp-python sdist's sources
-(scripts/compare.py); the Q4_K_M file is made once into the cache folder (requantized from
+(minisgl/bench/compare.py); the Q4_K_M file is made once into the cache folder (requantized from
 the bundled Q4_1, `--allow-requantize`: the weights both servers read are the same bytes).
 """
 
@@ -26,11 +26,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
+from minisgl.bench import compare
+from minisgl.models.weights import bundled_gguf, load_config, resolve_model_path
 
-import compare  # noqa: E402 (this folder)
-from minisgl.models.weights import bundled_gguf, load_config, resolve_model_path  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 
 # --methods: minisgl's flags for each

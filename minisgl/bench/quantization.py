@@ -2,31 +2,30 @@
 GGUF, side by side in one run: output tok/s and TPOT at each stream count, with the weight bytes each reads per
 decode step and the bandwidth that implies (bytes / TPOT).
 
-    python scripts/bench_quantization.py                  # 1 8 32 64 streams
-    python scripts/bench_quantization.py --concurrency 1 --skip-llama-cpp
-    python scripts/bench_quantization.py --methods none w8a8_int8 --concurrency 64
+    python -m minisgl.bench quantization                  # 1 8 32 64 streams
+    python -m minisgl.bench quantization --concurrency 1 --skip-llama-cpp
+    python -m minisgl.bench quantization --methods none w8a8_int8 --concurrency 64
     git worktree add /tmp/baseline e1856bb^     # the code before --quantization gguf
-    python scripts/bench_quantization.py --baseline /tmp/baseline --skip-llama-cpp
+    python -m minisgl.bench quantization --baseline /tmp/baseline --skip-llama-cpp
 
-Same client (scripts/bench_serving.py through `/v1/completions`, ignore_eos, greedy) and the
-same prompts for every server; llama-server is built once by scripts/compare.py.
+Same client (minisgl/bench/serving.py through `/v1/completions`, ignore_eos, greedy) and the
+same prompts for every server; llama-server is built once by minisgl/bench/compare.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import subprocess
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
+from minisgl.bench import compare
+from minisgl.layers.embedding import INT8_MAX_ROWS
+from minisgl.models.weights import bundled_gguf
 
-import compare  # noqa: E402 (this folder)
-from minisgl.layers.embedding import INT8_MAX_ROWS  # noqa: E402
-from minisgl.models.weights import bundled_gguf  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
-# weight bytes one decode step reads (bench_decode_step.py; llama.cpp: the GGUF's tensors but
+
+# weight bytes one decode step reads (decode_step.py; llama.cpp: the GGUF's tensors but
 # the token embedding's unused rows, i.e. the file less its metadata); gguf's LM head reads its
 # 8-bit copy (32 MB with its scales) instead of bfloat16 (57 MB) for up to INT8_MAX_ROWS rows;
 # w8a8_int8 reads 107 MB of int8 linears and a 28 MB int8 head at every batch size

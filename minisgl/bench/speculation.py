@@ -14,12 +14,12 @@ Each side runs in a fresh process, `--rounds` times, the order alternating (off,
 ...) so that a machine drifting during the run weighs on both sides alike; a figure is the mean
 over rounds, the spread the lowest and highest on / off of a round's pair.
 
-    python scripts/bench_speculation.py --streams 1 8 32 64
-    python scripts/bench_speculation.py --streams 1 --overlap-too   # overlap vs not, spec on
-    python scripts/bench_speculation.py --streams 1 --cpu-int8-activations  # both sides so
-    python scripts/bench_speculation.py --linears   # a verify step's few rows: GEMM vs kernel
-    python scripts/bench_speculation.py --draft-model bundled    # STANDALONE, itself as draft
-    python scripts/bench_speculation.py --draft-model bundled --draft-layers 8  # its first 8
+    python -m minisgl.bench speculation --streams 1 8 32 64
+    python -m minisgl.bench speculation --streams 1 --overlap-too   # overlap vs not, spec on
+    python -m minisgl.bench speculation --streams 1 --cpu-int8-activations  # both sides so
+    python -m minisgl.bench speculation --linears   # a verify step's few rows: GEMM vs kernel
+    python -m minisgl.bench speculation --draft-model bundled    # STANDALONE, itself as draft
+    python -m minisgl.bench speculation --draft-model bundled --draft-layers 8  # its first 8
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from minisgl import LLM
 from minisgl.layers.linear import FEW_ROWS, few_rows_matmul
 from minisgl.models import resolve_model_path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TASKS = ("Repeat the following text exactly, word for word:\n\n{}",
          "Rewrite the following text, keeping every sentence but fixing the grammar:\n\n{}",
          "Copy the sentences of this text that mention a flag or a file:\n\n{}",
@@ -66,13 +66,13 @@ def passages(count: int, words: int = 90) -> list[str]:
     return [" ".join(p.split()[:words]) for p in (prose * count)[:count]]
 
 
-def prompts(workload: str, count: int) -> list[str]:
+def chat_prompts(workload: str, count: int) -> list[str]:
     if workload == "grounded":
         return [TASKS[i % len(TASKS)].format(p) for i, p in enumerate(passages(count))]
     return [QUESTIONS[i % len(QUESTIONS)] for i in range(count)]
 
 
-def run(workload: str, streams: int, spec: bool, args: argparse.Namespace,
+def run_workload(workload: str, streams: int, spec: bool, args: argparse.Namespace,
         overlap: bool = True) -> tuple[float, float, int]:
     """(output tok/s, mean accepted length, output tokens), in this process."""
     extra = {}
@@ -87,7 +87,7 @@ def run(workload: str, streams: int, spec: bool, args: argparse.Namespace,
              cpu_int8_activations=args.cpu_int8_activations, **extra) as llm:
         chats = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}],
                                                    tokenize=False, add_generation_prompt=True)
-                 for p in prompts(workload, max(2 * streams, args.min_requests))]
+                 for p in chat_prompts(workload, max(2 * streams, args.min_requests))]
         params = {"temperature": 0, "max_new_tokens": args.output_len}
         llm.generate(chats[:1], {**params, "max_new_tokens": 4})  # warm up
         before = llm.runtime.state()
@@ -102,17 +102,18 @@ def run(workload: str, streams: int, spec: bool, args: argparse.Namespace,
 
 
 Side = tuple[bool, bool]  # (speculating, overlap)
-Run = tuple[float, float, int]  # run()'s
+Run = tuple[float, float, int]  # run_workload()'s
 
 
 def alternated(workload: str, streams: int, sides: list[Side], args: argparse.Namespace
                ) -> dict[Side, list[Run]]:
-    """Each side's run() results over args.rounds rounds, each run in its own process, the
+    """Each side's run_workload() results over args.rounds rounds, each run in its own process, the
     sides' order reversed every other round."""
     results: dict[Side, list[Run]] = {side: [] for side in sides}
     # the child takes this command line, the draft model resolved (--draft-model bundled)
     draft = [] if args.draft_model is None else ["--draft-model", args.draft_model]
-    command = [sys.executable, __file__, *sys.argv[1:], *draft, "--one"]
+    command = [sys.executable, "-m", "minisgl.bench", "speculation", *sys.argv[1:], *draft,
+               "--one"]
     for round_ in range(args.rounds):
         for spec, overlap in sides if round_ % 2 == 0 else sides[::-1]:
             one = f"{workload},{streams},{int(spec)},{int(overlap)}"
@@ -194,7 +195,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.one:
         workload, streams, spec, overlap = args.one.split(",")
-        print(json.dumps(run(workload, int(streams), spec == "1", args, overlap == "1")))
+        print(json.dumps(run_workload(workload, int(streams), spec == "1", args, overlap == "1")))
         return
     if args.linears:
         for dtype in (torch.float32, torch.bfloat16):
