@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -217,58 +217,60 @@ def _check_logit_bias(bias: Any) -> dict[int, float]:
     return checked
 
 
+@dataclass(slots=True)
+class LogprobState:
+    """What a request asked of logprobs, and its prompt's logprobs while they are gathered."""
+
+    num: int  # 0: the sampled token's; k: the top k alternatives too
+    start_len: int = -1  # input logprobs from this prompt position (-1: none)
+    # NOTE: a prompt's scored positions may span several prefill chunks; their logprobs are
+    # gathered here and handed over once, with the first output
+    input_logprobs: list[float] = field(default_factory=list)  # of host_ids[start_len + 1 + i]
+    input_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+
+
 class Req:
     """One sequence being scheduled.
 
     `host_ids` is append-only: the prompt (its first `prompt_len` tokens), then every processed
     output token. Positions [0, kv_len) have K/V computed (or being computed by a launched
-    batch), of which [0, shared_len) are pages the prefix cache holds for it (lent at admission,
-    or its own prefilled pages handed over: see scheduler.prefill); tokens [0, device_len) are
-    known on the device (`token_pool`).
+    batch), of which the first `shared_len` are pages the prefix cache holds for it under
+    `cache_handle` (lent at admission, or its own prefilled pages handed over: see
+    scheduler.prefill); tokens [0, device_len) are known on the device (`token_pool`).
+
+    The first twelve slots are what every request has; each one after them is one feature's
+    state, left at None (or 0) by a request that does not use the feature.
     """
 
-    __slots__ = ("uid", "rid", "priority", "host_ids", "prompt_len", "max_device_len", "params",
-                 "stop_ids", "generator", "matcher", "logprob_num", "logprob_start_len",
-                 "input_logprobs", "input_top_logprobs", "table_idx", "kv_len", "device_len",
-                 "shared_len", "tail_loc", "cache_handle", "admitted_at", "cached_tokens",
-                 "finish_reason", "speculative", "spec_verify_ct", "spec_drafted",
-                 "spec_accepted", "lora_uid", "embed")
+    __slots__ = ("uid", "rid", "host_ids", "prompt_len", "params", "stop_ids", "table_idx",
+                 "kv_len", "device_len", "tail_loc", "cache_handle", "finish_reason",
+                 "cached_tokens", "priority", "generator", "matcher", "logprobs", "spec",
+                 "lora_uid", "embed")
 
     def __init__(self, uid: int, rid: str, prompt_ids: list[int], params: SamplingParams,
-                 max_device_len: int, stop_ids: frozenset[int] = frozenset(),
-                 logprob_num: int = -1, logprob_start_len: int = -1, matcher: Any = None,
-                 generator: torch.Generator | None = None, priority: int = 0,
-                 lora_uid: int = 0, embed: bool = False) -> None:
+                 stop_ids: frozenset[int] = frozenset()) -> None:
+        assert params.max_new_tokens is not None, "resolved before a request is queued"
         self.uid, self.rid = uid, rid
-        # --is-embedding: its last prompt token's final hidden state is the answer
-        self.embed = embed
-        self.lora_uid = lora_uid  # its LoRA adapter (scheduler.lora), 0: the base model
-        self.priority = priority  # with priority scheduling: higher first (scheduler.policy)
         self.host_ids = list(prompt_ids)
         self.prompt_len = len(self.host_ids)
-        self.max_device_len = max_device_len
-        # sampling: the parameters, and the state the sampler and the finish checks keep
         self.params = params
         self.stop_ids = stop_ids  # sampled ids that finish it (EOS unless ignored)
-        self.generator = generator  # its own, when sampling_seed is set
-        self.matcher = matcher  # the grammar's state (grammar.backend.Matcher), or None
-        self.logprob_num = logprob_num  # -1: no logprobs; 0: the sampled token's; k: top k too
-        self.logprob_start_len = logprob_start_len  # input logprobs from here (-1: none)
-        # NOTE: a prompt's scored positions may span several prefill chunks; their logprobs
-        # are gathered here and handed over once, with the first output.
-        self.input_logprobs: list[float] = []  # of host_ids[logprob_start_len + 1 + i]
-        self.input_top_logprobs: list[list[tuple[float, int]]] = []
         self.table_idx = -1
-        self.kv_len = self.device_len = self.shared_len = 0
+        self.kv_len = self.device_len = 0
         self.tail_loc = -1  # KV location of position kv_len - 1 (for partly filled pages)
         self.cache_handle: Any = None  # locks the shared prefix in the prefix cache
-        self.admitted_at = 0  # admission order; retraction takes the newest first
-        self.cached_tokens = 0  # prompt tokens the prefix cache served at the first admission
         self.finish_reason: dict[str, Any] | None = None
+        # ---- one slot per feature
+        self.cached_tokens = 0  # prefix cache: prompt tokens it served at the first admission
+        self.priority = 0  # priority scheduling: higher first (scheduler.prefill.WaitingOrder)
+        self.generator: torch.Generator | None = None  # sampling_seed: its own generator
+        self.matcher: Any = None  # a grammar's state (grammar.backend.Matcher)
+        self.logprobs: LogprobState | None = None
         # NOTE: a speculating request's kv_len and device_len are upper bounds while a verify
         # step is in flight (see scheduler.speculation): KV slots are reserved for its drafts
-        self.speculative = False
-        self.spec_verify_ct = self.spec_drafted = self.spec_accepted = 0
+        self.spec: Any = None  # speculative decoding: its tally (scheduler.speculation)
+        self.lora_uid = 0  # its LoRA adapter (scheduler.lora), 0: the base model
+        self.embed = False  # --is-embedding: its last prompt token's final hidden state
 
     def __repr__(self) -> str:
         return (f"Req(uid={self.uid}, rid={self.rid!r}, tokens={len(self.host_ids)}, "
@@ -298,13 +300,21 @@ class Req:
         return len(self.host_ids) - self.prompt_len
 
     @property
+    def max_device_len(self) -> int:
+        return self.prompt_len + self.params.max_new_tokens
+
+    @property
+    def shared_len(self) -> int:
+        return 0 if self.cache_handle is None else self.cache_handle.length
+
+    @property
     def scored_positions(self) -> range:
         """Prompt positions whose logits give an input logprob: position p scores
         host_ids[p + 1]. (SGLang's layout: the token at logprob_start_len itself gets None,
         and the last prompt position's logits are the first output's.)"""
-        if self.logprob_start_len < 0:
+        if self.logprobs is None or self.logprobs.start_len < 0:
             return range(0)
-        return range(self.logprob_start_len, self.prompt_len - 1)
+        return range(self.logprobs.start_len, self.prompt_len - 1)
 
     @property
     def input_logprob_positions(self) -> range:
@@ -322,7 +332,7 @@ class Req:
     def cacheable_len(self) -> int:
         """Tokens of host_ids whose KV is computed, at most (pages past them are reserved or
         wait for a step still in flight)."""
-        if self.speculative:
+        if self.spec is not None:
             return min(self.kv_len, len(self.host_ids) - 1)
         return min(self.kv_len, len(self.host_ids))
 

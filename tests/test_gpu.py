@@ -216,8 +216,8 @@ def test_decode_step_never_synchronises_the_host(flashinfer, graphs: bool) -> No
         rows = [0, 1, 2]
         locations = _locations(engine, rows, 200, 16)
         _prefill_rows(engine, backend, rows, [40, 50, 60], locations)
-        reqs = [Req(uid=i, rid=str(i), prompt_ids=[1], params=SamplingParams(temperature=0),
-                    max_device_len=100) for i in rows]
+        reqs = [Req(uid=i, rid=str(i), prompt_ids=[1], params=SamplingParams(temperature=0))
+                for i in rows]
 
         def step(offset: int):
             spans = [(r, n + offset, 1) for r, n in zip(rows, [40, 50, 60])]

@@ -19,7 +19,7 @@ def make_req(i: int, prompt: list[int] | None = None, seed: int | None = None,
              **params: object) -> Req:
     sampling = SamplingParams(**params)
     sampling.validate()  # as the server does (it also turns logit_bias keys into ints)
-    req = Req(uid=i, rid=str(i), prompt_ids=prompt or [0], params=sampling, max_device_len=100)
+    req = Req(uid=i, rid=str(i), prompt_ids=prompt or [0], params=sampling)
     if seed is not None:
         req.generator = torch.Generator().manual_seed(seed)
     return req

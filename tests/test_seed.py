@@ -23,8 +23,8 @@ def test_random_seed_is_seeds_spelling_in_sglang() -> None:
 def test_samplers_with_one_seed_draw_the_same_tokens() -> None:
     vocab = 64
     logits = torch.zeros(4, vocab)  # uniform: each draw is the generator's alone
-    reqs = [Req(uid=i, rid=str(i), prompt_ids=[1], params=SamplingParams(temperature=1.0),
-                max_device_len=8) for i in range(4)]
+    reqs = [Req(uid=i, rid=str(i), prompt_ids=[1], params=SamplingParams(temperature=1.0))
+            for i in range(4)]
 
     def draws(seed: int) -> list[list[int]]:
         sampler = Sampler(vocab, torch.device("cpu"), [0], seed=seed)

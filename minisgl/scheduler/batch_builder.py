@@ -51,6 +51,14 @@ class ScheduledBatch:
         grammar.release()
 
 
+def logprob_nums(reqs: list[Req]) -> list[int] | None:
+    """Per row the logprobs it asked for (-1: none); None when no row asked (the sampler then
+    computes none)."""
+    if not any(r.logprobs is not None for r in reqs):
+        return None
+    return [-1 if r.logprobs is None else r.logprobs.num for r in reqs]
+
+
 def embedding_rows(reqs: list[Req], last_chunk: list[bool]) -> list[int]:
     """Rows that end an embedding request's prompt: their last token's hidden state is its
     embedding (earlier chunks only fill the KV cache)."""
@@ -88,7 +96,7 @@ class BatchBuilder:
         sample_args = self.engine.sampler.sampling_args(
             reqs, prompt_lens=[r.prompt_len for r in reqs],
             output_counts=[e - r.prompt_len for r, e in zip(reqs, ends)], table_rows=rows,
-            seq_lens=ends, logprob_nums=[r.logprob_num for r in reqs])
+            seq_lens=ends, logprob_nums=logprob_nums(reqs))
         tails = locations[counts_t.cumsum(0) - 1].tolist()
         for req, count, tail in zip(reqs, counts, tails):
             req.kv_len += count
@@ -106,11 +114,11 @@ class BatchBuilder:
                                   location_writes=location_writes,
                                   lora_slots=batch.lora_slots, lora_loads=loads)
         verify = VerifyRows(uids=[r.uid for r in reqs],
-                            max_drafts=[c - 1 if r.speculative else 0
+                            max_drafts=[c - 1 if r.spec is not None else 0
                                         for r, c in zip(reqs, counts)],
                             max_lens=[r.max_device_len for r in reqs],
                             greedy=[r.params.is_greedy for r in reqs],
-                            matchers=[r.matcher if r.speculative else None for r in reqs])
+                            matchers=[r.matcher if r.spec is not None else None for r in reqs])
         last = [True] * len(reqs)
         fwd = ForwardInput(batch=batch, load_indices=torch.zeros(0, dtype=torch.int64),
                            write_indices=torch.zeros(0, dtype=torch.int64), logit_rows=None,
@@ -160,7 +168,7 @@ class BatchBuilder:
         sample_args = self.engine.sampler.sampling_args(
             reqs, prompt_lens=[len(r.prompt_ids) for r in reqs],
             output_counts=[e - len(r.prompt_ids) for r, e in zip(reqs, ends)],
-            table_rows=rows, seq_lens=ends, logprob_nums=[r.logprob_num for r in reqs])
+            table_rows=rows, seq_lens=ends, logprob_nums=logprob_nums(reqs))
         rows_host, scored = None, None  # prefill: each last token, then any scored rows
         embed_rows = embedding_rows(reqs, last_chunk) if phase != "decode" else []
         if phase != "decode":
@@ -235,5 +243,5 @@ class BatchBuilder:
             return None
         targets_t = torch.tensor(targets, dtype=torch.int64).to(self.engine.device,
                                                                non_blocking=True)
-        top_k = min(max(reqs[i].logprob_num for i, _ in spans), self.engine.arch.vocab_size)
+        top_k = min(max(reqs[i].logprobs.num for i, _ in spans), self.engine.arch.vocab_size)
         return torch.tensor(rows), InputLogprobRows(targets_t, top_k, spans)

@@ -107,11 +107,12 @@ class CacheManager:
         self.free_locations(tail)
 
     def share(self, token_ids: list[int], locations: torch.Tensor, shared_len: int,
-              handle: CacheHandle) -> tuple[int, CacheHandle] | None:
+              handle: CacheHandle) -> CacheHandle | None:
         """Hand a live request's whole pages past `shared_len` to the prefix cache (locked by
-        it), so later requests can match them while it runs. Returns its new (shared_len,
-        handle); None if nothing changed, also when another request cached part of the same
-        tokens meanwhile (its pages stay the request's own, cached when it finishes)."""
+        it), so later requests can match them while it runs. Returns its new handle (its
+        length the new shared_len); None if nothing changed, also when another request cached
+        part of the same tokens meanwhile (its pages stay the request's own, cached when it
+        finishes)."""
         aligned = min(len(locations), len(token_ids)) // self.page_size * self.page_size
         if not self.prefix_cache.holds_prefixes or aligned <= shared_len:
             return None
@@ -121,7 +122,7 @@ class CacheManager:
             return None
         self.prefix_cache.lock(new_handle)
         self.prefix_cache.unlock(handle)
-        return aligned, new_handle
+        return new_handle
 
     def free_page_ids(self) -> np.ndarray:
         return self._free[: self.num_free].numpy().copy()

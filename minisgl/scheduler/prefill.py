@@ -35,7 +35,9 @@ from minisgl.scheduler.memory import CacheManager, TableManager, locations_for, 
 
 class DecodeManager:
     def __init__(self) -> None:
-        self.running: dict[Req, None] = {}  # insertion-ordered set
+        # NOTE: an insertion-ordered set in admission order: a request enters at its last
+        # prefill chunk, and no request is admitted while another is partly prefilled
+        self.running: dict[Req, None] = {}
 
     def add(self, req: Req) -> None:
         self.running[req] = None
@@ -103,7 +105,8 @@ class WaitingOrder:
         candidates = [r for r in running if self.urgency(r.priority) <= floor]
         if not candidates:
             return None
-        return min(candidates, key=lambda r: (self.urgency(r.priority), -r.admitted_at))
+        newest_first = list(reversed(candidates))  # NOTE: `running` is in admission order
+        return min(newest_first, key=lambda r: self.urgency(r.priority))
 
     def displaced(self, arrivals: list[int], waiting: Iterable[Req], count: int
                   ) -> list[Req] | None:
@@ -173,7 +176,6 @@ class PrefillManager:
         self.waiting: deque[Req] = deque()
         self.chunked: Req | None = None  # admitted, prompt only partly prefilled
         self.ratio = NewTokenRatio()
-        self._admissions = 0
 
     def add(self, req: Req) -> None:
         self.waiting.append(req)
@@ -186,10 +188,10 @@ class PrefillManager:
         self.decode.remove(req)
         self.drop(req)
         self.release(req)
-        req.kv_len = req.device_len = req.shared_len = 0
-        if not req.num_outputs:  # its prefill starts over, and scores again
-            req.input_logprobs.clear()
-            req.input_top_logprobs.clear()
+        req.kv_len = req.device_len = 0
+        if req.logprobs is not None and not req.num_outputs:  # its prefill starts over
+            req.logprobs.input_logprobs.clear()
+            req.logprobs.input_top_logprobs.clear()
         self.waiting.appendleft(req)
         if memory_short:
             self.ratio.after_retraction()
@@ -289,7 +291,7 @@ class PrefillManager:
         shared = self.cache.share(self._cache_ids(req), locations, req.shared_len,
                                   req.cache_handle)
         if shared is not None:
-            req.shared_len, req.cache_handle = shared
+            req.cache_handle = shared
 
     def _admit(self, req: Req, handle: CacheHandle, prefix: torch.Tensor, budget: int) -> bool:
         """Take a slot for `req`, with the cached prefix `handle` matched for it, if the pool
@@ -312,11 +314,9 @@ class PrefillManager:
             self.table.write_locations(row * self.table.context_len + torch.arange(handle.length),
                                        prefix)
         req.table_idx, req.cache_handle = row, handle
-        req.kv_len = req.shared_len = handle.length
+        req.kv_len = handle.length
         req.device_len = input_len
         req.tail_loc = int(prefix[-1]) if handle.length else -1
-        self._admissions += 1
-        req.admitted_at = self._admissions
         if req.lora_uid:
             self.adapters.admit(req.lora_uid)
         return True

@@ -114,14 +114,15 @@ def collect_events(done: ScheduledBatch, out: ForwardOutput,
             row_tokens = tokens[i][:counts[i]]
             row_logprobs = None if logprobs is None else logprobs[i]
             row_tops = None if tops is None else list(zip(*tops[i]))
-            if req.speculative:
+            if req.spec is not None:
                 assert done.reserved is not None and drafted is not None
                 release_surplus(req, done.reserved[i] - counts[i])
-                req.spec_verify_ct += 1
-                req.spec_drafted += drafted[i]
-                req.spec_accepted += counts[i] - 1
+                req.spec.verify_ct += 1
+                req.spec.drafted += drafted[i]
+                req.spec.accepted += counts[i] - 1
         # NOTE: input logprobs go out with the request's first event, read before it appends
-        first = req.logprob_num >= 0 and req.num_outputs == 0
+        wanted = req.logprobs.num if req.logprobs is not None else -1
+        first = wanted >= 0 and req.num_outputs == 0
         if req.prefill_only:  # prefilled for its input logprobs or embedding; nothing sampled
             finish(req, {"type": "length", "length": 0})
             events.append(_event(req, None, None, None, first, embeddings.get(i)))
@@ -132,14 +133,14 @@ def collect_events(done: ScheduledBatch, out: ForwardOutput,
             if reason is not None:
                 finish(req, reason)
             logprob, top = None, None
-            if req.logprob_num >= 0 and row_logprobs is not None:
+            if wanted >= 0 and row_logprobs is not None:
                 logprob = row_logprobs[j]
-                if req.logprob_num > 0 and row_tops is not None:
+                if wanted > 0 and row_tops is not None:
                     values, ids = row_tops[j]
                     # NOTE: tokens a grammar (or a -inf bias) masked are not alternatives: a
                     # row lists fewer than logprob_num when fewer are allowed
-                    top = [(v, t) for v, t in zip(values[: req.logprob_num],
-                                                  ids[: req.logprob_num]) if v != NEG_INF]
+                    top = [(v, t) for v, t in zip(values[:wanted], ids[:wanted])
+                           if v != NEG_INF]
             events.append(_event(req, token, logprob, top, first and j == 0))
             if req.is_finished:
                 break
@@ -149,21 +150,21 @@ def collect_events(done: ScheduledBatch, out: ForwardOutput,
 def _event(req: Req, token: int | None, logprob: float | None,
            top: list[tuple[float, int]] | None, first: bool,
            embedding: torch.Tensor | None = None) -> ReqEvent:
+    scored = req.logprobs if first else None
     return ReqEvent(req.rid, token, req.finish_reason, req.cached_tokens, logprob, top,
-                    req.input_logprobs if first else None,
-                    req.input_top_logprobs if first else None, spec=_spec_counts(req),
-                    embedding=embedding)
+                    None if scored is None else scored.input_logprobs,
+                    None if scored is None else scored.input_top_logprobs,
+                    spec=_spec_counts(req), embedding=embedding)
 
 
 def _spec_counts(req: Req) -> tuple[int, int, int] | None:
     """(verify steps, drafted, accepted) of a speculating request, None otherwise."""
-    if not req.speculative:
-        return None
-    return req.spec_verify_ct, req.spec_drafted, req.spec_accepted
+    spec = req.spec
+    return None if spec is None else (spec.verify_ct, spec.drafted, spec.accepted)
 
 
 def store_input_logprobs(done: ScheduledBatch, out: ForwardOutput) -> None:
-    """Append each request's scored rows of this prefill to Req.input_logprobs."""
+    """Append each request's scored rows of this prefill to its LogprobState."""
     rows, scored = done.fwd.input_logprobs, out.input_logprobs
     assert rows is not None and scored is not None
     values = scored.values.tolist()
@@ -172,12 +173,13 @@ def store_input_logprobs(done: ScheduledBatch, out: ForwardOutput) -> None:
     top_ids = top[1].tolist() if top is not None else None
     offset = 0
     for i, count in rows.spans:
-        req = done.reqs[i]
-        req.input_logprobs += values[offset:offset + count]
-        if req.logprob_num > 0 and top_values is not None and top_ids is not None:
-            k = req.logprob_num
-            req.input_top_logprobs += [list(zip(v[:k], t[:k])) for v, t in zip(
+        state = done.reqs[i].logprobs
+        assert state is not None  # only requests asking for logprobs have scored rows
+        state.input_logprobs += values[offset:offset + count]
+        if state.num > 0 and top_values is not None and top_ids is not None:
+            k = state.num
+            state.input_top_logprobs += [list(zip(v[:k], t[:k])) for v, t in zip(
                 top_values[offset:offset + count], top_ids[offset:offset + count])]
         else:
-            req.input_top_logprobs += [[] for _ in range(count)]
+            state.input_top_logprobs += [[] for _ in range(count)]
         offset += count

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from minisgl.core import Req
+from minisgl.core import LogprobState, Req
 from minisgl.engine import Engine, ForwardOutput
 from minisgl.engine.speculation import SpecConfig
 from minisgl.errors import EngineFailed, IntegrityError
@@ -38,7 +38,8 @@ from minisgl.scheduler.memory import (CacheManager, TableManager, check_kv_integ
                                       pages_spanned)
 from minisgl.scheduler.prefill import DecodeManager, PrefillChunk, PrefillManager, WaitingOrder
 from minisgl.scheduler.results import Queued, ReqEvent, collect_events, finished_event
-from minisgl.scheduler.speculation import DraftGovernor, release_surplus, speculates, verify_counts
+from minisgl.scheduler.speculation import (DraftGovernor, SpecTally, release_surplus, speculates,
+                                          verify_counts)
 from minisgl.scheduler.stats import SchedulerStats, report
 
 
@@ -127,18 +128,18 @@ class Scheduler:
         rid = spec.rid if spec.rid is not None else uuid.uuid4().hex
         start = spec.logprob_start_len
         req = Req(uid=next(self._uids), rid=rid, prompt_ids=spec.input_ids, params=params,
-                  max_device_len=prompt_len + params.max_new_tokens,
                   stop_ids=frozenset(params.stop_token_ids or ()) | (
-                      frozenset() if params.ignore_eos else self.eos_ids),
-                  logprob_num=spec.logprob_num, matcher=spec.matcher,
-                  priority=spec.priority or 0, lora_uid=lora_uid, embed=spec.embed,
-                  logprob_start_len=-1 if spec.logprob_num < 0 else
-                  (prompt_len - 1 if start < 0 else start))
+                      frozenset() if params.ignore_eos else self.eos_ids))
+        req.priority, req.lora_uid, req.embed = spec.priority or 0, lora_uid, spec.embed
+        req.matcher = spec.matcher
+        if spec.logprob_num >= 0:
+            req.logprobs = LogprobState(spec.logprob_num, prompt_len - 1 if start < 0 else start)
         if params.sampling_seed is not None:
             req.generator = torch.Generator(self.engine.device).manual_seed(
                 params.sampling_seed % 2**64)
-        req.speculative = self.engine.speculation is not None and speculates(
-            req, grammar_drafts=self.engine.runs_steps_in_order)
+        if self.engine.speculation is not None and speculates(
+                req, grammar_drafts=self.engine.runs_steps_in_order):
+            req.spec = SpecTally()
         self.reqs[rid] = req
         self._post("new", req)
         return Queued(rid, params)
@@ -444,7 +445,7 @@ class BatchSelector:
             if not reqs:
                 return IDLE
             counts = self._verify_counts(reqs)
-            if counts is None and verify_in_flight and any(r.speculative for r in reqs):
+            if counts is None and verify_in_flight and any(r.spec is not None for r in reqs):
                 return SETTLE  # NOTE: a plain decode step needs their exact lengths
             locations = self._decode_locations(reqs, counts)
             if locations is not None:
@@ -465,7 +466,7 @@ class BatchSelector:
         # NOTE: a speculating request rides one token a step, without drafts, once no verify
         # step is in flight (its lengths are exact only then)
         decodes = ([r for r in self.decode.schedule()
-                    if not (r.speculative and verify_in_flight)]
+                    if not (r.spec is not None and verify_in_flight)]
                    if self.config.enable_mixed_chunk else [])
         locations = self._decode_locations(decodes) if decodes else None
         if locations is not None:  # NOTE: without pages for the decodes they wait, unmixed
@@ -482,7 +483,7 @@ class BatchSelector:
     def _verify_counts(self, reqs: list[Req]) -> list[int] | None:
         """KV slots each request reserves in a verify step; None: a plain decode step (no
         request speculates)."""
-        if self.spec is None or not any(r.speculative for r in reqs) or (
+        if self.spec is None or not any(r.spec is not None for r in reqs) or (
                 self.governor is not None and not self.governor.drafting):
             return None
         drafts = self.spec.drafts_per_row(len(reqs))
@@ -507,10 +508,10 @@ class BatchSelector:
 
     def _retract_newest(self) -> None:
         """Out of pages: retract the newest admitted request (also a partly prefilled one)."""
-        candidates = list(self.decode.running)
+        candidates = list(self.decode.running)  # NOTE: in admission order
         if self.prefill.chunked is not None:
-            candidates.append(self.prefill.chunked)
-        victim = max(candidates, key=lambda r: r.admitted_at)
+            candidates.append(self.prefill.chunked)  # admitted after every running one
+        victim = candidates[-1]
         if len(candidates) == 1 and self.cache.available_pages == 0:
             logger.warning("request %s cannot make progress; retracting it", victim.rid)
         self.prefill.retract(victim)

@@ -12,8 +12,20 @@ step in flight after it writes below that bound.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from minisgl.core import Req
 from minisgl.scheduler.memory import CacheManager, TableManager
+
+
+@dataclass(slots=True)
+class SpecTally:
+    """A speculating request's state (`Req.spec`): its verify steps, the drafts they verified
+    and the drafts accepted, reported in its meta_info."""
+
+    verify_ct: int = 0
+    drafted: int = 0
+    accepted: int = 0
 
 
 def speculates(req: Req, grammar_drafts: bool) -> bool:
@@ -34,7 +46,7 @@ def speculates(req: Req, grammar_drafts: bool) -> bool:
 def verify_counts(reqs: list[Req], drafts_per_row: int) -> list[int]:
     """Tokens to reserve for each request in a verify step: its last token and its drafts,
     never past what it may still produce."""
-    return [max(1, min(1 + drafts_per_row, r.remain_len)) if r.speculative else 1
+    return [max(1, min(1 + drafts_per_row, r.remain_len)) if r.spec is not None else 1
             for r in reqs]
 
 

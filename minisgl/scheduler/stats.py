@@ -31,7 +31,7 @@ class SchedulerStats:
         """Count a verify step's speculating rows; returns the tokens they emitted per row
         (None: it had none)."""
         assert out.counts is not None and out.drafted is not None
-        rows = [i for i, req in enumerate(done.reqs) if req.speculative]
+        rows = [i for i, req in enumerate(done.reqs) if req.spec is not None]
         counts, drafted = out.counts.tolist(), out.drafted.tolist()
         emitted = sum(counts[i] for i in rows)
         self.spec_verified_rows += len(rows)
