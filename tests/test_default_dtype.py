@@ -49,3 +49,31 @@ def test_default_start_keeps_the_bundled_gguf_blocks_where_a_kernel_runs_them():
             ours = llm.generate(input_ids=prompt, sampling_params={
                 "max_new_tokens": 24, "temperature": 0})["output_ids"]
             ref.assert_greedy_matches(prompt, ours, ref.hf_greedy(prompt, 24), TOP2_MARGIN_BF16)
+
+
+def test_engine_config_is_resolved_once_and_leaves_nothing_open():
+    """What the flags leave open (the device's defaults, `auto`, the model's context, the
+    quantization its file implies) is settled in one step, before anything is built; settling
+    a settled config changes nothing, and the engine runs with exactly what it reports."""
+    from minisgl.engine import Engine, EngineConfig
+    from minisgl.engine.config import resolve
+    from minisgl.models import ModelArch, load_config, resolve_model_path
+
+    arch = ModelArch.from_config(load_config(resolve_model_path(None)))
+    config = EngineConfig(dtype="auto", speculative_algorithm="NGRAM")
+    resolved = resolve(config, torch.device("cpu"), arch)
+    open_fields = [name for name in ("quantization", "context_length", "max_running_requests",
+                                     "mem_fraction_static", "page_size", "attention_backend",
+                                     "speculative_num_draft_tokens")
+                   if getattr(resolved, name) is None]
+    assert not open_fields, open_fields
+    assert resolved.dtype != "auto" and resolved.device == "cpu"
+    assert resolve(resolved, torch.device("cpu"), arch) == resolved
+    engine = Engine(EngineConfig(max_total_tokens=256, max_running_requests=4))
+    try:
+        assert engine.config.max_total_tokens == engine.kv_pool.num_pages * engine.page_size
+        assert (engine.config.page_size, engine.config.max_running_requests) == (
+            engine.page_size, engine.max_running)
+        assert engine.config.quantization == engine.quantization
+    finally:
+        engine.shutdown()

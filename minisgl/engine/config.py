@@ -1,9 +1,22 @@
 """What an engine is built from: the model, its precision and device, memory and parallelism.
-Each field is the flag of the same name (defaults and meaning: minisgl.args.ServerArgs)."""
+Each field is the flag of the same name (defaults and meaning: minisgl.args.ServerArgs).
+
+The flags leave some values open (None, "auto"): the device's defaults, the model's context,
+the quantization a file implies. `resolve` settles them once, before anything is built, into
+the EngineConfig every part of the engine reads; the KV pool's size (`max_total_tokens`)
+follows once the weights are loaded (Engine.config then holds it too)."""
 
 from __future__ import annotations
 
-from minisgl.args import flag_config
+import dataclasses
+
+import torch
+
+from minisgl.args import device_default, flag_config
+from minisgl.attention import default_attention_backend
+from minisgl.engine.placement import resolve_dtype
+from minisgl.engine.quantization import resolve_quantization
+from minisgl.models import ModelArch
 
 
 @flag_config
@@ -39,3 +52,33 @@ class EngineConfig:
     lora_target_modules: list[str] | None
     max_loaded_loras: int | None
     log_level: str  # of the tensor-parallel worker processes
+
+
+def resolve(config: EngineConfig, device: torch.device, arch: ModelArch) -> EngineConfig:
+    """`config` with every value it left open settled for `device` and the model `arch`
+    (a resolved config resolves to itself)."""
+    dtype = resolve_dtype(config.dtype, device)
+    dtype_chosen = config.dtype != "auto"  # NOTE: `auto` may pick float32 and GGUF blocks
+
+    def quantization_of(method: str | None, model: str | None) -> str:
+        return resolve_quantization(method, model, device, dtype, config.load_format,
+                                    dtype_chosen=dtype_chosen)
+
+    def default(name: str) -> object:
+        value = getattr(config, name)
+        return device_default(name, device.type) if value is None else value
+
+    draft = config.speculative_draft_model_path
+    return dataclasses.replace(
+        config, device=device.type, dtype=str(dtype).removeprefix("torch."),
+        quantization=quantization_of(config.quantization, config.model_path),
+        context_length=arch.context_limit(config.context_length),
+        max_running_requests=default("max_running_requests"), page_size=default("page_size"),
+        mem_fraction_static=default("mem_fraction_static"),
+        attention_backend=config.attention_backend or default_attention_backend(
+            device, dtype, arch.head_dim),
+        speculative_num_draft_tokens=(None if config.speculative_algorithm is None
+                                      else default("speculative_num_draft_tokens")),
+        speculative_draft_model_quantization=(
+            None if config.speculative_algorithm != "STANDALONE" or draft is None
+            else quantization_of(config.speculative_draft_model_quantization, draft)))

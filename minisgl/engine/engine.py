@@ -22,13 +22,12 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from minisgl.args import device_default
 from minisgl.core import Batch
 from minisgl.distributed.context import TPInfo, bind_thread, broadcast, create_group, tp_context
 from minisgl.distributed.shm_queue import QueueClosed
 from minisgl.distributed.worker import GLOO_TIMEOUT_S, TPWorkers, cpu_threads
 from minisgl.engine.chunking import default_chunk
-from minisgl.engine.config import EngineConfig
+from minisgl.engine.config import EngineConfig, resolve
 from minisgl.engine.draft_model import DraftModel
 from minisgl.engine.failure import FailureWatch
 from minisgl.engine.forward import ForwardInput, ForwardOutput, InputLogprobs, VerifyRows, to_host
@@ -36,9 +35,9 @@ from minisgl.engine.graph import GraphRunner, supports_graphs
 from minisgl.engine.lora import LoraModules, lora_settings
 from minisgl.engine.memory import allocate_kv_pool, release_cuda_memory, return_freed_heap
 from minisgl.engine.model_loading import attention_for, draft_arch, kv_heads, load_model
-from minisgl.engine.placement import check_tp_size, resolve_device, resolve_dtype
+from minisgl.engine.placement import check_tp_size, resolve_device
 from minisgl.engine.pooling import last_token_embeddings
-from minisgl.engine.quantization import check_int8_activations, resolve_quantization
+from minisgl.engine.quantization import check_int8_activations
 from minisgl.engine.sampler import Sampler
 from minisgl.engine.scoring import score_rows
 from minisgl.engine.speculation import Speculator, spec_config
@@ -74,19 +73,18 @@ class Engine:
                                  f"sees {torch.cuda.device_count()}")
             self.device = torch.device("cuda", self.tp.rank)
             torch.cuda.set_device(self.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
-        self.quantization = resolve_quantization(config.quantization, config.model_path,
-                                                 self.device, self.dtype, config.load_format,
-                                                 dtype_chosen=config.dtype != "auto")
-        self.activation_terms = check_int8_activations(config.cpu_int8_activations,
-                                                       self.quantization, self.device)
         self.model_path: Path = resolve_model_path(config.model_path)
         model_config = load_config(self.model_path)
         if config.json_model_override_args:
             model_config.update(json.loads(config.json_model_override_args))
         self.arch = ModelArch.from_config(model_config)
         check_supported(self.arch)
-        self.context_len = self.arch.context_limit(config.context_length)
+        self.config = config = resolve(config, self.device, self.arch)
+        self.dtype: torch.dtype = getattr(torch, config.dtype)
+        self.quantization: str = config.quantization
+        self.activation_terms = check_int8_activations(config.cpu_int8_activations,
+                                                       self.quantization, self.device)
+        self.context_len: int = config.context_length
         self.arch = dataclasses.replace(self.arch, served_context=self.context_len)
         if self.tp.size > 1:
             check_tp_size(self.arch, self.tp.size, self.model_path.name)
@@ -134,15 +132,14 @@ class Engine:
             with tp_context(TPInfo(), None):  # NOTE: the draft model runs whole on rank 0
                 draft = self._load_draft(*self.draft_arch)
         with tp_context(self.tp, self.group):
-            device_type = self.device.type
-            self.max_running = (config.max_running_requests
-                                or device_default("max_running_requests", device_type))
-            self.page_size = config.page_size or device_default("page_size", device_type)
+            self.max_running: int = config.max_running_requests
+            self.page_size: int = config.page_size
             self.kv_pool = allocate_kv_pool(
                 config, self.arch, kv_heads(self.model), self.page_size, self.dtype,
                 self.device, self.tp.size,
                 draft_bytes_per_token=0 if draft is None else KVPool.bytes_per_token(
                     draft[1].num_layers, kv_heads(draft[0]), draft[1].head_dim, self.dtype))
+        self.config = config = dataclasses.replace(config, max_total_tokens=self.kv_pool.num_pages * self.page_size)
         rows = self.max_running + 1  # the request rows, then the dummy row
         self.page_table = torch.zeros(rows, self.context_len, dtype=torch.int32, device=self.device)
         self.token_pool = torch.zeros(rows, self.context_len, dtype=torch.int32, device=self.device)
@@ -201,11 +198,9 @@ class Engine:
 
     def _load_draft(self, folder: Path, arch: ModelArch) -> tuple[torch.nn.Module, ModelArch]:
         """STANDALONE's draft model, whole on rank 0."""
-        path = self.config.speculative_draft_model_path
-        quantization = resolve_quantization(self.config.speculative_draft_model_quantization,
-                                            path, self.device, self.dtype, self.config.load_format,
-                                            dtype_chosen=self.config.dtype != "auto")
-        return self._load(arch, folder, quantization, path), arch
+        config = self.config
+        return self._load(arch, folder, config.speculative_draft_model_quantization,
+                          config.speculative_draft_model_path), arch
 
     def _draft_runner(self, model: torch.nn.Module, arch: ModelArch) -> DraftModel:
         """The draft model with a KV pool laid out as the target's (same pages, same table)."""

@@ -10,7 +10,6 @@ from typing import Callable
 import psutil
 import torch
 
-from minisgl.args import device_default
 from minisgl.distributed.context import all_reduce_min
 from minisgl.engine.config import EngineConfig
 from minisgl.kvcache import KVPool
@@ -46,7 +45,7 @@ def allocate_kv_pool(config: EngineConfig, arch: ModelArch, kv_heads: int, page_
         return_freed_heap()
     per_token = KVPool.bytes_per_token(arch.num_layers, kv_heads, arch.head_dim, dtype)
     tokens = config.max_total_tokens
-    fraction = config.mem_fraction_static or device_default("mem_fraction_static", device.type)
+    fraction = config.mem_fraction_static
     if tokens is None:
         if device.type == "cuda":
             free, total = torch.cuda.mem_get_info(device)

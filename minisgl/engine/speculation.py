@@ -26,7 +26,6 @@ from itertools import accumulate
 
 import torch
 
-from minisgl.args import device_default
 from minisgl.core import span_indices
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.acceptance import accept_greedy, accept_sampled
@@ -65,8 +64,7 @@ class SpecConfig:
 def spec_config(config: EngineConfig, device_type: str) -> SpecConfig | None:
     if config.speculative_algorithm is None:
         return None
-    tokens = (config.speculative_num_draft_tokens
-              or device_default("speculative_num_draft_tokens", device_type))
+    tokens = config.speculative_num_draft_tokens
     device = "cuda" if device_type == "cuda" else "cpu"
     return SpecConfig(config.speculative_algorithm, tokens,
                       config.speculative_ngram_min_match_window_size,

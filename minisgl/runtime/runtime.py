@@ -144,23 +144,21 @@ class Runtime:
     def resolved_config(self) -> dict[str, dict[str, Any]]:
         """What this server runs with, each value as resolved (the flags, then the device's, the
         model's and the memory's defaults for what they left open), in sections: printed at
-        start as one block (`config_block`) and /server_info's `resolved`."""
+        start as one block (`config_block`) and /server_info's `resolved`. The engine and
+        scheduler sections are the frozen configs those layers read."""
         engine, scheduler, args = self.engine, self.scheduler, self.args
-        arch, spec, graphs = engine.arch, engine.speculation, engine.runner.graph_runner
+        arch, graphs = engine.arch, engine.runner.graph_runner
+        model = {"path": str(self.model_path), "served_names": list(self.served_names),
+                 "architecture": arch.architecture, "layers": arch.num_layers,
+                 "context_length": self.context_len, "dtype": engine.config.dtype,
+                 "quantization": engine.quantization, "tokenizer": self.tokenizer_path}
+        in_model = {"model_path", "context_length", "dtype", "quantization"}
         return {
-            "model": {"path": str(self.model_path), "served_names": list(self.served_names),
-                      "architecture": arch.architecture, "layers": arch.num_layers,
-                      "context_length": self.context_len,
-                      "dtype": str(engine.dtype).removeprefix("torch."),
-                      "quantization": engine.quantization, "tokenizer": self.tokenizer_path},
-            "engine": {"device": str(engine.device), "tp_size": engine.tp.size,
-                       "attention_backend": type(engine.attn_backend).__name__,
-                       "cuda_graph_batch_sizes": list(graphs.batch_sizes) if graphs else [],
+            "model": model,
+            "engine": {**{k: v for k, v in dataclasses.asdict(engine.config).items()
+                          if k not in in_model},
                        "kv_pool_tokens": scheduler.limits.pool_tokens,
-                       "page_size": engine.page_size, "max_running_requests": engine.max_running,
-                       "speculation": None if spec is None else {
-                           "algorithm": spec.algorithm, "num_draft_tokens": spec.num_draft_tokens},
-                       "lora": engine.lora is not None},
+                       "cuda_graph_batch_sizes": list(graphs.batch_sizes) if graphs else []},
             "scheduler": dataclasses.asdict(scheduler.config),
             "server": {"host": args.host, "port": args.port, "api_key": bool(args.api_key),
                        "is_embedding": args.is_embedding,
