@@ -1,6 +1,8 @@
 """`python tests/request_trace.py serve ...`: `python -m minisgl serve ...` under a profile hook
-that records which minisgl files a request's handling enters (SIGUSR1 starts recording,
-SIGUSR2 writes {file: calls} as JSON to $MINISGL_TRACE_OUT).
+that records which minisgl files a request's handling enters and which file called which
+(SIGUSR1 starts recording, SIGUSR2 writes {"calls": {file: calls}, "edges": [[caller, callee,
+calls], ...]} as JSON to $MINISGL_TRACE_OUT; an edge is a direct call between two minisgl
+files, not one the event loop or a thread dispatched).
 
 Counted: calls into minisgl files outside the model's forward (models/, layers/, attention/,
 kernels/, and whatever they call: a call with one of those on its stack is the forward's).
@@ -37,21 +39,30 @@ def _outside(frame: FrameType | None) -> bool:
 
 class Recorder:
     def __init__(self, out: str) -> None:
-        self.out, self.calls, self.on = out, Counter(), False
+        self.out, self.on = out, False
+        self.calls: Counter[str] = Counter()
+        self.edges: Counter[tuple[str, str]] = Counter()
 
     def hook(self, frame: FrameType, event: str, arg: Any) -> None:
         if self.on and event == "call":
             name = frame.f_code.co_filename
             if name.startswith(PACKAGE) and _outside(frame):
-                self.calls[name[len(PACKAGE):]] += 1
+                callee = name[len(PACKAGE):]
+                self.calls[callee] += 1
+                caller = frame.f_back.f_code.co_filename if frame.f_back else ""
+                if caller.startswith(PACKAGE) and caller[len(PACKAGE):] != callee:
+                    self.edges[caller[len(PACKAGE):], callee] += 1
 
     def start(self, *_: Any) -> None:
         self.calls.clear()
+        self.edges.clear()
         self.on = True
 
     def stop(self, *_: Any) -> None:
         self.on = False
-        Path(self.out).write_text(json.dumps(dict(self.calls)))
+        Path(self.out).write_text(json.dumps({
+            "calls": dict(self.calls),
+            "edges": [[a, b, n] for (a, b), n in sorted(self.edges.items())]}))
 
 
 def main() -> int:

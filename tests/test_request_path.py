@@ -1,7 +1,7 @@
 """The path of one request through the code: the minisgl files a live server enters for one
 `/generate` and one streamed chat completion (traced by tests/request_trace.py: outside the
-model's forward), at most MOST_FILES, and none of a feature's modules for a request that does
-not use the feature."""
+model's forward), at most MOST_FILES, none of a feature's modules for a request that does not
+use the feature, and no call from a file into a higher layer (nothing calls back up)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import pytest
 import requests
 
 from tests.conftest import READY, REPO_ROOT, SERVER_DEFAULT_ARGS, SERVER_START_TIMEOUT_S
+from tests.test_architecture import rank
 from tests.test_hardening import SHALLOW
 
 MOST_FILES = {"generate": 20, "chat_stream": 24}  # a path short enough to hold in one's head
@@ -63,8 +64,9 @@ class TracedServer:
         self.proc.kill()
         raise RuntimeError("the traced server did not start:\n" + "".join(self.lines[-30:]))
 
-    def trace(self, request: Callable[[str], None]) -> dict[str, int]:
-        """{file: calls} of one request, sent once untraced first (first-use work aside)."""
+    def trace(self, request: Callable[[str], None]) -> dict[str, Any]:
+        """{"calls": {file: calls}, "edges": [[caller, callee, calls]]} of one request, sent
+        once untraced first (first-use work aside)."""
         request(self.url)
         self.out.unlink(missing_ok=True)
         self.proc.send_signal(signal.SIGUSR1)
@@ -105,7 +107,8 @@ def chat_stream(url: str) -> None:
 
 @pytest.mark.parametrize("request_kind", [generate, chat_stream], ids=lambda f: f.__name__)
 def test_a_request_takes_a_short_path_through_no_unused_feature(traced, request_kind) -> None:
-    calls = traced.trace(request_kind)
+    traced_calls = traced.trace(request_kind)
+    calls = traced_calls["calls"]
     files = sorted(calls)
     print(f"{request_kind.__name__}: {len(files)} files: {' '.join(files)}")
     assert "scheduler/scheduler.py" in files and "engine/engine.py" in files  # it traced
@@ -114,3 +117,17 @@ def test_a_request_takes_a_short_path_through_no_unused_feature(traced, request_
                for feature, modules in FEATURE_MODULES.items()}
     assert not any(entered.values()), {f: m for f, m in entered.items() if m}
     assert not any(re.match(r"(models|layers|attention|kernels)/", f) for f in files)
+    up = upward_calls(traced_calls["edges"])
+    print(f"{request_kind.__name__}: calls up the layers: {up}")
+    assert not up, up
+
+
+def upward_calls(edges: list[list[Any]]) -> list[str]:
+    """Direct calls from a file into a file of a higher layer (docs/design.md's order, as
+    tests/test_architecture.py reads it): a lower layer calling back up, or a file re-entered
+    from below."""
+    def component(path: str) -> str:
+        return path.removesuffix(".py").split("/")[0]
+
+    return [f"{a} -> {b}" for a, b, _ in edges
+            if component(a) != component(b) and rank(component(b)) > rank(component(a))]

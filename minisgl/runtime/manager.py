@@ -112,7 +112,7 @@ class RequestManager:
         return self.scheduler.limits.max_sequences
 
     async def start(self) -> None:
-        self._outbox = asyncio.Queue()
+        self._outbox = self.scheduler.open_outbox()
         self._stopping = False
         self._tasks = [asyncio.create_task(self.scheduler.run(), name="minisgl-scheduler"),
                        asyncio.create_task(self._detokenize_loop(), name="minisgl-detokenizer")]
@@ -242,12 +242,9 @@ class RequestManager:
 
     # ---- outputs -----------------------------------------------------------------------------
 
-    def deliver(self, events: list[ReqEvent]) -> None:
-        """The scheduler's sink: one step's events, detokenized on the next loop turn."""
-        assert self._outbox is not None
-        self._outbox.put_nowait(events)
-
     async def _detokenize_loop(self) -> None:
+        """The scheduler's events, one step's at a time (or those that queued up meanwhile),
+        detokenized and applied to their handles."""
         assert self._outbox is not None
         while True:
             events = await self._outbox.get()

@@ -35,8 +35,7 @@ class Runtime:
             template = args.chat_template_text()
             if template is not None and self.tokenizer is not None:
                 self.tokenizer.set_chat_template(template)
-            self.scheduler = Scheduler(self.engine, args.pick(SchedulerConfig),
-                                       lambda outputs: self.requests.deliver(outputs))
+            self.scheduler = Scheduler(self.engine, args.pick(SchedulerConfig))
             grammar = create_grammar_backend(
                 args.grammar_backend, self.tokenizer.hf if self.tokenizer else None,
                 self.engine.arch.vocab_size,
@@ -46,7 +45,6 @@ class Runtime:
             self.model_name = self.served_names[0]
             self.requests = RequestManager(self.scheduler, self.tokenizer, grammar,
                                            Metrics(self.model_name), self._request_log())
-            self.scheduler.sink = self.requests.deliver  # NOTE: directly, once it exists
             for name, path, pinned in args.lora_adapters():
                 try:
                     add_adapter(self.scheduler.adapters, self.engine.lora, name, path, pinned)

@@ -47,15 +47,13 @@ logger = logging.getLogger(__name__)
 # The idle check reads every page id: bigger pools (a small model, a large GPU) on demand only
 IDLE_CHECK_MAX_PAGES = 1 << 22
 
-EventSink = Callable[[list[ReqEvent]], None]
-
-
 class Scheduler:
-    def __init__(self, engine: Engine, config: SchedulerConfig, sink: EventSink) -> None:
+    def __init__(self, engine: Engine, config: SchedulerConfig) -> None:
         if config.chunked_prefill_size is None:
             config = replace(config, chunked_prefill_size=engine.default_chunked_prefill_size(
                 config.enable_mixed_chunk))
-        self.engine, self.config, self.sink = engine, config, sink
+        self.engine, self.config = engine, config
+        self._outbox: asyncio.Queue[list[ReqEvent]] | None = None
         ps = engine.page_size
         prefix_cache = NaiveCache(ps) if config.disable_radix_cache else RadixCache(ps)
         self.cache = CacheManager(engine.kv_pool.num_pages, ps, prefix_cache)
@@ -197,7 +195,17 @@ class Scheduler:
                     events.append(finished_event(req))
         if events:
             self._release_finished(self._in_flight)
-            self.sink(events)
+            self._emit(events)
+
+    def open_outbox(self) -> asyncio.Queue[list[ReqEvent]]:
+        """A fresh queue of this scheduler's events (one list per step with news), for the
+        event loop about to run it: the runtime reads its answers from here."""
+        self._outbox = asyncio.Queue()
+        return self._outbox
+
+    def _emit(self, events: list[ReqEvent]) -> None:
+        assert self._outbox is not None, "open_outbox before the scheduler runs"
+        self._outbox.put_nowait(events)
 
     # ---- the loop ----------------------------------------------------------------------------
 
@@ -307,7 +315,7 @@ class Scheduler:
         self.reqs.clear()
         self._inbox.clear()
         if events:
-            self.sink(events)
+            self._emit(events)
 
     # ---- scheduling --------------------------------------------------------------------------
 
@@ -335,7 +343,7 @@ class Scheduler:
             self._govern(done, gain)
         self._release_finished(ongoing)
         if events:
-            self.sink(events)
+            self._emit(events)
 
     def _finish(self, req: Req, reason: dict[str, Any]) -> None:
         req.finish_reason = reason
