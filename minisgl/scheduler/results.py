@@ -87,7 +87,7 @@ def grammar_finish(req: Req, token: int) -> dict[str, Any] | None:
 
 def collect_events(done: ScheduledBatch, out: ForwardOutput,
                    finish: Callable[[Req, dict[str, Any]], None],
-                   release_surplus: Callable[[Req, int], None]) -> list[ReqEvent]:
+                   release_surplus: Callable[[Req, int], None] | None) -> list[ReqEvent]:
     """Append each row's token (a verify step: tokens) to its request and call `finish` for the
     requests it ends; tokens past the one that ends a request are dropped. `release_surplus`
     (a verify step) gives back the KV slots a row reserved but did not fill."""
@@ -116,6 +116,7 @@ def collect_events(done: ScheduledBatch, out: ForwardOutput,
             row_tops = None if tops is None else list(zip(*tops[i]))
             if req.spec is not None:
                 assert done.reserved is not None and drafted is not None
+                assert release_surplus is not None  # set whenever a request speculates
                 release_surplus(req, done.reserved[i] - counts[i])
                 req.spec.verify_ct += 1
                 req.spec.drafted += drafted[i]

@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, replace
@@ -27,7 +26,6 @@ import torch
 
 from minisgl.core import LogprobState, Req
 from minisgl.engine import Engine, ForwardOutput
-from minisgl.engine.speculation import SpecConfig
 from minisgl.errors import EngineFailed, IntegrityError
 from minisgl.kvcache import NaiveCache, RadixCache
 from minisgl.scheduler.batch_builder import BatchBuilder, ScheduledBatch
@@ -38,8 +36,7 @@ from minisgl.scheduler.memory import (CacheManager, TableManager, check_kv_integ
                                       pages_spanned)
 from minisgl.scheduler.prefill import DecodeManager, PrefillChunk, PrefillManager, WaitingOrder
 from minisgl.scheduler.results import Queued, ReqEvent, collect_events, finished_event
-from minisgl.scheduler.speculation import (DraftGovernor, SpecTally, release_surplus, speculates,
-                                          verify_counts)
+from minisgl.scheduler.speculation import HostSpeculation
 from minisgl.scheduler.stats import SchedulerStats, report
 
 
@@ -69,10 +66,12 @@ class Scheduler:
         self.prefill = PrefillManager(self.cache, self.table, self.decode, self.order,
                                       self.adapters, engine.arch.long_rope)
         self.builder = BatchBuilder(engine, self.table, ps, self.adapters)
-        self.governor = (DraftGovernor() if engine.speculation is not None
-                         and not config.speculative_always_draft else None)
+        self.speculation = None if engine.speculation is None else HostSpeculation(
+            engine.speculation, grammar_drafts=engine.runs_steps_in_order,
+            governed=not config.speculative_always_draft, cache=self.cache, table=self.table,
+            stats=self.stats)
         self.selector = BatchSelector(config, self.prefill, self.decode, self.cache, self.builder,
-                                      self.stats, engine.speculation, self.governor)
+                                      self.stats, self.speculation)
         self.context_len = engine.context_len
         self.eos_ids = frozenset(engine.eos_token_ids)
         self.limits = RequestLimits(
@@ -135,9 +134,8 @@ class Scheduler:
         if params.sampling_seed is not None:
             req.generator = torch.Generator(self.engine.device).manual_seed(
                 params.sampling_seed % 2**64)
-        if self.engine.speculation is not None and speculates(
-                req, grammar_drafts=self.engine.runs_steps_in_order):
-            req.spec = SpecTally()
+        if self.speculation is not None:
+            self.speculation.admit(req)
         self.reqs[rid] = req
         self._post("new", req)
         return Queued(rid, params)
@@ -336,11 +334,12 @@ class Scheduler:
     def _process(self, done: ScheduledBatch, out: ForwardOutput,
                  ongoing: ScheduledBatch | None) -> None:
         """`done`'s results; `ongoing`: the batch launched after it, still in flight."""
-        events = collect_events(done, out, self._finish, self._release_surplus)
+        spec = self.speculation
+        events = collect_events(done, out, self._finish,
+                                None if spec is None else spec.release_surplus)
         self.stats.tokens_generated += sum(e.token is not None for e in events)
-        gain = self.stats.count_verify(done, out) if out.counts is not None else None
-        if self.governor is not None:
-            self._govern(done, gain)
+        if spec is not None:
+            spec.after_step(done, out)
         self._release_finished(ongoing)
         if events:
             self._emit(events)
@@ -352,18 +351,6 @@ class Scheduler:
         if self.prefill.drop(req) or req.table_idx < 0:
             return  # never admitted: holds nothing
         self.to_release.append(req)  # released by the caller, once per step
-
-    def _govern(self, done: ScheduledBatch, gain: float | None) -> None:
-        """Time a decode step for the governor; `gain`: a verify step's tokens per
-        speculating row."""
-        assert self.governor is not None
-        if done.fwd.verify is None and not done.fwd.batch.is_decode:
-            self.governor.interrupted()
-            return
-        self.governor.observe(time.perf_counter(), done.fwd.verify is not None, gain)
-
-    def _release_surplus(self, req: Req, surplus: int) -> None:
-        release_surplus(req, surplus, self.cache, self.table)
 
     def _release_finished(self, ongoing: ScheduledBatch | None) -> None:
         busy = set(ongoing.reqs) if ongoing is not None else set()
@@ -430,9 +417,9 @@ SETTLE = Selection(settle_first=True)
 class BatchSelector:
     def __init__(self, config: SchedulerConfig, prefill: PrefillManager, decode: DecodeManager,
                  cache: CacheManager, builder: BatchBuilder, stats: SchedulerStats,
-                 spec: SpecConfig | None = None, governor: DraftGovernor | None = None) -> None:
+                 speculation: HostSpeculation | None = None) -> None:
         self.config, self.prefill, self.decode, self.cache = config, prefill, decode, cache
-        self.builder, self.stats, self.spec, self.governor = builder, stats, spec, governor
+        self.builder, self.stats, self.speculation = builder, stats, speculation
 
     def next_batch(self, in_flight: bool, verify_in_flight: bool = False) -> Selection:
         """SETTLE only when `in_flight` (`verify_in_flight`: it is a verify step, so the
@@ -452,9 +439,11 @@ class BatchSelector:
             reqs = self.decode.schedule()
             if not reqs:
                 return IDLE
-            counts = self._verify_counts(reqs)
-            if counts is None and verify_in_flight and any(r.spec is not None for r in reqs):
-                return SETTLE  # NOTE: a plain decode step needs their exact lengths
+            spec = self.speculation
+            counts = None if spec is None else spec.verify_counts(reqs)
+            if counts is None and spec is not None and spec.waits_for_verify(reqs,
+                                                                              verify_in_flight):
+                return SETTLE
             locations = self._decode_locations(reqs, counts)
             if locations is not None:
                 self.prefill.on_decode_step()
@@ -471,10 +460,9 @@ class BatchSelector:
             if chunk.first:
                 chunk.req.cached_tokens = chunk.req.cached_tokens or chunk.start
                 self.stats.cached_prompt_tokens += chunk.start
-        # NOTE: a speculating request rides one token a step, without drafts, once no verify
-        # step is in flight (its lengths are exact only then)
+        spec = self.speculation
         decodes = ([r for r in self.decode.schedule()
-                    if not (r.spec is not None and verify_in_flight)]
+                    if spec is None or spec.rides_mixed(r, verify_in_flight)]
                    if self.config.enable_mixed_chunk else [])
         locations = self._decode_locations(decodes) if decodes else None
         if locations is not None:  # NOTE: without pages for the decodes they wait, unmixed
@@ -487,15 +475,6 @@ class BatchSelector:
             if chunk.is_last and not chunk.req.prefill_only:
                 self.decode.add(chunk.req)
         return batch
-
-    def _verify_counts(self, reqs: list[Req]) -> list[int] | None:
-        """KV slots each request reserves in a verify step; None: a plain decode step (no
-        request speculates)."""
-        if self.spec is None or not any(r.spec is not None for r in reqs) or (
-                self.governor is not None and not self.governor.drafting):
-            return None
-        drafts = self.spec.drafts_per_row(len(reqs))
-        return verify_counts(reqs, drafts) if drafts else None
 
     def _decode_locations(self, reqs: list[Req], counts: list[int] | None = None
                           ) -> torch.Tensor | None:

@@ -12,10 +12,15 @@ step in flight after it writes below that bound.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from minisgl.core import Req
+from minisgl.engine import ForwardOutput
+from minisgl.engine.speculation import SpecConfig
+from minisgl.scheduler.batch_builder import ScheduledBatch
 from minisgl.scheduler.memory import CacheManager, TableManager
+from minisgl.scheduler.stats import SchedulerStats
 
 
 @dataclass(slots=True)
@@ -63,6 +68,59 @@ def release_surplus(req: Req, surplus: int, cache: CacheManager, table: TableMan
     locations = table.locations(req.table_idx, old)
     cache.free_locations(locations[kept:])
     req.tail_loc = int(locations[req.kv_len - 1]) if req.kv_len else -1
+
+
+class HostSpeculation:
+    """Speculative decoding as the scheduler meets it, in one place: which requests speculate
+    (`admit`), the KV slots a verify step reserves (`verify_counts`), when a step must wait for
+    a verify step's result (`waits_for_verify`, `rides_mixed`), and after each step the slots
+    its drafts did not use (`release_surplus`) and the governor's timing (`after_step`). The
+    scheduler holds one only with --speculative-algorithm; a request that does not speculate
+    (`req.spec` None) never reaches it."""
+
+    def __init__(self, config: SpecConfig, grammar_drafts: bool, governed: bool,
+                 cache: CacheManager, table: TableManager, stats: SchedulerStats) -> None:
+        self.config, self.grammar_drafts = config, grammar_drafts
+        self.governor = DraftGovernor() if governed else None
+        self.cache, self.table, self.stats = cache, table, stats
+
+    def admit(self, req: Req) -> None:
+        if speculates(req, self.grammar_drafts):
+            req.spec = SpecTally()
+
+    def verify_counts(self, reqs: list[Req]) -> list[int] | None:
+        """KV slots each request reserves in a verify step; None: a plain decode step (no
+        request speculates, or drafting is off for now)."""
+        if not any(r.spec is not None for r in reqs) or (
+                self.governor is not None and not self.governor.drafting):
+            return None
+        drafts = self.config.drafts_per_row(len(reqs))
+        return verify_counts(reqs, drafts) if drafts else None
+
+    @staticmethod
+    def waits_for_verify(reqs: list[Req], verify_in_flight: bool) -> bool:
+        """Whether a plain decode step of `reqs` must wait for the verify step in flight: a
+        speculating request's lengths are upper bounds until it is processed."""
+        return verify_in_flight and any(r.spec is not None for r in reqs)
+
+    @staticmethod
+    def rides_mixed(req: Req, verify_in_flight: bool) -> bool:
+        """Whether a running request may decode one token in a mixed prefill batch now (a
+        speculating one: once no verify step is in flight, its lengths exact)."""
+        return req.spec is None or not verify_in_flight
+
+    def release_surplus(self, req: Req, surplus: int) -> None:
+        release_surplus(req, surplus, self.cache, self.table)
+
+    def after_step(self, done: ScheduledBatch, out: ForwardOutput) -> None:
+        """Count a verify step's drafts; time the decode step for the governor."""
+        gain = self.stats.count_verify(done, out) if out.counts is not None else None
+        if self.governor is None:
+            return
+        if done.fwd.verify is None and not done.fwd.batch.is_decode:
+            self.governor.interrupted()
+            return
+        self.governor.observe(time.perf_counter(), done.fwd.verify is not None, gain)
 
 
 class DraftGovernor:
