@@ -33,9 +33,10 @@ from minisgl.engine.failure import FailureWatch
 from minisgl.engine.forward import ForwardInput, ForwardOutput, InputLogprobs, VerifyRows, to_host
 from minisgl.engine.graph import GraphRunner, supports_graphs
 from minisgl.engine.lora import LoraModules, lora_settings
-from minisgl.engine.memory import allocate_kv_pool, release_cuda_memory, return_freed_heap
+from minisgl.engine.memory import (allocate_kv_pool, allocate_state_pool, release_cuda_memory,
+                                   return_freed_heap)
 from minisgl.engine.model_loading import attention_for, draft_arch, kv_heads, load_model
-from minisgl.engine.placement import check_tp_size, resolve_device
+from minisgl.engine.placement import check_hybrid, check_tp_size, resolve_device
 from minisgl.engine.pooling import last_token_embeddings
 from minisgl.engine.quantization import check_int8_activations
 from minisgl.engine.sampler import Sampler
@@ -88,6 +89,8 @@ class Engine:
         self.arch = dataclasses.replace(self.arch, served_context=self.context_len)
         if self.tp.size > 1:
             check_tp_size(self.arch, self.tp.size, self.model_path.name)
+        if self.arch.is_hybrid:
+            check_hybrid(config.tp_size, config.speculative_algorithm, config.enable_lora)
         self.draft_arch = (draft_arch(config, self.arch, self.context_len)
                            if self.tp.is_primary else None)
         try:
@@ -134,26 +137,32 @@ class Engine:
         with tp_context(self.tp, self.group):
             self.max_running: int = config.max_running_requests
             self.page_size: int = config.page_size
+            self.states = None if not self.arch.is_hybrid else allocate_state_pool(
+                self.arch, self.max_running + 1, self.dtype, self.device)
+            if self.states is not None:
+                self.model.bind_states(self.states)
             self.kv_pool = allocate_kv_pool(
                 config, self.arch, kv_heads(self.model), self.page_size, self.dtype,
                 self.device, self.tp.size,
                 draft_bytes_per_token=0 if draft is None else KVPool.bytes_per_token(
                     draft[1].num_layers, kv_heads(draft[0]), draft[1].head_dim, self.dtype))
-        self.config = config = dataclasses.replace(config, max_total_tokens=self.kv_pool.num_pages * self.page_size)
+        self.config = config = dataclasses.replace(
+            config, max_total_tokens=self.kv_pool.num_pages * self.page_size)
         rows = self.max_running + 1  # the request rows, then the dummy row
         self.page_table = torch.zeros(rows, self.context_len, dtype=torch.int32, device=self.device)
         self.token_pool = torch.zeros(rows, self.context_len, dtype=torch.int32, device=self.device)
         self.page_table[self.dummy_row].fill_(self.kv_pool.dummy_loc)
         self.attn_backend = attention_for(config.attention_backend, self.arch, self.model,
                                           self.kv_pool, self.page_table, self.device, self.dtype)
-        if self.device.type == "cpu" and hasattr(self.model, "fused_layers"):
+        if (self.device.type == "cpu" and hasattr(self.model, "fused_layers")
+                and not self.arch.is_hybrid):
             self.model.fused_layers = fuse_layers(self.model, self.attn_backend, self.tp.size)
         self.sampler = Sampler(self.arch.vocab_size, self.device, list(self.arch.eos_token_ids),
                                seed=config.seed)
         self.speculation = spec_config(config, self.device.type)
         graph_runner = None
         if (self.device.type == "cuda" and not config.disable_cuda_graph
-                and supports_graphs(self.attn_backend)
+                and not self.arch.is_hybrid and supports_graphs(self.attn_backend)
                 and not syncs_on_host(self.model, self.dtype, self.device)):
             spec = self.speculation
             # NOTE: every rank captures the same sizes in the same order (collectives inside)

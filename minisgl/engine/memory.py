@@ -13,6 +13,7 @@ import torch
 from minisgl.distributed.context import all_reduce_min
 from minisgl.engine.config import EngineConfig
 from minisgl.kvcache import KVPool
+from minisgl.kvcache.state_pool import StatePool
 from minisgl.models import ModelArch
 
 logger = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ def allocate_kv_pool(config: EngineConfig, arch: ModelArch, kv_heads: int, page_
     takes the smallest count, so a page id means one slot everywhere."""
     if device.type == "cpu":
         return_freed_heap()
-    per_token = KVPool.bytes_per_token(arch.num_layers, kv_heads, arch.head_dim, dtype)
+    per_token = KVPool.bytes_per_token(arch.kv_layers, kv_heads, arch.head_dim, dtype)
     tokens = config.max_total_tokens
     fraction = config.mem_fraction_static
     if tokens is None:
@@ -60,7 +61,20 @@ def allocate_kv_pool(config: EngineConfig, arch: ModelArch, kv_heads: int, page_
                          "bytes); lower --mem-fraction-static or the model size")
     logger.info("KV pool: %d tokens in %d pages of %d (%.2f GiB)", num_pages * page_size,
                 num_pages, page_size, num_pages * page_size * per_token / 2**30)
-    return KVPool(arch.num_layers, num_pages, page_size, kv_heads, arch.head_dim, dtype, device)
+    return KVPool(arch.kv_layers, num_pages, page_size, kv_heads, arch.head_dim, dtype, device)
+
+
+def allocate_state_pool(arch: ModelArch, rows: int, dtype: torch.dtype, device: torch.device
+                        ) -> StatePool:
+    """A hybrid model's recurrent states, one per table row (before the KV pool, which takes
+    what memory is left)."""
+    shape = arch.linear
+    assert shape is not None
+    pool = StatePool(arch.linear_layers, rows, shape.conv_dim, shape.conv_kernel,
+                     shape.num_v_heads, shape.k_head_dim, shape.v_head_dim, dtype, device)
+    logger.info("state pool: %d rows of %d linear-attention layers (%.2f GiB)", rows,
+                arch.linear_layers, pool.nbytes / 2**30)
+    return pool
 
 
 def release_cuda_memory(device: torch.device, tensors: list[torch.Tensor | None],

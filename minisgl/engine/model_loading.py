@@ -49,9 +49,14 @@ def load_model(arch: ModelArch, folder: Path, quantization: str, dtype: torch.dt
     return model.eval()
 
 
+def first_attention(model: torch.nn.Module) -> torch.nn.Module:
+    """The first layer's attention that keeps KV (a hybrid's first layers may not)."""
+    return next(layer.self_attn for layer in model.layers if hasattr(layer, "self_attn"))
+
+
 def kv_heads(model: torch.nn.Module) -> int:
     """KV heads per rank."""
-    return model.layers[0].self_attn.qkv_proj.num_kv_heads
+    return first_attention(model).qkv_proj.num_kv_heads
 
 
 def attention_for(name: str | None, arch: ModelArch, model: torch.nn.Module, pool: KVPool,
@@ -63,7 +68,7 @@ def attention_for(name: str | None, arch: ModelArch, model: torch.nn.Module, poo
     return create_attention_backend(
         name or default_attention_backend(device, dtype, arch.head_dim),
         pool, page_table, arch.head_dim ** -0.5, windows, softcap,
-        num_qo_heads=model.layers[0].self_attn.qkv_proj.num_heads)  # flashinfer only
+        num_qo_heads=first_attention(model).qkv_proj.num_heads)  # flashinfer only
 
 
 def draft_arch(config: EngineConfig, target: ModelArch, context_len: int

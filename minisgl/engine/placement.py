@@ -48,3 +48,15 @@ def check_tp_size(arch: ModelArch, size: int, model_name: str) -> None:
     sizes = ", ".join(str(n) for n in range(1, arch.num_heads + 1) if fits(n))
     raise ValueError(f"--tp-size {size} cannot split {model_name} evenly ({', '.join(parts)}); "
                      f"tensor-parallel sizes that fit this model: {sizes}")
+
+
+def check_hybrid(tp_size: int, speculative_algorithm: str | None, enable_lora: bool) -> None:
+    """Refuse, in one line, what a hybrid model (recurrent states beside KV) does not run with
+    yet: tensor parallelism, speculative decoding (a rejected draft must roll its state back)
+    and LoRA adapters."""
+    refused = [flag for flag, on in (("--tp-size > 1", tp_size > 1),
+                                     ("--speculative-algorithm", speculative_algorithm),
+                                     ("--enable-lora", enable_lora)) if on]
+    if refused:
+        raise ValueError(f"hybrid models (linear-attention layers) do not run with "
+                         f"{', '.join(refused)} yet")

@@ -102,16 +102,54 @@ class MoEShape:
         experts = config.get("num_local_experts") or config.get("num_experts") or 0
         if not experts:
             return None
-        mixtral = config.get("model_type") == "mixtral"
+        # NOTE: Mixtral's and Qwen3.5's routers always renormalise; the others say so
+        always = config.get("model_type") in ("mixtral", "qwen3_5_moe", "qwen3_5_moe_text")
         step = config.get("decoder_sparse_step") or 1
         dense = set(config.get("mlp_only_layers") or ())
         return cls(
             num_experts=experts,
             top_k=config.get("num_experts_per_tok", 2),
             intermediate_size=config.get("moe_intermediate_size") or config["intermediate_size"],
-            renormalize=mixtral or bool(config.get("norm_topk_prob", False)),
+            renormalize=always or bool(config.get("norm_topk_prob", False)),
             sparse_layers=tuple(i for i in range(config["num_hidden_layers"])
                                 if i not in dense and (i + 1) % step == 0))
+
+
+@dataclass(frozen=True)
+class LinearAttnShape:
+    """A hybrid's linear-attention (Gated DeltaNet) layers: key and value heads and their
+    sizes, the width of the causal convolution over q, k and v, and how the checkpoint lays
+    out the input projections (`grouped`: Qwen3-Next's in_proj_qkvz and in_proj_ba, grouped
+    by key head; else Qwen3.5's in_proj_qkv, in_proj_z, in_proj_b and in_proj_a)."""
+    num_k_heads: int
+    num_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int
+    grouped: bool
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.k_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.v_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> LinearAttnShape | None:
+        if "linear_attention" not in (config.get("layer_types") or ()):
+            return None
+        return cls(num_k_heads=config["linear_num_key_heads"],
+                   num_v_heads=config["linear_num_value_heads"],
+                   k_head_dim=config["linear_key_head_dim"],
+                   v_head_dim=config["linear_value_head_dim"],
+                   conv_kernel=config.get("linear_conv_kernel_dim", 4),
+                   grouped=config.get("model_type") == "qwen3_next")
 
 
 def family_traits(model_type: str, architecture: str) -> dict[str, bool]:
@@ -146,6 +184,10 @@ class ModelArch:
     attn_logit_softcap: float = 0.0  # > 0: attention scores s -> cap * tanh(s / cap)
     final_logit_softcap: float = 0.0  # > 0: the same on the output logits
     moe: MoEShape | None = None  # None: a dense model
+    # per layer "full_attention" (or "sliding_attention") or "linear_attention" (a hybrid's
+    # Gated DeltaNet, shaped by `linear`); () for a model of attention layers only
+    layer_types: tuple[str, ...] = ()
+    linear: LinearAttnShape | None = None
     uncomputed: tuple[str, ...] = ()  # see uncomputed_fields()
     config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)  # as read
 
@@ -193,6 +235,8 @@ class ModelArch:
             attn_logit_softcap=softcap(config, "attn_logit_softcapping"),
             final_logit_softcap=softcap(config, "final_logit_softcapping"),
             moe=MoEShape.from_config(config),
+            layer_types=tuple(config.get("layer_types") or ())[:config["num_hidden_layers"]],
+            linear=LinearAttnShape.from_config(config),
             uncomputed=uncomputed_fields(config),
             config=dict(config),
         )
@@ -206,6 +250,20 @@ class ModelArch:
     def long_rope(self) -> LongRopeSwitch | None:
         """LongRoPE served past its original context: which sequences rotate how."""
         return long_rope_switch(self.rope, self.rope_positions)
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Some layers keep a fixed-size recurrent state instead of KV (kvcache.state_pool)."""
+        return self.linear is not None
+
+    @property
+    def linear_layers(self) -> int:
+        return sum(kind == "linear_attention" for kind in self.layer_types)
+
+    @property
+    def kv_layers(self) -> int:
+        """Layers whose K and V the KV pool holds."""
+        return self.num_layers - self.linear_layers
 
     @property
     def sliding_window(self) -> int | None:

@@ -11,6 +11,7 @@ from minisgl.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from minisgl.models.llama import LlamaForCausalLM
 from minisgl.models.moe import MoEForCausalLM
 from minisgl.models.phi3 import Phi3ForCausalLM
+from minisgl.models.qwen3_next import Qwen3NextForCausalLM
 
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
@@ -22,6 +23,9 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": MoEForCausalLM,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen3NextForCausalLM,
+    "Qwen3_5MoeForCausalLM": Qwen3NextForCausalLM,
 }
 
 

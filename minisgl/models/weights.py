@@ -142,7 +142,9 @@ def generation_defaults(path: Path) -> dict[str, float | int]:
 
 
 # multimodal architecture -> the text model we serve of it (its vision tower is not loaded)
-TEXT_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+TEXT_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
+               "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+               "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM"}
 
 
 def load_config(path: Path) -> dict:

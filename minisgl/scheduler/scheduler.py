@@ -52,7 +52,12 @@ class Scheduler:
         self.engine, self.config = engine, config
         self._outbox: asyncio.Queue[list[ReqEvent]] | None = None
         ps = engine.page_size
-        prefix_cache = NaiveCache(ps) if config.disable_radix_cache else RadixCache(ps)
+        # NOTE: a hybrid's cached prefix would need the recurrent state at its end, which no
+        # node holds yet: it is served without prefix reuse rather than from a wrong state
+        reuse = not config.disable_radix_cache and not engine.arch.is_hybrid
+        if engine.arch.is_hybrid and not config.disable_radix_cache:
+            logger.info("prefix cache off: hybrid models keep no state snapshots yet")
+        prefix_cache = RadixCache(ps) if reuse else NaiveCache(ps)
         self.cache = CacheManager(engine.kv_pool.num_pages, ps, prefix_cache)
         self.stats = SchedulerStats()
         self.table = TableManager(engine.max_running, engine.dummy_row, engine.page_table,

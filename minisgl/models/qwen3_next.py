@@ -1,0 +1,281 @@
+"""Qwen3-Next and Qwen3.5 (text; dense or with experts): hybrid decoders. Most layers mix tokens with Gated DeltaNet, a linear attention
+whose state per request is fixed in size (a convolution window and a [heads, key, value]
+matrix, kvcache.state_pool); every few layers (`layer_types`) keep full attention, gated by a
+sigmoid of a second query projection, over the paged KV pool. Its MLPs are experts with a
+shared expert behind a sigmoid gate (Qwen3.5: dense MLPs, or experts in every layer). Qwen3.5's
+multimodal RoPE reduces to plain RoPE for text (its three position ids are equal).
+
+Per request, a Gated DeltaNet layer reads and writes its state in the request's table row:
+a prefill that starts at position 0 starts from zero; every later chunk, decode step or mixed
+row continues the state the steps before it left (the engine runs steps in launch order).
+
+Checkpoint quirks: the decoder norms multiply by (1 + w) (the checkpoint's w is loaded plus
+one, as for Gemma), the DeltaNet's output norm by w; q_proj holds each head's query then its
+gate; in_proj_qkvz and in_proj_ba group their outputs by key head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minisgl.attention import AttentionBackend
+from minisgl.core import Batch
+from minisgl.kvcache.state_pool import StatePool
+from minisgl.layers import (ColumnParallelLinear, Layer, QKVParallelLinear, RMSNorm,
+                            RotaryEmbedding, RowParallelLinear)
+from minisgl.layers.moe import SparseMoE
+from minisgl.layers.shard import read_all
+from minisgl.models.arch import ModelArch
+from minisgl.models.llama import MLP
+from minisgl.models.moe import MoEForCausalLM
+
+
+# A Qwen3.5 multimodal checkpoint (served as its text model, models.weights.TEXT_MODELS) keeps
+# the text model under TEXT_PREFIX; its vision tower and its multi-token-prediction head are
+# not served.
+TEXT_PREFIX = "model.language_model."
+SKIPPED_PREFIXES = ("model.visual.", "mtp.")
+
+
+@dataclass(frozen=True)
+class RowSpans:
+    """A batch's token rows per request: `counts[i]` tokens from `starts[i]` of the flat batch,
+    its state in table row `rows[i]`, `fresh[i]`: it starts at position 0 (state from zero)."""
+
+    starts: list[int]
+    counts: list[int]
+    rows: list[int]
+    fresh: list[bool]
+
+    @classmethod
+    def of(cls, batch: Batch) -> RowSpans:
+        size = batch.size
+        if batch.is_decode and not batch.extend_lens:
+            counts, cached = [1] * size, [1] * size
+        else:
+            counts, cached = batch.extend_lens[:size], batch.cached_lens[:size]
+        starts, at = [], 0
+        for count in counts:
+            starts.append(at)
+            at += count
+        return cls(starts, list(counts), list(batch.table_rows[:size]), [c == 0 for c in cached])
+
+
+def l2_normalized(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor,
+                     beta: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """One request's tokens through the gated delta rule, in float32: per token t and head,
+    S <- S * exp(decay_t); S <- S + k_t (beta_t (v_t - S^T k_t))^T; out_t = S^T q_t.
+    q, k [L, heads, dk] (normalized, q scaled), v [L, heads, dv], decay and beta [L, heads];
+    `state` [heads, dk, dv] is updated in place. Returns [L, heads, dv]."""
+    out = torch.empty_like(v)
+    gates = decay.exp()
+    for t in range(q.shape[0]):
+        state.mul_(gates[t, :, None, None])
+        recalled = torch.einsum("hkv,hk->hv", state, k[t])
+        delta = (v[t] - recalled) * beta[t, :, None]
+        state.add_(k[t, :, :, None] * delta[:, None, :])
+        out[t] = torch.einsum("hkv,hk->hv", state, q[t])
+    return out
+
+
+class GatedDeltaNet(Layer):
+    def __init__(self, arch: ModelArch, linear_id: int) -> None:
+        super().__init__()
+        shape = arch.linear
+        assert shape is not None
+        self.shape, self.linear_id = shape, linear_id
+        self.group = shape.num_v_heads // shape.num_k_heads
+        key_dim, value_dim = shape.key_dim, shape.value_dim
+        if shape.grouped:
+            self.in_proj_qkvz = ColumnParallelLinear(arch.hidden_size,
+                                                     2 * key_dim + 2 * value_dim)
+            self.in_proj_ba = ColumnParallelLinear(arch.hidden_size, 2 * shape.num_v_heads)
+        else:
+            self.in_proj_qkv = ColumnParallelLinear(arch.hidden_size, 2 * key_dim + value_dim)
+            self.in_proj_z = ColumnParallelLinear(arch.hidden_size, value_dim)
+            self.in_proj_b = ColumnParallelLinear(arch.hidden_size, shape.num_v_heads)
+            self.in_proj_a = ColumnParallelLinear(arch.hidden_size, shape.num_v_heads)
+        self.conv1d = nn.Module()
+        self.conv1d.weight = nn.Parameter(torch.empty(shape.conv_dim, 1, shape.conv_kernel),
+                                          requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.ones(shape.num_v_heads), requires_grad=False)
+        self.A_log = nn.Parameter(torch.zeros(shape.num_v_heads), requires_grad=False)
+        self.norm = RMSNorm(shape.v_head_dim, arch.rms_norm_eps)
+        self.out_proj = RowParallelLinear(value_dim, arch.hidden_size)
+        self.states: StatePool | None = None  # bound by the engine (bind_states)
+
+    def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(q, k [T, nk, dk]; v, z [T, nv, dv]; b, a [T, nv]) from the input projections."""
+        s, tokens = self.shape, x.shape[0]
+        if not s.grouped:
+            q, k, v = self.in_proj_qkv(x).split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
+            return (q.view(tokens, s.num_k_heads, -1), k.view(tokens, s.num_k_heads, -1),
+                    v.view(tokens, -1, s.v_head_dim),
+                    self.in_proj_z(x).view(tokens, -1, s.v_head_dim), self.in_proj_b(x),
+                    self.in_proj_a(x))
+        qkvz = self.in_proj_qkvz(x).view(tokens, s.num_k_heads, -1)
+        ba = self.in_proj_ba(x).view(tokens, s.num_k_heads, 2 * self.group)
+        wide = self.group * s.v_head_dim
+        q, k, v, z = qkvz.split([s.k_head_dim, s.k_head_dim, wide, wide], dim=-1)
+        b, a = ba.split([self.group, self.group], dim=-1)
+        return (q, k, v.reshape(tokens, -1, s.v_head_dim), z.reshape(tokens, -1, s.v_head_dim),
+                b.reshape(tokens, -1), a.reshape(tokens, -1))
+
+    def forward(self, x: torch.Tensor, spans: RowSpans) -> torch.Tensor:
+        s, states = self.shape, self.states
+        assert states is not None, "the engine binds a state pool to a hybrid model"
+        q, k, v, z, b, a = self._split(x)
+        tokens = x.shape[0]
+        mixed = torch.cat([q.reshape(tokens, -1), k.reshape(tokens, -1),
+                           v.reshape(tokens, -1)], dim=-1)
+        conv_states, ssm_states = states.layer(self.linear_id)
+        weight = self.conv1d.weight
+        beta = torch.sigmoid(b.float())
+        decay = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        out = torch.empty(tokens, s.num_v_heads, s.v_head_dim, dtype=torch.float32,
+                          device=x.device)
+        for start, count, row, fresh in zip(spans.starts, spans.counts, spans.rows, spans.fresh):
+            end = start + count
+            if fresh:
+                conv_states[row].zero_()
+                ssm_states[row].zero_()
+            window = torch.cat([conv_states[row], mixed[start:end].t().to(conv_states.dtype)],
+                               dim=-1)
+            conv_states[row].copy_(window[:, window.shape[1] - (s.conv_kernel - 1):])
+            conv = F.silu(F.conv1d(window[None].to(weight.dtype), weight,
+                                   groups=s.conv_dim))[0].t()  # [count, conv_dim]
+            rq, rk, rv = conv.float().split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
+            rq = l2_normalized(rq.reshape(count, s.num_k_heads, -1)) * s.k_head_dim ** -0.5
+            rk = l2_normalized(rk.reshape(count, s.num_k_heads, -1))
+            if self.group > 1:
+                rq = rq.repeat_interleave(self.group, dim=1)
+                rk = rk.repeat_interleave(self.group, dim=1)
+            out[start:end] = gated_delta_rule(rq, rk, rv.reshape(count, -1, s.v_head_dim),
+                                              decay[start:end], beta[start:end],
+                                              ssm_states[row])
+        normed = self.norm.forward_plain(out.to(x.dtype).view(-1, s.v_head_dim))
+        gated = normed.float() * F.silu(z.reshape(-1, s.v_head_dim).float())
+        return self.out_proj(gated.to(x.dtype).view(tokens, -1))
+
+
+class GatedAttention(Layer):
+    """Full attention whose output is gated per element by sigmoid(a second query)."""
+
+    def __init__(self, arch: ModelArch, kv_index: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.kv_index, self.head_dim, self.rotary = kv_index, arch.head_dim, rotary
+        # NOTE: its q shard is each head's query then gate: 2 x heads of head_dim
+        self.qkv_proj = QKVParallelLinear(arch.hidden_size, arch.head_dim, 2 * arch.num_heads,
+                                          arch.num_kv_heads, bias=arch.attention_bias)
+        self.o_proj = RowParallelLinear(arch.num_heads * arch.head_dim, arch.hidden_size,
+                                        bias=arch.attention_bias)
+        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
+        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: Batch,
+                backend: AttentionBackend) -> torch.Tensor:
+        tokens, d = x.shape[0], self.head_dim
+        q_gate, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q, gate = q_gate.view(tokens, -1, 2 * d).split([d, d], dim=-1)
+        q = self.q_norm.forward_plain(q.contiguous())
+        k = self.k_norm.forward_plain(k.view(tokens, -1, d))
+        q, k = self.rotary(positions, q, k)
+        out = backend.forward(q, k, v.view(tokens, -1, d), self.kv_index, batch)
+        return self.o_proj(out * torch.sigmoid(gate.reshape(tokens, -1)))
+
+
+class SharedExpertMoE(SparseMoE):
+    """Routed experts plus a shared expert whose output a sigmoid gate scales per token."""
+
+    def __init__(self, arch: ModelArch) -> None:
+        moe = arch.moe
+        assert moe is not None
+        super().__init__(arch.hidden_size, moe.num_experts, moe.top_k, moe.intermediate_size,
+                         moe.renormalize)
+        width = arch.config.get("shared_expert_intermediate_size") or 0
+        self.shared_expert = MLP(dataclasses.replace(arch, intermediate_size=width))
+        self.shared_expert_gate = ColumnParallelLinear(arch.hidden_size, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared = self.shared_expert(x) * torch.sigmoid(self.shared_expert_gate(x))
+        return super().forward(x) + shared
+
+
+class HybridDecoderLayer(Layer):
+    def __init__(self, arch: ModelArch, layer_id: int, mixer: Layer, mlp: Layer) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.is_linear = isinstance(mixer, GatedDeltaNet)
+        if self.is_linear:  # NOTE: the checkpoint's names for the two kinds of mixer
+            self.linear_attn = mixer
+        else:
+            self.self_attn = mixer
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                batch: Batch, backend: AttentionBackend, spans: RowSpans
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self.input_layernorm(x, residual)
+        if self.is_linear:
+            x = self.linear_attn(x, spans)
+        else:
+            x = self.self_attn(x, positions, batch, backend)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class Qwen3NextForCausalLM(MoEForCausalLM):
+    def decoder_layers(self, arch: ModelArch) -> nn.ModuleList:
+        rotary = RotaryEmbedding(arch.head_dim, arch.rope_positions, arch.rope, arch.rotary_dim)
+        layers, linear_id, kv_index = [], 0, 0
+        for i, kind in enumerate(arch.layer_types):
+            mixer: Layer
+            if kind == "linear_attention":
+                mixer, linear_id = GatedDeltaNet(arch, linear_id), linear_id + 1
+            else:
+                mixer, kv_index = GatedAttention(arch, kv_index, rotary), kv_index + 1
+            mlp = self.layer_mlp(arch, i) or MLP(arch)
+            layers.append(HybridDecoderLayer(arch, i, mixer, mlp))
+        return nn.ModuleList(layers)
+
+    def layer_mlp(self, arch: ModelArch, layer_id: int) -> Layer | None:
+        if arch.moe is None or layer_id not in arch.moe.sparse_layers:
+            return None
+        return SharedExpertMoE(arch)
+
+    def bind_states(self, states: StatePool) -> None:
+        for layer in self.layers:
+            if layer.is_linear:
+                layer.linear_attn.states = states
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: Batch,
+                      backend: AttentionBackend, rows: torch.Tensor | None) -> torch.Tensor:
+        spans = RowSpans.of(batch)
+        x, residual = self.embed(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(x, residual, positions, batch, backend, spans)
+        x, _ = self.norm(x, residual)
+        return x if rows is None else x.index_select(0, rows)
+
+    def load_weight(self, name: str, source: Any) -> bool:
+        if name.startswith(SKIPPED_PREFIXES):
+            return True  # a multimodal checkpoint's vision tower; the multi-token predictor
+        if name.startswith(TEXT_PREFIX):
+            name = "model." + name.removeprefix(TEXT_PREFIX)
+        if (name.endswith("norm.weight") and ".linear_attn.norm." not in name
+                and not self.skips(name)):
+            source = read_all(source).float() + 1.0  # (1 + w), see the module's docstring
+        return super().load_weight(name, source)
+

@@ -1,0 +1,141 @@
+"""Hybrid models: Qwen3-Next and Qwen3.5, dense and with experts (Gated DeltaNet layers with a
+recurrent state per request beside attention layers over the paged KV). The reference is transformers float32 on a tiny random
+model built here (nothing downloaded); its norms, decays and gates are perturbed so that the
+checkpoint's conventions ((1 + w) norms, the DeltaNet's plain gated norm) all show."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minisgl.engine import Engine, EngineConfig
+from minisgl.llm import LLM
+from tests.test_model import forward_spans
+
+LOGIT_TOLERANCE = 1e-4  # max |ours - transformers| over all vocab logits, float32
+VOCAB = 512
+SHAPE = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+    linear_value_head_dim=8, linear_conv_kernel_dim=4, eos_token_id=1,
+    layer_types=["linear_attention", "full_attention"] * 2)
+EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+               shared_expert_intermediate_size=48)
+FAMILIES = {  # model class, config class, fields beyond SHAPE
+    "qwen3-next": ("Qwen3NextForCausalLM", "Qwen3NextConfig",
+                   {**EXPERTS, "decoder_sparse_step": 1, "mlp_only_layers": [2]}),
+    "qwen3.5": ("Qwen3_5ForCausalLM", "Qwen3_5TextConfig", {}),
+    "qwen3.5-moe": ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig", EXPERTS),
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def qwen3_next(request, tmp_path_factory) -> tuple[torch.nn.Module, str]:
+    import transformers
+    model_class, config_class, fields = FAMILIES[request.param]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(**SHAPE, **fields)
+    model = getattr(transformers, model_class)(config).float().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or "A_log" in name or "dt_bias" in name:
+                param.add_(torch.randn_like(param) * 0.2)
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    return model, str(path)
+
+
+def random_prompts(lengths: tuple[int, ...]) -> list[list[int]]:
+    return [torch.randint(2, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+            for n in lengths]
+
+
+def reference_greedy(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int
+                     ) -> list[list[int]]:
+    with torch.inference_mode():
+        return [model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False,
+                               pad_token_id=0, eos_token_id=None)[0, len(ids):].tolist()
+                for ids in prompts]
+
+
+@pytest.mark.parametrize("spans", [
+    [(0, 40)],  # one prefill
+    [(0, 7), (7, 23), (23, 24), (24, 25), (25, 40)],  # chunks, decodes, a chunk after them
+])
+def test_logits_match_transformers_across_chunks_and_decodes(qwen3_next, spans) -> None:
+    model, path = qwen3_next
+    engine = Engine(EngineConfig(model_path=path, dtype="float32", max_total_tokens=256,
+                                 max_running_requests=2))
+    try:
+        assert engine.arch.is_hybrid and engine.kv_pool.buffer.shape[1] == 2  # 2 KV layers
+        ids = random_prompts((40,))[0]
+        ours = forward_spans(engine, ids, spans)
+        with torch.inference_mode():
+            theirs = model(input_ids=torch.tensor([ids])).logits[0]
+        assert (ours - theirs).abs().max().item() < LOGIT_TOLERANCE
+    finally:
+        engine.shutdown()
+
+
+def test_greedy_generation_batched_chunked_and_repeated(qwen3_next) -> None:
+    """Batched through the scheduler with 16-token prefill chunks and mixed batches, and the
+    same prompts again (a prefix the cache would have matched: the state is recomputed, never
+    taken from another length), equal transformers' greedy generation of each prompt alone."""
+    model, path = qwen3_next
+    prompts = random_prompts((5, 23, 40, 61))
+    expected = reference_greedy(model, prompts, 12)
+    params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+    with LLM(model=path, dtype="float32", max_total_tokens=2048, max_running_requests=4,
+             chunked_prefill_size=16, enable_mixed_chunk=True) as llm:
+        first = llm.generate(input_ids=prompts, sampling_params=params)
+        again = llm.generate(input_ids=prompts[::-1], sampling_params=params)[::-1]
+        llm.check_integrity()
+    assert [r["output_ids"] for r in first] == expected
+    assert [r["output_ids"] for r in again] == expected
+    assert all(r["meta_info"]["cached_tokens"] == 0 for r in again)
+
+
+def test_retraction_under_a_tiny_pool_recomputes_the_state(qwen3_next) -> None:
+    model, path = qwen3_next
+    prompts = random_prompts((20, 25, 30, 35, 40, 45))
+    expected = reference_greedy(model, prompts, 30)
+    params = {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True}
+    with LLM(model=path, dtype="float32", max_total_tokens=192, max_running_requests=6) as llm:
+        outs = llm.generate(input_ids=prompts, sampling_params=params)
+        retractions = llm.runtime.state()["retractions"]
+        llm.check_integrity()
+    assert retractions > 0, "the pool was meant to be too small to run everything at once"
+    assert [r["output_ids"] for r in outs] == expected
+
+
+@pytest.mark.parametrize("flags, named", [
+    ({"speculative_algorithm": "NGRAM"}, "--speculative-algorithm"),
+    ({"tp_size": 2}, "--tp-size"),
+    ({"enable_lora": True, "max_lora_rank": 8, "lora_target_modules": ["o_proj"]},
+     "--enable-lora"),
+])
+def test_what_hybrids_do_not_run_with_yet_is_refused_in_one_line(qwen3_next, flags, named):
+    _, path = qwen3_next
+    with pytest.raises(ValueError, match=named) as refused:
+        Engine(EngineConfig(model_path=path, dtype="float32", max_total_tokens=256, **flags))
+    assert "\n" not in str(refused.value)
+
+
+def test_a_multimodal_qwen3_5_checkpoint_is_served_as_its_text_model(tmp_path) -> None:
+    """Qwen3_5ForConditionalGeneration (most Qwen3.5 checkpoints): its text model under
+    model.language_model, its vision tower skipped; greedy text equals transformers'."""
+    import transformers
+    torch.manual_seed(0)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                  out_hidden_size=SHAPE["hidden_size"], patch_size=4, spatial_merge_size=2,
+                  temporal_patch_size=2)
+    config = transformers.Qwen3_5Config(text_config=SHAPE, vision_config=vision)
+    model = transformers.Qwen3_5ForConditionalGeneration(config).float().eval()
+    model.save_pretrained(tmp_path)
+    prompts = random_prompts((9, 30))
+    expected = reference_greedy(model, prompts, 10)
+    params = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
+    with LLM(model=str(tmp_path), dtype="float32", max_total_tokens=1024) as llm:
+        outs = llm.generate(input_ids=prompts, sampling_params=params)
+    assert [r["output_ids"] for r in outs] == expected
