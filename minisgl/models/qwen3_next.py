@@ -88,6 +88,44 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: t
     return out
 
 
+DELTA_CHUNK = 64  # tokens per block of the chunked form
+
+
+def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             decay: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+                             chunk: int = DELTA_CHUNK) -> torch.Tensor:
+    """gated_delta_rule in blocks of `chunk` tokens, its sequential part a triangular solve per
+    block. Within a block from state S0, with G the running sum of the decays (Γ = exp G):
+    the deltas d_t = beta_t (v_t - (exp(g_t) S_{t-1})^T k_t) solve (I + diag(beta) M) d =
+    beta (V - Γ K S0), M[t, j] = exp(G_t - G_j) k_t.k_j for j < t; then
+    out = Γ Q S0 + (Q K^T * exp(G_t - G_j), j <= t) d and S = Γ_last S0 + (K exp(G_last -
+    G))^T d. Same arguments and result as gated_delta_rule."""
+    length = q.shape[0]
+    out = torch.empty_like(v)
+    q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [heads, L, d]
+    decay, beta = decay.t(), beta.t()  # [heads, L]
+    for start in range(0, length, chunk):
+        end = min(start + chunk, length)
+        qc, kc, vc, bc = q[:, start:end], k[:, start:end], v[:, start:end], beta[:, start:end]
+        logs = decay[:, start:end].cumsum(-1)  # G [heads, C]
+        diff = logs[:, :, None] - logs[:, None, :]  # G_t - G_j
+        size = end - start
+        lower = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
+        within = torch.where(lower, diff, float("-inf")).exp()  # exp(G_t - G_j), j <= t
+        strict = within.masked_fill(torch.eye(size, dtype=torch.bool, device=q.device), 0.0)
+        system = torch.eye(size, device=q.device) + bc[:, :, None] * (kc @ kc.transpose(1, 2)
+                                                                      * strict)
+        gamma = logs.exp()[:, :, None]
+        rhs = bc[:, :, None] * (vc - gamma * (kc @ state))
+        deltas = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+        out[start:end] = ((gamma * qc) @ state
+                          + (qc @ kc.transpose(1, 2) * within) @ deltas).transpose(0, 1)
+        last = logs[:, -1:]
+        state.mul_(last.exp()[:, :, None]).add_(
+            ((last - logs).exp()[:, :, None] * kc).transpose(1, 2) @ deltas)
+    return out
+
+
 class GatedDeltaNet(Layer):
     def __init__(self, arch: ModelArch, linear_id: int) -> None:
         super().__init__()
@@ -160,9 +198,9 @@ class GatedDeltaNet(Layer):
             if self.group > 1:
                 rq = rq.repeat_interleave(self.group, dim=1)
                 rk = rk.repeat_interleave(self.group, dim=1)
-            out[start:end] = gated_delta_rule(rq, rk, rv.reshape(count, -1, s.v_head_dim),
-                                              decay[start:end], beta[start:end],
-                                              ssm_states[row])
+            rule = gated_delta_rule if count == 1 else chunked_gated_delta_rule
+            out[start:end] = rule(rq, rk, rv.reshape(count, -1, s.v_head_dim),
+                                  decay[start:end], beta[start:end], ssm_states[row])
         normed = self.norm.forward_plain(out.to(x.dtype).view(-1, s.v_head_dim))
         gated = normed.float() * F.silu(z.reshape(-1, s.v_head_dim).float())
         return self.out_proj(gated.to(x.dtype).view(tokens, -1))
