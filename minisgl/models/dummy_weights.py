@@ -2,7 +2,8 @@
 
 Every tensor parallel size must run the same model. So every checkpoint tensor (Hugging Face
 naming of the Llama family: Llama, Mistral, Qwen2, Qwen3, and Phi-3 and Gemma 3 as their
-unfused parts, Qwen3-MoE and Mixtral with Qwen3-MoE's per-expert names) is drawn whole from a
+unfused parts, Qwen3-MoE and Mixtral with Qwen3-MoE's per-expert names, the hybrids Qwen3-Next
+and Qwen3.5 with their Gated DeltaNet layers and shared experts) is drawn whole from a
 generator seeded by its name and `--seed`, then handed to `model.load_weight` like a real
 checkpoint tensor, so each rank keeps exactly its shard of the same model. Norm weights are 1,
 everything else N(0, 0.02); with `int4` (`--quantization gguf`), the layers' linear weights
@@ -32,27 +33,37 @@ def checkpoint_shapes(arch: Any) -> dict[str, tuple[int, ...]]:
     hidden, head_dim, inter = arch.hidden_size, arch.head_dim, arch.intermediate_size
     q, kv = arch.num_heads * head_dim, arch.num_kv_heads * head_dim
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (arch.vocab_size, hidden)}
+    shared = arch.config.get("shared_expert_intermediate_size") or 0
     for i in range(arch.num_layers):
         p = f"model.layers.{i}."
-        shapes.update({
-            p + "self_attn.q_proj.weight": (q, hidden),
-            p + "self_attn.k_proj.weight": (kv, hidden),
-            p + "self_attn.v_proj.weight": (kv, hidden),
-            p + "self_attn.o_proj.weight": (hidden, q),
-            p + "input_layernorm.weight": (hidden,),
-            p + "post_attention_layernorm.weight": (hidden,),
-        })
+        shapes.update({p + "input_layernorm.weight": (hidden,),
+                       p + "post_attention_layernorm.weight": (hidden,)})
+        if arch.layer_types and arch.layer_types[i] == "linear_attention":
+            shapes.update(linear_attention_shapes(p + "linear_attn.", arch))
+        else:
+            gated = 2 if arch.is_hybrid else 1  # a hybrid's query carries its output gate
+            shapes.update({
+                p + "self_attn.q_proj.weight": (gated * q, hidden),
+                p + "self_attn.k_proj.weight": (kv, hidden),
+                p + "self_attn.v_proj.weight": (kv, hidden),
+                p + "self_attn.o_proj.weight": (hidden, q),
+            })
         if arch.moe is not None and i in arch.moe.sparse_layers:
             shapes[p + "mlp.gate.weight"] = (arch.moe.num_experts, hidden)
             for e in range(arch.moe.num_experts):
                 shapes.update(mlp_shapes(f"{p}mlp.experts.{e}.", hidden,
                                          arch.moe.intermediate_size))
+            if shared:
+                shapes.update(mlp_shapes(p + "mlp.shared_expert.", hidden, shared))
+                shapes[p + "mlp.shared_expert_gate.weight"] = (1, hidden)
         else:
             shapes.update(mlp_shapes(p + "mlp.", hidden, inter))
+        if arch.layer_types and arch.layer_types[i] == "linear_attention":
+            continue
         if arch.attention_bias:
             shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                            p + "self_attn.v_proj.bias": (kv,)})
-        if arch.qk_norm:
+        if arch.qk_norm or arch.is_hybrid:
             shapes.update({p + "self_attn.q_norm.weight": (head_dim,),
                            p + "self_attn.k_norm.weight": (head_dim,)})
         if arch.architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):  # around the MLP
@@ -61,6 +72,25 @@ def checkpoint_shapes(arch: Any) -> dict[str, tuple[int, ...]]:
     shapes["model.norm.weight"] = (hidden,)
     if not arch.tie_word_embeddings:
         shapes["lm_head.weight"] = (arch.vocab_size, hidden)
+    return shapes
+
+
+def linear_attention_shapes(prefix: str, arch: Any) -> dict[str, tuple[int, ...]]:
+    """A Gated DeltaNet layer's tensors, in its family's projection layout."""
+    s, hidden = arch.linear, arch.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {
+        prefix + "conv1d.weight": (s.conv_dim, 1, s.conv_kernel),
+        prefix + "dt_bias": (s.num_v_heads,), prefix + "A_log": (s.num_v_heads,),
+        prefix + "norm.weight": (s.v_head_dim,),
+        prefix + "out_proj.weight": (hidden, s.value_dim)}
+    if s.grouped:
+        shapes.update({prefix + "in_proj_qkvz.weight": (2 * s.key_dim + 2 * s.value_dim, hidden),
+                       prefix + "in_proj_ba.weight": (2 * s.num_v_heads, hidden)})
+    else:
+        shapes.update({prefix + "in_proj_qkv.weight": (2 * s.key_dim + s.value_dim, hidden),
+                       prefix + "in_proj_z.weight": (s.value_dim, hidden),
+                       prefix + "in_proj_b.weight": (s.num_v_heads, hidden),
+                       prefix + "in_proj_a.weight": (s.num_v_heads, hidden)})
     return shapes
 
 
