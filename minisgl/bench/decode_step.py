@@ -83,10 +83,13 @@ def main() -> None:
     parser.add_argument("--quantization", default=None, choices=["gguf", "w8a8_int8", "none"])
     parser.add_argument("--model", default=None, help="a model path (default: the bundled one)")
     parser.add_argument("--json-model-override-args", default=None)
+    parser.add_argument("--load-format", default="auto",
+                        help="dummy: random weights (a shipped shape-only config)")
     parser.add_argument("--cpu-int8-activations", action="store_true")
     args = parser.parse_args()
     most = max(args.batch)
     engine = Engine(EngineConfig(model_path=args.model, dtype=args.dtype,
+                                 load_format=args.load_format,
                                  max_running_requests=most,
                                  quantization=args.quantization,
                                  cpu_int8_activations=args.cpu_int8_activations,

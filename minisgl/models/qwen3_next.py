@@ -169,6 +169,35 @@ class GatedDeltaNet(Layer):
         return (q, k, v.reshape(tokens, -1, s.v_head_dim), z.reshape(tokens, -1, s.v_head_dim),
                 b.reshape(tokens, -1), a.reshape(tokens, -1))
 
+    def _heads(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (normalized, scaled), k (normalized) and v per value head, float32, from the
+        convolution's output [tokens, conv_dim]."""
+        s, tokens = self.shape, conv.shape[0]
+        q, k, v = conv.float().split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
+        q = l2_normalized(q.reshape(tokens, s.num_k_heads, -1)) * s.k_head_dim ** -0.5
+        k = l2_normalized(k.reshape(tokens, s.num_k_heads, -1))
+        if self.group > 1:
+            q = q.repeat_interleave(self.group, dim=1)
+            k = k.repeat_interleave(self.group, dim=1)
+        return q, k, v.reshape(tokens, -1, s.v_head_dim)
+
+    def _step(self, mixed: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,
+              rows: torch.Tensor, conv_states: torch.Tensor, ssm_states: torch.Tensor
+              ) -> torch.Tensor:
+        """One token of each of several requests (their states in table `rows`) at once: the
+        convolution's last position and one step of the delta rule."""
+        window = torch.cat([conv_states[rows], mixed[:, :, None].to(conv_states.dtype)], dim=-1)
+        conv_states[rows] = window[:, :, 1:]
+        weight = self.conv1d.weight[:, 0, :]
+        conv = F.silu((window.to(weight.dtype) * weight).sum(-1))  # [rows, conv_dim]
+        q, k, v = self._heads(conv)
+        state = ssm_states[rows]  # [rows, heads, dk, dv]
+        state.mul_(decay.exp()[:, :, None, None])
+        delta = (v - torch.einsum("bhkv,bhk->bhv", state, k)) * beta[:, :, None]
+        state.add_(k[:, :, :, None] * delta[:, :, None, :])
+        ssm_states[rows] = state
+        return torch.einsum("bhkv,bhk->bhv", state, q)
+
     def forward(self, x: torch.Tensor, spans: RowSpans) -> torch.Tensor:
         s, states = self.shape, self.states
         assert states is not None, "the engine binds a state pool to a hybrid model"
@@ -182,7 +211,16 @@ class GatedDeltaNet(Layer):
         decay = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         out = torch.empty(tokens, s.num_v_heads, s.v_head_dim, dtype=torch.float32,
                           device=x.device)
-        for start, count, row, fresh in zip(spans.starts, spans.counts, spans.rows, spans.fresh):
+        stepping = [i for i, (count, fresh) in enumerate(zip(spans.counts, spans.fresh))
+                    if count == 1 and not fresh]
+        if stepping:  # NOTE: decode rows (also a mixed batch's): one batched step for all
+            at = torch.tensor([spans.starts[i] for i in stepping], device=x.device)
+            rows = torch.tensor([spans.rows[i] for i in stepping], device=x.device)
+            out[at] = self._step(mixed[at], decay[at], beta[at], rows, conv_states, ssm_states)
+        for i, (start, count, row, fresh) in enumerate(zip(spans.starts, spans.counts,
+                                                             spans.rows, spans.fresh)):
+            if count == 1 and not fresh:
+                continue
             end = start + count
             if fresh:
                 conv_states[row].zero_()
@@ -192,15 +230,9 @@ class GatedDeltaNet(Layer):
             conv_states[row].copy_(window[:, window.shape[1] - (s.conv_kernel - 1):])
             conv = F.silu(F.conv1d(window[None].to(weight.dtype), weight,
                                    groups=s.conv_dim))[0].t()  # [count, conv_dim]
-            rq, rk, rv = conv.float().split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
-            rq = l2_normalized(rq.reshape(count, s.num_k_heads, -1)) * s.k_head_dim ** -0.5
-            rk = l2_normalized(rk.reshape(count, s.num_k_heads, -1))
-            if self.group > 1:
-                rq = rq.repeat_interleave(self.group, dim=1)
-                rk = rk.repeat_interleave(self.group, dim=1)
-            rule = gated_delta_rule if count == 1 else chunked_gated_delta_rule
-            out[start:end] = rule(rq, rk, rv.reshape(count, -1, s.v_head_dim),
-                                  decay[start:end], beta[start:end], ssm_states[row])
+            rq, rk, rv = self._heads(conv)
+            out[start:end] = chunked_gated_delta_rule(rq, rk, rv, decay[start:end],
+                                                      beta[start:end], ssm_states[row])
         normed = self.norm.forward_plain(out.to(x.dtype).view(-1, s.v_head_dim))
         gated = normed.float() * F.silu(z.reshape(-1, s.v_head_dim).float())
         return self.out_proj(gated.to(x.dtype).view(tokens, -1))
