@@ -399,13 +399,15 @@ def test_share_hands_a_running_requests_pages_to_the_cache(page_size: int) -> No
     manager.lock(handle)
     pages = manager.allocate(4)
     kv = (pages[:, None] * page_size + torch.arange(page_size)).flatten()[:len(tokens)]
-    shared_len, handle = manager.share(tokens, kv[:2 * page_size], 0, handle)
+    handle = manager.share(tokens, kv[:2 * page_size], 0, handle)
+    shared_len = handle.length
     assert shared_len == 2 * page_size
     check(cache, evictable=0, protected=2 * page_size)
     found, locs = manager.match(seq(page_size, 1, 2, 9))
     assert found.length == 2 * page_size and locs.tolist() == kv[:2 * page_size].tolist()
     assert manager.share(tokens, kv[:2 * page_size + 1], shared_len, handle) is None  # no new page
-    shared_len, handle = manager.share(tokens, kv, shared_len, handle)
+    handle = manager.share(tokens, kv, shared_len, handle)
+    shared_len = handle.length
     assert shared_len == 3 * page_size
     check(cache, evictable=0, protected=3 * page_size)
     manager.release(tokens, kv, shared_len, handle)
