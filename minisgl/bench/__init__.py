@@ -49,6 +49,8 @@ SUBCOMMANDS = [
     Subcommand("attention", "attention", "kernel", "the CPU attention kernel against SDPA"),
     Subcommand("moe", "moe", "kernel",
                "a mixture-of-experts step against the dense model of equal active size"),
+    Subcommand("hybrid", "hybrid", "kernel",
+               "a hybrid's decode step against the dense model of equal size; the delta rule"),
     Subcommand("stream-chunk", "stream_chunk", "kernel",
                "the host cost of one streamed /generate chunk"),
     Subcommand("load-memory", "load_memory", "kernel",

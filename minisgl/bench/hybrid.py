@@ -1,0 +1,97 @@
+"""A hybrid's decode step (Gated DeltaNet layers with a fixed-size state, one attention layer in
+four) against the dense model of about equal parameters, side by side in one run, model
+forward only, random weights; and the delta rule's two forms on a prompt.
+
+    python -m minisgl.bench hybrid                        # 1 / 32 / 64 rows at 512, 1 / 32 at 8k
+    python -m minisgl.bench hybrid --rows 1 8 --contexts 512 --layers 4
+    python -m minisgl.bench hybrid --delta-rule-only
+
+The hybrid is Qwen3.5-35B-A3B's shape (`qwen3.5-35b-a3b`) with dense MLPs of width 5632; the
+dense model is Qwen3 with the same hidden size, attention shape, vocabulary and depth, its MLP
+widened (7776) so that both hold the same parameters per layer (~66M).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from minisgl.bench.decode_step import decode_step_seconds, weight_bytes
+from minisgl.engine import Engine, EngineConfig
+from minisgl.models.qwen3_next import chunked_gated_delta_rule, gated_delta_rule, l2_normalized
+
+SHARED = {"hidden_size": 2048, "num_attention_heads": 16, "num_key_value_heads": 2,
+          "head_dim": 256, "vocab_size": 248320}
+HYBRID = ("qwen3.5-35b-a3b", {"num_experts": 0, "intermediate_size": 5632})
+DENSE = ("qwen3-0.6b", {"intermediate_size": 7776, "tie_word_embeddings": False})
+
+
+def model_engine(name: str, fields: dict, layers: int, rows: int, context: int) -> Engine:
+    overrides = {**SHARED, **fields, "num_hidden_layers": layers,
+                 "max_position_embeddings": max(40960, context + 16)}
+    return Engine(EngineConfig(model_path=name, load_format="dummy", dtype="bfloat16",
+                               json_model_override_args=json.dumps(overrides),
+                               max_running_requests=rows,
+                               max_total_tokens=rows * (context + 8) + 16))
+
+
+def delta_rule_ms(tokens: int, heads: int, dim: int) -> tuple[float, float]:
+    """(token-by-token, blocked) milliseconds of one layer's delta rule over `tokens`."""
+    gen = torch.Generator().manual_seed(0)
+    q = l2_normalized(torch.randn(tokens, heads, dim, generator=gen)) * dim ** -0.5
+    k = l2_normalized(torch.randn(tokens, heads, dim, generator=gen))
+    v = torch.randn(tokens, heads, dim, generator=gen)
+    decay, beta = -torch.rand(tokens, heads, generator=gen), torch.rand(tokens, heads,
+                                                                        generator=gen)
+    times = []
+    for rule in (gated_delta_rule, chunked_gated_delta_rule):
+        state = torch.zeros(heads, dim, dim)
+        started = time.perf_counter()
+        rule(q, k, v, decay, beta, state)
+        times.append((time.perf_counter() - started) * 1e3)
+    return times[0], times[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=8, help="a multiple of 4")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 32, 64])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 8192])
+    parser.add_argument("--long-rows", type=int, default=32,
+                        help="rows at most past 4k tokens of context (the dense KV's size)")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--delta-rule-only", action="store_true")
+    args = parser.parse_args()
+
+    print("| prompt tokens | delta rule token by token ms | blocked ms | ratio |\n"
+          "|---|---|---|---|")
+    for tokens in (64, 512):
+        stepped, blocked = delta_rule_ms(tokens, heads=32, dim=128)
+        print(f"| {tokens} | {stepped:.0f} | {blocked:.0f} | {stepped / blocked:.1f}x |",
+              flush=True)
+    if args.delta_rule_only:
+        return
+    print(f"\n{args.layers} layers, bfloat16, {torch.get_num_threads()} threads")
+    lines = []
+    for context in args.contexts:
+        rows = [r for r in args.rows if context <= 4096 or r <= args.long_rows]
+        ms = {}
+        for label, (name, fields) in (("dense", DENSE), ("hybrid", HYBRID)):
+            engine = model_engine(name, fields, args.layers, max(rows), context)
+            if context == args.contexts[0]:
+                params = sum(p.numel() for p in engine.model.parameters()) / 1e6
+                print(f"{label}: {params:.0f}M parameters, "
+                      f"{weight_bytes(engine.model) / 1e6:.0f} MB of weights read a step",
+                      flush=True)
+            for r in rows:
+                ms[label, r] = decode_step_seconds(engine, r, context, args.steps) * 1e3
+            engine.shutdown()
+        lines += [f"| {context} | {r} | {ms['dense', r]:.1f} | {ms['hybrid', r]:.1f} | "
+                  f"{ms['dense', r] / ms['hybrid', r]:.2f}x |" for r in rows]
+    print("\n| context | rows | dense step ms | hybrid step ms | dense / hybrid |\n"
+          "|---|---|---|---|---|")
+    print("\n".join(lines))
