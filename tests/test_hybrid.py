@@ -1,5 +1,6 @@
-"""Hybrid models: Qwen3-Next and Qwen3.5, dense and with experts (Gated DeltaNet layers with a
-recurrent state per request beside attention layers over the paged KV). The reference is transformers float32 on a tiny random
+"""Hybrid models: Qwen3-Next and Qwen3.5 (Gated DeltaNet layers), Granite 4.0-H (Mamba2
+layers), dense and with experts: a recurrent state per request beside attention layers over
+the paged KV. The reference is transformers float32 on a tiny random
 model built here (nothing downloaded); its norms, decays and gates are perturbed so that the
 checkpoint's conventions ((1 + w) norms, the DeltaNet's plain gated norm) all show."""
 
@@ -22,11 +23,23 @@ SHAPE = dict(
     layer_types=["linear_attention", "full_attention"] * 2)
 EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                shared_expert_intermediate_size=48)
-FAMILIES = {  # model class, config class, fields beyond SHAPE
+# Granite's multipliers and logit scaling away from 1, so that each shows; no RoPE (its default)
+GRANITE = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=32, shared_intermediate_size=48,
+    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=2,
+    mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=2, mamba_expand=2,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+    embedding_multiplier=2.0, attention_multiplier=0.1, residual_multiplier=0.5,
+    logits_scaling=3.0, max_position_embeddings=512, eos_token_id=1)
+FAMILIES = {  # model class, config class, its fields
     "qwen3-next": ("Qwen3NextForCausalLM", "Qwen3NextConfig",
-                   {**EXPERTS, "decoder_sparse_step": 1, "mlp_only_layers": [2]}),
-    "qwen3.5": ("Qwen3_5ForCausalLM", "Qwen3_5TextConfig", {}),
-    "qwen3.5-moe": ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig", EXPERTS),
+                   {**SHAPE, **EXPERTS, "decoder_sparse_step": 1, "mlp_only_layers": [2]}),
+    "qwen3.5": ("Qwen3_5ForCausalLM", "Qwen3_5TextConfig", SHAPE),
+    "qwen3.5-moe": ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig", {**SHAPE, **EXPERTS}),
+    "granite-4.0-h": ("GraniteMoeHybridForCausalLM", "GraniteMoeHybridConfig",
+                      {**GRANITE, "num_local_experts": 4}),
+    "granite-4.0-h-dense": ("GraniteMoeHybridForCausalLM", "GraniteMoeHybridConfig",
+                            {**GRANITE, "num_local_experts": 0}),
 }
 
 
@@ -35,11 +48,11 @@ def qwen3_next(request, tmp_path_factory) -> tuple[torch.nn.Module, str]:
     import transformers
     model_class, config_class, fields = FAMILIES[request.param]
     torch.manual_seed(0)
-    config = getattr(transformers, config_class)(**SHAPE, **fields)
+    config = getattr(transformers, config_class)(**fields)
     model = getattr(transformers, model_class)(config).float().eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "norm" in name or "A_log" in name or "dt_bias" in name:
+            if "norm" in name or "A_log" in name or "dt_bias" in name or name.endswith(".D"):
                 param.add_(torch.randn_like(param) * 0.2)
     path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path)
@@ -68,7 +81,9 @@ def test_logits_match_transformers_across_chunks_and_decodes(qwen3_next, spans) 
     engine = Engine(EngineConfig(model_path=path, dtype="float32", max_total_tokens=256,
                                  max_running_requests=2))
     try:
-        assert engine.arch.is_hybrid and engine.kv_pool.buffer.shape[1] == 2  # 2 KV layers
+        arch = engine.arch
+        assert arch.is_hybrid and engine.kv_pool.buffer.shape[1] == arch.kv_layers
+        assert 0 < arch.kv_layers < arch.num_layers  # the KV pool holds attention layers only
         ids = random_prompts((40,))[0]
         ours = forward_spans(engine, ids, spans)
         with torch.inference_mode():
@@ -169,9 +184,9 @@ def test_shipped_hybrid_shapes_build_from_dummy_weights_and_decode(config: str) 
     batch decodes. (Four real layers of Qwen3.5-35B-A3B: BENCHMARKS.md, "Hybrid models".)"""
     import json
     narrow = {"num_hidden_layers": 4, "hidden_size": 128, "num_experts": 4,
-              "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
-              "vocab_size": 1024, "head_dim": 32, "linear_key_head_dim": 16,
-              "linear_value_head_dim": 16, "intermediate_size": 64}
+              "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+              "shared_expert_intermediate_size": 32, "vocab_size": 1024, "head_dim": 32,
+              "linear_key_head_dim": 16, "linear_value_head_dim": 16, "intermediate_size": 64}
     params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
     with LLM(model=config, load_format="dummy", dtype="float32", max_total_tokens=1024,
              json_model_override_args=json.dumps(narrow)) as llm:
@@ -179,3 +194,22 @@ def test_shipped_hybrid_shapes_build_from_dummy_weights_and_decode(config: str) 
         assert llm.runtime.engine.states is not None
         llm.check_integrity()
     assert all(len(r["output_ids"]) == 6 for r in outs)
+
+
+
+@pytest.mark.parametrize("length", [2, 63, 64, 150])
+def test_the_blocked_mamba2_scan_is_the_recurrence(length: int) -> None:
+    from minisgl.models.granite_hybrid import mamba2_blocked, mamba2_recurrence
+    gen = torch.Generator().manual_seed(length)
+    heads, head_dim, d_state = 4, 8, 16
+    x = torch.randn(length, heads, head_dim, generator=gen)
+    dt = torch.rand(length, heads, generator=gen)
+    log_a = -4 * torch.rand(heads, generator=gen)
+    b = torch.randn(length, heads, d_state, generator=gen)
+    c = torch.randn(length, heads, d_state, generator=gen)
+    start = torch.randn(heads, head_dim, d_state, generator=gen)
+    stepped, blocked = start.clone(), start.clone()
+    expected = mamba2_recurrence(x, dt, log_a, b, c, stepped)
+    ours = mamba2_blocked(x, dt, log_a, b, c, blocked, chunk=32)
+    assert (ours - expected).abs().max().item() < 1e-4
+    assert (blocked - stepped).abs().max().item() < 1e-4

@@ -71,7 +71,7 @@ def allocate_state_pool(arch: ModelArch, rows: int, dtype: torch.dtype, device: 
     shape = arch.linear
     assert shape is not None
     pool = StatePool(arch.linear_layers, rows, shape.conv_dim, shape.conv_kernel,
-                     shape.num_v_heads, shape.k_head_dim, shape.v_head_dim, dtype, device)
+                     shape.state_shape, dtype, device)
     logger.info("state pool: %d rows of %d linear-attention layers (%.2f GiB)", rows,
                 arch.linear_layers, pool.nbytes / 2**30)
     return pool

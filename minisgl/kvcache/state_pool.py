@@ -12,15 +12,16 @@ import torch
 
 class StatePool:
     def __init__(self, num_layers: int, rows: int, conv_dim: int, conv_kernel: int,
-                 heads: int, k_head_dim: int, v_head_dim: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 state_shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device
+                 ) -> None:
         self.rows = rows
         # [layer, row, channel, the last conv_kernel - 1 inputs], in the model's dtype
         self.conv = torch.zeros(num_layers, rows, conv_dim, conv_kernel - 1, dtype=dtype,
                                 device=device)
-        # [layer, row, head, key, value]: the delta rule's state, float32 as it is updated
-        self.recurrent = torch.zeros(num_layers, rows, heads, k_head_dim, v_head_dim,
-                                     dtype=torch.float32, device=device)
+        # [layer, row, head, ...]: the recurrent state (Gated DeltaNet: key x value; Mamba2:
+        # head_dim x d_state), float32 as it is updated
+        self.recurrent = torch.zeros(num_layers, rows, *state_shape, dtype=torch.float32,
+                                     device=device)
 
     def layer(self, linear_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One linear layer's conv windows and recurrent states, indexed by table row."""

@@ -103,7 +103,8 @@ class MoEShape:
         if not experts:
             return None
         # NOTE: Mixtral's and Qwen3.5's routers always renormalise; the others say so
-        always = config.get("model_type") in ("mixtral", "qwen3_5_moe", "qwen3_5_moe_text")
+        always = config.get("model_type") in ("mixtral", "qwen3_5_moe", "qwen3_5_moe_text",
+                                              "granitemoehybrid")
         step = config.get("decoder_sparse_step") or 1
         dense = set(config.get("mlp_only_layers") or ())
         return cls(
@@ -140,16 +141,79 @@ class LinearAttnShape:
     def conv_dim(self) -> int:
         return 2 * self.key_dim + self.value_dim
 
+    @property
+    def state_shape(self) -> tuple[int, int, int]:
+        return self.num_v_heads, self.k_head_dim, self.v_head_dim
+
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> LinearAttnShape | None:
-        if "linear_attention" not in (config.get("layer_types") or ()):
-            return None
+    def from_config(cls, config: dict[str, Any]) -> LinearAttnShape:
         return cls(num_k_heads=config["linear_num_key_heads"],
                    num_v_heads=config["linear_num_value_heads"],
                    k_head_dim=config["linear_key_head_dim"],
                    v_head_dim=config["linear_value_head_dim"],
                    conv_kernel=config.get("linear_conv_kernel_dim", 4),
                    grouped=config.get("model_type") == "qwen3_next")
+
+
+@dataclass(frozen=True)
+class MambaShape:
+    """A hybrid's Mamba2 layers: `heads` heads of `head_dim` channels, each with a
+    [head_dim, d_state] state; B and C in `groups` groups; the convolution over x, B and C."""
+    heads: int
+    head_dim: int
+    d_state: int
+    groups: int
+    conv_kernel: int
+    inner: int  # heads x head_dim: the width of x and of the gate
+    conv_bias: bool
+    proj_bias: bool
+    dt_limit: tuple[float, float]
+
+    @property
+    def conv_dim(self) -> int:
+        return self.inner + 2 * self.groups * self.d_state
+
+    @property
+    def state_shape(self) -> tuple[int, int, int]:
+        return self.heads, self.head_dim, self.d_state
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> MambaShape:
+        heads, head_dim = config["mamba_n_heads"], config["mamba_d_head"]
+        limit = [json_float(v) for v in config.get("time_step_limit") or (0.0, float("inf"))]
+        return cls(heads=heads, head_dim=head_dim, d_state=config["mamba_d_state"],
+                   groups=config.get("mamba_n_groups", 1),
+                   conv_kernel=config.get("mamba_d_conv", 4), inner=heads * head_dim,
+                   conv_bias=bool(config.get("mamba_conv_bias", True)),
+                   proj_bias=bool(config.get("mamba_proj_bias", False)),
+                   dt_limit=(limit[0], limit[1]))
+
+
+def json_float(value: Any) -> float:
+    """A number of a config.json; transformers writes infinities as {"__float__": "Infinity"}."""
+    return float(value["__float__"] if isinstance(value, dict) else value)
+
+
+# Hub configs of Granite 4's hybrids name their layers in layers_block_type
+BLOCK_TYPES = {"mamba": "linear_attention", "attention": "full_attention"}
+
+
+def layer_types(config: dict[str, Any]) -> tuple[str, ...]:
+    """Per layer its kind (transformers 5's `layer_types`, or the Hub's layers_block_type)."""
+    if config.get("layer_types"):
+        return tuple(config["layer_types"])[:config["num_hidden_layers"]]
+    blocks = config.get("layers_block_type") or ()
+    return tuple(BLOCK_TYPES.get(kind, kind) for kind in blocks)[:config["num_hidden_layers"]]
+
+
+def linear_shape(config: dict[str, Any]) -> LinearAttnShape | MambaShape | None:
+    """The shape of a hybrid's linear layers (Mamba2 where the config has mamba fields, else
+    Gated DeltaNet); None for a model of attention layers only."""
+    if "linear_attention" not in layer_types(config):
+        return None
+    if config.get("mamba_n_heads"):
+        return MambaShape.from_config(config)
+    return LinearAttnShape.from_config(config)
 
 
 def family_traits(model_type: str, architecture: str) -> dict[str, bool]:
@@ -187,7 +251,7 @@ class ModelArch:
     # per layer "full_attention" (or "sliding_attention") or "linear_attention" (a hybrid's
     # Gated DeltaNet, shaped by `linear`); () for a model of attention layers only
     layer_types: tuple[str, ...] = ()
-    linear: LinearAttnShape | None = None
+    linear: LinearAttnShape | MambaShape | None = None
     uncomputed: tuple[str, ...] = ()  # see uncomputed_fields()
     config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)  # as read
 
@@ -235,8 +299,8 @@ class ModelArch:
             attn_logit_softcap=softcap(config, "attn_logit_softcapping"),
             final_logit_softcap=softcap(config, "final_logit_softcapping"),
             moe=MoEShape.from_config(config),
-            layer_types=tuple(config.get("layer_types") or ())[:config["num_hidden_layers"]],
-            linear=LinearAttnShape.from_config(config),
+            layer_types=layer_types(config),
+            linear=linear_shape(config),
             uncomputed=uncomputed_fields(config),
             config=dict(config),
         )

@@ -8,6 +8,7 @@ from torch import nn
 
 from minisgl.models.arch import ModelArch
 from minisgl.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from minisgl.models.granite_hybrid import GraniteMoeHybridForCausalLM
 from minisgl.models.llama import LlamaForCausalLM
 from minisgl.models.moe import MoEForCausalLM
 from minisgl.models.phi3 import Phi3ForCausalLM
@@ -16,6 +17,7 @@ from minisgl.models.qwen3_next import Qwen3NextForCausalLM
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": MoEForCausalLM,
