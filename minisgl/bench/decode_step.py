@@ -17,6 +17,7 @@ where the layers run as one call (models.fused_layers), the same step with their
 from __future__ import annotations
 
 import argparse
+import resource
 import time
 
 import torch
@@ -96,9 +97,12 @@ def main() -> None:
                                  json_model_override_args=args.json_model_override_args,
                                  max_total_tokens=most * (args.context + 8) + 16))
     read = weight_bytes(engine.model)
+    states = getattr(engine, "states", None)
     print(f"{args.dtype}, quantization {engine.quantization}, context {args.context}, "
           f"weights read per step {read / 1e6:.0f} MB, "
-          f"{torch.get_num_threads()} threads")
+          f"{torch.get_num_threads()} threads, peak RSS after loading "
+          f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:.2f} GB"
+          + ("" if states is None else f", state pool {states.nbytes / 1e6:.0f} MB"))
     fused = getattr(engine.model, "fused_layers", None)
     extra = ("", "") if fused is None else (" layers as modules: step ms | fused / modules |",
                                             "---|---|")
