@@ -31,7 +31,7 @@ from minisgl.layers.shard import read_all
 from minisgl.models.arch import MambaShape, ModelArch
 from minisgl.models.llama import MLP, Attention
 from minisgl.models.moe import MoEForCausalLM
-from minisgl.models.qwen3_next import RowSpans
+from minisgl.models.qwen3_next import HybridStack, RowSpans
 
 SCAN_CHUNK = 64  # tokens per block of the blocked scan
 # Hub names of the MoE block -> ours (models.moe reads the experts' stacked tensors)
@@ -188,6 +188,10 @@ class GraniteHybridLayer(Layer):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
+    @property
+    def linear_mixer(self) -> Mamba2Mixer:
+        return self.mamba
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 batch: Batch, backend: AttentionBackend, spans: RowSpans
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,7 +205,7 @@ class GraniteHybridLayer(Layer):
         return out * self.residual_multiplier, residual
 
 
-class GraniteMoeHybridForCausalLM(MoEForCausalLM):
+class GraniteMoeHybridForCausalLM(HybridStack, MoEForCausalLM):
     def decoder_layers(self, arch: ModelArch) -> nn.ModuleList:
         config = arch.config
         rope = config.get("position_embedding_type") == "rope"
@@ -225,23 +229,9 @@ class GraniteMoeHybridForCausalLM(MoEForCausalLM):
                                              float(config.get("residual_multiplier", 1.0))))
         return nn.ModuleList(layers)
 
-    def bind_states(self, states: StatePool) -> None:
-        for layer in self.layers:
-            if layer.is_linear:
-                layer.mamba.states = states
-
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids) * float(
             self.arch.config.get("embedding_multiplier", 1.0))
-
-    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: Batch,
-                      backend: AttentionBackend, rows: torch.Tensor | None) -> torch.Tensor:
-        spans = RowSpans.of(batch)
-        x, residual = self.embed(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(x, residual, positions, batch, backend, spans)
-        x, _ = self.norm(x, residual)
-        return x if rows is None else x.index_select(0, rows)
 
     def load_weight(self, name: str, source: Any) -> bool:
         for hub, ours in MOE_NAMES.items():

@@ -1,6 +1,6 @@
-"""Qwen3-Next and Qwen3.5 (text; dense or with experts): hybrid decoders. Most layers mix tokens with Gated DeltaNet, a linear attention
-whose state per request is fixed in size (a convolution window and a [heads, key, value]
-matrix, kvcache.state_pool); every few layers (`layer_types`) keep full attention, gated by a
+"""Qwen3-Next and Qwen3.5 (text; dense or with experts): hybrid decoders. Most layers mix
+tokens with Gated DeltaNet, a linear attention whose state per request is fixed in size (a
+convolution window and a [heads, key, value] matrix, kvcache.state_pool); every few layers (`layer_types`) keep full attention, gated by a
 sigmoid of a second query projection, over the paged KV pool. Its MLPs are experts with a
 shared expert behind a sigmoid gate (Qwen3.5: dense MLPs, or experts in every layer). Qwen3.5's
 multimodal RoPE reduces to plain RoPE for text (its three position ids are equal).
@@ -294,6 +294,10 @@ class HybridDecoderLayer(Layer):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
+    @property
+    def linear_mixer(self) -> GatedDeltaNet:
+        return self.linear_attn
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 batch: Batch, backend: AttentionBackend, spans: RowSpans
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -306,7 +310,29 @@ class HybridDecoderLayer(Layer):
         return self.mlp(x), residual
 
 
-class Qwen3NextForCausalLM(MoEForCausalLM):
+class HybridStack:
+    """What every hybrid decoder shares: its linear layers read the engine's state pool
+    (`bind_states`), and each layer runs with the batch's row spans. Its layers say whether
+    they are linear (`is_linear`) and name their linear mixer (`linear_mixer`)."""
+
+    layers: nn.ModuleList
+
+    def bind_states(self, states: StatePool) -> None:
+        for layer in self.layers:
+            if layer.is_linear:
+                layer.linear_mixer.states = states
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: Batch,
+                      backend: AttentionBackend, rows: torch.Tensor | None) -> torch.Tensor:
+        spans = RowSpans.of(batch)
+        x, residual = self.embed(input_ids), None  # type: ignore[attr-defined]
+        for layer in self.layers:
+            x, residual = layer(x, residual, positions, batch, backend, spans)
+        x, _ = self.norm(x, residual)  # type: ignore[attr-defined]
+        return x if rows is None else x.index_select(0, rows)
+
+
+class Qwen3NextForCausalLM(HybridStack, MoEForCausalLM):
     def decoder_layers(self, arch: ModelArch) -> nn.ModuleList:
         rotary = RotaryEmbedding(arch.head_dim, arch.rope_positions, arch.rope, arch.rotary_dim)
         layers, linear_id, kv_index = [], 0, 0
@@ -324,20 +350,6 @@ class Qwen3NextForCausalLM(MoEForCausalLM):
         if arch.moe is None or layer_id not in arch.moe.sparse_layers:
             return None
         return SharedExpertMoE(arch)
-
-    def bind_states(self, states: StatePool) -> None:
-        for layer in self.layers:
-            if layer.is_linear:
-                layer.linear_attn.states = states
-
-    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: Batch,
-                      backend: AttentionBackend, rows: torch.Tensor | None) -> torch.Tensor:
-        spans = RowSpans.of(batch)
-        x, residual = self.embed(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(x, residual, positions, batch, backend, spans)
-        x, _ = self.norm(x, residual)
-        return x if rows is None else x.index_select(0, rows)
 
     def load_weight(self, name: str, source: Any) -> bool:
         if name.startswith(SKIPPED_PREFIXES):
