@@ -1,9 +1,10 @@
 """Qwen3-Next and Qwen3.5 (text; dense or with experts): hybrid decoders. Most layers mix
 tokens with Gated DeltaNet, a linear attention whose state per request is fixed in size (a
-convolution window and a [heads, key, value] matrix, kvcache.state_pool); every few layers (`layer_types`) keep full attention, gated by a
-sigmoid of a second query projection, over the paged KV pool. Its MLPs are experts with a
-shared expert behind a sigmoid gate (Qwen3.5: dense MLPs, or experts in every layer). Qwen3.5's
-multimodal RoPE reduces to plain RoPE for text (its three position ids are equal).
+convolution window and a [heads, key, value] matrix, kvcache.state_pool); every few layers
+(`layer_types`) keep full attention, gated by a sigmoid of a second query projection, over
+the paged KV pool. Its MLPs are experts with a shared expert behind a sigmoid gate (Qwen3.5:
+dense MLPs, or experts in every layer). Qwen3.5's multimodal RoPE reduces to plain RoPE for
+text (its three position ids are equal).
 
 Per request, a Gated DeltaNet layer reads and writes its state in the request's table row:
 a prefill that starts at position 0 starts from zero; every later chunk, decode step or mixed
