@@ -158,6 +158,10 @@ class ServerArgs:
         "speculative verify and large decode batches, for logits a few times further from "
         "the dequantized model's (BENCHMARKS.md). Needs AVX-512 VNNI.")
     disable_radix_cache: bool = _flag(False, "Use no prefix cache.")
+    max_mamba_cache_size: int | None = _flag(
+        None, "Hybrid models: recurrent states held in all, one per running request and the "
+        "rest the prefix cache's snapshots (a cached prefix resumes only from the state at its "
+        "end); default twice --max-running-requests.")
     is_embedding: bool = _flag(
         False, "Serve the model as an embedding model: /v1/embeddings and /encode answer each "
         "input's final hidden state at its last token, L2-normalised (SGLang's pooling for "
@@ -239,7 +243,7 @@ class ServerArgs:
         for name in ("tp_size", "chunked_prefill_size", "cuda_graph_max_bs", "max_request_bytes",
                      "max_sequences_per_request", "max_stop_strings", "max_stop_string_length",
                      "max_running_requests", "max_total_tokens", "context_length",
-                     "max_queued_requests", "page_size"):
+                     "max_queued_requests", "page_size", "max_mamba_cache_size"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{flag(name)} must be an integer >= 1, got {value!r}")

@@ -373,6 +373,11 @@ class Batch:
     # a verify step laid out for a CUDA graph: every row forwards this many tokens, its own
     # then filler ones (engine.speculation); 0 otherwise
     row_tokens: int = 0
+    # hybrid models' prefix cache (kvcache.state_cache): state-pool rows copied (source,
+    # target) before the forward, and per table row the state saved into a snapshot slot
+    # (row, tokens of its span run first, slot) during it
+    state_loads: list[tuple[int, int]] | None = None
+    state_saves: list[tuple[int, int, int]] | None = None
 
     @property
     def is_decode(self) -> bool:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from minisgl.kvcache.prefix_cache import NaiveCache, RadixCache
+from minisgl.kvcache.state_cache import StateRadixCache
 
 PAGE_SIZES = [1, 4]
 
@@ -429,3 +430,51 @@ def test_share_skips_what_another_request_cached_meanwhile(page_size: int) -> No
     assert NaiveCache(page_size).holds_prefixes is False
     naive = CacheManager(16, page_size, NaiveCache(page_size))
     assert naive.share(tokens, mine, 0, naive.match(tokens)[0]) is None
+
+
+# ---- a hybrid model's cache: prefixes resume only where a state snapshot was kept ----------
+
+
+def test_a_hybrid_match_stops_at_the_deepest_node_with_a_snapshot() -> None:
+    cache, pool = StateRadixCache(4, first_slot=10, num_slots=2), Pool(4)
+    tokens = seq(4, 1, 2, 3, 4)
+    cache.insert(tokens, pool.alloc(16))
+    assert cache.match_prefix(tokens)[0].length == 0  # no snapshot: nothing resumes
+    slot = cache.take_slot()
+    assert slot == 10 and cache.attach_at(tokens[:8], slot)
+    handle, locations = cache.match_prefix(tokens)
+    assert handle.length == len(locations) == 8 and cache.snapshot_of(handle) == 10
+    assert cache.match_prefix(tokens[:4])[0].length == 0  # the state at 4 is not kept
+    other = cache.take_slot()
+    assert not cache.attach_at(tokens[:8], other)  # one snapshot per node: the caller's still
+    cache.give_slot(other)
+
+
+def test_hybrid_snapshots_go_least_recently_used_first_but_never_a_locked_one() -> None:
+    cache, pool = StateRadixCache(1, first_slot=0, num_slots=2), Pool(1)
+    prompts = [[1, 2, 3], [4, 5, 6]]
+    for prompt in prompts:
+        cache.insert(prompt, pool.alloc(3))
+        assert cache.attach_at(prompt, cache.take_slot())
+    held, _ = cache.match_prefix(prompts[0])
+    cache.lock(held)
+    assert cache.match_prefix(prompts[1])[0].length == 3  # now the most recent, but unlocked
+    assert cache.take_slot() is not None  # drops [4, 5, 6]'s snapshot: its node stays
+    assert cache.match_prefix(prompts[1])[0].length == 0
+    assert len(cache.all_locations()) == 6
+    assert cache.take_slot() is None  # the other one is locked
+    cache.unlock(held)
+    assert cache.take_slot() is not None and cache.free_slots == []
+
+
+def test_evicting_or_resetting_a_hybrid_cache_frees_its_snapshots() -> None:
+    cache, pool = StateRadixCache(2, first_slot=5, num_slots=3), Pool(2)
+    for page in (1, 2):
+        tokens = seq(2, page, 7)
+        cache.insert(tokens, pool.alloc(4))
+        assert cache.attach_at(tokens, cache.take_slot())
+    assert sorted(cache.held_slots) == [5, 6]
+    assert len(cache.evict(4)) == 4  # one whole branch: its snapshot with it
+    assert len(cache.held_slots) == 1 and len(cache.free_slots) == 2
+    cache.reset()
+    assert sorted(cache.free_slots) == [5, 6, 7] and cache.held_slots == []

@@ -34,6 +34,8 @@ class EngineConfig:
     max_total_tokens: int | None
     mem_fraction_static: float | None
     page_size: int | None
+    disable_radix_cache: bool
+    max_mamba_cache_size: int | None  # hybrids: the state pool's rows (requests + snapshots)
     attention_backend: str | None
     cuda_graph_max_bs: int
     disable_cuda_graph: bool
@@ -69,11 +71,13 @@ def resolve(config: EngineConfig, device: torch.device, arch: ModelArch) -> Engi
         return device_default(name, device.type) if value is None else value
 
     draft = config.speculative_draft_model_path
+    max_running = int(default("max_running_requests"))  # type: ignore[call-overload]
     return dataclasses.replace(
         config, device=device.type, dtype=str(dtype).removeprefix("torch."),
         quantization=quantization_of(config.quantization, config.model_path),
         context_length=arch.context_limit(config.context_length),
-        max_running_requests=default("max_running_requests"), page_size=default("page_size"),
+        max_running_requests=max_running, page_size=default("page_size"),
+        max_mamba_cache_size=state_rows(config, arch, max_running),
         mem_fraction_static=default("mem_fraction_static"),
         attention_backend=config.attention_backend or default_attention_backend(
             device, dtype, arch.head_dim),
@@ -82,3 +86,19 @@ def resolve(config: EngineConfig, device: torch.device, arch: ModelArch) -> Engi
         speculative_draft_model_quantization=(
             None if config.speculative_algorithm != "STANDALONE" or draft is None
             else quantization_of(config.speculative_draft_model_quantization, draft)))
+
+
+def state_rows(config: EngineConfig, arch: ModelArch, max_running: int) -> int | None:
+    """A hybrid model's recurrent states in all (--max-mamba-cache-size): one per running
+    request, the rest the prefix cache's snapshots (none without a prefix cache)."""
+    if not arch.is_hybrid:
+        return config.max_mamba_cache_size
+    if config.disable_radix_cache:
+        return max_running
+    total = config.max_mamba_cache_size
+    if total is None:
+        return 2 * max_running
+    if total < max_running:
+        raise ValueError(f"--max-mamba-cache-size {total} is below --max-running-requests "
+                         f"{max_running}: every running request holds a state")
+    return total

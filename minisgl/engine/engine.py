@@ -138,7 +138,8 @@ class Engine:
             self.max_running: int = config.max_running_requests
             self.page_size: int = config.page_size
             self.states = None if not self.arch.is_hybrid else allocate_state_pool(
-                self.arch, self.max_running + 1, self.dtype, self.device)
+                self.arch, self.max_running + 1,
+                (config.max_mamba_cache_size or 0) - self.max_running, self.dtype, self.device)
             if self.states is not None:
                 self.model.bind_states(self.states)
             self.kv_pool = allocate_kv_pool(

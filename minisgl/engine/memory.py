@@ -64,16 +64,17 @@ def allocate_kv_pool(config: EngineConfig, arch: ModelArch, kv_heads: int, page_
     return KVPool(arch.kv_layers, num_pages, page_size, kv_heads, arch.head_dim, dtype, device)
 
 
-def allocate_state_pool(arch: ModelArch, rows: int, dtype: torch.dtype, device: torch.device
-                        ) -> StatePool:
-    """A hybrid model's recurrent states, one per table row (before the KV pool, which takes
-    what memory is left)."""
+def allocate_state_pool(arch: ModelArch, rows: int, snapshots: int, dtype: torch.dtype,
+                        device: torch.device) -> StatePool:
+    """A hybrid model's recurrent states, one per table row and `snapshots` for the prefix
+    cache (before the KV pool, which takes what memory is left)."""
     shape = arch.linear
     assert shape is not None
     pool = StatePool(arch.linear_layers, rows, shape.conv_dim, shape.conv_kernel,
-                     shape.state_shape, dtype, device)
-    logger.info("state pool: %d rows of %d linear-attention layers (%.2f GiB)", rows,
-                arch.linear_layers, pool.nbytes / 2**30)
+                     shape.state_shape, dtype, device, snapshots)
+    logger.info("state pool: %d rows + %d prefix-cache snapshots of %d linear-attention layers "
+                "(%.2f MiB each, %.2f GiB)", rows, snapshots, arch.linear_layers,
+                pool.bytes_per_state / 2**20, pool.nbytes / 2**30)
     return pool
 
 

@@ -2,5 +2,6 @@
 
 from minisgl.kvcache.pool import KVPool
 from minisgl.kvcache.prefix_cache import CacheHandle, NaiveCache, PrefixCache, RadixCache
+from minisgl.kvcache.state_cache import StateRadixCache
 
-__all__ = ["CacheHandle", "KVPool", "NaiveCache", "PrefixCache", "RadixCache"]
+__all__ = ["CacheHandle", "KVPool", "NaiveCache", "PrefixCache", "RadixCache", "StateRadixCache"]

@@ -106,7 +106,8 @@ _uids = itertools.count()
 
 
 class RadixNode:
-    __slots__ = ("token_ids", "locations", "children", "parent", "ref_count", "last_access", "uid")
+    __slots__ = ("token_ids", "locations", "children", "parent", "ref_count", "last_access", "uid",
+                 "snapshot")
 
     def __init__(self, token_ids: list[int], locations: torch.Tensor,
                  parent: RadixNode | None, last_access: int) -> None:
@@ -117,6 +118,7 @@ class RadixNode:
         self.ref_count = 0
         self.last_access = last_access
         self.uid = next(_uids)  # tie-break for the eviction heap
+        self.snapshot: int | None = None  # hybrids: the state at the node's end (state_cache)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -224,6 +226,7 @@ class RadixCache(PrefixCache):
             assert parent is not None
             del parent.children[self._key(node.token_ids)]
             node.parent = None
+            self._evicted(node)
             freed.append(node.locations)
             num_freed += len(node)
             self._evictable -= len(node)
@@ -242,6 +245,9 @@ class RadixCache(PrefixCache):
         return freed
 
     # ---- internals ----
+
+    def _evicted(self, node: RadixNode) -> None:
+        """A node left the tree (a subclass frees what it held besides pages)."""
 
     def _key(self, token_ids: list[int], start: int = 0) -> tuple[int, ...]:
         return tuple(token_ids[start:start + self.page_size])

@@ -2,7 +2,11 @@
 the page table and each linear-attention layer, the layer's convolution window over its last
 inputs and its recurrent state. Unlike KV, a request's state does not grow: it lives in the
 request's table row, taken with the row at admission and given back with it, so a row's
-state is the request's own from its first prefill chunk (which starts it from zero) on.
+state is the request's own from its first prefill chunk (which starts it from zero, or from a
+snapshot the prefix cache held) on.
+
+Past the request rows, `snapshots` more rows hold states copied out at a known length: the
+prefix cache's snapshots (kvcache.state_cache), addressed by their index in the same tensors.
 """
 
 from __future__ import annotations
@@ -12,20 +16,37 @@ import torch
 
 class StatePool:
     def __init__(self, num_layers: int, rows: int, conv_dim: int, conv_kernel: int,
-                 state_shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device
-                 ) -> None:
-        self.rows = rows
+                 state_shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device,
+                 snapshots: int = 0) -> None:
+        self.rows, self.snapshots = rows, snapshots
+        total = rows + snapshots
         # [layer, row, channel, the last conv_kernel - 1 inputs], in the model's dtype
-        self.conv = torch.zeros(num_layers, rows, conv_dim, conv_kernel - 1, dtype=dtype,
+        self.conv = torch.zeros(num_layers, total, conv_dim, conv_kernel - 1, dtype=dtype,
                                 device=device)
         # [layer, row, head, ...]: the recurrent state (Gated DeltaNet: key x value; Mamba2:
         # head_dim x d_state), float32 as it is updated
-        self.recurrent = torch.zeros(num_layers, rows, *state_shape, dtype=torch.float32,
+        self.recurrent = torch.zeros(num_layers, total, *state_shape, dtype=torch.float32,
                                      device=device)
 
     def layer(self, linear_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One linear layer's conv windows and recurrent states, indexed by table row."""
+        """One linear layer's conv windows and recurrent states, indexed by table row (then
+        snapshot index)."""
         return self.conv[linear_id], self.recurrent[linear_id]
+
+    def copy(self, sources: list[int], targets: list[int]) -> None:
+        """Every layer's state of each source row into its target row."""
+        if not sources:
+            return
+        device = self.conv.device
+        src = torch.tensor(sources, device=device)
+        dst = torch.tensor(targets, device=device)
+        self.conv[:, dst] = self.conv[:, src]
+        self.recurrent[:, dst] = self.recurrent[:, src]
+
+    @property
+    def bytes_per_state(self) -> int:
+        return (self.conv[:, 0].numel() * self.conv.element_size()
+                + self.recurrent[:, 0].numel() * self.recurrent.element_size())
 
     @property
     def nbytes(self) -> int:

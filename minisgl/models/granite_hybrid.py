@@ -31,7 +31,7 @@ from minisgl.layers.shard import read_all
 from minisgl.models.arch import MambaShape, ModelArch
 from minisgl.models.llama import MLP, Attention
 from minisgl.models.moe import MoEForCausalLM
-from minisgl.models.qwen3_next import HybridStack, RowSpans
+from minisgl.models.qwen3_next import HybridStack, RowSpans, save_snapshot
 
 SCAN_CHUNK = 64  # tokens per block of the blocked scan
 # Hub names of the MoE block -> ours (models.moe reads the experts' stacked tensors)
@@ -145,7 +145,8 @@ class Mamba2Mixer(Layer):
             ssm_states[rows] = state
             out[at] = torch.einsum("rhpn,rhn->rhp", state, c)
             inputs[at] = xs
-        for start, count, row, fresh in zip(spans.starts, spans.counts, spans.rows, spans.fresh):
+        for i, (start, count, row, fresh) in enumerate(zip(spans.starts, spans.counts,
+                                                             spans.rows, spans.fresh)):
             if count == 1 and not fresh:
                 continue
             end = start + count
@@ -155,7 +156,12 @@ class Mamba2Mixer(Layer):
             window = torch.cat([conv_states[row], xbc[start:end].t().to(conv_states.dtype)], -1)
             conv_states[row].copy_(window[:, window.shape[1] - (s.conv_kernel - 1):])
             xs, b, c = self._heads(self._conv(window[None])[0])
-            out[start:end] = mamba2_blocked(xs, dt[start:end], log_a, b, c, ssm_states[row])
+            for lo, hi, slot in spans.pieces(i):
+                out[start + lo:start + hi] = mamba2_blocked(
+                    xs[lo:hi], dt[start + lo:start + hi], log_a, b[lo:hi], c[lo:hi],
+                    ssm_states[row])
+                if slot is not None:
+                    save_snapshot(conv_states, ssm_states, row, slot, window, hi)
             inputs[start:end] = xs
         y = (out + inputs * self.D.float()[:, None]).view(tokens, -1)
         y = y * F.silu(gate.float())

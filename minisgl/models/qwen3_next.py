@@ -47,12 +47,16 @@ SKIPPED_PREFIXES = ("model.visual.", "mtp.")
 @dataclass(frozen=True)
 class RowSpans:
     """A batch's token rows per request: `counts[i]` tokens from `starts[i]` of the flat batch,
-    its state in table row `rows[i]`, `fresh[i]`: it starts at position 0 (state from zero)."""
+    its state in table row `rows[i]`, `fresh[i]`: it starts at position 0 (state from zero).
+    `cuts[i]` = (tokens, slot): the state after that many of the span's tokens is saved into
+    snapshot `slot` of the state pool (the prefix cache's; a save at a span's end is the
+    stack's, `HybridStack`)."""
 
     starts: list[int]
     counts: list[int]
     rows: list[int]
     fresh: list[bool]
+    cuts: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, batch: Batch) -> RowSpans:
@@ -65,7 +69,29 @@ class RowSpans:
         for count in counts:
             starts.append(at)
             at += count
-        return cls(starts, list(counts), list(batch.table_rows[:size]), [c == 0 for c in cached])
+        rows = list(batch.table_rows[:size])
+        cuts = {}
+        for row, tokens, slot in batch.state_saves or ():
+            i = rows.index(row)
+            if tokens < counts[i]:
+                cuts[i] = (tokens, slot)
+        return cls(starts, list(counts), rows, [c == 0 for c in cached], cuts)
+
+    def pieces(self, i: int) -> list[tuple[int, int, int | None]]:
+        """Span i as (first token, end, snapshot slot filled after it or None)."""
+        cut = self.cuts.get(i)
+        if cut is None:
+            return [(0, self.counts[i], None)]
+        return [(0, cut[0], cut[1]), (cut[0], self.counts[i], None)]
+
+
+def save_snapshot(conv_states: torch.Tensor, ssm_states: torch.Tensor, row: int, slot: int,
+                  window: torch.Tensor, tokens: int) -> None:
+    """Row `row`'s state after `tokens` tokens of its span into snapshot `slot`: the recurrent
+    state as it stands, the conv window as the K - 1 inputs before that token (`window`: the
+    span's inputs after the K - 1 before it, [channels, K - 1 + count])."""
+    ssm_states[slot].copy_(ssm_states[row])
+    conv_states[slot].copy_(window[:, tokens:tokens + conv_states.shape[-1]])
 
 
 def l2_normalized(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -232,8 +258,12 @@ class GatedDeltaNet(Layer):
             conv = F.silu(F.conv1d(window[None].to(weight.dtype), weight,
                                    groups=s.conv_dim))[0].t()  # [count, conv_dim]
             rq, rk, rv = self._heads(conv)
-            out[start:end] = chunked_gated_delta_rule(rq, rk, rv, decay[start:end],
-                                                      beta[start:end], ssm_states[row])
+            for lo, hi, slot in spans.pieces(i):
+                out[start + lo:start + hi] = chunked_gated_delta_rule(
+                    rq[lo:hi], rk[lo:hi], rv[lo:hi], decay[start + lo:start + hi],
+                    beta[start + lo:start + hi], ssm_states[row])
+                if slot is not None:
+                    save_snapshot(conv_states, ssm_states, row, slot, window, hi)
         normed = self.norm.forward_plain(out.to(x.dtype).view(-1, s.v_head_dim))
         gated = normed.float() * F.silu(z.reshape(-1, s.v_head_dim).float())
         return self.out_proj(gated.to(x.dtype).view(tokens, -1))
@@ -317,8 +347,10 @@ class HybridStack:
     they are linear (`is_linear`) and name their linear mixer (`linear_mixer`)."""
 
     layers: nn.ModuleList
+    states: StatePool
 
     def bind_states(self, states: StatePool) -> None:
+        self.states = states
         for layer in self.layers:
             if layer.is_linear:
                 layer.linear_mixer.states = states
@@ -326,9 +358,16 @@ class HybridStack:
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: Batch,
                       backend: AttentionBackend, rows: torch.Tensor | None) -> torch.Tensor:
         spans = RowSpans.of(batch)
+        states = self.states  # type: ignore[attr-defined]
+        if batch.state_loads:  # requests admitted on a cached prefix resume from its snapshot
+            states.copy(*map(list, zip(*batch.state_loads)))
         x, residual = self.embed(input_ids), None  # type: ignore[attr-defined]
         for layer in self.layers:
             x, residual = layer(x, residual, positions, batch, backend, spans)
+        ends = [(row, slot) for row, tokens, slot in batch.state_saves or ()
+                if tokens == spans.counts[spans.rows.index(row)]]
+        if ends:  # the state at a span's end is the row's own after the forward
+            states.copy(*map(list, zip(*ends)))
         x, _ = self.norm(x, residual)  # type: ignore[attr-defined]
         return x if rows is None else x.index_select(0, rows)
 

@@ -168,8 +168,10 @@ class NewTokenRatio:
 class PrefillManager:
     def __init__(self, cache: CacheManager, table: TableManager, decode: DecodeManager,
                  order: WaitingOrder, adapters: AdapterTable,
-                 long_rope: LongRopeSwitch | None = None) -> None:
+                 long_rope: LongRopeSwitch | None = None,
+                 on_release: Callable[[Req], None] | None = None) -> None:
         self.cache, self.table, self.decode = cache, table, decode
+        self.on_release = on_release  # after a request's pages went back (hybrids' snapshots)
         self.adapters = adapters
         self.long_rope = long_rope
         self.order = order
@@ -202,6 +204,8 @@ class PrefillManager:
         locations = self.table.locations(req.table_idx, req.kv_len)
         self.cache.release(self._cache_ids(req, req.cacheable_len), locations, req.shared_len,
                            req.cache_handle)
+        if self.on_release is not None:
+            self.on_release(req)
         if req.lora_uid:
             self.adapters.release(req.lora_uid)
         self.table.free(req.table_idx)

@@ -27,7 +27,7 @@ import torch
 from minisgl.core import LogprobState, Req
 from minisgl.engine import Engine, ForwardOutput
 from minisgl.errors import EngineFailed, IntegrityError
-from minisgl.kvcache import NaiveCache, RadixCache
+from minisgl.kvcache import NaiveCache, PrefixCache, RadixCache, StateRadixCache
 from minisgl.scheduler.batch_builder import BatchBuilder, ScheduledBatch
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.intake import RequestLimits, RequestSpec, check_batch, fill_max_new_tokens
@@ -36,6 +36,7 @@ from minisgl.scheduler.memory import (CacheManager, TableManager, check_kv_integ
                                       pages_spanned)
 from minisgl.scheduler.prefill import DecodeManager, PrefillChunk, PrefillManager, WaitingOrder
 from minisgl.scheduler.results import Queued, ReqEvent, collect_events, finished_event
+from minisgl.scheduler.snapshots import StateSnapshots
 from minisgl.scheduler.speculation import HostSpeculation
 from minisgl.scheduler.stats import SchedulerStats, report
 
@@ -43,6 +44,20 @@ from minisgl.scheduler.stats import SchedulerStats, report
 logger = logging.getLogger(__name__)
 # The idle check reads every page id: bigger pools (a small model, a large GPU) on demand only
 IDLE_CHECK_MAX_PAGES = 1 << 22
+
+def prefix_cache_of(engine: Engine, disabled: bool) -> PrefixCache:
+    """The radix cache; for a hybrid model one whose prefixes carry state snapshots, or none
+    where the engine keeps no snapshots (a hybrid resumes only from a state)."""
+    page_size = engine.page_size
+    if disabled:
+        return NaiveCache(page_size)
+    if engine.states is None:
+        return RadixCache(page_size)
+    if not engine.states.snapshots:
+        logger.info("prefix cache off: --max-mamba-cache-size leaves no state snapshots")
+        return NaiveCache(page_size)
+    return StateRadixCache(page_size, engine.states.rows, engine.states.snapshots)
+
 
 class Scheduler:
     def __init__(self, engine: Engine, config: SchedulerConfig) -> None:
@@ -52,16 +67,13 @@ class Scheduler:
         self.engine, self.config = engine, config
         self._outbox: asyncio.Queue[list[ReqEvent]] | None = None
         ps = engine.page_size
-        # NOTE: a hybrid's cached prefix would need the recurrent state at its end, which no
-        # node holds yet: it is served without prefix reuse rather than from a wrong state
-        reuse = not config.disable_radix_cache and not engine.arch.is_hybrid
-        if engine.arch.is_hybrid and not config.disable_radix_cache:
-            logger.info("prefix cache off: hybrid models keep no state snapshots yet")
-        prefix_cache = RadixCache(ps) if reuse else NaiveCache(ps)
-        self.cache = CacheManager(engine.kv_pool.num_pages, ps, prefix_cache)
+        self.cache = CacheManager(engine.kv_pool.num_pages, ps,
+                                  prefix_cache_of(engine, config.disable_radix_cache))
         self.stats = SchedulerStats()
         self.table = TableManager(engine.max_running, engine.dummy_row, engine.page_table,
                                   engine.token_pool, mirror=engine.tp.size > 1)
+        self.snapshots = (StateSnapshots(self.cache, self.table)
+                          if isinstance(self.cache.prefix_cache, StateRadixCache) else None)
         self.decode = DecodeManager()
         self.order = WaitingOrder(config.schedule_policy, config.enable_priority_scheduling,
                                   config.schedule_low_priority_values_first,
@@ -69,14 +81,15 @@ class Scheduler:
         self.adapters = AdapterTable(engine.config.max_loras_per_batch if engine.lora else 0,
                                      engine.config.max_loaded_loras)
         self.prefill = PrefillManager(self.cache, self.table, self.decode, self.order,
-                                      self.adapters, engine.arch.long_rope)
+                                      self.adapters, engine.arch.long_rope,
+                                      self.snapshots and self.snapshots.released)
         self.builder = BatchBuilder(engine, self.table, ps, self.adapters)
         self.speculation = None if engine.speculation is None else HostSpeculation(
             engine.speculation, grammar_drafts=engine.runs_steps_in_order,
             governed=not config.speculative_always_draft, cache=self.cache, table=self.table,
             stats=self.stats)
         self.selector = BatchSelector(config, self.prefill, self.decode, self.cache, self.builder,
-                                      self.stats, self.speculation)
+                                      self.stats, self.speculation, self.snapshots)
         self.context_len = engine.context_len
         self.eos_ids = frozenset(engine.eos_token_ids)
         self.limits = RequestLimits(
@@ -397,6 +410,8 @@ class Scheduler:
         Call only when no batch is in flight."""
         admitted = [r for r in self.reqs.values() if r.table_idx >= 0] + self.to_release
         check_kv_integrity(self.cache, self.table, admitted, live=bool(self.reqs))
+        if self.snapshots is not None:
+            self.snapshots.check(live=bool(admitted))
 
     def state(self) -> dict[str, Any]:
         return report(self.stats, self.cache, self.prefill, self.decode, self.engine,
@@ -422,9 +437,11 @@ SETTLE = Selection(settle_first=True)
 class BatchSelector:
     def __init__(self, config: SchedulerConfig, prefill: PrefillManager, decode: DecodeManager,
                  cache: CacheManager, builder: BatchBuilder, stats: SchedulerStats,
-                 speculation: HostSpeculation | None = None) -> None:
+                 speculation: HostSpeculation | None = None,
+                 snapshots: StateSnapshots | None = None) -> None:
         self.config, self.prefill, self.decode, self.cache = config, prefill, decode, cache
         self.builder, self.stats, self.speculation = builder, stats, speculation
+        self.snapshots = snapshots
 
     def next_batch(self, in_flight: bool, verify_in_flight: bool = False) -> Selection:
         """SETTLE only when `in_flight` (`verify_in_flight`: it is a verify step, so the
@@ -453,7 +470,10 @@ class BatchSelector:
             if locations is not None:
                 self.prefill.on_decode_step()
                 if counts is None:
-                    return Selection(self.builder.decode(reqs, locations))
+                    batch = self.builder.decode(reqs, locations)
+                    if self.snapshots is not None:
+                        self.snapshots.plan(batch, [])
+                    return Selection(batch)
                 return Selection(self.builder.verify(reqs, counts, locations))
             if in_flight:  # out of pages even after eviction: settle first, then retract
                 return SETTLE
@@ -475,8 +495,11 @@ class BatchSelector:
             self.prefill.on_decode_step()
         else:
             batch = self.builder.prefill(chunks)
+        if self.snapshots is not None:  # NOTE: it shares each chunk's pages up to its save
+            self.snapshots.plan(batch, chunks)
         for chunk in chunks:
-            self.prefill.share(chunk.req)
+            if self.snapshots is None:
+                self.prefill.share(chunk.req)
             if chunk.is_last and not chunk.req.prefill_only:
                 self.decode.add(chunk.req)
         return batch
