@@ -143,3 +143,19 @@ def test_a_config_value_we_do_not_compute_is_refused_in_one_line(tmp_path, field
                             load_format="dummy"))
     assert "\n" not in str(refused.value)
 
+
+def test_the_shipped_nemotron_3_nano_shape_builds_from_dummy_weights_and_decodes() -> None:
+    """The shipped shape-only config (its Hub spelling: hybrid_override_pattern; grouped
+    routing over many experts), narrowed: its first six layers (Mamba2, experts, attention)."""
+    narrow = {"num_hidden_layers": 6, "hidden_size": 128, "n_routed_experts": 16,
+              "moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 32,
+              "vocab_size": 1024, "head_dim": 32, "mamba_num_heads": 8, "mamba_head_dim": 16,
+              "ssm_state_size": 16}
+    params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    with LLM(model="nemotron-3-nano-30b-a3b", load_format="dummy", dtype="float32",
+             max_total_tokens=1024, json_model_override_args=json.dumps(narrow)) as llm:
+        arch = llm.runtime.engine.arch
+        assert set(arch.layer_types) == {"linear_attention", "moe", "full_attention"}
+        outs = llm.generate(input_ids=random_prompts((12, 30)), sampling_params=params)
+        llm.check_integrity()
+    assert all(len(r["output_ids"]) == 6 for r in outs)
