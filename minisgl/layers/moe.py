@@ -97,20 +97,25 @@ class QuantizedExperts:
 
 
 class Experts(Layer):
-    """Every expert's gate/up ([E, 2 * I / tp, H]) and down ([E, H, I / tp]) weights."""
+    """Every expert's gate/up ([E, 2 * I / tp, H]) and down ([E, H, I / tp]) weights. With an
+    `act` of its own an expert has no gate: `gate_up` holds its up rows alone ([E, I / tp, H])
+    and act(up x) feeds down."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 act: Layer | None = None) -> None:
         super().__init__()
         tp = get_tp_info()
         self.shard = divide(intermediate_size, tp.size, "expert intermediate size")
         self.rank_start = tp.rank * self.shard  # this rank's first intermediate feature
         self.num_experts, self.hidden_size = num_experts, hidden_size
         self.intermediate_size = intermediate_size
-        self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * self.shard, hidden_size),
+        self.gated = act is None
+        self.gate_up_width = (2 if self.gated else 1) * self.shard
+        self.gate_up = nn.Parameter(torch.empty(num_experts, self.gate_up_width, hidden_size),
                                     requires_grad=False)
         self.down = nn.Parameter(torch.empty(num_experts, hidden_size, self.shard),
                                  requires_grad=False)
-        self.act = SiluAndMul()
+        self.act = act or SiluAndMul()
         self.quantized: QuantizedExperts | None = None  # --quantization w8a8_int8/fp8/gguf
         # --quantization gguf: per part (gate, up, down), each expert's blocks as loaded
         self.blocks: dict[str, list[WeightBlocks | None]] | None = None
@@ -147,8 +152,8 @@ class Experts(Layer):
             copy_into(self.down.data[expert], read_cols(source, rank_start, self.shard),
                       f"experts.{expert}.down")
         else:
-            rows = self.gate_up.data[expert].narrow(0, 0 if part == "gate" else self.shard,
-                                                    self.shard)
+            start = self.shard if part == "up" and self.gated else 0
+            rows = self.gate_up.data[expert].narrow(0, start, self.shard)
             copy_into(rows, read_rows(source, rank_start, self.shard), f"experts.{expert}.{part}")
 
     def expect_blocks(self, bits: int = 4) -> None:
@@ -228,7 +233,7 @@ class Experts(Layer):
     def _per_expert(self, grouped: torch.Tensor, counts: list[int], part: str) -> torch.Tensor:
         """One grouped matmul (`part` gate_up or down) as one matmul per expert that has rows
         (quantized weights, or a device without a grouped matmul)."""
-        width = 2 * self.shard if part == "gate_up" else self.hidden_size
+        width = self.gate_up_width if part == "gate_up" else self.hidden_size
         out = grouped.new_empty(grouped.shape[0], width)
         start = 0
         for expert, count in enumerate(counts):

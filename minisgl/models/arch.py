@@ -179,14 +179,23 @@ class MambaShape:
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> MambaShape:
-        heads, head_dim = config["mamba_n_heads"], config["mamba_d_head"]
-        limit = [json_float(v) for v in config.get("time_step_limit") or (0.0, float("inf"))]
-        return cls(heads=heads, head_dim=head_dim, d_state=config["mamba_d_state"],
-                   groups=config.get("mamba_n_groups", 1),
-                   conv_kernel=config.get("mamba_d_conv", 4), inner=heads * head_dim,
-                   conv_bias=bool(config.get("mamba_conv_bias", True)),
-                   proj_bias=bool(config.get("mamba_proj_bias", False)),
-                   dt_limit=(limit[0], limit[1]))
+        """Granite's spelling (mamba_n_heads, ...) or Nemotron-H's (mamba_num_heads, ...)."""
+        def either(granite: str, nemotron: str, default: Any = None) -> Any:
+            return config.get(granite, config.get(nemotron, default))
+
+        heads, head_dim = either("mamba_n_heads", "mamba_num_heads"), either("mamba_d_head",
+                                                                             "mamba_head_dim")
+        limit = either("time_step_limit", "mamba_dt_limit") or (0.0, float("inf"))
+        limit = [json_float(v) for v in limit]
+        # NOTE: Nemotron-H's projections take their bias from use_bias, not mamba_proj_bias
+        proj_bias = (config.get("use_bias", False) if config.get("model_type") == "nemotron_h"
+                     else config.get("mamba_proj_bias", False))
+        return cls(heads=heads, head_dim=head_dim,
+                   d_state=either("mamba_d_state", "ssm_state_size"),
+                   groups=either("mamba_n_groups", "n_groups", 1),
+                   conv_kernel=either("mamba_d_conv", "conv_kernel", 4), inner=heads * head_dim,
+                   conv_bias=bool(either("mamba_conv_bias", "use_conv_bias", True)),
+                   proj_bias=bool(proj_bias), dt_limit=(limit[0], limit[1]))
 
 
 def json_float(value: Any) -> float:
@@ -194,16 +203,23 @@ def json_float(value: Any) -> float:
     return float(value["__float__"] if isinstance(value, dict) else value)
 
 
-# Hub configs of Granite 4's hybrids name their layers in layers_block_type
+# Hub configs of Granite 4's and Nemotron-H's hybrids name their layers in layers_block_type
 BLOCK_TYPES = {"mamba": "linear_attention", "attention": "full_attention"}
+# Nemotron-H's hybrid_override_pattern, a character per layer; its "mlp" and "moe" layers are
+# an MLP or experts alone, with neither KV nor a recurrent state
+PATTERN_TYPES = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+STATELESS_TYPES = ("mlp", "moe")
 
 
 def layer_types(config: dict[str, Any]) -> tuple[str, ...]:
-    """Per layer its kind (transformers 5's `layer_types`, or the Hub's layers_block_type)."""
+    """Per layer its kind (transformers 5's `layer_types`, or the Hub's layers_block_type or
+    hybrid_override_pattern)."""
+    layers = config.get("num_hidden_layers")
     if config.get("layer_types"):
-        return tuple(config["layer_types"])[:config["num_hidden_layers"]]
-    blocks = config.get("layers_block_type") or ()
-    return tuple(BLOCK_TYPES.get(kind, kind) for kind in blocks)[:config["num_hidden_layers"]]
+        return tuple(config["layer_types"])[:layers]
+    blocks = config.get("layers_block_type") or [
+        PATTERN_TYPES.get(char, char) for char in config.get("hybrid_override_pattern") or ""]
+    return tuple(BLOCK_TYPES.get(kind, kind) for kind in blocks)[:layers]
 
 
 def linear_shape(config: dict[str, Any]) -> LinearAttnShape | MambaShape | None:
@@ -211,7 +227,7 @@ def linear_shape(config: dict[str, Any]) -> LinearAttnShape | MambaShape | None:
     Gated DeltaNet); None for a model of attention layers only."""
     if "linear_attention" not in layer_types(config):
         return None
-    if config.get("mamba_n_heads"):
+    if config.get("mamba_n_heads") or config.get("mamba_num_heads"):
         return MambaShape.from_config(config)
     return LinearAttnShape.from_config(config)
 
@@ -263,6 +279,9 @@ class ModelArch:
             # check_supported names it rather than a missing field failing first
             config = {**config["text_config"],
                       **{k: v for k, v in config.items() if k != "text_config"}}
+        if "num_hidden_layers" not in config and layer_types(config):
+            # NOTE: transformers' NemotronH config counts its layers by layers_block_type
+            config = {**config, "num_hidden_layers": len(layer_types(config))}
         archs = config.get("architectures") or [""]
         model_type = config.get("model_type", "")
         heads = config["num_attention_heads"]
@@ -286,7 +305,7 @@ class ModelArch:
             num_heads=heads,
             num_kv_heads=config.get("num_key_value_heads") or heads,
             head_dim=head_dim,
-            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            rms_norm_eps=config.get("rms_norm_eps", config.get("layer_norm_epsilon", 1e-6)),
             max_position_embeddings=config.get("max_position_embeddings", 4096),
             rope=rope,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
@@ -327,7 +346,8 @@ class ModelArch:
     @property
     def kv_layers(self) -> int:
         """Layers whose K and V the KV pool holds."""
-        return self.num_layers - self.linear_layers
+        stateless = sum(kind in STATELESS_TYPES for kind in self.layer_types)
+        return self.num_layers - self.linear_layers - stateless
 
     @property
     def sliding_window(self) -> int | None:

@@ -108,7 +108,9 @@ def is_layer_linear(name: str) -> bool:
 
 def load_dummy(model: nn.Module, arch: Any, seed: int, device: torch.device,
                dtype: torch.dtype, int4: bool = False, int4_groups: bool = False) -> None:
-    shapes = checkpoint_shapes(arch)
+    # a model of another naming than the Llama family's says its own (models.nemotron_h)
+    own = getattr(model, "checkpoint_shapes", None)
+    shapes = own() if own is not None else checkpoint_shapes(arch)
     if int4_groups:
         for name in filter(is_layer_linear, shapes):
             model.weight_target(name)[0].expect_gguf_blocks()

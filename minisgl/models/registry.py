@@ -11,6 +11,7 @@ from minisgl.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from minisgl.models.granite_hybrid import GraniteMoeHybridForCausalLM
 from minisgl.models.llama import LlamaForCausalLM
 from minisgl.models.moe import MoEForCausalLM
+from minisgl.models.nemotron_h import NemotronHForCausalLM
 from minisgl.models.phi3 import Phi3ForCausalLM
 from minisgl.models.qwen3_next import Qwen3NextForCausalLM
 
@@ -21,6 +22,7 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": MoEForCausalLM,
+    "NemotronHForCausalLM": NemotronHForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
