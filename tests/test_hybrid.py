@@ -112,13 +112,16 @@ def test_greedy_generation_batched_chunked_and_repeated(qwen3_next) -> None:
 
 
 def test_prefix_hits_resume_from_the_state_snapshot_at_the_prefix_end(qwen3_next) -> None:
+    assert_prefix_hits_resume_from_snapshots(*qwen3_next)
+
+
+def assert_prefix_hits_resume_from_snapshots(model: torch.nn.Module, path: str) -> None:
     """A full hit (the same prompt again), a multi-turn hit (a prompt continuing an earlier
     request's prompt and output) and a part-way hit (a prompt sharing 33 tokens with an
     earlier one) each resume from the snapshot at the deepest page boundary they share, and
     generate what transformers does. With 4-token pages and 16-token chunks, the first
     request leaves snapshots at its chunks' ends (16, 32), at the page boundary before its
     prompt's last token (36) and at the last one its KV reached (48 of 40 + 12 - 1)."""
-    model, path = qwen3_next
     first = random_prompts((40,))[0]
     params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
     with LLM(model=path, dtype="float32", max_total_tokens=2048, max_running_requests=4,

@@ -13,7 +13,8 @@ import torch
 
 from minisgl.engine import Engine, EngineConfig
 from minisgl.llm import LLM
-from tests.test_hybrid import VOCAB, random_prompts, reference_greedy
+from tests.test_hybrid import (VOCAB, assert_prefix_hits_resume_from_snapshots, random_prompts,
+                               reference_greedy)
 from tests.test_model import forward_spans
 
 LOGIT_TOLERANCE = 1e-4  # max |ours - transformers| over all vocab logits, float32
@@ -93,6 +94,10 @@ def test_retraction_under_a_tiny_pool_recomputes_the_state(nemotron) -> None:
         llm.check_integrity()
     assert retractions > 0, "the pool was meant to be too small to run everything at once"
     assert [r["output_ids"] for r in outs] == expected
+
+
+def test_prefix_hits_resume_from_the_state_snapshot_at_the_prefix_end(nemotron) -> None:
+    assert_prefix_hits_resume_from_snapshots(*nemotron)
 
 
 @pytest.mark.parametrize("nemotron", ["moe"], indirect=True)
