@@ -148,8 +148,32 @@ def test_retraction_under_a_tiny_pool_recomputes_the_state(qwen3_next) -> None:
     assert [r["output_ids"] for r in outs] == expected
 
 
+def test_ngram_speculation_rolls_the_state_back_to_the_accepted_tokens(qwen3_next) -> None:
+    assert_ngram_speculation_is_greedy(*qwen3_next)
+
+
+def assert_ngram_speculation_is_greedy(model: torch.nn.Module, path: str) -> None:
+    """Greedy NGRAM speculation, every draft verified, with 16-token chunks, mixed batches and
+    the prefix cache, gives transformers' greedy tokens: a rejected draft's state is undone,
+    and a partly accepted row keeps the state after its accepted drafts (the Qwen models
+    here repeat their motifs, so some drafts are accepted; Granite's random model does not)."""
+    motifs = random_prompts((4, 6, 9))
+    prompts = [motif * 6 for motif in motifs] + random_prompts((30,))
+    expected = reference_greedy(model, prompts, 24)
+    params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+    with LLM(model=path, dtype="float32", max_total_tokens=2048, max_running_requests=4,
+             chunked_prefill_size=16, enable_mixed_chunk=True, speculative_algorithm="NGRAM",
+             speculative_always_draft=True, speculative_num_draft_tokens=4) as llm:
+        outs = llm.generate(input_ids=prompts, sampling_params=params)
+        again = llm.generate(input_ids=prompts, sampling_params=params)
+        stats = llm.runtime.state()
+        llm.check_integrity()
+    assert [r["output_ids"] for r in outs] == expected
+    assert [r["output_ids"] for r in again] == expected
+    assert stats["spec_accepted_tokens"] < stats["spec_drafted_tokens"], stats
+
+
 @pytest.mark.parametrize("flags, named", [
-    ({"speculative_algorithm": "NGRAM"}, "--speculative-algorithm"),
     ({"tp_size": 2}, "--tp-size"),
     ({"enable_lora": True, "max_lora_rank": 8, "lora_target_modules": ["o_proj"]},
      "--enable-lora"),

@@ -13,7 +13,8 @@ import torch
 
 from minisgl.engine import Engine, EngineConfig
 from minisgl.llm import LLM
-from tests.test_hybrid import (VOCAB, assert_prefix_hits_resume_from_snapshots, random_prompts,
+from tests.test_hybrid import (VOCAB, assert_ngram_speculation_is_greedy,
+                               assert_prefix_hits_resume_from_snapshots, random_prompts,
                                reference_greedy)
 from tests.test_model import forward_spans
 
@@ -98,6 +99,10 @@ def test_retraction_under_a_tiny_pool_recomputes_the_state(nemotron) -> None:
 
 def test_prefix_hits_resume_from_the_state_snapshot_at_the_prefix_end(nemotron) -> None:
     assert_prefix_hits_resume_from_snapshots(*nemotron)
+
+
+def test_ngram_speculation_rolls_the_state_back_to_the_accepted_tokens(nemotron) -> None:
+    assert_ngram_speculation_is_greedy(*nemotron)
 
 
 @pytest.mark.parametrize("nemotron", ["moe"], indirect=True)

@@ -90,9 +90,12 @@ class Engine:
         if self.tp.size > 1:
             check_tp_size(self.arch, self.tp.size, self.model_path.name)
         if self.arch.is_hybrid:
-            check_hybrid(config.tp_size, config.speculative_algorithm, config.enable_lora)
+            check_hybrid(config.tp_size, config.enable_lora)
         self.draft_arch = (draft_arch(config, self.arch, self.context_len)
                            if self.tp.is_primary else None)
+        if self.draft_arch is not None and self.draft_arch[1].is_hybrid:
+            raise ValueError("--speculative-draft-model-path: a hybrid draft model (recurrent "
+                             "states) is not supported")
         try:
             if self.tp.size > 1 and self.tp.is_primary and group is None:
                 self.workers = TPWorkers(self.tp.size, self.device, config.log_level,
@@ -139,7 +142,9 @@ class Engine:
             self.page_size: int = config.page_size
             self.states = None if not self.arch.is_hybrid else allocate_state_pool(
                 self.arch, self.max_running + 1,
-                (config.max_mamba_cache_size or 0) - self.max_running, self.dtype, self.device)
+                (config.max_mamba_cache_size or 0) - self.max_running, self.dtype, self.device,
+                scratch=0 if config.speculative_algorithm is None
+                else config.speculative_num_draft_tokens - 1)
             if self.states is not None:
                 self.model.bind_states(self.states)
             self.kv_pool = allocate_kv_pool(
@@ -180,7 +185,7 @@ class Engine:
         if self.speculation is not None and self.tp.is_primary:
             draft_model = None if draft is None else self._draft_runner(*draft)
             speculator = Speculator(self.speculation, self.token_pool, self.page_table,
-                                    draft_model)
+                                    draft_model, self.states)
             if graph_runner is not None:
                 speculator.pad_for_graphs(*graph_runner.verify_shape, self.kv_pool.dummy_loc)
         self.runner = ModelRunner(self.model, self.attn_backend, self.sampler, self.token_pool,
@@ -500,6 +505,7 @@ class ModelRunner:
         if fwd.verify is not None:
             assert self.speculator is not None
             output, stored = self.speculator.verify(fwd, logits, self.sampler, mask)
+            self.speculator.keep_accepted_states(fwd)
             self.token_pool.view(-1)[fwd.write_indices] = stored
             if self.tp.size > 1:
                 broadcast(stored, 0)

@@ -65,16 +65,18 @@ def allocate_kv_pool(config: EngineConfig, arch: ModelArch, kv_heads: int, page_
 
 
 def allocate_state_pool(arch: ModelArch, rows: int, snapshots: int, dtype: torch.dtype,
-                        device: torch.device) -> StatePool:
-    """A hybrid model's recurrent states, one per table row and `snapshots` for the prefix
-    cache (before the KV pool, which takes what memory is left)."""
+                        device: torch.device, scratch: int = 0) -> StatePool:
+    """A hybrid model's recurrent states, one per table row, `snapshots` for the prefix cache
+    and `scratch` per row for speculative verify steps (before the KV pool, which takes what
+    memory is left)."""
     shape = arch.linear
     assert shape is not None
     pool = StatePool(arch.linear_layers, rows, shape.conv_dim, shape.conv_kernel,
-                     shape.state_shape, dtype, device, snapshots)
-    logger.info("state pool: %d rows + %d prefix-cache snapshots of %d linear-attention layers "
-                "(%.2f MiB each, %.2f GiB)", rows, snapshots, arch.linear_layers,
-                pool.bytes_per_state / 2**20, pool.nbytes / 2**30)
+                     shape.state_shape, dtype, device, snapshots, scratch)
+    logger.info("state pool: %d rows + %d prefix-cache snapshots + %d verify scratch of %d "
+                "linear-attention layers (%.2f MiB each, %.2f GiB)", rows, snapshots,
+                rows * scratch, arch.linear_layers, pool.bytes_per_state / 2**20,
+                pool.nbytes / 2**30)
     return pool
 
 

@@ -50,12 +50,10 @@ def check_tp_size(arch: ModelArch, size: int, model_name: str) -> None:
                      f"tensor-parallel sizes that fit this model: {sizes}")
 
 
-def check_hybrid(tp_size: int, speculative_algorithm: str | None, enable_lora: bool) -> None:
+def check_hybrid(tp_size: int, enable_lora: bool) -> None:
     """Refuse, in one line, what a hybrid model (recurrent states beside KV) does not run with
-    yet: tensor parallelism, speculative decoding (a rejected draft must roll its state back)
-    and LoRA adapters."""
+    yet: tensor parallelism and LoRA adapters."""
     refused = [flag for flag, on in (("--tp-size > 1", tp_size > 1),
-                                     ("--speculative-algorithm", speculative_algorithm),
                                      ("--enable-lora", enable_lora)) if on]
     if refused:
         raise ValueError(f"hybrid models (linear-attention layers) do not run with "

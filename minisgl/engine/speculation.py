@@ -34,6 +34,7 @@ from minisgl.engine.draft_model import DraftModel
 from minisgl.engine.forward import ForwardInput, ForwardOutput, to_host
 from minisgl.engine.ngram import NgramIndex
 from minisgl.engine.sampler import SampleOutput, Sampler, argmax, to_device, unpack_bitmask
+from minisgl.kvcache.state_pool import StatePool
 from minisgl.layers.embedding import INT8_MAX_ROWS
 
 MAX_COOLDOWN = 16  # steps a row drafts nothing after drafts it kept rejecting (doubling)
@@ -88,8 +89,12 @@ class _RowDrafts:
 
 class Speculator:
     def __init__(self, config: SpecConfig, token_pool: torch.Tensor, page_table: torch.Tensor,
-                 draft_model: DraftModel | None = None) -> None:
+                 draft_model: DraftModel | None = None, states: StatePool | None = None
+                 ) -> None:
         self.config, self.draft_model = config, draft_model
+        # a hybrid model's recurrent states: a verify step saves each row's state after each of
+        # its tokens but the last (in the pool's scratch rows); the row keeps the accepted one
+        self.states = states
         self.token_pool, self.page_table = token_pool, page_table
         self.context_len = token_pool.shape[1]
         self.device = token_pool.device
@@ -171,6 +176,10 @@ class Speculator:
         batch.seq_lens = [s + c for s, c in zip(starts, spans)]
         batch.row_tokens = width
         verify.offsets = list(accumulate(spans[:-1], initial=0))
+        if self.states is not None:
+            batch.state_saves = [(row, j, self.states.scratch_row(row, j - 1))
+                                 for row, count in zip(table_rows, verify.counts)
+                                 for j in range(1, count)]
         flat_d = to_device(flat, self.device)
         batch.input_positions = to_device(positions, self.device)
         batch.out_loc = self.page_table.view(-1)[flat_d].to(torch.int64)
@@ -184,6 +193,22 @@ class Speculator:
         fwd.logit_rows = None if batch.is_decode else torch.arange(len(positions),
                                                                    device=self.device)
         fwd.verify_step = True
+
+    def keep_accepted_states(self, fwd: ForwardInput) -> None:
+        """After `verify`: each hybrid row's recurrent state back to the one after its accepted
+        tokens (the last token and its accepted drafts), from the device's committed lengths
+        (no sync)."""
+        if self.states is None:
+            return
+        batch, verify = fwd.batch, fwd.verify
+        assert verify is not None
+        rows = to_device(torch.tensor(batch.table_rows[:batch.size]), self.device)
+        starts = to_device(torch.tensor(batch.cached_lens), self.device)
+        counts = to_device(torch.tensor(verify.counts), self.device)
+        kept = self.committed[rows] - starts - 1  # tokens of each row's span its state follows
+        sources = torch.where(kept < counts,
+                              self.states.scratch_row(rows, (kept - 1).clamp(min=0)), rows)
+        self.states.copy(sources, rows)
 
     def token_writes(self, fwd: ForwardInput) -> list[tuple[int, int, torch.Tensor]]:
         """The drafts `resolve` wrote, as token-pool writes (row, start, ids) for other ranks."""

@@ -7,6 +7,9 @@ snapshot the prefix cache held) on.
 
 Past the request rows, `snapshots` more rows hold states copied out at a known length: the
 prefix cache's snapshots (kvcache.state_cache), addressed by their index in the same tensors.
+With speculative decoding, `scratch` more rows per request row follow them: a verify step saves
+the state after each of a row's tokens but the last there, and the row keeps the one after its
+accepted tokens (engine.speculation).
 """
 
 from __future__ import annotations
@@ -17,9 +20,9 @@ import torch
 class StatePool:
     def __init__(self, num_layers: int, rows: int, conv_dim: int, conv_kernel: int,
                  state_shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device,
-                 snapshots: int = 0) -> None:
-        self.rows, self.snapshots = rows, snapshots
-        total = rows + snapshots
+                 snapshots: int = 0, scratch: int = 0) -> None:
+        self.rows, self.snapshots, self.scratch = rows, snapshots, scratch
+        total = rows + snapshots + rows * scratch
         # [layer, row, channel, the last conv_kernel - 1 inputs], in the model's dtype
         self.conv = torch.zeros(num_layers, total, conv_dim, conv_kernel - 1, dtype=dtype,
                                 device=device)
@@ -33,15 +36,21 @@ class StatePool:
         snapshot index)."""
         return self.conv[linear_id], self.recurrent[linear_id]
 
-    def copy(self, sources: list[int], targets: list[int]) -> None:
+    def copy(self, sources: list[int] | torch.Tensor, targets: list[int] | torch.Tensor
+             ) -> None:
         """Every layer's state of each source row into its target row."""
-        if not sources:
+        if not len(sources):
             return
         device = self.conv.device
-        src = torch.tensor(sources, device=device)
-        dst = torch.tensor(targets, device=device)
+        src = torch.as_tensor(sources, device=device)
+        dst = torch.as_tensor(targets, device=device)
         self.conv[:, dst] = self.conv[:, src]
         self.recurrent[:, dst] = self.recurrent[:, src]
+
+    def scratch_row(self, row: int | torch.Tensor, index: int | torch.Tensor
+                    ) -> int | torch.Tensor:
+        """Request row `row`'s scratch state `index` (< scratch)."""
+        return self.rows + self.snapshots + row * self.scratch + index
 
     @property
     def bytes_per_state(self) -> int:

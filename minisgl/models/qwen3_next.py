@@ -48,15 +48,15 @@ SKIPPED_PREFIXES = ("model.visual.", "mtp.")
 class RowSpans:
     """A batch's token rows per request: `counts[i]` tokens from `starts[i]` of the flat batch,
     its state in table row `rows[i]`, `fresh[i]`: it starts at position 0 (state from zero).
-    `cuts[i]` = (tokens, slot): the state after that many of the span's tokens is saved into
-    snapshot `slot` of the state pool (the prefix cache's; a save at a span's end is the
-    stack's, `HybridStack`)."""
+    `cuts[i]`: (tokens, slot) pairs, in order: the state after that many of the span's tokens
+    is saved into row `slot` of the state pool (a prefix-cache snapshot, a verify step's
+    scratch; a save at a span's end is the stack's, `HybridStack`)."""
 
     starts: list[int]
     counts: list[int]
     rows: list[int]
     fresh: list[bool]
-    cuts: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    cuts: dict[int, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, batch: Batch) -> RowSpans:
@@ -70,19 +70,20 @@ class RowSpans:
             starts.append(at)
             at += count
         rows = list(batch.table_rows[:size])
-        cuts = {}
-        for row, tokens, slot in batch.state_saves or ():
+        cuts: dict[int, list[tuple[int, int]]] = {}
+        for row, tokens, slot in sorted(batch.state_saves or ()):
             i = rows.index(row)
             if tokens < counts[i]:
-                cuts[i] = (tokens, slot)
+                cuts.setdefault(i, []).append((tokens, slot))
         return cls(starts, list(counts), rows, [c == 0 for c in cached], cuts)
 
     def pieces(self, i: int) -> list[tuple[int, int, int | None]]:
-        """Span i as (first token, end, snapshot slot filled after it or None)."""
-        cut = self.cuts.get(i)
-        if cut is None:
-            return [(0, self.counts[i], None)]
-        return [(0, cut[0], cut[1]), (cut[0], self.counts[i], None)]
+        """Span i as (first token, end, the row its state after them is saved to, or None)."""
+        pieces, first = [], 0
+        for tokens, slot in self.cuts.get(i, ()):
+            pieces.append((first, tokens, slot))
+            first = tokens
+        return [*pieces, (first, self.counts[i], None)]
 
 
 def save_snapshot(conv_states: torch.Tensor, ssm_states: torch.Tensor, row: int, slot: int,
