@@ -173,6 +173,29 @@ def assert_ngram_speculation_is_greedy(model: torch.nn.Module, path: str) -> Non
     assert stats["spec_accepted_tokens"] < stats["spec_drafted_tokens"], stats
 
 
+@pytest.mark.parametrize("qwen3_next", ["qwen3.5"], indirect=True)
+def test_a_dense_draft_model_speculates_for_a_hybrid_target(qwen3_next, tmp_path) -> None:
+    """STANDALONE with a small random Llama as the draft (its drafts mostly rejected): the
+    target's rows roll back to their accepted state, and the greedy tokens are transformers'."""
+    import transformers
+    model, path = qwen3_next
+    torch.manual_seed(1)
+    draft = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512))
+    draft.save_pretrained(tmp_path)
+    prompts = random_prompts((9, 30))
+    params = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
+    with LLM(model=path, dtype="float32", max_total_tokens=1024, max_running_requests=2,
+             speculative_algorithm="STANDALONE", speculative_draft_model_path=str(tmp_path),
+             speculative_always_draft=True, speculative_num_draft_tokens=3) as llm:
+        outs = llm.generate(input_ids=prompts, sampling_params=params)
+        stats = llm.runtime.state()
+        llm.check_integrity()
+    assert [r["output_ids"] for r in outs] == reference_greedy(model, prompts, 16)
+    assert stats["spec_accepted_tokens"] < stats["spec_drafted_tokens"], stats
+
+
 @pytest.mark.parametrize("flags, named", [
     ({"tp_size": 2}, "--tp-size"),
     ({"enable_lora": True, "max_lora_rank": 8, "lora_target_modules": ["o_proj"]},
