@@ -248,16 +248,26 @@ def test_the_chunked_delta_rule_is_the_recurrence(length: int) -> None:
     assert (blocked - stepped).abs().max().item() < 1e-5
 
 
-@pytest.mark.parametrize("config", ["qwen3-next-80b-a3b", "qwen3.5-35b-a3b"])
-def test_shipped_hybrid_shapes_build_from_dummy_weights_and_decode(config: str) -> None:
+QWEN_NARROW = {"num_hidden_layers": 4, "hidden_size": 128, "num_experts": 4,
+               "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+               "shared_expert_intermediate_size": 32, "vocab_size": 1024, "head_dim": 32,
+               "linear_key_head_dim": 16, "linear_value_head_dim": 16, "intermediate_size": 64}
+# its first six layers (five Mamba2, one attention), in the Hub's layer names (mamba, attention)
+GRANITE_NARROW = {"num_hidden_layers": 6, "hidden_size": 128, "num_local_experts": 4,
+                  "num_experts_per_tok": 2, "intermediate_size": 32,
+                  "shared_intermediate_size": 64, "vocab_size": 1024, "mamba_n_heads": 8,
+                  "mamba_d_head": 32, "mamba_d_state": 16, "num_attention_heads": 4,
+                  "num_key_value_heads": 2}
+
+
+@pytest.mark.parametrize("config, narrow", [("qwen3-next-80b-a3b", QWEN_NARROW),
+                                            ("qwen3.5-35b-a3b", QWEN_NARROW),
+                                            ("granite-4.0-h-tiny", GRANITE_NARROW)])
+def test_shipped_hybrid_shapes_build_from_dummy_weights_and_decode(config: str, narrow) -> None:
     """The shipped shape-only configs (their layer layout, projections and shared experts),
     narrowed so that the test stays small: random weights load into every parameter and a
     batch decodes. (Four real layers of Qwen3.5-35B-A3B: BENCHMARKS.md, "Hybrid models".)"""
     import json
-    narrow = {"num_hidden_layers": 4, "hidden_size": 128, "num_experts": 4,
-              "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-              "shared_expert_intermediate_size": 32, "vocab_size": 1024, "head_dim": 32,
-              "linear_key_head_dim": 16, "linear_value_head_dim": 16, "intermediate_size": 64}
     params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
     with LLM(model=config, load_format="dummy", dtype="float32", max_total_tokens=1024,
              json_model_override_args=json.dumps(narrow)) as llm:

@@ -212,12 +212,11 @@ STATELESS_TYPES = ("mlp", "moe")
 
 
 def layer_types(config: dict[str, Any]) -> tuple[str, ...]:
-    """Per layer its kind (transformers 5's `layer_types`, or the Hub's layers_block_type or
+    """Per layer its kind (`layer_types` in transformers 5's words or, as Granite 4.0-H's Hub
+    configs write it, "mamba" and "attention"; or the Hub's layers_block_type or
     hybrid_override_pattern)."""
     layers = config.get("num_hidden_layers")
-    if config.get("layer_types"):
-        return tuple(config["layer_types"])[:layers]
-    blocks = config.get("layers_block_type") or [
+    blocks = config.get("layer_types") or config.get("layers_block_type") or [
         PATTERN_TYPES.get(char, char) for char in config.get("hybrid_override_pattern") or ""]
     return tuple(BLOCK_TYPES.get(kind, kind) for kind in blocks)[:layers]
 

@@ -235,6 +235,48 @@ class GraniteMoeHybridForCausalLM(HybridStack, MoEForCausalLM):
                                              float(config.get("residual_multiplier", 1.0))))
         return nn.ModuleList(layers)
 
+    def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Name -> shape of every tensor of a Hub checkpoint of this model, for --load-format
+        dummy."""
+        arch, hidden, config = self.arch, self.arch.hidden_size, self.arch.config
+        s = arch.linear
+        assert isinstance(s, MambaShape)
+        q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+        shared = config["shared_intermediate_size"]
+        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (arch.vocab_size,
+                                                                            hidden)}
+        for i, kind in enumerate(arch.layer_types):
+            p = f"model.layers.{i}."
+            shapes.update({p + "input_layernorm.weight": (hidden,),
+                           p + "post_attention_layernorm.weight": (hidden,),
+                           p + "shared_mlp.input_linear.weight": (2 * shared, hidden),
+                           p + "shared_mlp.output_linear.weight": (hidden, shared)})
+            if arch.moe is not None:
+                e, inter = arch.moe.num_experts, arch.moe.intermediate_size
+                shapes.update({p + "block_sparse_moe.input_linear.weight": (e, 2 * inter, hidden),
+                               p + "block_sparse_moe.output_linear.weight": (e, hidden, inter),
+                               p + "block_sparse_moe.router.layer.weight": (e, hidden)})
+            if kind != "linear_attention":
+                shapes.update({p + "self_attn.q_proj.weight": (q, hidden),
+                               p + "self_attn.k_proj.weight": (kv, hidden),
+                               p + "self_attn.v_proj.weight": (kv, hidden),
+                               p + "self_attn.o_proj.weight": (hidden, q)})
+                continue
+            m = p + "mamba."
+            shapes.update({m + "in_proj.weight": (s.inner + s.conv_dim + s.heads, hidden),
+                           m + "conv1d.weight": (s.conv_dim, 1, s.conv_kernel),
+                           m + "dt_bias": (s.heads,), m + "A_log": (s.heads,), m + "D": (s.heads,),
+                           m + "norm.weight": (s.inner,), m + "out_proj.weight": (hidden, s.inner)})
+            if s.conv_bias:
+                shapes[m + "conv1d.bias"] = (s.conv_dim,)
+            if s.proj_bias:
+                shapes.update({m + "in_proj.bias": (s.inner + s.conv_dim + s.heads,),
+                               m + "out_proj.bias": (hidden,)})
+        shapes["model.norm.weight"] = (hidden,)
+        if not arch.tie_word_embeddings:
+            shapes["lm_head.weight"] = (arch.vocab_size, hidden)
+        return shapes
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids) * float(
             self.arch.config.get("embedding_multiplier", 1.0))
