@@ -121,18 +121,22 @@ def assert_prefix_hits_resume_from_snapshots(model: torch.nn.Module, path: str) 
     earlier one) each resume from the snapshot at the deepest page boundary they share, and
     generate what transformers does. With 4-token pages and 16-token chunks, the first
     request leaves snapshots at its chunks' ends (16, 32), at the page boundary before its
-    prompt's last token (36) and at the last one its KV reached (48 of 40 + 12 - 1)."""
-    first = random_prompts((40,))[0]
+    prompt's last token (36) and at the last one its KV reached (48 of 40 + 12 - 1). A short
+    answer's next turn resumes where its prompt ended (44 of 44 + 2 - 1)."""
+    first, short = random_prompts((40, 44))
     params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
     with LLM(model=path, dtype="float32", max_total_tokens=2048, max_running_requests=4,
              chunked_prefill_size=16, page_size=4, max_mamba_cache_size=32) as llm:
         out = llm.generate(input_ids=[first], sampling_params=params)[0]["output_ids"]
-        prompts = [first, first + out + [7, 8, 9], first[:33] + random_prompts((21,))[0]]
+        answer = llm.generate(input_ids=[short], sampling_params={**params, "max_new_tokens": 2}
+                              )[0]["output_ids"]
+        prompts = [first, first + out + [7, 8, 9], first[:33] + random_prompts((21,))[0],
+                   short + answer + [5]]
         results = [llm.generate(input_ids=[p], sampling_params=params)[0] for p in prompts]
         llm.check_integrity()
     expected = reference_greedy(model, [first, *prompts], 12)
     assert [out, *(r["output_ids"] for r in results)] == expected
-    assert [r["meta_info"]["cached_tokens"] for r in results] == [36, 48, 32]
+    assert [r["meta_info"]["cached_tokens"] for r in results] == [36, 48, 32, 44]
 
 
 def test_retraction_under_a_tiny_pool_recomputes_the_state(qwen3_next) -> None:

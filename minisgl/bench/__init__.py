@@ -51,6 +51,8 @@ SUBCOMMANDS = [
                "a mixture-of-experts step against the dense model of equal active size"),
     Subcommand("hybrid", "hybrid", "kernel",
                "a hybrid's decode step against the dense model of equal size; the delta rule"),
+    Subcommand("hybrid-prefix", "hybrid_prefix", "offline",
+               "a hybrid's first token cold, after a full prefix hit and a next turn"),
     Subcommand("stream-chunk", "stream_chunk", "kernel",
                "the host cost of one streamed /generate chunk"),
     Subcommand("load-memory", "load_memory", "kernel",

@@ -5,10 +5,11 @@ A request admitted on a cached prefix copies that prefix's snapshot into its own
 before its first chunk runs (a load). Each step of a running request then saves its state at
 the last page boundary the step reaches into a free snapshot slot: a prompt's last chunk at
 the boundary before the prompt's last token (a match never covers a prompt's last token, whose
-forward gives the first output, so the same prompt again resumes there). A prefill chunk's
-pages up to its boundary go to the prefix cache at once, the snapshot attached; a decode
-step's snapshot stays the request's own (its track) until the request ends, when it joins the
-node its cached pages end at. A request keeps only its newest snapshot outside the tree.
+forward gives the first output, so the same prompt again resumes there) and at the one its
+end reaches. A prefill chunk's pages up to its first boundary go to the prefix cache at once,
+the snapshot attached; any later snapshot, as a decode step's, stays the request's own (its
+track) until the request ends, when it joins the node its cached pages end at. A request
+keeps only its newest snapshot outside the tree.
 """
 
 from __future__ import annotations
@@ -39,23 +40,23 @@ class StateSnapshots:
         for req in scheduled.reqs:
             chunk = by_req.get(req)
             if chunk is None:  # NOTE: the builder counted the decoded token into kv_len
-                start = end = req.kv_len - 1
-                end += 1
-                target = end
+                start, end = req.kv_len - 1, req.kv_len
+                targets = [end]
             else:
                 start, end = chunk.start, chunk.start + chunk.count
-                target = min(end, len(req.host_ids) - 1) if chunk.is_last else end
+                # a prompt's last chunk: also where its end's state is, for the next turn
+                targets = [min(end, len(req.host_ids) - 1), end] if chunk.is_last else [end]
                 if chunk.first and start:
                     loads.append((self.tree.snapshot_of(req.cache_handle), req.table_idx))
-            point = target // page * page
-            if point <= start or point <= self._saved_len(req):
-                continue
-            slot = self.tree.take_slot()
-            if slot is None:
-                continue  # NOTE: every snapshot is locked by a running request: none is saved
-            saves.append((req.table_idx, point - start, slot))
-            if chunk is None or not self._share(req, point, slot):
-                self._keep(req, slot, point)
+            for point in sorted({target // page * page for target in targets}):
+                if point <= start or point <= self._saved_len(req):
+                    continue
+                slot = self.tree.take_slot()
+                if slot is None:
+                    break  # NOTE: every snapshot is locked by running requests: none is saved
+                saves.append((req.table_idx, point - start, slot))
+                if chunk is None or not self._share(req, point, slot):
+                    self._keep(req, slot, point)
         batch = scheduled.fwd.batch
         batch.state_loads, batch.state_saves = loads or None, saves or None
 
