@@ -6,6 +6,8 @@ checkpoint's conventions ((1 + w) norms, the DeltaNet's plain gated norm) all sh
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -200,10 +202,34 @@ def test_a_dense_draft_model_speculates_for_a_hybrid_target(qwen3_next, tmp_path
     assert stats["spec_accepted_tokens"] < stats["spec_drafted_tokens"], stats
 
 
+def test_lora_adapters_on_attention_mlp_and_linear_mixer_layers(qwen3_next, tmp_path,
+                                                                request) -> None:
+    """A PEFT adapter on the attention, MLP and linear-mixer projections, batched with a
+    request of the base model: each equals its transformers reference (PEFT's merged model)."""
+    from tests.lora_fixtures import merged_model, save_adapter
+    model, path = qwen3_next
+    mixer = {"qwen3-next": ["in_proj_qkvz", "out_proj"], "qwen3.5": ["in_proj_qkv", "out_proj"],
+             "qwen3.5-moe": ["in_proj_qkv", "in_proj_z", "out_proj"]}
+    family = request.node.callspec.params["qwen3_next"]
+    granite = family.startswith("granite")
+    targets = ["q_proj", "v_proj", "o_proj"] + (["in_proj", "out_proj"] if granite else
+                                                ["gate_proj", "up_proj", "down_proj", *mixer[family]])
+    adapter = save_adapter(Path(path), tmp_path / "adapter", seed=3, targets=targets)
+    prompts = random_prompts((9, 30))
+    params = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
+    with LLM(model=path, dtype="float32", max_total_tokens=1024, enable_lora=True,
+             lora_paths=[f"adapter={adapter}"], max_lora_rank=8) as llm:
+        outs = llm.generate(input_ids=prompts, sampling_params=params,
+                            lora_path=["adapter", None])
+        llm.check_integrity()
+    adapted = reference_greedy(merged_model(Path(path), adapter), prompts[:1], 10)
+    assert [outs[0]["output_ids"]] == adapted
+    assert [outs[1]["output_ids"]] == reference_greedy(model, prompts[1:], 10)
+    assert adapted != reference_greedy(model, prompts[:1], 10)
+
+
 @pytest.mark.parametrize("flags, named", [
     ({"tp_size": 2}, "--tp-size"),
-    ({"enable_lora": True, "max_lora_rank": 8, "lora_target_modules": ["o_proj"]},
-     "--enable-lora"),
 ])
 def test_what_hybrids_do_not_run_with_yet_is_refused_in_one_line(qwen3_next, flags, named):
     _, path = qwen3_next

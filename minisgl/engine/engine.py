@@ -90,7 +90,7 @@ class Engine:
         if self.tp.size > 1:
             check_tp_size(self.arch, self.tp.size, self.model_path.name)
         if self.arch.is_hybrid:
-            check_hybrid(config.tp_size, config.enable_lora)
+            check_hybrid(config.tp_size)
         self.draft_arch = (draft_arch(config, self.arch, self.context_len)
                            if self.tp.is_primary else None)
         if self.draft_arch is not None and self.draft_arch[1].is_hybrid:

@@ -50,11 +50,9 @@ def check_tp_size(arch: ModelArch, size: int, model_name: str) -> None:
                      f"tensor-parallel sizes that fit this model: {sizes}")
 
 
-def check_hybrid(tp_size: int, enable_lora: bool) -> None:
+def check_hybrid(tp_size: int) -> None:
     """Refuse, in one line, what a hybrid model (recurrent states beside KV) does not run with
-    yet: tensor parallelism and LoRA adapters."""
-    refused = [flag for flag, on in (("--tp-size > 1", tp_size > 1),
-                                     ("--enable-lora", enable_lora)) if on]
-    if refused:
-        raise ValueError(f"hybrid models (linear-attention layers) do not run with "
-                         f"{', '.join(refused)} yet")
+    yet: tensor parallelism (its linear layers' heads and states are not split)."""
+    if tp_size > 1:
+        raise ValueError("hybrid models (linear-attention layers) do not run with --tp-size > 1 "
+                         "yet")
