@@ -228,8 +228,33 @@ def test_lora_adapters_on_attention_mlp_and_linear_mixer_layers(qwen3_next, tmp_
     assert adapted != reference_greedy(model, prompts[:1], 10)
 
 
+def test_tensor_parallel_2_splits_the_heads_and_their_states(qwen3_next) -> None:
+    assert_tensor_parallel_2_is_greedy(*qwen3_next)
+
+
+def assert_tensor_parallel_2_is_greedy(model: torch.nn.Module, path: str) -> None:
+    """Two ranks (each a process with half of every layer's heads and of their recurrent
+    states), chunked, with the prefix cache's snapshots on both: transformers' greedy tokens."""
+    prompts = random_prompts((5, 23, 40))
+    expected = reference_greedy(model, prompts, 12)
+    params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+    with LLM(model=path, dtype="float32", max_total_tokens=1024, max_running_requests=4,
+             tp_size=2, chunked_prefill_size=16, page_size=4) as llm:
+        engine = llm.runtime.engine
+        assert engine.tp.size == 2 and engine.states is not None
+        assert engine.states.recurrent.shape[2] * 2 == engine.arch.linear.state_shape[0]
+        first = llm.generate(input_ids=prompts, sampling_params=params)
+        again = llm.generate(input_ids=prompts, sampling_params=params)
+        llm.check_integrity()
+    assert [r["output_ids"] for r in first] == expected
+    assert [r["output_ids"] for r in again] == expected
+    assert all(r["meta_info"]["cached_tokens"] > 0 for r in again)
+
+
 @pytest.mark.parametrize("flags, named", [
-    ({"tp_size": 2}, "--tp-size"),
+    ({"tp_size": 2, "speculative_algorithm": "NGRAM"}, "--speculative-algorithm"),
+    ({"tp_size": 2, "enable_lora": True, "max_lora_rank": 8}, "--enable-lora"),
+    ({"tp_size": 4}, "--tp-size 4"),
 ])
 def test_what_hybrids_do_not_run_with_yet_is_refused_in_one_line(qwen3_next, flags, named):
     _, path = qwen3_next

@@ -14,7 +14,8 @@ import torch
 from minisgl.engine import Engine, EngineConfig
 from minisgl.llm import LLM
 from tests.test_hybrid import (VOCAB, assert_ngram_speculation_is_greedy,
-                               assert_prefix_hits_resume_from_snapshots, random_prompts,
+                               assert_prefix_hits_resume_from_snapshots,
+                               assert_tensor_parallel_2_is_greedy, random_prompts,
                                reference_greedy)
 from tests.test_model import forward_spans
 
@@ -103,6 +104,10 @@ def test_prefix_hits_resume_from_the_state_snapshot_at_the_prefix_end(nemotron) 
 
 def test_ngram_speculation_rolls_the_state_back_to_the_accepted_tokens(nemotron) -> None:
     assert_ngram_speculation_is_greedy(*nemotron)
+
+
+def test_tensor_parallel_2_splits_the_heads_and_their_states(nemotron) -> None:
+    assert_tensor_parallel_2_is_greedy(*nemotron)
 
 
 @pytest.mark.parametrize("nemotron", ["moe"], indirect=True)

@@ -90,7 +90,8 @@ class Engine:
         if self.tp.size > 1:
             check_tp_size(self.arch, self.tp.size, self.model_path.name)
         if self.arch.is_hybrid:
-            check_hybrid(config.tp_size)
+            check_hybrid(self.arch, config.tp_size, config.speculative_algorithm,
+                         config.enable_lora)
         self.draft_arch = (draft_arch(config, self.arch, self.context_len)
                            if self.tp.is_primary else None)
         if self.draft_arch is not None and self.draft_arch[1].is_hybrid:
@@ -141,7 +142,7 @@ class Engine:
             self.max_running: int = config.max_running_requests
             self.page_size: int = config.page_size
             self.states = None if not self.arch.is_hybrid else allocate_state_pool(
-                self.arch, self.max_running + 1,
+                self.arch, self.tp.size, self.max_running + 1,
                 (config.max_mamba_cache_size or 0) - self.max_running, self.dtype, self.device,
                 scratch=0 if config.speculative_algorithm is None
                 else config.speculative_num_draft_tokens - 1)
@@ -310,6 +311,9 @@ class Engine:
 
     def _send(self, fwd: ForwardInput) -> None:
         assert self.workers is not None and fwd.message is not None
+        # NOTE: a hybrid's state copies are planned after the message was built
+        fwd.message.state_loads = fwd.batch.state_loads
+        fwd.message.state_saves = fwd.batch.state_saves
         try:
             self.workers.send(fwd.message.pack())
         except QueueClosed:

@@ -64,13 +64,13 @@ def allocate_kv_pool(config: EngineConfig, arch: ModelArch, kv_heads: int, page_
     return KVPool(arch.kv_layers, num_pages, page_size, kv_heads, arch.head_dim, dtype, device)
 
 
-def allocate_state_pool(arch: ModelArch, rows: int, snapshots: int, dtype: torch.dtype,
-                        device: torch.device, scratch: int = 0) -> StatePool:
-    """A hybrid model's recurrent states, one per table row, `snapshots` for the prefix cache
-    and `scratch` per row for speculative verify steps (before the KV pool, which takes what
-    memory is left)."""
-    shape = arch.linear
-    assert shape is not None
+def allocate_state_pool(arch: ModelArch, tp_size: int, rows: int, snapshots: int,
+                        dtype: torch.dtype, device: torch.device, scratch: int = 0) -> StatePool:
+    """A hybrid model's recurrent states (this rank's heads), one per table row, `snapshots`
+    for the prefix cache and `scratch` per row for speculative verify steps (before the KV
+    pool, which takes what memory is left)."""
+    assert arch.linear is not None
+    shape = arch.linear.split(tp_size)
     pool = StatePool(arch.linear_layers, rows, shape.conv_dim, shape.conv_kernel,
                      shape.state_shape, dtype, device, snapshots, scratch)
     logger.info("state pool: %d rows + %d prefix-cache snapshots + %d verify scratch of %d "

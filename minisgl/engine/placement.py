@@ -50,9 +50,18 @@ def check_tp_size(arch: ModelArch, size: int, model_name: str) -> None:
                      f"tensor-parallel sizes that fit this model: {sizes}")
 
 
-def check_hybrid(tp_size: int) -> None:
-    """Refuse, in one line, what a hybrid model (recurrent states beside KV) does not run with
-    yet: tensor parallelism (its linear layers' heads and states are not split)."""
-    if tp_size > 1:
-        raise ValueError("hybrid models (linear-attention layers) do not run with --tp-size > 1 "
-                         "yet")
+def check_hybrid(arch: ModelArch, tp_size: int, speculative_algorithm: str | None,
+                 enable_lora: bool) -> None:
+    """Refuse, in one line, what a hybrid model (recurrent states beside KV) does not run
+    with: linear-layer heads that do not split over the ranks, and with tensor parallelism
+    speculative decoding (the other ranks would need each row's accepted drafts to roll their
+    states back) and LoRA adapters (a fused projection's parts are split apart)."""
+    if tp_size == 1:
+        return
+    assert arch.linear is not None
+    arch.linear.split(tp_size)
+    refused = [flag for flag, on in (("--speculative-algorithm", speculative_algorithm),
+                                     ("--enable-lora", enable_lora)) if on]
+    if refused:
+        raise ValueError(f"hybrid models (linear-attention layers) with --tp-size > 1 do not "
+                         f"run with {', '.join(refused)} yet")

@@ -40,6 +40,8 @@ class StepMessage:
     lora_slots: list[int] | None = None  # Batch.lora_slots
     lora_loads: list[tuple[int, int, str]] = field(default_factory=list)  # ForwardInput's
     rope_positions: torch.Tensor | None = None  # Batch.rope_positions (not padded)
+    state_loads: list[tuple[int, int]] | None = None  # Batch's (hybrid models)
+    state_saves: list[tuple[int, int, int]] | None = None
 
     def pack(self) -> list[np.ndarray]:
         tokens, locations = self.token_writes, self.location_writes
@@ -65,6 +67,8 @@ class StepMessage:
             np.frombuffer(b"".join(path.encode() for _, _, path in self.lora_loads),
                           dtype=np.uint8).astype(np.int64),
             _ints(self.rope_positions if self.rope_positions is not None else []),
+            _ints([value for load in self.state_loads or () for value in load]),
+            _ints([value for save in self.state_saves or () for value in save]),
         ]
 
     @classmethod
@@ -72,7 +76,7 @@ class StepMessage:
         (meta, rows, cached, seq_lens, extend, positions, out_loc, load, write, logit_rows,
          token_rows, token_starts, token_lens, token_ids, location_lens, location_idx,
          location_vals, lora_slots, load_slots, load_uids, path_lens, path_bytes,
-         rope_positions) = arrays
+         rope_positions, state_loads, state_saves) = arrays
         (phase, size, logits_only, has_logit_rows, decode_rows, verify_step,
          row_tokens, has_rope_positions) = meta.tolist()
         tokens, at = [], 0
@@ -96,7 +100,8 @@ class StepMessage:
                    torch.from_numpy(logit_rows) if has_logit_rows else None, bool(logits_only),
                    decode_rows, bool(verify_step), row_tokens, tokens, locations,
                    None if slots == [-2] else slots, loads,
-                   torch.from_numpy(rope_positions) if has_rope_positions else None)
+                   torch.from_numpy(rope_positions) if has_rope_positions else None,
+                   _tuples(state_loads, 2), _tuples(state_saves, 3))
 
     def resolve(self, batch: Batch, load_indices: torch.Tensor, write_indices: torch.Tensor,
                 logit_rows: torch.Tensor | None,
@@ -126,10 +131,16 @@ class StepMessage:
                      out_loc=self.out_loc.to(device), decode_rows=self.decode_rows,
                      lora_slots=self.lora_slots, row_tokens=self.row_tokens,
                      rope_positions=None if self.rope_positions is None
-                     else self.rope_positions.to(device))
+                     else self.rope_positions.to(device), state_loads=self.state_loads,
+                     state_saves=self.state_saves)
 
 
 def _ints(values: object) -> np.ndarray:
     if isinstance(values, torch.Tensor):
         return values.to(torch.int64).numpy()
     return np.asarray(values, dtype=np.int64)
+
+
+def _tuples(values: np.ndarray, width: int) -> list | None:
+    flat = values.tolist()
+    return [tuple(flat[i:i + width]) for i in range(0, len(flat), width)] or None

@@ -21,7 +21,7 @@ from minisgl.layers.gguf_weight import BlockSlots
 from minisgl.layers.gpu_blocks import finished_weight
 from minisgl.layers.lora import LoraSlots
 from minisgl.layers.quant import WeightBlocks, BlockWeight, block_weight
-from minisgl.layers.shard import copy_into, read_all, read_cols, read_rows
+from minisgl.layers.shard import copy_into, read_all, read_cols, read_part_rows, read_rows
 from minisgl.layers.w8a8 import Int8ChannelWeight, fits_int8
 
 
@@ -158,6 +158,43 @@ class ColumnParallelLinear(_Linear):
 
     def output_rows(self, shard_id: Any) -> tuple[int, int, int]:
         return 0, get_tp_info().rank * self.shard, self.shard
+
+
+class PartedColumnParallelLinear(ColumnParallelLinear):
+    """A column-parallel projection whose checkpoint tensor stacks several parts (a fused q, k
+    and v), each split over the ranks: a rank holds its share of every part, in order."""
+
+    def __init__(self, in_features: int, parts: list[int], bias: bool = False) -> None:
+        self.parts = parts
+        super().__init__(in_features, sum(parts), bias)
+
+    def load(self, name: str, source: Any, shard_id: Any = None) -> None:
+        tp = get_tp_info()
+        if tp.size == 1:
+            return super().load(name, source, shard_id)
+        copy_into(getattr(self, name).data, read_part_rows(source, self.parts, tp.rank, tp.size),
+                  name)
+
+
+class PartedParameters(Layer):
+    """Parameters split over the ranks by their first dimension, which stacks `parts` (a
+    convolution over q, k and v; per-head vectors: one part): each rank holds its share of
+    every part. `shapes`: the parameters' full shapes."""
+
+    def __init__(self, parts: list[int], **shapes: tuple[int, ...]) -> None:
+        super().__init__()
+        tp = get_tp_info()
+        self.parts = parts
+        local = sum(divide(part, tp.size, "channels") for part in parts)
+        for name, shape in shapes.items():
+            assert shape[0] == sum(parts)
+            setattr(self, name, nn.Parameter(torch.empty(local, *shape[1:]),
+                                             requires_grad=False))
+
+    def load(self, name: str, source: Any, shard_id: Any = None) -> None:
+        tp = get_tp_info()
+        copy_into(getattr(self, name).data,
+                  read_part_rows(source, self.parts, tp.rank, tp.size), name)
 
 
 class MergedColumnParallelLinear(_Linear):

@@ -37,6 +37,17 @@ def read_cols(source: Any, start: int, length: int) -> Any:
     return _read(source[:, start:start + length])
 
 
+def read_part_rows(source: Any, parts: list[int], rank: int, size: int) -> torch.Tensor:
+    """This rank's rows of a tensor stacked from row blocks of `parts` rows, each block split
+    evenly over `size` ranks: its share of every block, in order."""
+    rows, offset = [], 0
+    for part in parts:
+        share = part // size
+        rows.append(torch.as_tensor(read_rows(source, offset + rank * share, share)))
+        offset += part
+    return torch.cat(rows)
+
+
 def read_all(source: Any) -> torch.Tensor:
     return torch.as_tensor(source[:])
 

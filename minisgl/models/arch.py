@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -145,6 +146,15 @@ class LinearAttnShape:
     def state_shape(self) -> tuple[int, int, int]:
         return self.num_v_heads, self.k_head_dim, self.v_head_dim
 
+    def split(self, ranks: int) -> LinearAttnShape:
+        """One rank's share under tensor parallelism: whole key heads, each with its value
+        heads; ValueError if they do not split evenly."""
+        if self.num_k_heads % ranks:
+            raise ValueError(f"--tp-size {ranks}: the {self.num_k_heads} linear-attention key "
+                             "heads do not split evenly over the ranks")
+        return dataclasses.replace(self, num_k_heads=self.num_k_heads // ranks,
+                                   num_v_heads=self.num_v_heads // ranks)
+
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> LinearAttnShape:
         return cls(num_k_heads=config["linear_num_key_heads"],
@@ -176,6 +186,15 @@ class MambaShape:
     @property
     def state_shape(self) -> tuple[int, int, int]:
         return self.heads, self.head_dim, self.d_state
+
+    def split(self, ranks: int) -> MambaShape:
+        """One rank's share under tensor parallelism: whole groups of B and C, with their
+        heads; ValueError if they do not split evenly."""
+        if self.groups % ranks or self.heads % ranks:
+            raise ValueError(f"--tp-size {ranks}: the Mamba2 layers' {self.groups} groups "
+                             f"of {self.heads} heads do not split evenly over the ranks")
+        return dataclasses.replace(self, heads=self.heads // ranks,
+                                   groups=self.groups // ranks, inner=self.inner // ranks)
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> MambaShape:

@@ -24,14 +24,16 @@ from torch import nn
 
 from minisgl.attention import AttentionBackend
 from minisgl.core import Batch
+from minisgl.distributed import get_tp_info
 from minisgl.kvcache.state_pool import StatePool
-from minisgl.layers import ColumnParallelLinear, Layer, RMSNorm, RotaryEmbedding, RowParallelLinear
+from minisgl.layers import Layer, RMSNorm, RotaryEmbedding, RowParallelLinear
+from minisgl.layers.linear import PartedColumnParallelLinear, PartedParameters
 from minisgl.layers.moe import SparseMoE
 from minisgl.layers.shard import read_all
 from minisgl.models.arch import MambaShape, ModelArch
 from minisgl.models.llama import MLP, Attention
 from minisgl.models.moe import MoEForCausalLM
-from minisgl.models.qwen3_next import HybridStack, RowSpans, save_snapshot
+from minisgl.models.qwen3_next import HybridStack, RowSpans, load_head_rows, save_snapshot
 
 SCAN_CHUNK = 64  # tokens per block of the blocked scan
 # Hub names of the MoE block -> ours (models.moe reads the experts' stacked tensors)
@@ -82,27 +84,35 @@ def mamba2_blocked(x: torch.Tensor, dt: torch.Tensor, log_a: torch.Tensor, b: to
 
 
 class Mamba2Mixer(Layer):
+    """Under tensor parallelism a rank holds whole groups of B and C with their heads
+    (`shape`: its share; the fused projection's and convolution's parts each split)."""
+
     def __init__(self, arch: ModelArch, linear_id: int) -> None:
         super().__init__()
-        shape = arch.linear
-        assert isinstance(shape, MambaShape)
-        self.shape, self.linear_id = shape, linear_id
-        self.in_proj = ColumnParallelLinear(arch.hidden_size,
-                                            shape.inner + shape.conv_dim + shape.heads,
-                                            bias=shape.proj_bias)
-        self.conv1d = nn.Module()
-        self.conv1d.weight = nn.Parameter(torch.empty(shape.conv_dim, 1, shape.conv_kernel),
-                                          requires_grad=False)
-        self.conv1d.bias = (nn.Parameter(torch.empty(shape.conv_dim), requires_grad=False)
-                            if shape.conv_bias else None)
-        self.dt_bias = nn.Parameter(torch.empty(shape.heads), requires_grad=False)
-        self.A_log = nn.Parameter(torch.empty(shape.heads), requires_grad=False)
-        self.D = nn.Parameter(torch.empty(shape.heads), requires_grad=False)
-        self.norm = nn.Module()  # gated, per group of inner // groups channels
-        self.norm.weight = nn.Parameter(torch.empty(shape.inner), requires_grad=False)
+        full = arch.linear
+        assert isinstance(full, MambaShape)
+        self.shape, self.linear_id = full.split(get_tp_info().size), linear_id
+        bc = full.groups * full.d_state
+        self.in_proj = PartedColumnParallelLinear(
+            arch.hidden_size, [full.inner, full.inner, bc, bc, full.heads], bias=full.proj_bias)
+        conv = {"weight": (full.conv_dim, 1, full.conv_kernel)}
+        self.conv1d = PartedParameters([full.inner, bc, bc], **conv, **(
+            {"bias": (full.conv_dim,)} if full.conv_bias else {}))
+        if not full.conv_bias:
+            self.conv1d.bias = None
+        heads = self.shape.heads
+        self.dt_bias = nn.Parameter(torch.empty(heads), requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(heads), requires_grad=False)
+        self.D = nn.Parameter(torch.empty(heads), requires_grad=False)
+        # gated, per group of inner // groups channels
+        self.norm = PartedParameters([full.inner], weight=(full.inner,))
         self.eps = arch.rms_norm_eps
-        self.out_proj = RowParallelLinear(shape.inner, arch.hidden_size, bias=shape.proj_bias)
+        self.out_proj = RowParallelLinear(full.inner, arch.hidden_size, bias=full.proj_bias)
         self.states: StatePool | None = None  # bound by the engine (bind_states)
+
+    def load(self, name: str, source: Any, shard_id: Any = None) -> None:
+        """dt_bias, A_log and D: this rank's heads."""
+        load_head_rows(getattr(self, name), source, name)
 
     def _conv(self, window: torch.Tensor) -> torch.Tensor:
         """The causal convolution's outputs over `window` [rows, conv_dim, K - 1 + L], SiLU'd:

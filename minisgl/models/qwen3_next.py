@@ -27,12 +27,14 @@ from torch import nn
 
 from minisgl.attention import AttentionBackend
 from minisgl.core import Batch
+from minisgl.distributed import get_tp_info
 from minisgl.kvcache.state_pool import StatePool
 from minisgl.layers import (ColumnParallelLinear, Layer, QKVParallelLinear, RMSNorm,
                             RotaryEmbedding, RowParallelLinear)
+from minisgl.layers.linear import PartedColumnParallelLinear, PartedParameters
 from minisgl.layers.moe import SparseMoE
-from minisgl.layers.shard import read_all
-from minisgl.models.arch import ModelArch
+from minisgl.layers.shard import copy_into, read_all, read_part_rows
+from minisgl.models.arch import LinearAttnShape, ModelArch
 from minisgl.models.llama import MLP
 from minisgl.models.moe import MoEForCausalLM
 
@@ -95,6 +97,12 @@ def save_snapshot(conv_states: torch.Tensor, ssm_states: torch.Tensor, row: int,
     conv_states[slot].copy_(window[:, tokens:tokens + conv_states.shape[-1]])
 
 
+def load_head_rows(param: torch.Tensor, source: Any, name: str) -> None:
+    """A per-head vector's rows of this rank's heads (all of them without parallelism)."""
+    tp = get_tp_info()
+    copy_into(param.data, read_part_rows(source, [len(param) * tp.size], tp.rank, tp.size), name)
+
+
 def l2_normalized(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
@@ -155,30 +163,38 @@ def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 class GatedDeltaNet(Layer):
+    """Under tensor parallelism a rank holds whole key heads with their value heads (`shape`:
+    its share; a fused checkpoint tensor's q, k and v each split), its states only theirs."""
+
     def __init__(self, arch: ModelArch, linear_id: int) -> None:
         super().__init__()
-        shape = arch.linear
-        assert shape is not None
-        self.shape, self.linear_id = shape, linear_id
-        self.group = shape.num_v_heads // shape.num_k_heads
-        key_dim, value_dim = shape.key_dim, shape.value_dim
-        if shape.grouped:
+        full = arch.linear
+        assert isinstance(full, LinearAttnShape)
+        self.shape, self.linear_id = full.split(get_tp_info().size), linear_id
+        self.group = full.num_v_heads // full.num_k_heads
+        key_dim, value_dim = full.key_dim, full.value_dim
+        if full.grouped:  # NOTE: grouped by key head, so a rank's rows are its heads' already
             self.in_proj_qkvz = ColumnParallelLinear(arch.hidden_size,
                                                      2 * key_dim + 2 * value_dim)
-            self.in_proj_ba = ColumnParallelLinear(arch.hidden_size, 2 * shape.num_v_heads)
+            self.in_proj_ba = ColumnParallelLinear(arch.hidden_size, 2 * full.num_v_heads)
         else:
-            self.in_proj_qkv = ColumnParallelLinear(arch.hidden_size, 2 * key_dim + value_dim)
+            self.in_proj_qkv = PartedColumnParallelLinear(arch.hidden_size,
+                                                          [key_dim, key_dim, value_dim])
             self.in_proj_z = ColumnParallelLinear(arch.hidden_size, value_dim)
-            self.in_proj_b = ColumnParallelLinear(arch.hidden_size, shape.num_v_heads)
-            self.in_proj_a = ColumnParallelLinear(arch.hidden_size, shape.num_v_heads)
-        self.conv1d = nn.Module()
-        self.conv1d.weight = nn.Parameter(torch.empty(shape.conv_dim, 1, shape.conv_kernel),
-                                          requires_grad=False)
-        self.dt_bias = nn.Parameter(torch.ones(shape.num_v_heads), requires_grad=False)
-        self.A_log = nn.Parameter(torch.zeros(shape.num_v_heads), requires_grad=False)
-        self.norm = RMSNorm(shape.v_head_dim, arch.rms_norm_eps)
+            self.in_proj_b = ColumnParallelLinear(arch.hidden_size, full.num_v_heads)
+            self.in_proj_a = ColumnParallelLinear(arch.hidden_size, full.num_v_heads)
+        self.conv1d = PartedParameters([key_dim, key_dim, value_dim],
+                                       weight=(full.conv_dim, 1, full.conv_kernel))
+        heads = self.shape.num_v_heads
+        self.dt_bias = nn.Parameter(torch.ones(heads), requires_grad=False)
+        self.A_log = nn.Parameter(torch.zeros(heads), requires_grad=False)
+        self.norm = RMSNorm(full.v_head_dim, arch.rms_norm_eps)
         self.out_proj = RowParallelLinear(value_dim, arch.hidden_size)
         self.states: StatePool | None = None  # bound by the engine (bind_states)
+
+    def load(self, name: str, source: Any, shard_id: Any = None) -> None:
+        """dt_bias and A_log: this rank's value heads."""
+        load_head_rows(getattr(self, name), source, name)
 
     def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(q, k [T, nk, dk]; v, z [T, nv, dv]; b, a [T, nv]) from the input projections."""
@@ -306,10 +322,13 @@ class SharedExpertMoE(SparseMoE):
                          moe.renormalize)
         width = arch.config.get("shared_expert_intermediate_size") or 0
         self.shared_expert = MLP(dataclasses.replace(arch, intermediate_size=width))
-        self.shared_expert_gate = ColumnParallelLinear(arch.hidden_size, 1)
+        self.shared_expert_gate = nn.Module()  # NOTE: one output: every rank holds it whole
+        self.shared_expert_gate.weight = nn.Parameter(torch.empty(1, arch.hidden_size),
+                                                      requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shared = self.shared_expert(x) * torch.sigmoid(self.shared_expert_gate(x))
+        gate = torch.sigmoid(F.linear(x, self.shared_expert_gate.weight))
+        shared = self.shared_expert(x) * gate
         return super().forward(x) + shared
 
 
