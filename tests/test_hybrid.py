@@ -79,13 +79,20 @@ def reference_greedy(model: torch.nn.Module, prompts: list[list[int]], new_token
     [(0, 7), (7, 23), (23, 24), (24, 25), (25, 40)],  # chunks, decodes, a chunk after them
 ])
 def test_logits_match_transformers_across_chunks_and_decodes(qwen3_next, spans) -> None:
-    model, path = qwen3_next
+    assert_logits_match_across_spans(*qwen3_next, spans)
+
+
+def assert_logits_match_across_spans(model: torch.nn.Module, path: str,
+                                     spans: list[tuple[int, int]]) -> None:
+    """The engine's logits of a prompt forwarded in `spans` (chunks and decodes) equal
+    transformers'; the KV pool holds the attention layers only, the state pool the linear."""
     engine = Engine(EngineConfig(model_path=path, dtype="float32", max_total_tokens=256,
                                  max_running_requests=2))
     try:
         arch = engine.arch
-        assert arch.is_hybrid and engine.kv_pool.buffer.shape[1] == arch.kv_layers
-        assert 0 < arch.kv_layers < arch.num_layers  # the KV pool holds attention layers only
+        kinds = arch.layer_types
+        assert engine.kv_pool.buffer.shape[1] == arch.kv_layers == kinds.count("full_attention")
+        assert engine.states.conv.shape[0] == arch.linear_layers == kinds.count("linear_attention")
         ids = random_prompts((40,))[0]
         ours = forward_spans(engine, ids, spans)
         with torch.inference_mode():
@@ -96,10 +103,13 @@ def test_logits_match_transformers_across_chunks_and_decodes(qwen3_next, spans) 
 
 
 def test_greedy_generation_batched_chunked_and_repeated(qwen3_next) -> None:
+    assert_greedy_batched_chunked_and_repeated(*qwen3_next)
+
+
+def assert_greedy_batched_chunked_and_repeated(model: torch.nn.Module, path: str) -> None:
     """Batched through the scheduler with 16-token prefill chunks and mixed batches, and the
     same prompts again (resumed from the prefix cache's state snapshots where it kept them),
     equal transformers' greedy generation of each prompt alone."""
-    model, path = qwen3_next
     prompts = random_prompts((5, 23, 40, 61))
     expected = reference_greedy(model, prompts, 12)
     params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
@@ -142,7 +152,10 @@ def assert_prefix_hits_resume_from_snapshots(model: torch.nn.Module, path: str) 
 
 
 def test_retraction_under_a_tiny_pool_recomputes_the_state(qwen3_next) -> None:
-    model, path = qwen3_next
+    assert_retraction_recomputes_the_state(*qwen3_next)
+
+
+def assert_retraction_recomputes_the_state(model: torch.nn.Module, path: str) -> None:
     prompts = random_prompts((20, 25, 30, 35, 40, 45))
     expected = reference_greedy(model, prompts, 30)
     params = {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True}

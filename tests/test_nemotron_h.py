@@ -13,10 +13,16 @@ import torch
 
 from minisgl.engine import Engine, EngineConfig
 from minisgl.llm import LLM
-from tests.test_hybrid import (VOCAB, assert_ngram_speculation_is_greedy,
-                               assert_prefix_hits_resume_from_snapshots,
-                               assert_tensor_parallel_2_is_greedy, random_prompts,
-                               reference_greedy)
+from tests.test_hybrid import (
+    VOCAB,
+    assert_greedy_batched_chunked_and_repeated,
+    assert_logits_match_across_spans,
+    assert_ngram_speculation_is_greedy,
+    assert_prefix_hits_resume_from_snapshots,
+    assert_retraction_recomputes_the_state,
+    assert_tensor_parallel_2_is_greedy,
+    random_prompts,
+)
 from tests.test_model import forward_spans
 
 LOGIT_TOLERANCE = 1e-4  # max |ours - transformers| over all vocab logits, float32
@@ -56,46 +62,15 @@ def nemotron(request, tmp_path_factory) -> tuple[torch.nn.Module, str]:
     [(0, 7), (7, 23), (23, 24), (24, 25), (25, 40)],  # chunks, decodes, a chunk after them
 ])
 def test_logits_match_transformers_across_chunks_and_decodes(nemotron, spans) -> None:
-    model, path = nemotron
-    engine = Engine(EngineConfig(model_path=path, dtype="float32", max_total_tokens=256,
-                                 max_running_requests=2))
-    try:
-        arch = engine.arch
-        kinds = arch.layer_types
-        assert engine.kv_pool.buffer.shape[1] == arch.kv_layers == kinds.count("full_attention")
-        assert engine.states.conv.shape[0] == arch.linear_layers == kinds.count("linear_attention")
-        ids = random_prompts((40,))[0]
-        ours = forward_spans(engine, ids, spans)
-        with torch.inference_mode():
-            theirs = model(input_ids=torch.tensor([ids])).logits[0]
-        assert (ours - theirs).abs().max().item() < LOGIT_TOLERANCE
-    finally:
-        engine.shutdown()
+    assert_logits_match_across_spans(*nemotron, spans)
 
 
-def test_greedy_generation_batched_chunked_and_mixed(nemotron) -> None:
-    model, path = nemotron
-    prompts = random_prompts((5, 23, 40, 61))
-    expected = reference_greedy(model, prompts, 12)
-    params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
-    with LLM(model=path, dtype="float32", max_total_tokens=2048, max_running_requests=4,
-             chunked_prefill_size=16, enable_mixed_chunk=True) as llm:
-        outs = llm.generate(input_ids=prompts, sampling_params=params)
-        llm.check_integrity()
-    assert [r["output_ids"] for r in outs] == expected
+def test_greedy_generation_batched_chunked_and_repeated(nemotron) -> None:
+    assert_greedy_batched_chunked_and_repeated(*nemotron)
 
 
 def test_retraction_under_a_tiny_pool_recomputes_the_state(nemotron) -> None:
-    model, path = nemotron
-    prompts = random_prompts((20, 25, 30, 35, 40, 45))
-    expected = reference_greedy(model, prompts, 30)
-    params = {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True}
-    with LLM(model=path, dtype="float32", max_total_tokens=192, max_running_requests=6) as llm:
-        outs = llm.generate(input_ids=prompts, sampling_params=params)
-        retractions = llm.runtime.state()["retractions"]
-        llm.check_integrity()
-    assert retractions > 0, "the pool was meant to be too small to run everything at once"
-    assert [r["output_ids"] for r in outs] == expected
+    assert_retraction_recomputes_the_state(*nemotron)
 
 
 def test_prefix_hits_resume_from_the_state_snapshot_at_the_prefix_end(nemotron) -> None:
