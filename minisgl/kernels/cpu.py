@@ -1,8 +1,8 @@
 """CPU kernels (paged decode attention, add + RMSNorm, silu * up, rotary, 4/8-bit block
 matmul, W8A8 int8 matmul, experts' grouped matmul, every GGUF block type's matmul, multi-LoRA,
-a Llama model's GGUF decoder layers in one call) compiled on first use by torch's C++
-extension loader (needs a C++ compiler and ninja). When they cannot be built, callers fall
-back to plain torch ops."""
+a Llama model's GGUF decoder layers in one call, a hybrid model's Gated DeltaNet and Mamba2
+decode steps) compiled on first use by torch's C++ extension loader (needs a C++ compiler and
+ninja). When they cannot be built, callers fall back to plain torch ops."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("cpu_kernels.cpp", "decode_bf16.cpp", "quant_matmul.cpp",
                                         "int8_matmul.cpp", "expert_matmul.cpp",
                                         "block_matmul.cpp", "lora_matmul.cpp",
-                                        "fused_layers.cpp")]
+                                        "fused_layers.cpp", "hybrid_state.cpp")]
 HEADERS = sorted(CSRC.glob("*.h"))
 NAME = "minisgl_cpu_kernels"
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]

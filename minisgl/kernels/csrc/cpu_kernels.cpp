@@ -10,7 +10,9 @@
 // - 4- and 8-bit block-quantized weight matmuls (quant_matmul.cpp), the W8A8 int8 one
 //   (int8_matmul.cpp), the mixture-of-experts one (expert_matmul.cpp) and multi-LoRA's
 //   (lora_matmul.cpp);
-// - a Llama-family model's decoder layers in GGUF blocks as one call (fused_layers.cpp).
+// - a Llama-family model's decoder layers in GGUF blocks as one call (fused_layers.cpp);
+// - a hybrid model's Gated DeltaNet and Mamba2 decode steps, their states updated in place
+//   (hybrid_state.cpp).
 #include <ATen/Dispatch.h>
 #include <ATen/ops/empty_like.h>
 #include <torch/csrc/utils/pybind.h>
@@ -386,6 +388,14 @@ at::Tensor block_dequantize(at::Tensor codes, at::Tensor scales, at::Tensor subs
                             int64_t bits, int64_t mode, at::Tensor rows);
 at::Tensor block_dequantize_t(at::Tensor codes, at::Tensor scales, at::Tensor subs,
                               int64_t bits, int64_t mode, bool bf16);
+// hybrid_state.cpp
+at::Tensor gated_delta_step(at::Tensor mixed, at::Tensor conv_weight, at::Tensor conv_states,
+                            at::Tensor ssm_states, at::Tensor rows, at::Tensor decay,
+                            at::Tensor beta, int64_t num_k_heads);
+std::vector<at::Tensor> mamba2_step(at::Tensor xbc, at::Tensor conv_weight,
+                                    c10::optional<at::Tensor> conv_bias, at::Tensor conv_states,
+                                    at::Tensor ssm_states, at::Tensor rows, at::Tensor dt,
+                                    at::Tensor log_a, int64_t groups);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention,
@@ -427,6 +437,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("expert_matmul", &expert_matmul, "rows grouped by expert x each expert's weight (CPU)",
         py::call_guard<py::gil_scoped_release>());
   m.def("lora_add", &lora_add, "each adapter token's LoRA term added to its row (CPU)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("gated_delta_step", &gated_delta_step,
+        "a Gated DeltaNet layer's decode step, its states updated in place (CPU)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("mamba2_step", &mamba2_step,
+        "a Mamba2 layer's decode step, its states updated in place (CPU)",
         py::call_guard<py::gil_scoped_release>());
   py::class_<FusedLayers>(m, "FusedLayers",
                           "a Llama-family model's GGUF-block decoder layers as one call (CPU)")
