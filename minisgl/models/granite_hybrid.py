@@ -33,7 +33,8 @@ from minisgl.layers.shard import read_all
 from minisgl.models.arch import MambaShape, ModelArch
 from minisgl.models.llama import MLP, Attention
 from minisgl.models.moe import MoEForCausalLM
-from minisgl.models.qwen3_next import HybridStack, RowSpans, load_head_rows, save_snapshot
+from minisgl.models.qwen3_next import (HybridStack, RowSpans, load_head_rows, save_snapshot,
+                                       state_step_kernels)
 
 SCAN_CHUNK = 64  # tokens per block of the blocked scan
 # Hub names of the MoE block -> ours (models.moe reads the experts' stacked tensors)
@@ -131,6 +132,27 @@ class Mamba2Mixer(Layer):
         c = c.view(tokens, s.groups, s.d_state).repeat_interleave(per_group, dim=1)
         return x.view(tokens, s.heads, s.head_dim), b, c
 
+    def _step(self, xbc: torch.Tensor, dt: torch.Tensor, log_a: torch.Tensor, rows: torch.Tensor,
+              conv_states: torch.Tensor, ssm_states: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token of each of several requests (their states in table `rows`) at once: the
+        convolution's last position and one step of the scan. Returns (y without the D skip,
+        the convolution's x), [rows, heads, P] each."""
+        weight, bias = self.conv1d.weight, self.conv1d.bias
+        kernels = state_step_kernels(conv_states, xbc, weight, bias)
+        if kernels is not None:
+            y, xs = kernels.mamba2_step(xbc, weight, bias, conv_states, ssm_states, rows, dt,
+                                        log_a, self.shape.groups)
+            return y, xs
+        window = torch.cat([conv_states[rows], xbc[:, :, None].to(conv_states.dtype)], -1)
+        conv_states[rows] = window[:, :, 1:]
+        xs, b, c = self._heads(self._conv(window)[:, -1])
+        state = ssm_states[rows]  # [rows, heads, P, N]
+        state.mul_(torch.exp(dt * log_a)[:, :, None, None])
+        state.add_((dt[:, :, None] * xs)[:, :, :, None] * b[:, :, None, :])
+        ssm_states[rows] = state
+        return torch.einsum("rhpn,rhn->rhp", state, c), xs
+
     def forward(self, x: torch.Tensor, spans: RowSpans) -> torch.Tensor:
         s, states = self.shape, self.states
         assert states is not None, "the engine binds a state pool to a hybrid model"
@@ -146,15 +168,8 @@ class Mamba2Mixer(Layer):
         if stepping:  # NOTE: decode rows (also a mixed batch's): one batched step for all
             at = torch.tensor([spans.starts[i] for i in stepping], device=x.device)
             rows = torch.tensor([spans.rows[i] for i in stepping], device=x.device)
-            window = torch.cat([conv_states[rows], xbc[at, :, None].to(conv_states.dtype)], -1)
-            conv_states[rows] = window[:, :, 1:]
-            xs, b, c = self._heads(self._conv(window)[:, -1])
-            state = ssm_states[rows]  # [rows, heads, P, N]
-            state.mul_(torch.exp(dt[at] * log_a)[:, :, None, None])
-            state.add_((dt[at, :, None] * xs)[:, :, :, None] * b[:, :, None, :])
-            ssm_states[rows] = state
-            out[at] = torch.einsum("rhpn,rhn->rhp", state, c)
-            inputs[at] = xs
+            out[at], inputs[at] = self._step(xbc[at], dt[at], log_a, rows, conv_states,
+                                             ssm_states)
         for i, (start, count, row, fresh) in enumerate(zip(spans.starts, spans.counts,
                                                              spans.rows, spans.fresh)):
             if count == 1 and not fresh:

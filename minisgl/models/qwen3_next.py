@@ -28,6 +28,7 @@ from torch import nn
 from minisgl.attention import AttentionBackend
 from minisgl.core import Batch
 from minisgl.distributed import get_tp_info
+from minisgl.kernels.cpu import cpu_kernels
 from minisgl.kvcache.state_pool import StatePool
 from minisgl.layers import (ColumnParallelLinear, Layer, QKVParallelLinear, RMSNorm,
                             RotaryEmbedding, RowParallelLinear)
@@ -162,6 +163,17 @@ def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out
 
 
+def state_step_kernels(conv_states: torch.Tensor, *tensors: torch.Tensor | None) -> Any | None:
+    """The CPU kernels that run a linear layer's decode step in place in the state pool, where
+    they apply: on CPU, the conv windows and `tensors` (the inputs, the conv's weight and bias)
+    in one dtype, float32 or bfloat16."""
+    dtype = conv_states.dtype
+    if (conv_states.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16)
+            or any(t is not None and t.dtype != dtype for t in tensors)):
+        return None
+    return cpu_kernels()
+
+
 class GatedDeltaNet(Layer):
     """Under tensor parallelism a rank holds whole key heads with their value heads (`shape`:
     its share; a fused checkpoint tensor's q, k and v each split), its states only theirs."""
@@ -230,6 +242,10 @@ class GatedDeltaNet(Layer):
               ) -> torch.Tensor:
         """One token of each of several requests (their states in table `rows`) at once: the
         convolution's last position and one step of the delta rule."""
+        kernels = state_step_kernels(conv_states, mixed, self.conv1d.weight)
+        if kernels is not None:
+            return kernels.gated_delta_step(mixed, self.conv1d.weight, conv_states, ssm_states,
+                                            rows, decay, beta, self.shape.num_k_heads)
         window = torch.cat([conv_states[rows], mixed[:, :, None].to(conv_states.dtype)], dim=-1)
         conv_states[rows] = window[:, :, 1:]
         weight = self.conv1d.weight[:, 0, :]
