@@ -37,6 +37,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[2048])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--snapshots", type=int, default=32,
+                        help="state snapshots the prefix cache may hold")
     args = parser.parse_args()
     name, fields = HYBRID
     overrides = {**SHARED, **fields, "num_hidden_layers": args.layers,
@@ -46,7 +48,8 @@ def main() -> None:
           "cold / again | cold / next turn |")
     print("|---|---|---|---|---|---|")
     with LLM(model=name, load_format="dummy", dtype="bfloat16", max_running_requests=4,
-             max_total_tokens=8 * longest, json_model_override_args=json.dumps(overrides)) as llm:
+             max_mamba_cache_size=4 + args.snapshots, max_total_tokens=8 * longest,
+             json_model_override_args=json.dumps(overrides)) as llm:
         gen = torch.Generator().manual_seed(0)
         for tokens in args.tokens:
             times: dict[str, list[float]] = {"cold": [], "again": [], "turn": []}
