@@ -40,6 +40,8 @@ class StateSnapshots:
         for req in scheduled.reqs:
             chunk = by_req.get(req)
             if chunk is None:  # NOTE: the builder counted the decoded token into kv_len
+                if req.kv_len % page:
+                    continue  # a decode step saves only where it reaches a page boundary
                 start, end = req.kv_len - 1, req.kv_len
                 targets = [end]
             else:

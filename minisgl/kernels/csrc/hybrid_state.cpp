@@ -180,8 +180,14 @@ at::Tensor conv_window_step(const at::Tensor& x, const at::Tensor& weight,
   return out;
 }
 
-void check_rows(const at::Tensor& rows, int64_t n, int64_t pool) {
+// The recurrent states (float32 [pool rows, heads, ., .], as many rows as the conv windows')
+// and the n batch rows' table rows in them.
+void check_states(const at::Tensor& ssm_states, const at::Tensor& conv_states,
+                  const at::Tensor& rows, int64_t n) {
+  TORCH_CHECK(ssm_states.scalar_type() == at::kFloat && ssm_states.is_contiguous() &&
+              ssm_states.dim() == 4 && ssm_states.size(0) == conv_states.size(0));
   TORCH_CHECK(rows.scalar_type() == at::kLong && rows.is_contiguous() && rows.numel() == n);
+  const int64_t pool = ssm_states.size(0);
   const int64_t* r = rows.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) TORCH_CHECK(r[i] >= 0 && r[i] < pool, "state row out of range");
 }
@@ -202,12 +208,10 @@ at::Tensor gated_delta_step(at::Tensor mixed, at::Tensor conv_weight, at::Tensor
                             at::Tensor ssm_states, at::Tensor rows, at::Tensor decay,
                             at::Tensor beta, int64_t num_k_heads) {
   const int64_t n = mixed.size(0);
-  TORCH_CHECK(ssm_states.scalar_type() == at::kFloat && ssm_states.is_contiguous() &&
-              ssm_states.dim() == 4 && ssm_states.size(0) == conv_states.size(0));
+  check_states(ssm_states, conv_states, rows, n);
   const int64_t nv = ssm_states.size(1), dk = ssm_states.size(2), dv = ssm_states.size(3);
   TORCH_CHECK(num_k_heads > 0 && nv % num_k_heads == 0 &&
               mixed.size(1) == 2 * num_k_heads * dk + nv * dv, "conv_dim = 2 nk dk + nv dv");
-  check_rows(rows, n, ssm_states.size(0));
   check_per_head(decay, n, nv);
   check_per_head(beta, n, nv);
   const auto conv = conv_window_step(mixed, conv_weight, c10::nullopt, conv_states, rows);
@@ -229,12 +233,10 @@ std::vector<at::Tensor> mamba2_step(at::Tensor xbc, at::Tensor conv_weight,
                                     at::Tensor ssm_states, at::Tensor rows, at::Tensor dt,
                                     at::Tensor log_a, int64_t groups) {
   const int64_t n = xbc.size(0);
-  TORCH_CHECK(ssm_states.scalar_type() == at::kFloat && ssm_states.is_contiguous() &&
-              ssm_states.dim() == 4 && ssm_states.size(0) == conv_states.size(0));
+  check_states(ssm_states, conv_states, rows, n);
   const int64_t heads = ssm_states.size(1), P = ssm_states.size(2), N = ssm_states.size(3);
   TORCH_CHECK(groups > 0 && heads % groups == 0 && xbc.size(1) == heads * P + 2 * groups * N,
               "conv_dim = heads P + 2 groups N");
-  check_rows(rows, n, ssm_states.size(0));
   check_per_head(dt, n, heads);
   check_per_head(log_a, 1, heads);
   const auto conv = conv_window_step(xbc, conv_weight, conv_bias, conv_states, rows);
