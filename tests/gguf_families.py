@@ -1,7 +1,8 @@
 """A GGUF file of a transformers model of a family llama.cpp covers, written here as
 llama.cpp's converter lays it out (its tensor names, experts stacked per layer, the metadata
 keys its loader reads) with the bundled SmolLM2 file's tokenizer: the GGUF route of a new
-family without a download. Only Qwen3-MoE so far (llama.cpp's `qwen3moe`)."""
+family without a download: Qwen3-MoE (llama.cpp's `qwen3moe`) and Granite 4.0-H
+(`granitehybrid`, with what llama.cpp's converter changes in a Mamba2 layer's tensors)."""
 
 from __future__ import annotations
 
@@ -47,12 +48,7 @@ def write_qwen3moe_gguf(model: torch.nn.Module, path: Path,
     writer.add_expert_count(experts)
     writer.add_expert_used_count(config.num_experts_per_tok)
     writer.add_expert_feed_forward_length(config.moe_intermediate_size)
-    tokenizer = GGUFReader(str(bundled_gguf()))
-    for key, field in tokenizer.fields.items():
-        if key.startswith("tokenizer."):
-            kind = field.types[0]
-            writer.add_key_value(key, field.contents(), kind,
-                                 sub_type=field.types[1] if kind == GGUFValueType.ARRAY else None)
+    copy_tokenizer(writer)
     names = get_tensor_name_map(MODEL_ARCH.QWEN3MOE, layers)
     state = {k: v.float().numpy() for k, v in model.state_dict().items()}
     for layer in range(layers):  # transformers 5 holds each layer's experts stacked
@@ -65,10 +61,116 @@ def write_qwen3moe_gguf(model: torch.nn.Module, path: Path,
         base, _, suffix = name.rpartition(".")
         add(writer, f"{names.get_name(base)}.{suffix}", value,
             linears if name.endswith("proj.weight") else None)
+    finish(writer)
+    return path
+
+
+def copy_tokenizer(writer: GGUFWriter) -> None:
+    """The bundled SmolLM2 file's tokenizer (vocabulary 49152)."""
+    tokenizer = GGUFReader(str(bundled_gguf()))
+    for key, field in tokenizer.fields.items():
+        if key.startswith("tokenizer."):
+            kind = field.types[0]
+            writer.add_key_value(key, field.contents(), kind,
+                                 sub_type=field.types[1] if kind == GGUFValueType.ARRAY else None)
+
+
+def finish(writer: GGUFWriter) -> None:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def permute_rows(weight: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's q / k row permutation for Llama-style rotary (halves interleaved)."""
+    rows = weight.shape[0]
+    return weight.reshape(heads, 2, rows // heads // 2, -1).swapaxes(1, 2).reshape(weight.shape)
+
+
+def write_granite_hybrid_gguf(folder: Path, path: Path,
+                              linears: GGMLQuantizationType | None = None) -> Path:
+    """The checkpoint saved in `folder` (transformers' GraniteMoeHybridForCausalLM, its Hub
+    tensor names; SmolLM2's vocabulary) as llama.cpp's
+    converter writes it: per-layer KV head counts (0 for a Mamba2 layer), Granite's multipliers
+    under llama.cpp's names, A as -exp(A_log), the convolution squeezed, D as [heads, 1], the
+    gated norm as [groups, inner / groups], q / k rows permuted, the fused gate / up split;
+    F32, or with `linears` for every projection and expert."""
+    from safetensors.numpy import load_file
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(folder)
+    layers, hidden = config.num_hidden_layers, config.hidden_size
+    mamba = [kind not in ("attention", "full_attention") for kind in config.layer_types]
+    experts = config.num_local_experts
+    inner = config.mamba_expand * hidden
+    writer = GGUFWriter(str(path), "granitehybrid")
+    writer.add_name("tiny-granite-hybrid")
+    writer.add_block_count(layers)
+    writer.add_context_length(2 ** 20)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv([0 if m else config.num_key_value_heads for m in mamba])
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_rope_dimension_count(hidden // config.num_attention_heads)
+    writer.add_attention_scale(config.attention_multiplier)
+    writer.add_embedding_scale(config.embedding_multiplier)
+    writer.add_residual_scale(config.residual_multiplier)
+    writer.add_logit_scale(config.logits_scaling)
+    writer.add_expert_shared_feed_forward_length(config.shared_intermediate_size)
+    writer.add_ssm_conv_kernel(config.mamba_d_conv)
+    writer.add_ssm_state_size(config.mamba_d_state)
+    writer.add_ssm_group_count(config.mamba_n_groups)
+    writer.add_ssm_inner_size(inner)
+    writer.add_ssm_time_step_rank(config.mamba_n_heads)
+    writer.add_rope_scaling_finetuned(config.position_embedding_type == "rope")
+    copy_tokenizer(writer)
+    names = get_tensor_name_map(MODEL_ARCH.GRANITE_HYBRID, layers)
+    state = load_file(folder / "model.safetensors")
+    state.pop("lm_head.weight" if config.tie_word_embeddings else "", None)
+    shared = "_shexp" if experts else ""
+    for name, value in state.items():
+        base, _, suffix = name.rpartition(".")
+        layer = name.split(".")[2] if name.startswith("model.layers.") else ""
+        kind = None
+        if name.endswith("input_linear.weight"):  # gate and up, fused: llama.cpp splits them
+            gate, up = np.split(value, 2, axis=-2)
+            moe = "block_sparse_moe" in name
+            for part, half in (("gate", gate), ("up", up)):
+                add(writer, f"blk.{layer}.ffn_{part}{'_exps' if moe else shared}.weight",
+                    np.ascontiguousarray(half), linears)
+            continue
+        if name.endswith("output_linear.weight"):
+            moe = "block_sparse_moe" in name
+            add(writer, f"blk.{layer}.ffn_down{'_exps' if moe else shared}.weight", value,
+                linears)
+            continue
+        if name.endswith("router.layer.weight"):
+            add(writer, f"blk.{layer}.ffn_gate_inp.weight", value, None)
+            continue
+        if name.endswith(".dt_bias"):
+            add(writer, f"blk.{layer}.ssm_dt.bias", value, None)
+            continue
+        gguf_name = f"{names.get_name(base)}.{suffix}"
+        if name.endswith(".A_log"):
+            gguf_name, value = f"blk.{layer}.ssm_a", -np.exp(value)[:, None]
+        elif name.endswith(".D"):
+            gguf_name, value = f"blk.{layer}.ssm_d", value[:, None]
+        elif name.endswith("conv1d.weight"):
+            value = value[:, 0, :]
+        elif name.endswith("mamba.norm.weight"):
+            value = value.reshape(config.mamba_n_groups, -1)
+        elif name.endswith(("q_proj.weight", "k_proj.weight")):
+            value = permute_rows(value, config.num_attention_heads if "q_proj" in name
+                                 else config.num_key_value_heads)
+        kind = linears if name.endswith("proj.weight") and "conv" not in name else None
+        add(writer, gguf_name, np.ascontiguousarray(value), kind)
+    finish(writer)
     return path
 
 

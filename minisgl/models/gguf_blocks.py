@@ -25,8 +25,10 @@ import numpy as np
 import torch
 
 from minisgl.layers.gguf_weight import KINDS, GgufBlocks, block_kernels
+from minisgl.layers.gguf_weight import LANES as GGUF_LANES
 from minisgl.layers.quant import GROUP, LANES, WeightBlocks, vnni_kernels
 from minisgl.models.gguf_decode import read_gguf_blocks
+from minisgl.models.gguf_hybrid import FAMILIES, family_linears, unpermute_rows
 
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
@@ -36,23 +38,26 @@ LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
            "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
            "ffn_down_exps": "mlp.experts.down_proj"}
 # NOTE: llama.cpp's converter permutes the rows of Llama's q / k projections (rotary halves
-# interleaved); transformers, and so our dense weights, undo it. Other architectures: none.
-PERMUTED = {"llama": {"attn_q": "num_heads", "attn_k": "num_kv_heads"}}
+# interleaved); transformers, and so our dense weights, undo it; so do the families of
+# models.gguf_hybrid. Other architectures: none.
+PERMUTED = {"llama": {"attn_q": "num_heads", "attn_k": "num_kv_heads"},
+            **{architecture: family.permuted for architecture, family in FAMILIES.items()}}
 
 
 # the token embedding and the LM head (absent when tied to the embedding)
 TABLES = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight"}
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, architecture: str) -> str | None:
     """model.layers.{i}.<linear>.weight for a GGUF linear weight (or the embedding / LM head's
     name); None for anything else."""
     if gguf_name in TABLES:
         return TABLES[gguf_name]
+    linears = family_linears(architecture) or LINEARS
     parts = gguf_name.split(".")
-    if len(parts) != 4 or parts[0] != "blk" or parts[3] != "weight" or parts[2] not in LINEARS:
+    if len(parts) != 4 or parts[0] != "blk" or parts[3] != "weight" or parts[2] not in linears:
         return None
-    return f"model.layers.{parts[1]}.{LINEARS[parts[2]]}.weight"
+    return f"model.layers.{parts[1]}.{linears[parts[2]]}.weight"
 
 
 def decode_blocks(kind: str, raw: np.ndarray, out_features: int, in_features: int
@@ -73,16 +78,6 @@ def decode_blocks(kind: str, raw: np.ndarray, out_features: int, in_features: in
     return WeightBlocks(codes, scales, zeros)
 
 
-def unpermute_rows(blocks: WeightBlocks | GgufBlocks, heads: int) -> WeightBlocks | GgufBlocks:
-    """Undo llama.cpp's q / k row permutation (row order only: blocks run along the input)."""
-    rows = blocks.shape[0]
-    order = torch.arange(rows).view(heads, 2, rows // heads // 2).transpose(1, 2).reshape(-1)
-    # NOTE: HF row r sits at GGUF row order[r] (the converter's permutation, inverted)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(rows)
-    return blocks[inverse]
-
-
 def kernel_for(kind: str, out_features: int, experts: bool, table: bool, dtype: torch.dtype
                ) -> str | None:
     """Which kernel runs a tensor of GGUF type `kind`: "vnni" or "torch" (WeightBlocks, in
@@ -91,7 +86,8 @@ def kernel_for(kind: str, out_features: int, experts: bool, table: bool, dtype: 
                  and dtype == torch.bfloat16)
     if kind in BLOCK_BYTES and vnni_runs:
         return "vnni"
-    if block_kernels() is not None and kind in KINDS and not experts:
+    if block_kernels() is not None and kind in KINDS and not experts and (
+            out_features % GGUF_LANES == 0):
         return "avx2"
     return "torch" if kind in ("Q4_0", "Q4_1") and not table and dtype == torch.bfloat16 else None
 
@@ -120,7 +116,7 @@ def read_block_linears(path: Path, heads: dict[str, int], skips: Callable[[str],
     arch = bytes(field.parts[field.data[0]]).decode()
     blocks, dense = {}, {}
     for tensor in reader.tensors:
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, arch)
         if name is None or skips(name):
             continue
         kind = tensor.tensor_type.name

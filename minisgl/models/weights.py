@@ -103,6 +103,24 @@ def convert_gguf(gguf: Path) -> Path:
     if (target / "config.json").is_file():
         return target
     logger.warning("converting %s to safetensors (once; cached in %s)", gguf.name, target)
+    from minisgl.models.gguf_hybrid import convert_hybrid_gguf
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    try:
+        if not convert_hybrid_gguf(gguf, staging):
+            _convert_with_transformers(gguf, staging)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    try:
+        staging.rename(target)  # atomic: a concurrent converter either wins or finds it done
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _convert_with_transformers(gguf: Path, staging: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -116,16 +134,9 @@ def convert_gguf(gguf: Path) -> Path:
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if config.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
     save_file(state, staging / "model.safetensors", metadata={"format": "pt"})
     (staging / "config.json").write_text(json.dumps(config, indent=2))
     tokenizer.save_pretrained(staging)
-    try:
-        staging.rename(target)  # atomic: a concurrent converter either wins or finds it done
-    except OSError:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
 
 
 GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")

@@ -1,0 +1,115 @@
+"""A hybrid's GGUF file (Granite 4.0-H, llama.cpp's `granitehybrid`), written here as llama.cpp's
+converter writes it (tests.gguf_families) from a tiny random transformers model: the config
+read from the file's metadata, the tensors brought back to the checkpoint's conventions, the
+linear weights kept as blocks under --quantization gguf."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+
+from minisgl.engine import Engine, EngineConfig
+from minisgl.llm import LLM
+from tests.engine_probe import prefill_logits
+from tests.gguf_families import write_granite_hybrid_gguf
+from tests.test_hybrid import (GRANITE, assert_logits_match_across_spans, random_prompts,
+                               reference_greedy)
+from tests.test_moe import BF16_REL_BOUND
+from tests.test_quantization import relative_error
+
+VOCAB = 49152  # the bundled tokenizer's, which the file carries
+VARIANTS = {  # experts and NoPE (Granite 4.0-H-Tiny's kind); dense with RoPE (Bamba's kind)
+    "experts": {"num_local_experts": 4},
+    "dense-rope": {"num_local_experts": 0, "position_embedding_type": "rope"},
+}
+
+
+def save_granite(folder: Path, **fields) -> torch.nn.Module:
+    import transformers
+    torch.manual_seed(0)
+    config = transformers.GraniteMoeHybridConfig(**{**GRANITE, "vocab_size": VOCAB, **fields})
+    model = transformers.GraniteMoeHybridForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or "A_log" in name or "dt_bias" in name or name.endswith(".D"):
+                param.add_(torch.randn_like(param) * 0.2)
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_a_granite_hybrid_gguf_file_serves_transformers_logits(variant, tmp_path) -> None:
+    """F32 file: chunks and decodes give transformers' logits on the original checkpoint (the
+    rotary variant shows that the q / k rows come back in their order)."""
+    model = save_granite(tmp_path / "hf", **VARIANTS[variant])
+    gguf = write_granite_hybrid_gguf(tmp_path / "hf", tmp_path / f"tiny-{variant}.gguf")
+    assert_logits_match_across_spans(model, str(gguf), [(0, 7), (7, 23), (23, 24), (24, 40)])
+
+
+def test_gguf_quantization_keeps_the_hybrid_linears_as_blocks(tmp_path) -> None:
+    """--quantization gguf on a Q8_0 file: the Mamba2 projections, attention, shared MLP and
+    experts hold blocks (no dense weight), with the logits of the same file dequantized
+    (bfloat16 both; bound BF16_REL_BOUND); served, it generates as the dequantized file does."""
+    # blocks of 32 along every input, rows by 8 (the Mamba2 projection's: 2 x 128 + 64 + 8)
+    save_granite(tmp_path / "hf", num_local_experts=4, shared_intermediate_size=64,
+                 mamba_n_heads=8, mamba_d_head=16)
+    gguf = write_granite_hybrid_gguf(tmp_path / "hf", tmp_path / "tiny.Q8_0.gguf",
+                                     GGMLQuantizationType.Q8_0)
+    ids = random_prompts((40,))[0]
+    logits = {}
+    for method in ("gguf", "none"):
+        engine = Engine(EngineConfig(model_path=str(gguf), dtype="bfloat16", quantization=method,
+                                     max_total_tokens=256))
+        mamba, attention = engine.model.layers[0], engine.model.layers[1]
+        dense = {name: getattr(module, "weight", None) is not None and
+                 isinstance(module.weight, torch.nn.Parameter)
+                 for name, module in (("in_proj", mamba.mamba.in_proj),
+                                      ("out_proj", mamba.mamba.out_proj),
+                                      ("qkv", attention.self_attn.qkv_proj),
+                                      ("shared", mamba.shared_mlp.gate_up_proj))}
+        assert set(dense.values()) == {method == "none"}, dense
+        assert (mamba.mlp.experts.gate_up is None) == (method == "gguf")
+        logits[method] = prefill_logits(engine, ids).float()
+        engine.shutdown()
+    assert relative_error(logits["gguf"], logits["none"]) < BF16_REL_BOUND
+
+
+def test_a_granite_hybrid_gguf_file_generates_greedily_with_chunks_and_prefix_hits(
+        tmp_path) -> None:
+    model = save_granite(tmp_path / "hf", num_local_experts=4)
+    gguf = write_granite_hybrid_gguf(tmp_path / "hf", tmp_path / "tiny.gguf")
+    prompts = random_prompts((23, 40))
+    expected = reference_greedy(model, prompts, 8)
+    params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    with LLM(model=str(gguf), dtype="float32", chunked_prefill_size=16,
+             max_running_requests=2) as llm:
+        first = llm.generate(input_ids=prompts, sampling_params=params)
+        again = llm.generate(input_ids=prompts, sampling_params=params)
+        llm.check_integrity()
+    assert [r["output_ids"] for r in first] == [r["output_ids"] for r in again] == expected
+    assert all(r["meta_info"]["cached_tokens"] for r in again)
+
+
+def test_an_unknown_metadata_key_of_the_family_is_refused(tmp_path) -> None:
+    from gguf import GGUFReader, GGUFWriter
+    save_granite(tmp_path / "hf", num_local_experts=0)
+    source = write_granite_hybrid_gguf(tmp_path / "hf", tmp_path / "tiny.gguf")
+    reader = GGUFReader(str(source))
+    writer = GGUFWriter(str(tmp_path / "yarn.gguf"), "granitehybrid")
+    for key, field in reader.fields.items():
+        if not key.startswith(("GGUF.", "general.architecture")):
+            writer.add_key_value(key, field.contents(), field.types[0],
+                                 sub_type=field.types[1] if len(field.types) > 1 else None)
+    writer.add_rope_scaling_type(__import__("gguf").RopeScalingType.YARN)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="rope.scaling.type"):
+        Engine(EngineConfig(model_path=str(tmp_path / "yarn.gguf"), dtype="float32",
+                            max_total_tokens=64))
