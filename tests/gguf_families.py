@@ -181,3 +181,118 @@ def add(writer: GGUFWriter, name: str, value: np.ndarray,
     else:
         data = quants.quantize(value, kind)
         writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=kind)
+
+
+QWEN_ARCHITECTURES = {"qwen3_5_text": ("qwen35", MODEL_ARCH.QWEN35),
+                      "qwen3_5_moe_text": ("qwen35moe", MODEL_ARCH.QWEN35MOE),
+                      "qwen3_next": ("qwen3next", MODEL_ARCH.QWEN3NEXT)}
+
+
+def tiled_rows(values: np.ndarray, keys: int, heads: int, width: int, axis: int = 0
+               ) -> np.ndarray:
+    """llama.cpp's Qwen3.5 value-head order: from grouped by key head to tiled over them."""
+    shape = list(values.shape)
+    grouped = values.reshape(*shape[:axis], keys, heads // keys, width, *shape[axis + 1:])
+    return np.swapaxes(grouped, axis, axis + 1).reshape(shape)
+
+
+def write_qwen_hybrid_gguf(folder: Path, path: Path,
+                           linears: GGMLQuantizationType | None = None) -> Path:
+    """The checkpoint saved in `folder` (transformers' Qwen3.5, Qwen3.5-MoE or Qwen3-Next, its
+    tensor names; SmolLM2's vocabulary) as llama.cpp's converter writes it (without the
+    multi-token predictor): the decoder norms as 1 + w, A as -exp(A_log), the convolution
+    squeezed; Qwen3-Next's in_proj_qkvz split into q, k, v and z over all heads; Qwen3.5's
+    value heads tiled over the key heads (in_proj_qkv's v rows, in_proj_z, in_proj_a / b,
+    A_log, dt_bias, the convolution's v channels, out_proj's columns); experts stacked. F32,
+    or with `linears` for every projection and expert."""
+    from safetensors.numpy import load_file
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(folder)
+    architecture, arch = QWEN_ARCHITECTURES[config.model_type]
+    layers, hidden, head_dim = config.num_hidden_layers, config.hidden_size, config.head_dim
+    keys, values = config.linear_num_key_heads, config.linear_num_value_heads
+    dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+    tiled = architecture != "qwen3next" and keys != values
+    writer = GGUFWriter(str(path), architecture)
+    writer.add_name(f"tiny-{architecture}")
+    writer.add_block_count(layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    experts = getattr(config, "num_experts", 0)
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_ssm_conv_kernel(config.linear_conv_kernel_dim)
+    writer.add_ssm_state_size(dk)
+    writer.add_ssm_group_count(keys)
+    writer.add_ssm_time_step_rank(values)
+    writer.add_ssm_inner_size(dv * values)
+    # NOTE: a key newer than the gguf package's writer methods
+    writer.add_array(f"{architecture}.attention.recurrent_layers",
+                     [kind == "linear_attention" for kind in config.layer_types])
+    writer.add_full_attention_interval(getattr(config, "full_attention_interval", 4))
+    writer.add_rope_dimension_count(int(head_dim * config.rope_parameters["partial_rotary_factor"]))
+    if architecture != "qwen3next":
+        writer.add_rope_dimension_sections([11, 11, 10, 0])
+    copy_tokenizer(writer)
+    names = get_tensor_name_map(arch, layers)
+    state = load_file(folder / "model.safetensors")
+    state.pop("lm_head.weight" if config.tie_word_embeddings else "", None)
+    for layer in range(layers):  # per-expert tensors, stacked as llama.cpp stacks them
+        for part in ("gate", "up", "down") if experts else ():
+            stacked = np.stack([state.pop(f"model.layers.{layer}.mlp.experts.{e}.{part}_proj.weight")
+                                for e in range(experts)])
+            add(writer, f"blk.{layer}.ffn_{part}_exps.weight", stacked, linears)
+
+    def head_rows(value: np.ndarray, width: int, axis: int = 0) -> np.ndarray:
+        return tiled_rows(value, keys, values, width, axis) if tiled else value
+
+    for name, value in state.items():
+        base, _, suffix = name.rpartition(".")
+        layer = name.split(".")[2] if name.startswith("model.layers.") else ""
+        if name.endswith("in_proj_qkvz.weight"):  # per key head [q, k, v, z] -> over all heads
+            per_head = value.reshape(keys, -1, hidden)
+            q, k, v, z = np.split(per_head, np.cumsum([dk, dk, dv * values // keys]), axis=1)
+            qkv = np.concatenate([q.reshape(-1, hidden), k.reshape(-1, hidden),
+                                  v.reshape(-1, hidden)])
+            add(writer, f"blk.{layer}.attn_qkv.weight", qkv, linears)
+            add(writer, f"blk.{layer}.attn_gate.weight", z.reshape(-1, hidden), linears)
+            continue
+        if name.endswith("in_proj_ba.weight"):
+            add(writer, f"blk.{layer}.ssm_ba.weight", value, None)
+            continue
+        if name.endswith(".dt_bias"):
+            add(writer, f"blk.{layer}.ssm_dt.bias", head_rows(value, 1), None)
+            continue
+        gguf_name = f"{names.get_name(base)}.{suffix}"
+        if name.endswith(".A_log"):
+            gguf_name, value = f"blk.{layer}.ssm_a", head_rows(-np.exp(value), 1)
+        elif name.endswith("conv1d.weight"):
+            value = value[:, 0, :]
+            qk = 2 * keys * dk
+            value = np.concatenate([value[:qk], head_rows(value[qk:], dv)])
+        elif name.endswith("norm.weight") and ".linear_attn.norm." not in name:
+            value = value + 1.0
+        elif name.endswith("in_proj_qkv.weight"):
+            value = np.concatenate([value[:2 * keys * dk], head_rows(value[2 * keys * dk:], dv)])
+        elif name.endswith("in_proj_z.weight"):
+            value = head_rows(value, dv)
+        elif name.endswith(("in_proj_a.weight", "in_proj_b.weight")):
+            value = head_rows(value, 1)
+        elif name.endswith("linear_attn.out_proj.weight"):
+            value = head_rows(value, dv, axis=1)
+        kind = linears if name.endswith(("proj.weight", "in_proj_qkv.weight",
+                                         "in_proj_z.weight")) and not name.endswith(
+            ("in_proj_a.weight", "in_proj_b.weight")) else None
+        add(writer, gguf_name, np.ascontiguousarray(value), kind)
+    finish(writer)
+    return path

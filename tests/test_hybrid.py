@@ -47,8 +47,13 @@ FAMILIES = {  # model class, config class, its fields
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def qwen3_next(request, tmp_path_factory) -> tuple[torch.nn.Module, str]:
+    return tiny_hybrid(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def tiny_hybrid(family: str, path: Path) -> tuple[torch.nn.Module, str]:
+    """FAMILIES[family] with random weights (fixed seed), saved at `path`."""
     import transformers
-    model_class, config_class, fields = FAMILIES[request.param]
+    model_class, config_class, fields = FAMILIES[family]
     torch.manual_seed(0)
     config = getattr(transformers, config_class)(**fields)
     model = getattr(transformers, model_class)(config).float().eval()
@@ -56,7 +61,6 @@ def qwen3_next(request, tmp_path_factory) -> tuple[torch.nn.Module, str]:
         for name, param in model.named_parameters():
             if "norm" in name or "A_log" in name or "dt_bias" in name or name.endswith(".D"):
                 param.add_(torch.randn_like(param) * 0.2)
-    path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path)
     return model, str(path)
 
@@ -165,6 +169,31 @@ def assert_retraction_recomputes_the_state(model: torch.nn.Module, path: str) ->
         llm.check_integrity()
     assert retractions > 0, "the pool was meant to be too small to run everything at once"
     assert [r["output_ids"] for r in outs] == expected
+
+
+@pytest.mark.parametrize("family", ["qwen3-next", "granite-4.0-h"])
+def test_preempted_hybrid_requests_resume_with_the_same_greedy_output(
+        family, tmp_path, minisgl_server_factory) -> None:
+    """An urgent request preempts both running ones (their states dropped with their rows);
+    each preempted request is recomputed and finishes as transformers generates it."""
+    from tests.test_scheduling import SHORT, Clock
+    from tests.test_server import state, wait_for
+    model, path = tiny_hybrid(family, tmp_path)
+    prompts = random_prompts((20, 30, 40))
+    long = {"temperature": 0, "max_new_tokens": 300, "ignore_eos": True}  # still running
+    expected = reference_greedy(model, prompts[:2], long["max_new_tokens"])
+    server = minisgl_server_factory("--model", path, "--max-running-requests", "2",
+                                    "--enable-priority-scheduling")
+    clock = Clock(server)
+    blockers = [clock.send({"input_ids": p, "sampling_params": long, "priority": 0})
+                for p in prompts[:2]]
+    wait_for(lambda: state(server)["generated_tokens"] >= 16, what="both decoding")
+    urgent = clock.send({"input_ids": prompts[2], "sampling_params": SHORT, "priority": 20})
+    urgent_done, _ = urgent.result()
+    results = [f.result() for f in blockers]
+    assert urgent_done < min(done for done, _ in results)
+    assert state(server)["preemptions"] >= 1
+    assert [out["output_ids"] for _, out in results] == expected
 
 
 def test_ngram_speculation_rolls_the_state_back_to_the_accepted_tokens(qwen3_next) -> None:

@@ -1,7 +1,7 @@
-"""A hybrid's GGUF file (Granite 4.0-H, llama.cpp's `granitehybrid`), written here as llama.cpp's
-converter writes it (tests.gguf_families) from a tiny random transformers model: the config
-read from the file's metadata, the tensors brought back to the checkpoint's conventions, the
-linear weights kept as blocks under --quantization gguf."""
+"""A hybrid's GGUF file (llama.cpp's `granitehybrid`, `qwen35`, `qwen35moe`, `qwen3next`),
+written here as llama.cpp's converter writes it (tests.gguf_families) from a tiny random
+transformers model: the config read from the file's metadata, the tensors brought back to the
+checkpoint's conventions, the linear weights kept as blocks under --quantization gguf."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from gguf import GGMLQuantizationType
 from minisgl.engine import Engine, EngineConfig
 from minisgl.llm import LLM
 from tests.engine_probe import prefill_logits
-from tests.gguf_families import write_granite_hybrid_gguf
-from tests.test_hybrid import (GRANITE, assert_logits_match_across_spans, random_prompts,
-                               reference_greedy)
+from tests.gguf_families import write_granite_hybrid_gguf, write_qwen_hybrid_gguf
+from tests.test_hybrid import (FAMILIES, GRANITE, assert_logits_match_across_spans,
+                               random_prompts, reference_greedy)
 from tests.test_moe import BF16_REL_BOUND
 from tests.test_quantization import relative_error
 
@@ -38,6 +38,51 @@ def save_granite(folder: Path, **fields) -> torch.nn.Module:
                 param.add_(torch.randn_like(param) * 0.2)
     model.save_pretrained(folder)
     return model
+
+
+def save_qwen(family: str, folder: Path, **fields) -> torch.nn.Module:
+    import transformers
+    model_class, config_class, shape = FAMILIES[family]
+    shape = {k: v for k, v in shape.items() if k != "mlp_only_layers"}  # none in llama.cpp's
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(**{**shape, "vocab_size": VOCAB, **fields})
+    model = getattr(transformers, model_class)(config).float().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or "A_log" in name or "dt_bias" in name:
+                param.add_(torch.randn_like(param) * 0.2)
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.mark.parametrize("family", ["qwen3.5", "qwen3.5-moe", "qwen3-next"])
+def test_a_qwen_hybrid_gguf_file_serves_transformers_logits(family, tmp_path) -> None:
+    """F32 file (4 value heads over 2 key heads: Qwen3.5's are tiled in the file)."""
+    model = save_qwen(family, tmp_path / "hf")
+    gguf = write_qwen_hybrid_gguf(tmp_path / "hf", tmp_path / "tiny.gguf")
+    assert_logits_match_across_spans(model, str(gguf), [(0, 7), (7, 23), (23, 24), (24, 40)])
+
+
+def test_a_qwen3_5_q8_0_file_keeps_its_tiled_projections_as_blocks(tmp_path) -> None:
+    """--quantization gguf: the DeltaNet's projections are blocks (their value-head rows
+    reordered, the output projection taking them tiled), with the logits of the same file
+    dequantized (bfloat16 both; bound BF16_REL_BOUND)."""
+    save_qwen("qwen3.5", tmp_path / "hf")
+    gguf = write_qwen_hybrid_gguf(tmp_path / "hf", tmp_path / "tiny.Q8_0.gguf",
+                                  GGMLQuantizationType.Q8_0)
+    ids = random_prompts((40,))[0]
+    logits = {}
+    for method in ("gguf", "none"):
+        engine = Engine(EngineConfig(model_path=str(gguf), dtype="bfloat16", quantization=method,
+                                     max_total_tokens=256))
+        mixer = engine.model.layers[0].linear_attn
+        assert engine.arch.linear.tiled
+        blocks = [not isinstance(m.weight, torch.nn.Parameter)
+                  for m in (mixer.in_proj_qkv, mixer.in_proj_z, mixer.out_proj)]
+        assert blocks == [method == "gguf"] * 3
+        logits[method] = prefill_logits(engine, ids).float()
+        engine.shutdown()
+    assert relative_error(logits["gguf"], logits["none"]) < BF16_REL_BOUND
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

@@ -285,7 +285,7 @@ def test_gguf_block_layouts_decode_to_the_ggml_formula(kind: str):
 def test_llama_q_rows_are_unpermuted_like_transformers():
     """llama.cpp's converter interleaves the rotary halves of each head's q / k rows; the
     blocks' rows go back to Hugging Face order (transformers' reverse_permute)."""
-    from minisgl.models.gguf_blocks import unpermute_rows
+    from minisgl.models.gguf_hybrid import unpermute_rows
     heads, rows = 3, 12
     hf = torch.arange(rows)
     gguf = hf.view(heads, 2, rows // heads // 2).transpose(1, 2).reshape(-1)  # the converter

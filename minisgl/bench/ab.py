@@ -7,10 +7,13 @@ prompts through its `/v1/completions` (ignore_eos) at each concurrency.
     python -m minisgl.bench ab --variant bf16= --variant fp32='--dtype float32' \\
         --concurrency 1 64 --rounds 3
     python -m minisgl.bench ab --variant minisgl= --variant llama.cpp=@llama-server
+    python -m minisgl.bench ab --gguf model.Q4_K_M.gguf --variant minisgl='--quantization gguf' \
+        --variant llama.cpp=@llama-server
 
 A variant is NAME=FLAGS (flags for `python -m minisgl serve`, shell-quoted), NAME=@PATH FLAGS
 (another checkout's minisgl, e.g. a `git worktree` of an older commit), or NAME=@llama-server
-(built once, as `compare` does). The table gives medians over the rounds and each variant's
+(built once, as `compare` does). `--gguf FILE`: the model every variant serves (minisgl's
+`--model`; the bundled one by default). The table gives medians over the rounds and each variant's
 ratio to the first one.
 """
 
@@ -52,11 +55,13 @@ class Variant:
 def start(variant: Variant, concurrency: int, args: argparse.Namespace,
           llama: Path | None) -> ServerProcess:
     context = args.input_len + args.output_len + 16
+    gguf = args.gguf or bundled_gguf()
     if variant.llama_server:  # NOTE: one server per concurrency: -np slots = streams
         assert llama is not None
-        return start_llama(llama, bundled_gguf(), concurrency, context, variant.flags)
+        return start_llama(llama, gguf, concurrency, context, variant.flags)
     most = max(args.concurrency)
-    return start_minisgl(True, most, most * context, variant.flags, variant.checkout)
+    model = ("--model", str(gguf.resolve())) if args.gguf else ()
+    return start_minisgl(True, most, most * context, (*model, *variant.flags), variant.checkout)
 
 
 def run_rounds(args: argparse.Namespace) -> dict[str, dict[int, list[dict]]]:
@@ -111,6 +116,7 @@ def main() -> dict:
                         help="NAME=FLAGS, NAME=@PATH FLAGS or NAME=@llama-server (repeat)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--llama-server", type=Path, help="use this binary instead of building")
+    parser.add_argument("--gguf", type=Path, help="the GGUF file every variant serves")
     add_serving_arguments(parser)
     parser.set_defaults(concurrency=[1, 64])
     args = parser.parse_args()
@@ -118,6 +124,7 @@ def main() -> dict:
         parser.error("variant names must differ")
     runs = run_rounds(args)
     print(table(args, runs))
-    return {"variants": {v.name: {"flags": list(v.flags), "checkout": str(v.checkout),
+    return {"gguf": str(args.gguf) if args.gguf else None,
+            "variants": {v.name: {"flags": list(v.flags), "checkout": str(v.checkout),
                                   "llama_server": v.llama_server} for v in args.variant},
             "runs": runs}

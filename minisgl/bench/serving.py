@@ -96,7 +96,11 @@ async def one_request(session: aiohttp.ClientSession, args: argparse.Namespace,
                 buffer += chunk
                 while b"\n\n" in buffer:
                     event, buffer = buffer.split(b"\n\n", 1)
-                    data = event.strip().removeprefix(b"data:").strip()
+                    # NOTE: only data lines: a line starting with ":" is an SSE comment (the
+                    # keep-alive llama-server sends while a request waits)
+                    data = b"".join(line.removeprefix(b"data:").strip()
+                                    for line in event.strip().splitlines()
+                                    if line.startswith(b"data:"))
                     if not data or data == b"[DONE]":
                         continue
                     now = time.perf_counter()

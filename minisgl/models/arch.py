@@ -122,13 +122,17 @@ class LinearAttnShape:
     """A hybrid's linear-attention (Gated DeltaNet) layers: key and value heads and their
     sizes, the width of the causal convolution over q, k and v, and how the checkpoint lays
     out the input projections (`grouped`: Qwen3-Next's in_proj_qkvz and in_proj_ba, grouped
-    by key head; else Qwen3.5's in_proj_qkv, in_proj_z, in_proj_b and in_proj_a)."""
+    by key head; else Qwen3.5's in_proj_qkv, in_proj_z, in_proj_b and in_proj_a), and
+    `tiled`: the output projection takes the value heads tiled over the key heads (k0 k1 ..
+    k0 k1 ..) as llama.cpp's Qwen3.5 files lay it out, not grouped by key head (k0 k0 .. k1).
+    Both keys are the config's, our own where a GGUF file is converted (models.gguf_hybrid)."""
     num_k_heads: int
     num_v_heads: int
     k_head_dim: int
     v_head_dim: int
     conv_kernel: int
     grouped: bool
+    tiled: bool = False
 
     @property
     def key_dim(self) -> int:
@@ -152,6 +156,9 @@ class LinearAttnShape:
         if self.num_k_heads % ranks:
             raise ValueError(f"--tp-size {ranks}: the {self.num_k_heads} linear-attention key "
                              "heads do not split evenly over the ranks")
+        if self.tiled and ranks > 1:
+            raise ValueError(f"--tp-size {ranks}: a Qwen3.5 GGUF file's output projections "
+                             "take the value heads tiled, which do not split by key head")
         return dataclasses.replace(self, num_k_heads=self.num_k_heads // ranks,
                                    num_v_heads=self.num_v_heads // ranks)
 
@@ -162,7 +169,9 @@ class LinearAttnShape:
                    k_head_dim=config["linear_key_head_dim"],
                    v_head_dim=config["linear_value_head_dim"],
                    conv_kernel=config.get("linear_conv_kernel_dim", 4),
-                   grouped=config.get("model_type") == "qwen3_next")
+                   grouped=config.get("linear_projections_grouped",
+                                      config.get("model_type") == "qwen3_next"),
+                   tiled=config.get("linear_value_heads_tiled", False))
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from minisgl.layers.gguf_weight import KINDS, GgufBlocks, block_kernels
 from minisgl.layers.gguf_weight import LANES as GGUF_LANES
 from minisgl.layers.quant import GROUP, LANES, WeightBlocks, vnni_kernels
 from minisgl.models.gguf_decode import read_gguf_blocks
-from minisgl.models.gguf_hybrid import FAMILIES, family_linears, unpermute_rows
+from minisgl.models.gguf_hybrid import family_linears, llama_rows, row_order
 
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
@@ -38,10 +38,9 @@ LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
            "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
            "ffn_down_exps": "mlp.experts.down_proj"}
 # NOTE: llama.cpp's converter permutes the rows of Llama's q / k projections (rotary halves
-# interleaved); transformers, and so our dense weights, undo it; so do the families of
-# models.gguf_hybrid. Other architectures: none.
-PERMUTED = {"llama": {"attn_q": "num_heads", "attn_k": "num_kv_heads"},
-            **{architecture: family.permuted for architecture, family in FAMILIES.items()}}
+# interleaved); transformers, and so our dense weights, undo it. The families of
+# models.gguf_hybrid give their own row orders; other architectures: none.
+LLAMA_PERMUTED = {"attn_q": "num_heads", "attn_k": "num_kv_heads"}
 
 
 # the token embedding and the LM head (absent when tied to the embedding)
@@ -103,12 +102,12 @@ class PendingBlocks:
     read: Callable[[], WeightBlocks | GgufBlocks | list[WeightBlocks]]
 
 
-def read_block_linears(path: Path, heads: dict[str, int], skips: Callable[[str], bool],
+def read_block_linears(path: Path, config: dict[str, Any], skips: Callable[[str], bool],
                        dtype: torch.dtype) -> tuple[dict[str, PendingBlocks], dict[str, str]]:
     """(the linear weights a kernel runs, by HF name, {HF name: GGUF type} of the other linear
     weights, which stay dense), leaving out the names `skips` (the model's: layers past a
-    layer-count override). `heads`: num_heads and num_kv_heads. The embedding / LM head tables
-    come as GgufBlocks only."""
+    layer-count override). `config`: the model's, with num_heads and num_kv_heads. The
+    embedding / LM head tables come as GgufBlocks only."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))
@@ -127,15 +126,22 @@ def read_block_linears(path: Path, heads: dict[str, int], skips: Callable[[str],
             if tensor.name not in TABLES:
                 dense[name] = kind
             continue
-        permuted = PERMUTED.get(arch, {}).get(tensor.name.split(".")[2]) if (
-            tensor.name not in TABLES) else None
-        read = functools.partial(_decode_tensor, tensor, kernel, experts,
-                                 heads[permuted] if permuted else None)
+        order = None if tensor.name in TABLES else _rows(arch, tensor.name.split(".")[2],
+                                                          out_features, config)
+        read = functools.partial(_decode_tensor, tensor, kernel, experts, order)
         blocks[name] = PendingBlocks(kernel, KINDS[kind][0], experts, read)
     return blocks, dense
 
 
-def _decode_tensor(tensor: Any, kernel: str, experts: bool, permuted_heads: int | None
+def _rows(architecture: str, kind: str, rows: int, config: dict[str, Any]
+          ) -> torch.Tensor | None:
+    if architecture == "llama":
+        heads = LLAMA_PERMUTED.get(kind)
+        return None if heads is None else llama_rows(rows, config[heads])
+    return row_order(architecture, kind, config)
+
+
+def _decode_tensor(tensor: Any, kernel: str, experts: bool, order: torch.Tensor | None
                    ) -> WeightBlocks | GgufBlocks | list[WeightBlocks]:
     kind = tensor.tensor_type.name
     in_features, out_features = (int(n) for n in tensor.shape[:2])
@@ -144,17 +150,17 @@ def _decode_tensor(tensor: Any, kernel: str, experts: bool, permuted_heads: int 
         return [decode_blocks(kind, e, out_features, in_features) for e in raw]
     weight = (read_gguf_blocks(kind, tensor.data, out_features, in_features)
               if kernel == "avx2" else decode_blocks(kind, tensor.data, out_features, in_features))
-    return weight if permuted_heads is None else unpermute_rows(weight, permuted_heads)
+    return weight if order is None else weight[order]
 
 
-def stage_block_linears(model: torch.nn.Module, path: Path, heads: dict[str, int],
+def stage_block_linears(model: torch.nn.Module, path: Path, config: dict[str, Any],
                         dtype: torch.dtype) -> tuple[dict[str, PendingBlocks], dict[str, str]]:
     """Prepare every layer whose checkpoint tensors are all blocks a kernel runs to take them
     (`expect_blocks`, `expect_gguf_blocks`; a layer with parts for both kernels runs them all
     on the AVX2 one); returns those tensors by HF name, and the GGUF types of the linear
     weights that stay dense (a layer with any of them stays dense whole). Any GGUF type
     loads: the dense ones come dequantized from the converted folder."""
-    blocks, dense = read_block_linears(path, heads, model.skips, dtype)
+    blocks, dense = read_block_linears(path, config, model.skips, dtype)
     names_by_module: dict[torch.nn.Module, list[str]] = {}
     for name in [*blocks, *dense]:
         names_by_module.setdefault(model.weight_target(name)[0], []).append(name)

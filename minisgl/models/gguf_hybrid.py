@@ -1,10 +1,17 @@
 """GGUF files of the hybrid families, which transformers' GGUF reader does not take: llama.cpp's
-`granitehybrid` (Granite 4.0-H). The config comes from the file's metadata; every tensor is
-renamed to the checkpoint name our model loads, with what llama.cpp's converter changed undone:
-A stored as -exp(A_log), the convolution's weight squeezed to [channels, K], D as [heads, 1],
-the gated norm's weight as [groups, inner / groups], q / k rows permuted as for Llama, and the
-fused gate / up projections split (the parts, not the fused tensor, are what we load: a part
-kept as blocks has the same name here and in models.gguf_blocks).
+`granitehybrid` (Granite 4.0-H), `qwen35` and `qwen35moe` (Qwen3.5) and `qwen3next`. The
+config comes from the file's metadata; every tensor is renamed to the checkpoint name our
+model loads, with what llama.cpp's converter changed undone:
+  - both: A stored as -exp(A_log), the convolution's weight squeezed to [channels, K];
+  - Granite: D as [heads, 1], the gated norm's weight as [groups, inner / groups], q / k rows
+    permuted as for Llama, the fused gate / up projections split;
+  - Qwen: the decoder norms stored as 1 + w; Qwen3-Next's in_proj_qkvz split into q, k, v and
+    z (each over all heads) and its in_proj_ba kept grouped by key head; Qwen3.5's value heads
+    reordered from grouped by key head to tiled over them (k0 k1 .. k0 k1 ..), which we undo
+    in every row order and keep only in the output projection's columns (a blocks' input
+    order is fixed: the model takes them tiled, `linear_value_heads_tiled`).
+A linear kept as blocks (models.gguf_blocks) has the name and the row order given here.
+Multi-token-prediction blocks (`nextn_predict_layers`, after the decoder's) are not served.
 
 A metadata key of the family that this reader does not know is refused: it may change the
 output."""
@@ -24,9 +31,34 @@ logger = logging.getLogger(__name__)
 
 Metadata = dict[str, Any]  # the family's keys, without the "<architecture>." prefix
 Shapes = dict[str, tuple[int, ...]]  # tensor name -> numpy shape (rows first)
+Config = dict[str, Any]
+TABLES = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight",
+          "output_norm.weight": "model.norm.weight"}
 
 
-def _granite_config(meta: Metadata, shapes: Shapes) -> dict[str, Any]:
+def llama_rows(rows: int, heads: int) -> torch.Tensor:
+    """The inverse of llama.cpp's q / k row permutation (rotary halves interleaved): HF row r
+    is GGUF row order[r]."""
+    permuted = torch.arange(rows).view(heads, 2, rows // heads // 2).transpose(1, 2).reshape(-1)
+    order = torch.empty_like(permuted)
+    order[permuted] = torch.arange(rows)
+    return order
+
+
+def unpermute_rows(rows: Any, heads: int) -> Any:
+    """Undo llama.cpp's q / k row permutation of a tensor or of blocks (row order only: blocks
+    run along the input)."""
+    return rows[llama_rows(rows.shape[0], heads)]
+
+
+def grouped_rows(config: Config, width: int) -> torch.Tensor:
+    """Qwen3.5's value heads (`width` rows each) from llama.cpp's tiled order back to grouped
+    by key head: our row (h, j) is the file's row (j, h)."""
+    keys, values = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    return torch.arange(values * width).view(values // keys, keys, width).transpose(0, 1).reshape(-1)
+
+
+def _granite_config(meta: Metadata, shapes: Shapes) -> Config:
     layers = int(meta["block_count"])
     kv = meta["attention.head_count_kv"]
     kv = list(kv) if isinstance(kv, (list, tuple)) else [kv] * layers  # 0: a Mamba2 layer
@@ -61,51 +93,180 @@ def _granite_config(meta: Metadata, shapes: Shapes) -> dict[str, Any]:
     }
 
 
-GRANITE_KEYS = {  # every granitehybrid key _granite_config reads or may leave
-    "block_count", "attention.head_count_kv", "embedding_length", "ssm.inner_size",
-    "ssm.time_step_rank", "expert_count", "expert_used_count", "attention.head_count",
-    "feed_forward_length", "expert_shared_feed_forward_length", "attention.layer_norm_rms_epsilon",
-    "rope.freq_base", "rope.scaling.finetuned", "context_length", "embedding_scale",
-    "attention.scale", "residual_scale", "logit_scale", "ssm.state_size", "ssm.group_count",
-    "ssm.conv_kernel", "vocab_size", "rope.dimension_count"}
+def _granite_tensor(kind: str, suffix: str, value: torch.Tensor, config: Config
+                    ) -> list[tuple[str, torch.Tensor]]:
+    if kind == "ssm_a":
+        return [("mamba.A_log", (-value.flatten()).log())]
+    if kind == "ssm_d":
+        return [("mamba.D", value.flatten())]
+    if kind == "ssm_dt":
+        return [("mamba.dt_bias", value)]
+    if kind == "ssm_conv1d" and suffix == "weight":
+        return [("mamba.conv1d.weight", value.unsqueeze(1))]
+    if kind == "ssm_norm":
+        return [("mamba.norm.weight", value.flatten())]
+    names = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+             "ffn_gate_inp": "mlp.gate", "ssm_conv1d": "mamba.conv1d"}
+    return [(f"{names[kind]}.{suffix}", value)] if kind in names else []
+
+
+def _granite_rows(kind: str, config: Config) -> torch.Tensor | None:
+    heads = {"attn_q": "num_attention_heads", "attn_k": "num_key_value_heads"}.get(kind)
+    if heads is None:
+        return None
+    rows = config[heads] * config["hidden_size"] // config["num_attention_heads"]
+    return llama_rows(rows, config[heads])
+
+
+QWEN_ARCHITECTURES = {"qwen35": ("Qwen3_5ForCausalLM", "qwen3_5_text"),
+                      "qwen35moe": ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
+                      "qwen3next": ("Qwen3NextForCausalLM", "qwen3_next")}
+
+
+def _qwen_config(architecture: str) -> Callable[[Metadata, Shapes], Config]:
+    def config(meta: Metadata, shapes: Shapes) -> Config:
+        layers = int(meta["block_count"]) - int(meta.get("nextn_predict_layers", 0))
+        recurrent = list(meta["attention.recurrent_layers"])[:layers]
+        keys, values = int(meta["ssm.group_count"]), int(meta["ssm.time_step_rank"])
+        head_dim = int(meta["attention.key_length"])
+        if int(meta.get("attention.value_length", head_dim)) != head_dim:
+            raise ValueError(f"{architecture}: attention key and value lengths differ")
+        model_class, model_type = QWEN_ARCHITECTURES[architecture]
+        fields: Config = {
+            "architectures": [model_class], "model_type": model_type,
+            "vocab_size": shapes["token_embd.weight"][0],
+            "hidden_size": int(meta["embedding_length"]), "num_hidden_layers": layers,
+            "intermediate_size": int(meta.get("feed_forward_length", 0)),
+            "num_attention_heads": int(meta["attention.head_count"]),
+            "num_key_value_heads": int(meta["attention.head_count_kv"]), "head_dim": head_dim,
+            "rms_norm_eps": float(meta["attention.layer_norm_rms_epsilon"]),
+            "max_position_embeddings": int(meta["context_length"]),
+            "rope_parameters": {"rope_type": "default",
+                                "rope_theta": float(meta.get("rope.freq_base", 10000.0)),
+                                "partial_rotary_factor":
+                                    int(meta["rope.dimension_count"]) / head_dim},
+            "layer_types": ["linear_attention" if r else "full_attention" for r in recurrent],
+            "linear_conv_kernel_dim": int(meta["ssm.conv_kernel"]),
+            "linear_key_head_dim": int(meta["ssm.state_size"]), "linear_num_key_heads": keys,
+            "linear_num_value_heads": values,
+            "linear_value_head_dim": int(meta["ssm.inner_size"]) // values,
+            "linear_projections_grouped": False,
+            "linear_value_heads_tiled": architecture != "qwen3next" and keys != values,
+            "tie_word_embeddings": "output.weight" not in shapes,
+        }
+        if "expert_count" in meta:  # NOTE: llama.cpp renormalises the chosen experts' weights
+            fields.update(num_experts=int(meta["expert_count"]),
+                          num_experts_per_tok=int(meta["expert_used_count"]),
+                          moe_intermediate_size=int(meta["expert_feed_forward_length"]),
+                          shared_expert_intermediate_size=int(
+                              meta["expert_shared_feed_forward_length"]),
+                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+        return fields
+    return config
+
+
+QWEN_NORMS = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+              "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+
+
+def _qwen_tensor(kind: str, suffix: str, value: torch.Tensor, config: Config
+                 ) -> list[tuple[str, torch.Tensor]]:
+    tiled = config["linear_value_heads_tiled"]
+
+    def heads(vector: torch.Tensor) -> torch.Tensor:  # one row per value head
+        return vector[grouped_rows(config, 1)] if tiled else vector
+
+    if kind in QWEN_NORMS:
+        return [(f"{QWEN_NORMS[kind]}.weight", value - 1.0)]
+    if kind == "ssm_a":
+        return [("linear_attn.A_log", heads((-value.flatten()).log()))]
+    if kind == "ssm_dt":
+        return [("linear_attn.dt_bias", heads(value))]
+    if kind in ("ssm_alpha", "ssm_beta"):
+        return [(f"linear_attn.in_proj_{kind[4]}.weight", heads(value))]
+    if kind == "ssm_ba":  # [key heads, (b: group, a: group)] rows
+        group = config["linear_num_value_heads"] // config["linear_num_key_heads"]
+        b, a = value.view(config["linear_num_key_heads"], 2, group, -1).unbind(1)
+        return [("linear_attn.in_proj_b.weight", b.reshape(-1, value.shape[1])),
+                ("linear_attn.in_proj_a.weight", a.reshape(-1, value.shape[1]))]
+    if kind == "ssm_conv1d":
+        if tiled:
+            qk = 2 * config["linear_num_key_heads"] * config["linear_key_head_dim"]
+            v = value[qk:][grouped_rows(config, config["linear_value_head_dim"])]
+            value = torch.cat([value[:qk], v])
+        return [("linear_attn.conv1d.weight", value.unsqueeze(1))]
+    if kind == "ssm_norm":
+        return [("linear_attn.norm.weight", value)]
+    names = {"ffn_gate_inp": "mlp.gate", "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
+    return [(f"{names[kind]}.{suffix}", value)] if kind in names else []
+
+
+def _qwen_rows(kind: str, config: Config) -> torch.Tensor | None:
+    if not config["linear_value_heads_tiled"] or kind not in ("attn_qkv", "attn_gate"):
+        return None
+    v = grouped_rows(config, config["linear_value_head_dim"])
+    if kind == "attn_gate":
+        return v
+    qk = 2 * config["linear_num_key_heads"] * config["linear_key_head_dim"]
+    return torch.cat([torch.arange(qk), qk + v])
 
 
 @dataclass(frozen=True)
 class GgufFamily:
     """How a llama.cpp architecture maps onto one of our models."""
 
-    config: Callable[[Metadata, Shapes], dict[str, Any]]
+    config: Callable[[Metadata, Shapes], Config]
     known_keys: set[str]
-    mixer: str  # the checkpoint's module name of a layer's state-space mixer
-    # GGUF tensor (after "blk.N.") -> our name under "model.layers.N."; linears here may be
-    # kept as blocks (models.gguf_blocks reads this table too)
+    # GGUF tensor (after "blk.N.") -> our name under "model.layers.N."; the linears here may
+    # be kept as blocks (models.gguf_blocks reads this table too), each in its `rows` order
     linears: dict[str, str]
-    others: dict[str, str]
-    permuted: dict[str, str]  # q / k tensors whose rows llama.cpp permuted -> num_(kv_)heads
+    rows: Callable[[str, Config], torch.Tensor | None]
+    # every other tensor of a layer: (kind, suffix, value, config) -> [(our name, value)]
+    tensor: Callable[[str, str, torch.Tensor, Config], list[tuple[str, torch.Tensor]]]
+    norms_plus_one: bool = False  # the final norm too (the layers' are `tensor`'s)
 
 
-def _granite_linears(experts: bool) -> dict[str, str]:
-    shared = "_shexp" if experts else ""
-    return {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-            "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-            "ssm_in": "mamba.in_proj", "ssm_out": "mamba.out_proj",
-            f"ffn_gate{shared}": "shared_mlp.gate_proj", f"ffn_up{shared}": "shared_mlp.up_proj",
-            f"ffn_down{shared}": "shared_mlp.down_proj",
-            "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
-            "ffn_down_exps": "mlp.experts.down_proj"}
+ATTENTION = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+             "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj"}
+EXPERTS = {"ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
+           "ffn_down_exps": "mlp.experts.down_proj"}
+MLP = {"ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 
 
-GRANITE_LINEARS = {**_granite_linears(False), **_granite_linears(True)}
-FAMILIES = {
-    "granitehybrid": GgufFamily(
-        _granite_config, GRANITE_KEYS, "mamba", GRANITE_LINEARS,
-        {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-         "ffn_gate_inp": "mlp.gate", "ssm_conv1d": "mamba.conv1d", "ssm_dt": "mamba.dt",
-         "ssm_norm": "mamba.norm", "ssm_a": "mamba.A_log", "ssm_d": "mamba.D"},
-        {"attn_q": "num_heads", "attn_k": "num_kv_heads"}),
-}
-TABLES = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight",
-          "output_norm.weight": "model.norm.weight"}
+def _shared(prefix: str, suffix: str) -> dict[str, str]:
+    return {f"ffn_{p}{suffix}": f"{prefix}.{p}_proj" for p in ("gate", "up", "down")}
+
+
+COMMON_KEYS = {"block_count", "context_length", "embedding_length", "feed_forward_length",
+               "attention.head_count", "attention.head_count_kv",
+               "attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.dimension_count",
+               "expert_count", "expert_used_count", "expert_shared_feed_forward_length",
+               "ssm.conv_kernel", "ssm.state_size", "ssm.group_count", "ssm.inner_size",
+               "ssm.time_step_rank", "vocab_size"}
+GRANITE = GgufFamily(
+    _granite_config,
+    COMMON_KEYS | {"rope.scaling.finetuned", "embedding_scale", "attention.scale",
+                   "residual_scale", "logit_scale"},
+    {**ATTENTION, **EXPERTS, "ssm_in": "mamba.in_proj", "ssm_out": "mamba.out_proj",
+     **_shared("shared_mlp", ""), **_shared("shared_mlp", "_shexp")},
+    _granite_rows, _granite_tensor)
+
+
+def _qwen(architecture: str) -> GgufFamily:
+    return GgufFamily(
+        _qwen_config(architecture),
+        COMMON_KEYS | {"attention.key_length", "attention.value_length",
+                       "attention.recurrent_layers", "full_attention_interval",
+                       "expert_feed_forward_length", "nextn_predict_layers",
+                       # NOTE: multimodal RoPE's sections: for text, plain RoPE
+                       "rope.dimension_sections"},
+        {**ATTENTION, **EXPERTS, **MLP, **_shared("mlp.shared_expert", "_shexp"),
+         "attn_qkv": "linear_attn.in_proj_qkv", "attn_gate": "linear_attn.in_proj_z",
+         "ssm_out": "linear_attn.out_proj"},
+        _qwen_rows, _qwen_tensor, norms_plus_one=True)
+
+
+FAMILIES = {"granitehybrid": GRANITE, **{a: _qwen(a) for a in QWEN_ARCHITECTURES}}
 
 
 def family_linears(architecture: str) -> dict[str, str]:
@@ -113,15 +274,10 @@ def family_linears(architecture: str) -> dict[str, str]:
     return {} if family is None else family.linears
 
 
-def unpermute_rows(rows: Any, heads: int) -> Any:
-    """Undo llama.cpp's q / k row permutation (rotary halves interleaved) of a tensor or of
-    blocks (row order only: blocks run along the input)."""
-    count = rows.shape[0]
-    order = torch.arange(count).view(heads, 2, count // heads // 2).transpose(1, 2).reshape(-1)
-    # NOTE: HF row r sits at GGUF row order[r] (the converter's permutation, inverted)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(count)
-    return rows[inverse]
+def row_order(architecture: str, kind: str, config: Config) -> torch.Tensor | None:
+    """The file's rows of linear `kind` in our order (None: as they are)."""
+    family = FAMILIES.get(architecture)
+    return None if family is None else family.rows(kind, config)
 
 
 def _metadata(reader: Any) -> tuple[str, Metadata]:
@@ -132,38 +288,32 @@ def _metadata(reader: Any) -> tuple[str, Metadata]:
     return architecture, meta
 
 
-def _hf_tensors(reader: Any, family: GgufFamily, config: dict[str, Any]
+def _hf_tensors(reader: Any, family: GgufFamily, config: Config
                 ) -> Iterator[tuple[str, torch.Tensor]]:
     from gguf import dequantize
-    heads = {"num_heads": config["num_attention_heads"],
-             "num_kv_heads": config["num_key_value_heads"]}
+    layers = config["num_hidden_layers"]
     for tensor in reader.tensors:
         value = torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type),
                                           dtype=np.float32))
         if tensor.name in TABLES:
+            if tensor.name == "output_norm.weight" and family.norms_plus_one:
+                value = value - 1.0
             yield TABLES[tensor.name], value
             continue
         _, layer, kind, *rest = tensor.name.split(".")  # ssm_a and ssm_d have no suffix
-        suffix = rest[0] if rest else ""
-        prefix = f"model.layers.{layer}."
+        if int(layer) >= layers:
+            continue  # a multi-token-prediction block
+        suffix, prefix = ".".join(rest), f"model.layers.{layer}."
         if kind in family.linears:
-            if kind in family.permuted:
-                value = unpermute_rows(value, heads[family.permuted[kind]])
-            yield f"{prefix}{family.linears[kind]}.{suffix}", value
-        elif kind not in family.others:
+            order = family.rows(kind, config)
+            yield f"{prefix}{family.linears[kind]}.{suffix}", (
+                value if order is None else value[order])
+            continue
+        converted = family.tensor(kind, suffix, value, config)
+        if not converted:
             raise ValueError(f"GGUF tensor {tensor.name}: not one this reader knows")
-        elif kind == "ssm_a":
-            yield f"{prefix}{family.others[kind]}", (-value.flatten()).log()
-        elif kind == "ssm_d":
-            yield f"{prefix}{family.others[kind]}", value.flatten()
-        elif kind == "ssm_dt":
-            yield f"{prefix}{family.others[kind]}_bias", value
-        elif kind == "ssm_conv1d" and suffix == "weight":
-            yield f"{prefix}{family.others[kind]}.weight", value.unsqueeze(1)
-        elif kind == "ssm_norm":
-            yield f"{prefix}{family.others[kind]}.weight", value.flatten()
-        else:
-            yield f"{prefix}{family.others[kind]}.{suffix}", value
+        for name, part in converted:
+            yield prefix + name, part
 
 
 def convert_hybrid_gguf(gguf: Path, staging: Path) -> bool:

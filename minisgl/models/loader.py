@@ -48,8 +48,9 @@ def load_weights(model: torch.nn.Module, folder: Path, arch: ModelArch, method: 
                 skip, read = reader.used, reader.read
                 method = "checkpoint"  # NOTE: what it left dense stays dense (not quantize_fp8)
             elif method == "gguf":
-                heads = {"num_heads": arch.num_heads, "num_kv_heads": arch.num_kv_heads}
-                staged, kept = stage_block_linears(model, gguf_file(model_path), heads, dtype)
+                config = {**arch.config, "num_heads": arch.num_heads,
+                          "num_kv_heads": arch.num_kv_heads}
+                staged, kept = stage_block_linears(model, gguf_file(model_path), config, dtype)
                 if kept:
                     logger.warning("--quantization gguf: %d linear weights (%s) have no block "
                                    "kernel here and run dequantized", len(kept),

@@ -299,7 +299,9 @@ class GatedDeltaNet(Layer):
                     save_snapshot(conv_states, ssm_states, row, slot, window, hi)
         normed = self.norm.forward_plain(out.to(x.dtype).view(-1, s.v_head_dim))
         gated = normed.float() * F.silu(z.reshape(-1, s.v_head_dim).float())
-        return self.out_proj(gated.to(x.dtype).view(tokens, -1))
+        if s.tiled:  # NOTE: value head j of key head h sits at j * num_k_heads + h
+            gated = gated.view(tokens, s.num_k_heads, self.group, -1).transpose(1, 2)
+        return self.out_proj(gated.to(x.dtype).reshape(tokens, -1))
 
 
 class GatedAttention(Layer):
