@@ -199,3 +199,46 @@ def test_mamba2_mixer_step_equals_its_torch_step(kernels, dtype, monkeypatch) ->
             torch.randn(POOL_ROWS, s.heads, s.head_dim, s.d_state))
     assert_steps_agree(dtype, stepped(layer._step, inputs, pool, kernels, monkeypatch),
                        stepped(layer._step, inputs, pool, None, monkeypatch))
+
+
+class Pool:
+    def __init__(self, windows: torch.Tensor, states: torch.Tensor) -> None:
+        self.windows, self.states = windows, states
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.windows, self.states
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_mamba2_decode_batch_in_one_kernel_call_equals_the_torch_forward(
+        kernels, dtype, monkeypatch) -> None:
+    """mamba2_decode (dt, convolution, scan, D skip, gate, group norm between the two
+    projections) against the layer's forward on torch ops."""
+    torch.manual_seed(0)
+    arch = tiny_arch({"architectures": ["GraniteMoeHybridForCausalLM"],
+                      "model_type": "granitemoehybrid", "shared_intermediate_size": 32,
+                      "num_local_experts": 0, "mamba_n_heads": 4, "mamba_d_head": 8,
+                      "mamba_d_state": 16, "mamba_n_groups": 2, "mamba_expand": 1,
+                      "mamba_d_conv": KERNEL, "time_step_limit": [0.05, 2.0]})
+    layer = Mamba2Mixer(arch, 0)
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.copy_(torch.randn_like(param) * 0.5)
+    layer.to(dtype)
+    s, n = layer.shape, len(ROWS)
+    x = torch.randn(n, arch.hidden_size).to(dtype)
+    spans = qwen3_next.RowSpans(list(range(n)), [1] * n, ROWS, [False] * n)
+    pool = (torch.randn(POOL_ROWS, s.conv_dim, KERNEL - 1).to(dtype),
+            torch.randn(POOL_ROWS, s.heads, s.head_dim, s.d_state))
+
+    def forward(built) -> tuple[torch.Tensor, ...]:
+        layer.states = Pool(pool[0].clone(), pool[1].clone())
+        recording = Recording(built) if built is not None else None
+        with monkeypatch.context() as patch:
+            patch.setattr(qwen3_next, "cpu_kernels", lambda: recording)
+            with torch.inference_mode():
+                out = layer(x, spans)
+        assert recording is None or recording.called == ["mamba2_decode"]
+        return out, layer.states.windows, layer.states.states
+
+    assert_steps_agree(dtype, forward(kernels), forward(None))

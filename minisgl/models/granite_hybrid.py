@@ -110,10 +110,21 @@ class Mamba2Mixer(Layer):
         self.eps = arch.rms_norm_eps
         self.out_proj = RowParallelLinear(full.inner, arch.hidden_size, bias=full.proj_bias)
         self.states: StatePool | None = None  # bound by the engine (bind_states)
+        self._per_head: tuple[tuple[int, ...], tuple[torch.Tensor, ...]] | None = None
 
     def load(self, name: str, source: Any, shard_id: Any = None) -> None:
         """dt_bias, A_log and D: this rank's heads."""
         load_head_rows(getattr(self, name), source, name)
+
+    def per_head(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """dt_bias, log a (= -exp(A_log)) and D in float32, computed again only after one of
+        them changed (a tensor's version counts its in-place writes)."""
+        versions = (self.dt_bias._version, self.A_log._version, self.D._version)
+        if self._per_head is None or self._per_head[0] != versions:
+            self._per_head = (versions, (self.dt_bias.float().contiguous(),
+                                         -self.A_log.float().exp().contiguous(),
+                                         self.D.float().contiguous()))
+        return self._per_head[1]
 
     def _conv(self, window: torch.Tensor) -> torch.Tensor:
         """The causal convolution's outputs over `window` [rows, conv_dim, K - 1 + L], SiLU'd:
@@ -157,10 +168,18 @@ class Mamba2Mixer(Layer):
         s, states = self.shape, self.states
         assert states is not None, "the engine binds a state pool to a hybrid model"
         tokens = x.shape[0]
-        gate, xbc, dt = self.in_proj(x).split([s.inner, s.conv_dim, s.heads], dim=-1)
-        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*s.dt_limit)
-        log_a = -self.A_log.float().exp()
+        proj = self.in_proj(x)
         conv_states, ssm_states = states.layer(self.linear_id)
+        dt_bias, log_a, skip = self.per_head()
+        weight, bias = self.conv1d.weight, self.conv1d.bias
+        kernels = None if spans.decode_rows is None else state_step_kernels(
+            conv_states, proj, weight, bias)
+        if kernels is not None:  # NOTE: a decode batch: one call from proj to out_proj's input
+            return self.out_proj(kernels.mamba2_decode(
+                proj, weight, bias, conv_states, ssm_states, spans.decode_rows, dt_bias, log_a,
+                skip, self.norm.weight, s.groups, *s.dt_limit, self.eps))
+        gate, xbc, dt = proj.split([s.inner, s.conv_dim, s.heads], dim=-1)
+        dt = F.softplus(dt.float() + dt_bias).clamp(*s.dt_limit)
         out = torch.empty(tokens, s.heads, s.head_dim, dtype=torch.float32, device=x.device)
         inputs = torch.empty(tokens, s.heads, s.head_dim, dtype=torch.float32, device=x.device)
         stepping = [i for i, (count, fresh) in enumerate(zip(spans.counts, spans.fresh))
@@ -188,7 +207,7 @@ class Mamba2Mixer(Layer):
                 if slot is not None:
                     save_snapshot(conv_states, ssm_states, row, slot, window, hi)
             inputs[start:end] = xs
-        y = (out + inputs * self.D.float()[:, None]).view(tokens, -1)
+        y = (out + inputs * skip[:, None]).view(tokens, -1)
         y = y * F.silu(gate.float())
         grouped = y.view(tokens, s.groups, -1)
         grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)

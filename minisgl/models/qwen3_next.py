@@ -18,6 +18,7 @@ gate; in_proj_qkvz and in_proj_ba group their outputs by key head.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,6 +80,14 @@ class RowSpans:
             if tokens < counts[i]:
                 cuts.setdefault(i, []).append((tokens, slot))
         return cls(starts, list(counts), rows, [c == 0 for c in cached], cuts)
+
+    @functools.cached_property
+    def decode_rows(self) -> torch.Tensor | None:
+        """The table rows, when every span is one token that continues its state (a decode
+        batch: a linear layer's kernel steps them all in one call); else None."""
+        if any(count != 1 for count in self.counts) or any(self.fresh):
+            return None
+        return torch.tensor(self.rows, dtype=torch.long)
 
     def pieces(self, i: int) -> list[tuple[int, int, int | None]]:
         """Span i as (first token, end, the row its state after them is saved to, or None)."""

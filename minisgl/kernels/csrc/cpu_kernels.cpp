@@ -396,6 +396,11 @@ std::vector<at::Tensor> mamba2_step(at::Tensor xbc, at::Tensor conv_weight,
                                     c10::optional<at::Tensor> conv_bias, at::Tensor conv_states,
                                     at::Tensor ssm_states, at::Tensor rows, at::Tensor dt,
                                     at::Tensor log_a, int64_t groups);
+at::Tensor mamba2_decode(at::Tensor proj, at::Tensor conv_weight,
+                         c10::optional<at::Tensor> conv_bias, at::Tensor conv_states,
+                         at::Tensor ssm_states, at::Tensor rows, at::Tensor dt_bias,
+                         at::Tensor log_a, at::Tensor D, at::Tensor norm_weight, int64_t groups,
+                         double dt_min, double dt_max, double eps);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention,
@@ -443,6 +448,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("mamba2_step", &mamba2_step,
         "a Mamba2 layer's decode step, its states updated in place (CPU)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("mamba2_decode", &mamba2_decode,
+        "a Mamba2 layer's decode step from in_proj's output to out_proj's input (CPU)",
         py::call_guard<py::gil_scoped_release>());
   py::class_<FusedLayers>(m, "FusedLayers",
                           "a Llama-family model's GGUF-block decoder layers as one call (CPU)")

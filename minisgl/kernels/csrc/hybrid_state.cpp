@@ -246,3 +246,92 @@ std::vector<at::Tensor> mamba2_step(at::Tensor xbc, at::Tensor conv_weight,
                     y.data_ptr<float>(), n, heads, groups, P, N);
   return {y, conv.narrow(1, 0, heads * P).view({n, heads, P})};
 }
+
+namespace {
+
+inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }
+
+// Per row: y <- (y + x D) silu(z), then the gated group norm, times its weight (the model's
+// dtype, rounded as the torch path rounds: the normalized value, then the product).
+template <typename T>
+void mamba2_gated_norm(const float* y, const float* conv, const T* proj, int64_t proj_stride,
+                       const float* D, const T* weight, T* out, int64_t n, int64_t heads,
+                       int64_t P, int64_t groups, int64_t conv_dim, float eps) {
+  const int64_t inner = heads * P, width = inner / groups;
+  at::parallel_for(0, n * groups, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> gated(width);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / groups, c0 = task % groups * width;
+      const T* z = proj + r * proj_stride;
+      float squares = 0.f;
+      for (int64_t i = 0; i < width; ++i) {
+        const int64_t c = c0 + i;
+        const float v = (y[r * inner + c] + conv[r * conv_dim + c] * D[c / P]) *
+                        silu(static_cast<float>(z[c]));
+        gated[i] = v;
+        squares += v * v;
+      }
+      const float factor = 1.f / std::sqrt(squares / static_cast<float>(width) + eps);
+      T* o = out + r * inner + c0;
+      for (int64_t i = 0; i < width; ++i)
+        o[i] = static_cast<T>(static_cast<float>(weight[c0 + i]) *
+                              static_cast<float>(static_cast<T>(gated[i] * factor)));
+    }
+  });
+}
+
+}  // namespace
+
+// A Mamba2 layer's whole decode step between its two projections, for n requests that each
+// take one token: proj [n, inner + conv_dim + heads] is in_proj's output (z, then x, B and C
+// before the convolution, then dt), in the model's dtype; dt = clamp(softplus(dt + dt_bias),
+// dt_min, dt_max); the convolution and the scan as mamba2_step (states in place); then the D
+// skip, the gate silu(z) and the gated group norm (norm_weight [inner], eps). dt_bias, log_a,
+// D: [heads] float32. Returns [n, inner] in the model's dtype: out_proj's input.
+at::Tensor mamba2_decode(at::Tensor proj, at::Tensor conv_weight,
+                         c10::optional<at::Tensor> conv_bias, at::Tensor conv_states,
+                         at::Tensor ssm_states, at::Tensor rows, at::Tensor dt_bias,
+                         at::Tensor log_a, at::Tensor D, at::Tensor norm_weight, int64_t groups,
+                         double dt_min, double dt_max, double eps) {
+  const int64_t n = proj.size(0);
+  check_states(ssm_states, conv_states, rows, n);
+  const int64_t heads = ssm_states.size(1), P = ssm_states.size(2), N = ssm_states.size(3);
+  const int64_t inner = heads * P, conv_dim = inner + 2 * groups * N;
+  TORCH_CHECK(groups > 0 && heads % groups == 0, "whole heads per group");
+  TORCH_CHECK(proj.dim() == 2 && proj.stride(1) == 1 && proj.size(1) == inner + conv_dim + heads,
+              "proj = z, x B C, dt");
+  TORCH_CHECK(norm_weight.is_contiguous() && norm_weight.numel() == inner &&
+              norm_weight.scalar_type() == proj.scalar_type());
+  check_per_head(dt_bias, 1, heads);
+  check_per_head(log_a, 1, heads);
+  check_per_head(D, 1, heads);
+  auto dt = at::empty({n, heads}, proj.options().dtype(at::kFloat));
+  const auto conv = conv_window_step(proj.narrow(1, inner, conv_dim), conv_weight, conv_bias,
+                                     conv_states, rows);
+  auto y = at::empty({n, heads, P}, conv.options());
+  auto out = at::empty({n, inner}, proj.options());
+  const auto lo = static_cast<float>(dt_min), hi = static_cast<float>(dt_max);
+  auto run = [&](auto* p, auto* weight, auto* o) {
+    const float* bias = dt_bias.data_ptr<float>();
+    float* dts = dt.data_ptr<float>();
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t h = 0; h < heads; ++h) {
+        const float raw = static_cast<float>(p[r * proj.stride(0) + inner + conv_dim + h]);
+        dts[r * heads + h] = std::min(hi, std::max(lo, softplus(raw + bias[h])));
+      }
+    mamba2_state_step(conv.data_ptr<float>(), ssm_states.data_ptr<float>(),
+                      rows.data_ptr<int64_t>(), dts, log_a.data_ptr<float>(),
+                      y.data_ptr<float>(), n, heads, groups, P, N);
+    mamba2_gated_norm(y.data_ptr<float>(), conv.data_ptr<float>(), p, proj.stride(0),
+                      D.data_ptr<float>(), weight, o, n, heads, P, groups, conv_dim,
+                      static_cast<float>(eps));
+  };
+  if (proj.scalar_type() == at::kBFloat16) {
+    using T = at::BFloat16;
+    run(proj.data_ptr<T>(), norm_weight.data_ptr<T>(), out.data_ptr<T>());
+  } else {
+    TORCH_CHECK(proj.scalar_type() == at::kFloat, "float32 or bfloat16");
+    run(proj.data_ptr<float>(), norm_weight.data_ptr<float>(), out.data_ptr<float>());
+  }
+  return out;
+}
