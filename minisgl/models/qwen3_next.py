@@ -275,16 +275,34 @@ class GatedDeltaNet(Layer):
         mixed = torch.cat([q.reshape(tokens, -1), k.reshape(tokens, -1),
                            v.reshape(tokens, -1)], dim=-1)
         conv_states, ssm_states = states.layer(self.linear_id)
-        weight = self.conv1d.weight
         beta = torch.sigmoid(b.float())
         decay = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        if spans.decode_rows is not None:  # a decode batch: every row steps, none gathered
+            out = self._step(mixed, decay, beta, spans.decode_rows.to(x.device), conv_states,
+                             ssm_states)
+        else:
+            out = self._spans(mixed, decay, beta, spans, conv_states, ssm_states)
+        normed = self.norm.forward_plain(out.to(x.dtype).view(-1, s.v_head_dim))
+        gated = normed.float() * F.silu(z.reshape(-1, s.v_head_dim).float())
+        if s.tiled:  # NOTE: value head j of key head h sits at j * num_k_heads + h
+            gated = gated.view(tokens, s.num_k_heads, self.group, -1).transpose(1, 2)
+        return self.out_proj(gated.to(x.dtype).reshape(tokens, -1))
+
+    def _spans(self, mixed: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,
+               spans: RowSpans, conv_states: torch.Tensor, ssm_states: torch.Tensor
+               ) -> torch.Tensor:
+        """A batch with prefill spans: its decode rows (a mixed batch's) in one step, each
+        span of several tokens (or a first one) through the chunked delta rule, its state
+        saved at its cuts. Returns [tokens, nv, dv] float32."""
+        s, tokens, device = self.shape, mixed.shape[0], mixed.device
+        weight = self.conv1d.weight
         out = torch.empty(tokens, s.num_v_heads, s.v_head_dim, dtype=torch.float32,
-                          device=x.device)
+                          device=device)
         stepping = [i for i, (count, fresh) in enumerate(zip(spans.counts, spans.fresh))
                     if count == 1 and not fresh]
-        if stepping:  # NOTE: decode rows (also a mixed batch's): one batched step for all
-            at = torch.tensor([spans.starts[i] for i in stepping], device=x.device)
-            rows = torch.tensor([spans.rows[i] for i in stepping], device=x.device)
+        if stepping:
+            at = torch.tensor([spans.starts[i] for i in stepping], device=device)
+            rows = torch.tensor([spans.rows[i] for i in stepping], device=device)
             out[at] = self._step(mixed[at], decay[at], beta[at], rows, conv_states, ssm_states)
         for i, (start, count, row, fresh) in enumerate(zip(spans.starts, spans.counts,
                                                              spans.rows, spans.fresh)):
@@ -306,11 +324,7 @@ class GatedDeltaNet(Layer):
                     beta[start + lo:start + hi], ssm_states[row])
                 if slot is not None:
                     save_snapshot(conv_states, ssm_states, row, slot, window, hi)
-        normed = self.norm.forward_plain(out.to(x.dtype).view(-1, s.v_head_dim))
-        gated = normed.float() * F.silu(z.reshape(-1, s.v_head_dim).float())
-        if s.tiled:  # NOTE: value head j of key head h sits at j * num_k_heads + h
-            gated = gated.view(tokens, s.num_k_heads, self.group, -1).transpose(1, 2)
-        return self.out_proj(gated.to(x.dtype).reshape(tokens, -1))
+        return out
 
 
 class GatedAttention(Layer):
