@@ -69,16 +69,25 @@ def test_a_qwen3_5_q8_0_file_keeps_its_tiled_projections_as_blocks(tmp_path) -> 
     save_qwen("qwen3.5", tmp_path / "hf")
     gguf = write_qwen_hybrid_gguf(tmp_path / "hf", tmp_path / "tiny.Q8_0.gguf",
                                   GGMLQuantizationType.Q8_0)
+
+    def check(engine: Engine, blocks: bool) -> None:
+        mixer = engine.model.layers[0].linear_attn
+        assert engine.arch.linear.tiled
+        assert [not isinstance(m.weight, torch.nn.Parameter) for m in
+                (mixer.in_proj_qkv, mixer.in_proj_z, mixer.out_proj)] == [blocks] * 3
+
+    assert_blocks_give_the_dequantized_logits(gguf, check)
+
+
+def assert_blocks_give_the_dequantized_logits(gguf: Path, check) -> None:
+    """The file's logits with --quantization gguf and none (bfloat16 both) within
+    BF16_REL_BOUND; `check(engine, blocks)` looks at each engine's layers."""
     ids = random_prompts((40,))[0]
     logits = {}
     for method in ("gguf", "none"):
         engine = Engine(EngineConfig(model_path=str(gguf), dtype="bfloat16", quantization=method,
                                      max_total_tokens=256))
-        mixer = engine.model.layers[0].linear_attn
-        assert engine.arch.linear.tiled
-        blocks = [not isinstance(m.weight, torch.nn.Parameter)
-                  for m in (mixer.in_proj_qkv, mixer.in_proj_z, mixer.out_proj)]
-        assert blocks == [method == "gguf"] * 3
+        check(engine, method == "gguf")
         logits[method] = prefill_logits(engine, ids).float()
         engine.shutdown()
     assert relative_error(logits["gguf"], logits["none"]) < BF16_REL_BOUND
@@ -96,29 +105,24 @@ def test_a_granite_hybrid_gguf_file_serves_transformers_logits(variant, tmp_path
 def test_gguf_quantization_keeps_the_hybrid_linears_as_blocks(tmp_path) -> None:
     """--quantization gguf on a Q8_0 file: the Mamba2 projections, attention, shared MLP and
     experts hold blocks (no dense weight), with the logits of the same file dequantized
-    (bfloat16 both; bound BF16_REL_BOUND); served, it generates as the dequantized file does."""
+    (bfloat16 both; bound BF16_REL_BOUND)."""
     # blocks of 32 along every input, rows by 8 (the Mamba2 projection's: 2 x 128 + 64 + 8)
     save_granite(tmp_path / "hf", num_local_experts=4, shared_intermediate_size=64,
                  mamba_n_heads=8, mamba_d_head=16)
     gguf = write_granite_hybrid_gguf(tmp_path / "hf", tmp_path / "tiny.Q8_0.gguf",
                                      GGMLQuantizationType.Q8_0)
-    ids = random_prompts((40,))[0]
-    logits = {}
-    for method in ("gguf", "none"):
-        engine = Engine(EngineConfig(model_path=str(gguf), dtype="bfloat16", quantization=method,
-                                     max_total_tokens=256))
+
+    def check(engine: Engine, blocks: bool) -> None:
         mamba, attention = engine.model.layers[0], engine.model.layers[1]
-        dense = {name: getattr(module, "weight", None) is not None and
-                 isinstance(module.weight, torch.nn.Parameter)
+        dense = {name: isinstance(getattr(module, "weight", None), torch.nn.Parameter)
                  for name, module in (("in_proj", mamba.mamba.in_proj),
                                       ("out_proj", mamba.mamba.out_proj),
                                       ("qkv", attention.self_attn.qkv_proj),
                                       ("shared", mamba.shared_mlp.gate_up_proj))}
-        assert set(dense.values()) == {method == "none"}, dense
-        assert (mamba.mlp.experts.gate_up is None) == (method == "gguf")
-        logits[method] = prefill_logits(engine, ids).float()
-        engine.shutdown()
-    assert relative_error(logits["gguf"], logits["none"]) < BF16_REL_BOUND
+        assert set(dense.values()) == {not blocks}, dense
+        assert (mamba.mlp.experts.gate_up is None) == blocks
+
+    assert_blocks_give_the_dequantized_logits(gguf, check)
 
 
 def test_an_unknown_metadata_key_of_the_family_is_refused(tmp_path) -> None:
