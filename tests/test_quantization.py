@@ -285,13 +285,13 @@ def test_gguf_block_layouts_decode_to_the_ggml_formula(kind: str):
 def test_llama_q_rows_are_unpermuted_like_transformers():
     """llama.cpp's converter interleaves the rotary halves of each head's q / k rows; the
     blocks' rows go back to Hugging Face order (transformers' reverse_permute)."""
-    from minisgl.models.gguf_hybrid import unpermute_rows
+    from minisgl.models.gguf_hybrid import llama_rows
     heads, rows = 3, 12
     hf = torch.arange(rows)
     gguf = hf.view(heads, 2, rows // heads // 2).transpose(1, 2).reshape(-1)  # the converter
     blocks = WeightBlocks(gguf[:, None].repeat(1, 32).to(torch.uint8), torch.zeros(rows, 1),
                         torch.zeros(rows, 1))
-    assert unpermute_rows(blocks, heads).codes[:, 0].tolist() == hf.tolist()
+    assert blocks[llama_rows(rows, heads)].codes[:, 0].tolist() == hf.tolist()
 
 
 def test_gguf_is_the_default_for_a_gguf_model_where_a_kernel_keeps_the_dtypes_precision():

@@ -45,12 +45,6 @@ def llama_rows(rows: int, heads: int) -> torch.Tensor:
     return order
 
 
-def unpermute_rows(rows: Any, heads: int) -> Any:
-    """Undo llama.cpp's q / k row permutation of a tensor or of blocks (row order only: blocks
-    run along the input)."""
-    return rows[llama_rows(rows.shape[0], heads)]
-
-
 def grouped_rows(config: Config, width: int) -> torch.Tensor:
     """Qwen3.5's value heads (`width` rows each) from llama.cpp's tiled order back to grouped
     by key head: our row (h, j) is the file's row (j, h)."""
