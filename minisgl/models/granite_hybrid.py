@@ -34,7 +34,7 @@ from minisgl.models.arch import MambaShape, ModelArch
 from minisgl.models.llama import MLP, Attention
 from minisgl.models.moe import MoEForCausalLM
 from minisgl.models.qwen3_next import (HybridStack, RowSpans, load_head_rows, save_snapshot,
-                                       state_step_kernels)
+                                       state_step_kernels, step_spans)
 
 SCAN_CHUNK = 64  # tokens per block of the blocked scan
 # Hub names of the MoE block -> ours (models.moe reads the experts' stacked tensors)
@@ -149,12 +149,6 @@ class Mamba2Mixer(Layer):
         """One token of each of several requests (their states in table `rows`) at once: the
         convolution's last position and one step of the scan. Returns (y without the D skip,
         the convolution's x), [rows, heads, P] each."""
-        weight, bias = self.conv1d.weight, self.conv1d.bias
-        kernels = state_step_kernels(conv_states, xbc, weight, bias)
-        if kernels is not None:
-            y, xs = kernels.mamba2_step(xbc, weight, bias, conv_states, ssm_states, rows, dt,
-                                        log_a, self.shape.groups)
-            return y, xs
         window = torch.cat([conv_states[rows], xbc[:, :, None].to(conv_states.dtype)], -1)
         conv_states[rows] = window[:, :, 1:]
         xs, b, c = self._heads(self._conv(window)[:, -1])
@@ -172,12 +166,13 @@ class Mamba2Mixer(Layer):
         conv_states, ssm_states = states.layer(self.linear_id)
         dt_bias, log_a, skip = self.per_head()
         weight, bias = self.conv1d.weight, self.conv1d.bias
-        kernels = None if spans.decode_rows is None else state_step_kernels(
-            conv_states, proj, weight, bias)
-        if kernels is not None:  # NOTE: a decode batch: one call from proj to out_proj's input
-            return self.out_proj(kernels.mamba2_decode(
-                proj, weight, bias, conv_states, ssm_states, spans.decode_rows, dt_bias, log_a,
-                skip, self.norm.weight, s.groups, *s.dt_limit, self.eps))
+        kernels = state_step_kernels(conv_states, proj, weight, bias)
+        if kernels is not None:  # NOTE: one call from proj to out_proj's input
+            return self.out_proj(step_spans(
+                spans, conv_states, ssm_states, lambda first, end, rows, counts:
+                kernels.mamba2_spans(proj[first:end], weight, bias, conv_states, ssm_states, rows,
+                                     counts, dt_bias, log_a, skip, self.norm.weight, s.groups,
+                                     *s.dt_limit, self.eps)))
         gate, xbc, dt = proj.split([s.inner, s.conv_dim, s.heads], dim=-1)
         dt = F.softplus(dt.float() + dt_bias).clamp(*s.dt_limit)
         out = torch.empty(tokens, s.heads, s.head_dim, dtype=torch.float32, device=x.device)

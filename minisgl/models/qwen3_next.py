@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -89,6 +89,12 @@ class RowSpans:
             return None
         return torch.tensor(self.rows, dtype=torch.long)
 
+    @functools.cached_property
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The spans' table rows and token counts, as the CPU kernels take them."""
+        return (torch.tensor(self.rows, dtype=torch.long),
+                torch.tensor(self.counts, dtype=torch.long))
+
     def pieces(self, i: int) -> list[tuple[int, int, int | None]]:
         """Span i as (first token, end, the row its state after them is saved to, or None)."""
         pieces, first = [], 0
@@ -105,6 +111,30 @@ def save_snapshot(conv_states: torch.Tensor, ssm_states: torch.Tensor, row: int,
     span's inputs after the K - 1 before it, [channels, K - 1 + count])."""
     ssm_states[slot].copy_(ssm_states[row])
     conv_states[slot].copy_(window[:, tokens:tokens + conv_states.shape[-1]])
+
+
+def step_spans(spans: RowSpans, conv_states: torch.Tensor, ssm_states: torch.Tensor,
+               run: Callable[[int, int, torch.Tensor, torch.Tensor], torch.Tensor]
+               ) -> torch.Tensor:
+    """A batch through a linear layer's span kernel, `run(first, end, rows, counts)`: the
+    batch's tokens [first, end) as spans of `counts` tokens whose states are in table `rows`.
+    Fresh spans start from zero states; with no snapshot to take, the whole batch is one call,
+    else each piece between cuts is one, its state copied into its slot after it."""
+    for row, fresh in zip(spans.rows, spans.fresh):
+        if fresh:
+            conv_states[row].zero_()
+            ssm_states[row].zero_()
+    if not spans.cuts:
+        return run(0, spans.starts[-1] + spans.counts[-1], *spans.tensors)
+    outs = []
+    for i, (start, row) in enumerate(zip(spans.starts, spans.rows)):
+        for lo, hi, slot in spans.pieces(i):
+            outs.append(run(start + lo, start + hi, torch.tensor([row]),
+                            torch.tensor([hi - lo])))
+            if slot is not None:
+                conv_states[slot].copy_(conv_states[row])
+                ssm_states[slot].copy_(ssm_states[row])
+    return torch.cat(outs)
 
 
 def load_head_rows(param: torch.Tensor, source: Any, name: str) -> None:
@@ -173,8 +203,8 @@ def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def state_step_kernels(conv_states: torch.Tensor, *tensors: torch.Tensor | None) -> Any | None:
-    """The CPU kernels that run a linear layer's decode step in place in the state pool, where
-    they apply: on CPU, the conv windows and `tensors` (the inputs, the conv's weight and bias)
+    """The CPU kernels that run a linear layer's spans in place in the state pool, where they
+    apply: on CPU, the conv windows and `tensors` (the inputs, the conv's weight and bias)
     in one dtype, float32 or bfloat16."""
     dtype = conv_states.dtype
     if (conv_states.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16)
@@ -251,10 +281,6 @@ class GatedDeltaNet(Layer):
               ) -> torch.Tensor:
         """One token of each of several requests (their states in table `rows`) at once: the
         convolution's last position and one step of the delta rule."""
-        kernels = state_step_kernels(conv_states, mixed, self.conv1d.weight)
-        if kernels is not None:
-            return kernels.gated_delta_step(mixed, self.conv1d.weight, conv_states, ssm_states,
-                                            rows, decay, beta, self.shape.num_k_heads)
         window = torch.cat([conv_states[rows], mixed[:, :, None].to(conv_states.dtype)], dim=-1)
         conv_states[rows] = window[:, :, 1:]
         weight = self.conv1d.weight[:, 0, :]
@@ -277,7 +303,14 @@ class GatedDeltaNet(Layer):
         conv_states, ssm_states = states.layer(self.linear_id)
         beta = torch.sigmoid(b.float())
         decay = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        if spans.decode_rows is not None:  # a decode batch: every row steps, none gathered
+        weight = self.conv1d.weight
+        kernels = state_step_kernels(conv_states, mixed, weight)
+        if kernels is not None:
+            out = step_spans(spans, conv_states, ssm_states, lambda first, end, rows, counts:
+                             kernels.gated_delta_spans(
+                                 mixed[first:end], weight, conv_states, ssm_states, rows,
+                                 counts, decay[first:end], beta[first:end], s.num_k_heads))
+        elif spans.decode_rows is not None:  # a decode batch: every row steps, none gathered
             out = self._step(mixed, decay, beta, spans.decode_rows.to(x.device), conv_states,
                              ssm_states)
         else:

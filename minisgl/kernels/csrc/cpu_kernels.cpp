@@ -389,18 +389,15 @@ at::Tensor block_dequantize(at::Tensor codes, at::Tensor scales, at::Tensor subs
 at::Tensor block_dequantize_t(at::Tensor codes, at::Tensor scales, at::Tensor subs,
                               int64_t bits, int64_t mode, bool bf16);
 // hybrid_state.cpp
-at::Tensor gated_delta_step(at::Tensor mixed, at::Tensor conv_weight, at::Tensor conv_states,
-                            at::Tensor ssm_states, at::Tensor rows, at::Tensor decay,
-                            at::Tensor beta, int64_t num_k_heads);
-std::vector<at::Tensor> mamba2_step(at::Tensor xbc, at::Tensor conv_weight,
-                                    c10::optional<at::Tensor> conv_bias, at::Tensor conv_states,
-                                    at::Tensor ssm_states, at::Tensor rows, at::Tensor dt,
-                                    at::Tensor log_a, int64_t groups);
-at::Tensor mamba2_decode(at::Tensor proj, at::Tensor conv_weight,
-                         c10::optional<at::Tensor> conv_bias, at::Tensor conv_states,
-                         at::Tensor ssm_states, at::Tensor rows, at::Tensor dt_bias,
-                         at::Tensor log_a, at::Tensor D, at::Tensor norm_weight, int64_t groups,
-                         double dt_min, double dt_max, double eps);
+at::Tensor gated_delta_spans(at::Tensor mixed, at::Tensor conv_weight, at::Tensor conv_states,
+                             at::Tensor ssm_states, at::Tensor rows, at::Tensor counts,
+                             at::Tensor decay, at::Tensor beta, int64_t num_k_heads);
+at::Tensor mamba2_spans(at::Tensor proj, at::Tensor conv_weight,
+                        c10::optional<at::Tensor> conv_bias, at::Tensor conv_states,
+                        at::Tensor ssm_states, at::Tensor rows, at::Tensor counts,
+                        at::Tensor dt_bias, at::Tensor log_a, at::Tensor D,
+                        at::Tensor norm_weight, int64_t groups, double dt_min, double dt_max,
+                        double eps);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention,
@@ -443,14 +440,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("lora_add", &lora_add, "each adapter token's LoRA term added to its row (CPU)",
         py::call_guard<py::gil_scoped_release>());
-  m.def("gated_delta_step", &gated_delta_step,
-        "a Gated DeltaNet layer's decode step, its states updated in place (CPU)",
+  m.def("gated_delta_spans", &gated_delta_spans,
+        "spans of tokens through a Gated DeltaNet layer, its states updated in place (CPU)",
         py::call_guard<py::gil_scoped_release>());
-  m.def("mamba2_step", &mamba2_step,
-        "a Mamba2 layer's decode step, its states updated in place (CPU)",
-        py::call_guard<py::gil_scoped_release>());
-  m.def("mamba2_decode", &mamba2_decode,
-        "a Mamba2 layer's decode step from in_proj's output to out_proj's input (CPU)",
+  m.def("mamba2_spans", &mamba2_spans,
+        "spans of tokens through a Mamba2 layer from in_proj's output to out_proj's input, "
+        "its states updated in place (CPU)",
         py::call_guard<py::gil_scoped_release>());
   py::class_<FusedLayers>(m, "FusedLayers",
                           "a Llama-family model's GGUF-block decoder layers as one call (CPU)")

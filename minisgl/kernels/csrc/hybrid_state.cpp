@@ -1,13 +1,18 @@
-// The decode step of a hybrid model's linear layers (Gated DeltaNet, Mamba2) with each request's
-// state updated in place in the state pool (kvcache/state_pool.py), read and written once:
-// 1. per (row, block of channels): the convolution window shifts in the new input (in the
-//    model's dtype), the depthwise convolution's last position (+ bias) and SiLU, in float32;
-// 2. per (row, head): the recurrent state's step, float32. A Gated DeltaNet head's state S
-//    (dk x dv) goes through in column blocks kept in L1: a column's recall (S^T k) needs only
-//    that column, so one sweep reads the block and a second updates it and reads it out. A
-//    Mamba2 head's state needs one sweep.
+// A hybrid model's linear layers (Gated DeltaNet, Mamba2) over spans of tokens, a span being one
+// request's consecutive tokens (a decode row's one, a prefill chunk's many), its state updated
+// in place in the state pool (kvcache/state_pool.py) token by token:
+// 1. per (span, block of channels): the convolution window shifts in each new input (in the
+//    model's dtype), the depthwise convolution (+ bias) and SiLU, in float32;
+// 2. per (span, head): the recurrent state's steps, float32. The state stays in cache across
+//    the span's tokens, so a prefill chunk costs its tokens' arithmetic and one read and write
+//    of the state; on a CPU that beats the chunked (matrix) form, whose decay matrices and
+//    per-head products cost more than they save. A Gated DeltaNet head's state S (dk x dv)
+//    goes through in column blocks kept in L1: a column's recall (S^T k) needs only that
+//    column, so one sweep reads the block and a second updates it and reads it out. A Mamba2
+//    head's state needs one sweep.
 // Heads that share a key head (DeltaNet) or a group's B and C (Mamba2) read them in place.
 #include "aten.h"
+#include "vec8.h"
 
 #include <algorithm>
 #include <cmath>
@@ -23,31 +28,66 @@ constexpr int kColumns = 32;
 
 inline float silu(float x) { return x / (1.f + std::exp(-x)); }
 
-// out[row][c] = silu(sum_t w[c][t] window[c][t] + bias[c]) over window = (state, x): the state
-// [rows of the pool, channels, K - 1] of each batch row's table row shifts in x [n, channels].
+// Spans of consecutive tokens: span s has counts[s] tokens from first[s], its state in table row
+// rows[s].
+struct Spans {
+  const int64_t* rows;
+  const int64_t* counts;
+  std::vector<int64_t> first;
+  int64_t tokens = 0;
+
+  Spans(const int64_t* rows_, const int64_t* counts_, int64_t n) : rows(rows_), counts(counts_) {
+    for (int64_t s = 0; s < n; ++s) {
+      first.push_back(tokens);
+      tokens += counts[s];
+    }
+  }
+  int64_t size() const { return static_cast<int64_t>(first.size()); }
+};
+
+// out[token][c] = silu(sum_t w[c][t] window[c][t] + bias[c]) over window = (state, x): each
+// span's table row of the windows [rows of the pool, channels, K - 1] shifts in its tokens of
+// x [tokens, channels], one by one. Per (span, block of channels) the window and the inputs go
+// into one float32 [K - 1 + count, block] buffer, so each output row is a vector sum over
+// channels (summed in the window's order), and its last K - 1 rows are the new window.
 template <typename T>
 void conv_step(const T* x, int64_t x_stride, const T* weight, const T* bias, T* states,
-               const int64_t* rows, float* out, int64_t n, int64_t channels, int64_t kernel) {
+               const Spans& spans, float* out, int64_t channels, int64_t kernel) {
   const int64_t blocks = (channels + kConvBlock - 1) / kConvBlock, keep = kernel - 1;
-  at::parallel_for(0, n * blocks, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, spans.size() * blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buffer, taps(kernel * kConvBlock), biases(kConvBlock);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / blocks, c0 = task % blocks * kConvBlock;
-      const int64_t c1 = std::min(channels, c0 + kConvBlock);
-      T* state = states + rows[r] * channels * keep;
-      const T* xr = x + r * x_stride;
-      float* o = out + r * channels;
-      for (int64_t c = c0; c < c1; ++c) {
-        T* s = state + c * keep;
-        const T* w = weight + c * kernel;
-        const T newest = xr[c];
-        float acc = bias != nullptr ? static_cast<float>(bias[c]) : 0.f;
+      const int64_t s = task / blocks, c0 = task % blocks * kConvBlock;
+      const int64_t width = std::min(channels, c0 + kConvBlock) - c0, count = spans.counts[s];
+      T* window = states + spans.rows[s] * channels * keep + c0 * keep;
+      buffer.resize((keep + count) * width);
+      for (int64_t c = 0; c < width; ++c) {
+        for (int64_t t = 0; t < kernel; ++t)
+          taps[t * width + c] = static_cast<float>(weight[(c0 + c) * kernel + t]);
+        biases[c] = bias != nullptr ? static_cast<float>(bias[c0 + c]) : 0.f;
         for (int64_t t = 0; t < keep; ++t)
-          acc += static_cast<float>(w[t]) * static_cast<float>(s[t]);
-        acc += static_cast<float>(w[keep]) * static_cast<float>(newest);
-        for (int64_t t = 0; t + 1 < keep; ++t) s[t] = s[t + 1];
-        if (keep > 0) s[keep - 1] = newest;
-        o[c] = silu(acc);
+          buffer[t * width + c] = static_cast<float>(window[c * keep + t]);
       }
+      for (int64_t t = 0; t < count; ++t) {
+        const T* xr = x + (spans.first[s] + t) * x_stride + c0;
+        float* row = buffer.data() + (keep + t) * width;
+        for (int64_t c = 0; c < width; ++c) row[c] = static_cast<float>(xr[c]);
+      }
+      for (int64_t t = 0; t < count; ++t) {
+        float* o = out + (spans.first[s] + t) * channels + c0;
+        std::copy_n(biases.data(), width, o);
+        for (int64_t k = 0; k < kernel; ++k) {
+          const float *tap = taps.data() + k * width, *in = buffer.data() + (t + k) * width;
+#pragma omp simd
+          for (int64_t c = 0; c < width; ++c) o[c] += tap[c] * in[c];
+        }
+        // NOTE: a loop of its own so that expf is vectorised (libmvec, -ffast-math)
+#pragma omp simd
+        for (int64_t c = 0; c < width; ++c) o[c] = silu(o[c]);
+      }
+      for (int64_t c = 0; c < width; ++c)
+        for (int64_t t = 0; t < keep; ++t)
+          window[c * keep + t] = static_cast<T>(buffer[(count + t) * width + c]);
     }
   });
 }
@@ -91,69 +131,98 @@ inline void normalized(const float* x, int64_t d, float scale, float* out) {
   for (int64_t i = 0; i < d; ++i) out[i] = x[i] * factor;
 }
 
-// conv: [n, 2 nk dk + nv dv] (q, k, v) after the convolution; states [pool rows, nv, dk, dv].
-void delta_step(const float* conv, float* states, const int64_t* rows, const float* decay,
-                const float* beta, float* out, int64_t n, int64_t nk, int64_t nv, int64_t dk,
-                int64_t dv) {
+// conv: [tokens, 2 nk dk + nv dv] (q, k, v) after the convolution; states [pool rows, nv, dk,
+// dv].
+void delta_step(const float* conv, float* states, const Spans& spans, const float* decay,
+                const float* beta, float* out, int64_t nk, int64_t nv, int64_t dk, int64_t dv) {
   const int64_t group = nv / nk, conv_dim = 2 * nk * dk + nv * dv;
   const float q_scale = 1.f / std::sqrt(static_cast<float>(dk));
-  at::parallel_for(0, n * nv, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, spans.size() * nv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q(dk), k(dk);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / nv, h = task % nv, kh = h / group;
-      const float* c = conv + r * conv_dim;
-      normalized(c + kh * dk, dk, q_scale, q.data());
-      normalized(c + (nk + kh) * dk, dk, 1.f, k.data());
-      const float* v = c + 2 * nk * dk + h * dv;
-      float* S = states + (rows[r] * nv + h) * dk * dv;
-      const float g = std::exp(decay[r * nv + h]), b = beta[r * nv + h];
-      float* o = out + (r * nv + h) * dv;
-      const float *qn = q.data(), *kn = k.data();
-      int64_t j = 0;
-      for (; j + kColumns <= dv; j += kColumns)
-        delta_columns<kColumns>(S, dk, dv, j, qn, kn, v, g, b, o);
-      for (; j + 8 <= dv; j += 8) delta_columns<8>(S, dk, dv, j, qn, kn, v, g, b, o);
-      for (; j < dv; ++j) delta_columns<1>(S, dk, dv, j, qn, kn, v, g, b, o);
-    }
-  });
-}
-
-// conv: [n, heads P + 2 groups N] (x, B, C) after the convolution; states [pool rows, heads,
-// P, N]. Per (row, head): h <- exp(dt a) h + dt x B^T; y = h C.
-void mamba2_state_step(const float* conv, float* states, const int64_t* rows, const float* dt,
-                       const float* log_a, float* y, int64_t n, int64_t heads, int64_t groups,
-                       int64_t P, int64_t N) {
-  const int64_t per_group = heads / groups, conv_dim = heads * P + 2 * groups * N;
-  at::parallel_for(0, n * heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / heads, h = task % heads, grp = h / per_group;
-      const float* x = conv + r * conv_dim + h * P;
-      const float* B = conv + r * conv_dim + heads * P + grp * N;
-      const float* C = B + groups * N;
-      const float step = dt[r * heads + h], g = std::exp(step * log_a[h]);
-      float* H = states + (rows[r] * heads + h) * P * N;
-      float* o = y + (r * heads + h) * P;
-      for (int64_t p = 0; p < P; ++p) {
-        float* row = H + p * N;
-        const float u = step * x[p];
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < N; ++i) {
-          const float s = g * row[i] + u * B[i];
-          row[i] = s;
-          sum += s * C[i];
-        }
-        o[p] = sum;
+      const int64_t s = task / nv, h = task % nv, kh = h / group;
+      float* S = states + (spans.rows[s] * nv + h) * dk * dv;
+      for (int64_t r = spans.first[s]; r < spans.first[s] + spans.counts[s]; ++r) {
+        const float* c = conv + r * conv_dim;
+        normalized(c + kh * dk, dk, q_scale, q.data());
+        normalized(c + (nk + kh) * dk, dk, 1.f, k.data());
+        const float* v = c + 2 * nk * dk + h * dv;
+        const float g = std::exp(decay[r * nv + h]), b = beta[r * nv + h];
+        float* o = out + (r * nv + h) * dv;
+        const float *qn = q.data(), *kn = k.data();
+        int64_t j = 0;
+        for (; j + kColumns <= dv; j += kColumns)
+          delta_columns<kColumns>(S, dk, dv, j, qn, kn, v, g, b, o);
+        for (; j + 8 <= dv; j += 8) delta_columns<8>(S, dk, dv, j, qn, kn, v, g, b, o);
+        for (; j < dv; ++j) delta_columns<1>(S, dk, dv, j, qn, kn, v, g, b, o);
       }
     }
   });
 }
 
-// The convolution's step over the batch rows' windows, into a float32 [n, channels].
+// Rows [p, p + R) of one Mamba2 head's state (row stride N) through one token: h <- g h +
+// dt x_p B^T, y_p = h C. R rows at once: R independent sums where one would wait on its adds.
+template <int R>
+inline void mamba2_rows(float* H, int64_t N, float g, float dt, const float* x, const float* B,
+                        const float* C, float* y) {
+  float u[R];
+  v8 sums[R];
+  for (int j = 0; j < R; ++j) {
+    u[j] = dt * x[j];
+    sums[j] = v8{};
+  }
+  int64_t i = 0;
+  for (; i + 8 <= N; i += 8) {
+    const v8 b = load8(B + i), c = load8(C + i);
+    for (int j = 0; j < R; ++j) {
+      float* at = H + j * N + i;
+      const v8 v = g * load8(at) + u[j] * b;
+      *reinterpret_cast<v8u*>(at) = v;
+      sums[j] += v * c;
+    }
+  }
+  for (int j = 0; j < R; ++j) {
+    float sum = 0.f;
+    for (int l = 0; l < 8; ++l) sum += sums[j][l];
+    for (int64_t t = i; t < N; ++t) {
+      const float v = g * H[j * N + t] + u[j] * B[t];
+      H[j * N + t] = v;
+      sum += v * C[t];
+    }
+    y[j] = sum;
+  }
+}
+
+// conv: [tokens, heads P + 2 groups N] (x, B, C) after the convolution; states [pool rows,
+// heads, P, N]. Per (span, head), token by token: h <- exp(dt a) h + dt x B^T; y = h C.
+void mamba2_state_step(const float* conv, float* states, const Spans& spans, const float* dt,
+                       const float* log_a, float* y, int64_t heads, int64_t groups, int64_t P,
+                       int64_t N) {
+  const int64_t per_group = heads / groups, conv_dim = heads * P + 2 * groups * N;
+  at::parallel_for(0, spans.size() * heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / heads, h = task % heads, grp = h / per_group;
+      float* H = states + (spans.rows[s] * heads + h) * P * N;
+      for (int64_t r = spans.first[s]; r < spans.first[s] + spans.counts[s]; ++r) {
+        const float* x = conv + r * conv_dim + h * P;
+        const float* B = conv + r * conv_dim + heads * P + grp * N;
+        const float* C = B + groups * N;
+        const float step = dt[r * heads + h], g = std::exp(step * log_a[h]);
+        float* o = y + (r * heads + h) * P;
+        int64_t p = 0;
+        for (; p + 4 <= P; p += 4) mamba2_rows<4>(H + p * N, N, g, step, x + p, B, C, o + p);
+        for (; p < P; ++p) mamba2_rows<1>(H + p * N, N, g, step, x + p, B, C, o + p);
+      }
+    }
+  });
+}
+
+// The convolution over the spans' windows, into a float32 [tokens, channels].
 at::Tensor conv_window_step(const at::Tensor& x, const at::Tensor& weight,
                             const c10::optional<at::Tensor>& bias, at::Tensor& conv_states,
-                            const at::Tensor& rows) {
+                            const Spans& spans) {
   const int64_t n = x.size(0), channels = x.size(1), kernel = weight.size(-1);
+  TORCH_CHECK(n == spans.tokens, "the spans' tokens are the inputs' rows");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "the inputs' channels contiguous");
   TORCH_CHECK(weight.is_contiguous() && weight.numel() == channels * kernel);
   TORCH_CHECK(conv_states.is_contiguous() && conv_states.dim() == 3 &&
@@ -164,32 +233,42 @@ at::Tensor conv_window_step(const at::Tensor& x, const at::Tensor& weight,
   TORCH_CHECK(!bias.has_value() || (bias->is_contiguous() && bias->numel() == channels &&
                                     bias->scalar_type() == weight.scalar_type()));
   auto out = at::empty({n, channels}, x.options().dtype(at::kFloat));
-  const int64_t* r = rows.data_ptr<int64_t>();
   if (x.scalar_type() == at::kBFloat16) {
     using T = at::BFloat16;
     conv_step<T>(x.data_ptr<T>(), x.stride(0), weight.data_ptr<T>(),
                  bias.has_value() ? bias->data_ptr<T>() : nullptr, conv_states.data_ptr<T>(),
-                 r, out.data_ptr<float>(), n, channels, kernel);
+                 spans, out.data_ptr<float>(), channels, kernel);
   } else {
     TORCH_CHECK(x.scalar_type() == at::kFloat, "float32 or bfloat16 windows");
     conv_step<float>(x.data_ptr<float>(), x.stride(0), weight.data_ptr<float>(),
                      bias.has_value() ? bias->data_ptr<float>() : nullptr,
-                     conv_states.data_ptr<float>(), r, out.data_ptr<float>(), n, channels,
+                     conv_states.data_ptr<float>(), spans, out.data_ptr<float>(), channels,
                      kernel);
   }
   return out;
 }
 
-// The recurrent states (float32 [pool rows, heads, ., .], as many rows as the conv windows')
-// and the n batch rows' table rows in them.
-void check_states(const at::Tensor& ssm_states, const at::Tensor& conv_states,
-                  const at::Tensor& rows, int64_t n) {
+// The recurrent states (float32 [pool rows, heads, ., .], as many rows as the conv windows'),
+// and the spans: each its table row in them (no two the same) and its count of the n tokens.
+Spans checked_spans(const at::Tensor& ssm_states, const at::Tensor& conv_states,
+                    const at::Tensor& rows, const at::Tensor& counts, int64_t n) {
   TORCH_CHECK(ssm_states.scalar_type() == at::kFloat && ssm_states.is_contiguous() &&
               ssm_states.dim() == 4 && ssm_states.size(0) == conv_states.size(0));
-  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.is_contiguous() && rows.numel() == n);
-  const int64_t pool = ssm_states.size(0);
-  const int64_t* r = rows.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(r[i] >= 0 && r[i] < pool, "state row out of range");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.is_contiguous() &&
+              counts.scalar_type() == at::kLong && counts.is_contiguous() &&
+              counts.numel() == rows.numel(), "int64 rows and counts, one each a span");
+  const int64_t pool = ssm_states.size(0), spans = rows.numel();
+  const int64_t *r = rows.data_ptr<int64_t>(), *c = counts.data_ptr<int64_t>();
+  std::vector<bool> seen(pool);
+  for (int64_t i = 0; i < spans; ++i) {
+    TORCH_CHECK(r[i] >= 0 && r[i] < pool, "state row out of range");
+    TORCH_CHECK(!seen[r[i]], "a state row in two spans");
+    TORCH_CHECK(c[i] > 0, "a span of no tokens");
+    seen[r[i]] = true;
+  }
+  Spans checked(r, c, spans);
+  TORCH_CHECK(checked.tokens == n, "the spans' counts sum to the tokens");
+  return checked;
 }
 
 void check_per_head(const at::Tensor& t, int64_t n, int64_t heads) {
@@ -199,52 +278,28 @@ void check_per_head(const at::Tensor& t, int64_t n, int64_t heads) {
 
 }  // namespace
 
-// One token of each of n requests through a Gated DeltaNet layer's decode step. mixed: [n,
-// conv_dim] (q, k, v of nk, nk and nv heads before the convolution); conv_weight: [conv_dim,
-// 1, K]; conv_states: [pool rows, conv_dim, K - 1], all three in the model's dtype; ssm_states:
-// [pool rows, nv, dk, dv] float32; rows: [n] the batch rows' table rows; decay (the log of the
-// gate) and beta: [n, nv] float32. Both states are updated in place. Returns [n, nv, dv].
-at::Tensor gated_delta_step(at::Tensor mixed, at::Tensor conv_weight, at::Tensor conv_states,
-                            at::Tensor ssm_states, at::Tensor rows, at::Tensor decay,
-                            at::Tensor beta, int64_t num_k_heads) {
+// Spans of tokens (table rows `rows`, `counts` tokens each, in order) through a Gated DeltaNet
+// layer's convolution and delta rule. mixed: [tokens, conv_dim] (q, k, v of nk, nk and nv heads
+// before the convolution); conv_weight: [conv_dim, 1, K]; conv_states: [pool rows, conv_dim,
+// K - 1], all three in the model's dtype; ssm_states: [pool rows, nv, dk, dv] float32; decay
+// (the log of the gate) and beta: [tokens, nv] float32. Both states are updated in place.
+// Returns [tokens, nv, dv].
+at::Tensor gated_delta_spans(at::Tensor mixed, at::Tensor conv_weight, at::Tensor conv_states,
+                             at::Tensor ssm_states, at::Tensor rows, at::Tensor counts,
+                             at::Tensor decay, at::Tensor beta, int64_t num_k_heads) {
   const int64_t n = mixed.size(0);
-  check_states(ssm_states, conv_states, rows, n);
+  const Spans spans = checked_spans(ssm_states, conv_states, rows, counts, n);
   const int64_t nv = ssm_states.size(1), dk = ssm_states.size(2), dv = ssm_states.size(3);
   TORCH_CHECK(num_k_heads > 0 && nv % num_k_heads == 0 &&
               mixed.size(1) == 2 * num_k_heads * dk + nv * dv, "conv_dim = 2 nk dk + nv dv");
   check_per_head(decay, n, nv);
   check_per_head(beta, n, nv);
-  const auto conv = conv_window_step(mixed, conv_weight, c10::nullopt, conv_states, rows);
+  const auto conv = conv_window_step(mixed, conv_weight, c10::nullopt, conv_states, spans);
   auto out = at::empty({n, nv, dv}, conv.options());
-  delta_step(conv.data_ptr<float>(), ssm_states.data_ptr<float>(), rows.data_ptr<int64_t>(),
-             decay.data_ptr<float>(), beta.data_ptr<float>(), out.data_ptr<float>(), n,
+  delta_step(conv.data_ptr<float>(), ssm_states.data_ptr<float>(), spans,
+             decay.data_ptr<float>(), beta.data_ptr<float>(), out.data_ptr<float>(),
              num_k_heads, nv, dk, dv);
   return out;
-}
-
-// One token of each of n requests through a Mamba2 layer's decode step. xbc: [n, conv_dim]
-// (x of heads * P channels, then B and C of groups * N each, before the convolution);
-// conv_weight [conv_dim, 1, K], conv_bias [conv_dim] and conv_states [pool rows, conv_dim,
-// K - 1] in the model's dtype; ssm_states [pool rows, heads, P, N] float32; dt [n, heads] and
-// log_a [heads] (a < 0) float32. Both states are updated in place. Returns (y [n, heads, P]
-// without the D skip, x [n, heads, P]: the convolution's x), float32.
-std::vector<at::Tensor> mamba2_step(at::Tensor xbc, at::Tensor conv_weight,
-                                    c10::optional<at::Tensor> conv_bias, at::Tensor conv_states,
-                                    at::Tensor ssm_states, at::Tensor rows, at::Tensor dt,
-                                    at::Tensor log_a, int64_t groups) {
-  const int64_t n = xbc.size(0);
-  check_states(ssm_states, conv_states, rows, n);
-  const int64_t heads = ssm_states.size(1), P = ssm_states.size(2), N = ssm_states.size(3);
-  TORCH_CHECK(groups > 0 && heads % groups == 0 && xbc.size(1) == heads * P + 2 * groups * N,
-              "conv_dim = heads P + 2 groups N");
-  check_per_head(dt, n, heads);
-  check_per_head(log_a, 1, heads);
-  const auto conv = conv_window_step(xbc, conv_weight, conv_bias, conv_states, rows);
-  auto y = at::empty({n, heads, P}, conv.options());
-  mamba2_state_step(conv.data_ptr<float>(), ssm_states.data_ptr<float>(),
-                    rows.data_ptr<int64_t>(), dt.data_ptr<float>(), log_a.data_ptr<float>(),
-                    y.data_ptr<float>(), n, heads, groups, P, N);
-  return {y, conv.narrow(1, 0, heads * P).view({n, heads, P})};
 }
 
 namespace {
@@ -262,12 +317,17 @@ void mamba2_gated_norm(const float* y, const float* conv, const T* proj, int64_t
     std::vector<float> gated(width);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / groups, c0 = task % groups * width;
-      const T* z = proj + r * proj_stride;
+      const T* z = proj + r * proj_stride + c0;
+      for (int64_t at = 0; at < width; at += P) {  // the group's heads
+        const float skip = D[(c0 + at) / P];
+        const float *yh = y + r * inner + c0 + at, *xh = conv + r * conv_dim + c0 + at;
+#pragma omp simd
+        for (int64_t i = 0; i < P; ++i) gated[at + i] = yh[i] + xh[i] * skip;
+      }
       float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
       for (int64_t i = 0; i < width; ++i) {
-        const int64_t c = c0 + i;
-        const float v = (y[r * inner + c] + conv[r * conv_dim + c] * D[c / P]) *
-                        silu(static_cast<float>(z[c]));
+        const float v = gated[i] * silu(static_cast<float>(z[i]));
         gated[i] = v;
         squares += v * v;
       }
@@ -282,19 +342,23 @@ void mamba2_gated_norm(const float* y, const float* conv, const T* proj, int64_t
 
 }  // namespace
 
-// A Mamba2 layer's whole decode step between its two projections, for n requests that each
-// take one token: proj [n, inner + conv_dim + heads] is in_proj's output (z, then x, B and C
-// before the convolution, then dt), in the model's dtype; dt = clamp(softplus(dt + dt_bias),
-// dt_min, dt_max); the convolution and the scan as mamba2_step (states in place); then the D
-// skip, the gate silu(z) and the gated group norm (norm_weight [inner], eps). dt_bias, log_a,
-// D: [heads] float32. Returns [n, inner] in the model's dtype: out_proj's input.
-at::Tensor mamba2_decode(at::Tensor proj, at::Tensor conv_weight,
-                         c10::optional<at::Tensor> conv_bias, at::Tensor conv_states,
-                         at::Tensor ssm_states, at::Tensor rows, at::Tensor dt_bias,
-                         at::Tensor log_a, at::Tensor D, at::Tensor norm_weight, int64_t groups,
-                         double dt_min, double dt_max, double eps) {
+// Spans of tokens (table rows `rows`, `counts` tokens each, in order) through a Mamba2 layer,
+// from its in_proj's output to its out_proj's input. proj [tokens, inner + conv_dim + heads]:
+// z, then x, B and C before the convolution, then dt, in the model's dtype; conv_weight
+// [conv_dim, 1, K], conv_bias [conv_dim] and conv_states [pool rows, conv_dim, K - 1] in the
+// model's dtype; ssm_states [pool rows, heads, P, N] float32. dt = clamp(softplus(dt +
+// dt_bias), dt_min, dt_max); the convolution; the scan (h <- exp(dt a) h + dt x B^T; y = h C,
+// log_a = log a < 0); both states in place; then the D skip, the gate silu(z) and the gated
+// group norm (norm_weight [inner], eps). dt_bias, log_a, D: [heads] float32. Returns [tokens,
+// inner] in the model's dtype.
+at::Tensor mamba2_spans(at::Tensor proj, at::Tensor conv_weight,
+                        c10::optional<at::Tensor> conv_bias, at::Tensor conv_states,
+                        at::Tensor ssm_states, at::Tensor rows, at::Tensor counts,
+                        at::Tensor dt_bias, at::Tensor log_a, at::Tensor D,
+                        at::Tensor norm_weight, int64_t groups, double dt_min, double dt_max,
+                        double eps) {
   const int64_t n = proj.size(0);
-  check_states(ssm_states, conv_states, rows, n);
+  const Spans spans = checked_spans(ssm_states, conv_states, rows, counts, n);
   const int64_t heads = ssm_states.size(1), P = ssm_states.size(2), N = ssm_states.size(3);
   const int64_t inner = heads * P, conv_dim = inner + 2 * groups * N;
   TORCH_CHECK(groups > 0 && heads % groups == 0, "whole heads per group");
@@ -307,7 +371,7 @@ at::Tensor mamba2_decode(at::Tensor proj, at::Tensor conv_weight,
   check_per_head(D, 1, heads);
   auto dt = at::empty({n, heads}, proj.options().dtype(at::kFloat));
   const auto conv = conv_window_step(proj.narrow(1, inner, conv_dim), conv_weight, conv_bias,
-                                     conv_states, rows);
+                                     conv_states, spans);
   auto y = at::empty({n, heads, P}, conv.options());
   auto out = at::empty({n, inner}, proj.options());
   const auto lo = static_cast<float>(dt_min), hi = static_cast<float>(dt_max);
@@ -319,9 +383,8 @@ at::Tensor mamba2_decode(at::Tensor proj, at::Tensor conv_weight,
         const float raw = static_cast<float>(p[r * proj.stride(0) + inner + conv_dim + h]);
         dts[r * heads + h] = std::min(hi, std::max(lo, softplus(raw + bias[h])));
       }
-    mamba2_state_step(conv.data_ptr<float>(), ssm_states.data_ptr<float>(),
-                      rows.data_ptr<int64_t>(), dts, log_a.data_ptr<float>(),
-                      y.data_ptr<float>(), n, heads, groups, P, N);
+    mamba2_state_step(conv.data_ptr<float>(), ssm_states.data_ptr<float>(), spans, dts,
+                      log_a.data_ptr<float>(), y.data_ptr<float>(), heads, groups, P, N);
     mamba2_gated_norm(y.data_ptr<float>(), conv.data_ptr<float>(), p, proj.stride(0),
                       D.data_ptr<float>(), weight, o, n, heads, P, groups, conv_dim,
                       static_cast<float>(eps));
