@@ -161,8 +161,7 @@ class Engine:
         self.page_table[self.dummy_row].fill_(self.kv_pool.dummy_loc)
         self.attn_backend = attention_for(config.attention_backend, self.arch, self.model,
                                           self.kv_pool, self.page_table, self.device, self.dtype)
-        if (self.device.type == "cpu" and hasattr(self.model, "fused_layers")
-                and not self.arch.is_hybrid):
+        if self.device.type == "cpu" and hasattr(self.model, "fused_layers"):
             self.model.fused_layers = fuse_layers(self.model, self.attn_backend, self.tp.size)
         self.sampler = Sampler(self.arch.vocab_size, self.device, list(self.arch.eos_token_ids),
                                seed=config.seed)

@@ -47,6 +47,13 @@ class StatePool:
         self.conv[:, dst] = self.conv[:, src]
         self.recurrent[:, dst] = self.recurrent[:, src]
 
+    def clear(self, rows: list[int]) -> None:
+        """Every layer's state of each row back to zero (a request's first prefill chunk)."""
+        if rows:
+            index = torch.as_tensor(rows, device=self.conv.device)
+            self.conv[:, index] = 0
+            self.recurrent[:, index] = 0
+
     def scratch_row(self, row: int | torch.Tensor, index: int | torch.Tensor
                     ) -> int | torch.Tensor:
         """Request row `row`'s scratch state `index` (< scratch)."""

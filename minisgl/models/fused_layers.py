@@ -1,6 +1,7 @@
-"""A Llama-family model's decoder layers as one C++ call a step on CPU, when every linear is in
-GGUF blocks (layers.gguf_weight): kernels/csrc/fused_layers.cpp calls the kernels the modules
-call, in the same order, so the outputs are equal to the bit.
+"""A decoder's layers as one C++ call a step on CPU, when every linear is in GGUF blocks
+(layers.gguf_weight): kernels/csrc/fused_layers.cpp calls the kernels the modules call, in the
+same order, so the outputs are equal to the bit. It knows plain Llama layers and Granite 4.0-H's
+(Mamba2 or attention without RoPE, a shared MLP, the residual multiplier).
 
 Why: between two block-kernel calls, each streaming its weight through the caches, the
 interpreter's working set falls out of them, and each of a layer's many Python-level calls
@@ -10,6 +11,7 @@ call also releases the GIL once a step, where the modules released and retook it
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,7 +21,10 @@ from minisgl.attention.torch_backend import KernelMetadata, TorchBackend
 from minisgl.core import Batch
 from minisgl.layers import SiluAndMul
 from minisgl.layers.gguf_weight import GgufWeight, StackedWeight
+from minisgl.models.granite_hybrid import GraniteHybridLayer, Mamba2Mixer, NoRotary
 from minisgl.models.llama import MLP, Attention, DecoderLayer
+
+NO_SPANS = torch.zeros(0, dtype=torch.long)
 
 
 class FusedLayers:
@@ -33,15 +38,34 @@ class FusedLayers:
                 and positions.shape[0] <= self.max_rows and positions.dtype == torch.int64)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, batch: Batch,
-                 backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+                 backend: AttentionBackend,
+                 spans: tuple[torch.Tensor, torch.Tensor] = (NO_SPANS, NO_SPANS)
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`spans`: a hybrid batch's state rows and token counts (models.qwen3_next.RowSpans,
+        with no snapshot to take part-way)."""
         locations, lens, rows = batch.attn_metadata.view(0, backend.page_table)
-        out, residual = self.program.run(x, positions, batch.out_loc, locations, lens, rows)
+        out, residual = self.program.run(x, positions, batch.out_loc, locations, lens, rows,
+                                         *spans)
         return out, residual  # NOTE: run() answers a list
 
 
+@dataclass
+class LayerParts:
+    """A layer the program knows: its two norms, its mixer (Attention or Mamba2Mixer), its
+    four linears (the mixer's in and out, the MLP's gate/up and down), and the factor on each
+    sublayer's output."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    mixer: Attention | Mamba2Mixer
+    linears: tuple[Any, Any, Any, Any]
+    residual_multiplier: float = 1.0
+
+
 def fuse_layers(model: Any, backend: AttentionBackend, tp_size: int) -> FusedLayers | None:
-    """The fused call for `model`'s layers, or None where they are not all plain Llama layers
-    (no biases, QK-norm, LoRA, windows or soft-capping) over GGUF blocks, one rank, on CPU."""
+    """The fused call for `model`'s layers, or None where some layer is not one the program
+    knows (biases, QK-norm, LoRA, windows, soft-capping, experts, other layer types), a linear
+    is not in GGUF blocks, there is more than one rank, or not on CPU."""
     layers = getattr(model, "layers", None)
     if (not layers or not isinstance(backend, TorchBackend) or backend.kernels is None
             or backend.softcap > 0 or any(backend.window(i) for i in range(len(layers)))
@@ -50,41 +74,91 @@ def fuse_layers(model: Any, backend: AttentionBackend, tp_size: int) -> FusedLay
     parts = [_layer_parts(layer) for layer in layers]
     if any(p is None for p in parts):
         return None
-    attn: Attention = layers[0].self_attn
-    rotary = attn.rotary
-    if rotary.cos.dtype != torch.float32:
+    blocks = [[_blocks(linear) for linear in p.linears] for p in parts]
+    if any(b is None for linears in blocks for b in linears):
         return None
-    qkv = attn.qkv_proj
-    program = backend.kernels.FusedLayers(qkv.num_heads, qkv.num_kv_heads, qkv.head_dim,
-                                  layers[0].input_layernorm.eps, backend.scale, rotary.cos,
-                                  rotary.sin)
-    for layer, (weights, kinds, _) in zip(layers, parts):
-        k_cache, v_cache = backend.kv_pool.layer(layer.self_attn.layer_id)
-        program.add_layer(layer.input_layernorm.weight.detach(),
-                          layer.post_attention_layernorm.weight.detach(), weights, kinds,
-                          k_cache, v_cache)
-    return FusedLayers(program, min(max_rows for _, _, max_rows in parts))
+    attention = [p.mixer for p in parts if isinstance(p.mixer, Attention)]
+    shared = {(id(a.rotary), a.query_scale) for a in attention}
+    multipliers = {p.residual_multiplier for p in parts}
+    if not attention or len(shared) > 1 or len(multipliers) > 1:
+        return None
+    first = attention[0]
+    cos = sin = None  # NoPE
+    if not isinstance(first.rotary, NoRotary):
+        cos, sin = first.rotary.cos, first.rotary.sin
+        if cos.dtype != torch.float32:
+            return None
+    qkv = first.qkv_proj
+    program = backend.kernels.FusedLayers(
+        qkv.num_heads, qkv.num_kv_heads, qkv.head_dim, layers[0].input_layernorm.eps,
+        backend.scale, cos, sin, first.query_scale, multipliers.pop())
+    for p, linears in zip(parts, blocks):
+        weights = [w for w, _, _ in linears]
+        kinds = [k for _, k, _ in linears]
+        if isinstance(p.mixer, Attention):
+            program.add_layer(p.input_norm, p.post_norm, weights, kinds,
+                              *backend.kv_pool.layer(p.mixer.layer_id))
+            continue
+        m = p.mixer
+        conv_states, ssm_states = m.states.layer(m.linear_id)
+        program.add_mamba2_layer(p.input_norm, p.post_norm, weights, kinds,
+                                 m.conv1d.weight.detach(), _detached(m.conv1d.bias),
+                                 conv_states, ssm_states, *m.per_head(),
+                                 m.norm.weight.detach(), m.shape.groups, *m.shape.dt_limit,
+                                 m.eps)
+    return FusedLayers(program, min(rows for linears in blocks for _, _, rows in linears))
 
 
-def _layer_parts(layer: Any) -> tuple[list[list[torch.Tensor]], list[list[int]], int] | None:
-    """A plain layer's four linears as the program's (tensors, kinds) and the most rows they
-    all run the block kernel at; None for any other layer."""
-    if (type(layer) is not DecoderLayer or type(layer.self_attn) is not Attention
-            or type(layer.mlp) is not MLP or type(layer.mlp.act) is not SiluAndMul
-            or layer.self_attn.q_norm is not None or layer.self_attn.query_scale != 1.0):
+def _detached(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    return None if tensor is None else tensor.detach()
+
+
+def _plain_mlp(mlp: Any) -> bool:
+    return type(mlp) is MLP and type(mlp.act) is SiluAndMul
+
+
+def _plain_attention(attn: Any) -> bool:
+    return type(attn) is Attention and attn.q_norm is None
+
+
+def _layer_parts(layer: Any) -> LayerParts | None:
+    if type(layer) not in (DecoderLayer, GraniteHybridLayer):
         return None
-    linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-               layer.mlp.down_proj)
-    weights, kinds, max_rows = [], [], []
-    for linear in linears:
-        if linear.bias is not None or linear.lora is not None:
+    norms = (layer.input_layernorm.weight.detach(),
+             layer.post_attention_layernorm.weight.detach())
+    if type(layer) is DecoderLayer:
+        attn, mlp = layer.self_attn, layer.mlp
+        if not _plain_attention(attn) or attn.query_scale != 1.0 or not _plain_mlp(mlp):
             return None
-        quantized = linear.quantized
-        parts = (quantized.parts if isinstance(quantized, StackedWeight)
-                 else [quantized] if isinstance(quantized, GgufWeight) else None)
-        if parts is None or not all(isinstance(p, GgufWeight) for p in parts):
+        return LayerParts(*norms, attn, (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                         mlp.down_proj))
+    if type(layer) is GraniteHybridLayer and layer.mlp is None and _plain_mlp(layer.shared_mlp):
+        mlp = layer.shared_mlp
+        mixer = layer.mamba if layer.is_linear else layer.self_attn
+        if isinstance(mixer, Mamba2Mixer):
+            conv_states, _ = mixer.states.layer(mixer.linear_id)
+            if type(mixer) is not Mamba2Mixer or mixer.conv1d.weight.dtype != conv_states.dtype:
+                return None
+            ends = (mixer.in_proj, mixer.out_proj)
+        elif _plain_attention(mixer):
+            ends = (mixer.qkv_proj, mixer.o_proj)
+        else:
             return None
-        weights.append([t for p in parts for t in (p.codes, p.scales, p.subs)])
-        kinds.append([v for p in parts for v in (p.bits, p.mode, p.terms)])
-        max_rows.extend(p.kernel_max_rows for p in parts)
-    return weights, kinds, min(max_rows)
+        return LayerParts(*norms, mixer, (*ends, mlp.gate_up_proj, mlp.down_proj),
+                          layer.residual_multiplier)
+    return None
+
+
+def _blocks(linear: Any) -> tuple[list[torch.Tensor], list[int], int] | None:
+    """A linear's parts as the program's (tensors, kinds) and the most rows they all run the
+    block kernel at; None unless it is GGUF blocks with no bias or LoRA."""
+    if linear.bias is not None or linear.lora is not None:
+        return None
+    quantized = linear.quantized
+    parts = (quantized.parts if isinstance(quantized, StackedWeight)
+             else [quantized] if isinstance(quantized, GgufWeight) else None)
+    if parts is None or not all(isinstance(p, GgufWeight) for p in parts):
+        return None
+    return ([t for p in parts for t in (p.codes, p.scales, p.subs)],
+            [v for p in parts for v in (p.bits, p.mode, p.terms)],
+            min(p.kernel_max_rows for p in parts))

@@ -189,9 +189,6 @@ class Mamba2Mixer(Layer):
             if count == 1 and not fresh:
                 continue
             end = start + count
-            if fresh:
-                conv_states[row].zero_()
-                ssm_states[row].zero_()
             window = torch.cat([conv_states[row], xbc[start:end].t().to(conv_states.dtype)], -1)
             conv_states[row].copy_(window[:, window.shape[1] - (s.conv_kernel - 1):])
             xs, b, c = self._heads(self._conv(window[None])[0])

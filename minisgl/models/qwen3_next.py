@@ -51,7 +51,8 @@ SKIPPED_PREFIXES = ("model.visual.", "mtp.")
 @dataclass(frozen=True)
 class RowSpans:
     """A batch's token rows per request: `counts[i]` tokens from `starts[i]` of the flat batch,
-    its state in table row `rows[i]`, `fresh[i]`: it starts at position 0 (state from zero).
+    its state in table row `rows[i]`, `fresh[i]`: it starts at position 0 (the stack zeroes
+    its state before the layers run).
     `cuts[i]`: (tokens, slot) pairs, in order: the state after that many of the span's tokens
     is saved into row `slot` of the state pool (a prefix-cache snapshot, a verify step's
     scratch; a save at a span's end is the stack's, `HybridStack`)."""
@@ -118,12 +119,8 @@ def step_spans(spans: RowSpans, conv_states: torch.Tensor, ssm_states: torch.Ten
                ) -> torch.Tensor:
     """A batch through a linear layer's span kernel, `run(first, end, rows, counts)`: the
     batch's tokens [first, end) as spans of `counts` tokens whose states are in table `rows`.
-    Fresh spans start from zero states; with no snapshot to take, the whole batch is one call,
-    else each piece between cuts is one, its state copied into its slot after it."""
-    for row, fresh in zip(spans.rows, spans.fresh):
-        if fresh:
-            conv_states[row].zero_()
-            ssm_states[row].zero_()
+    With no snapshot to take, the whole batch is one call, else each piece between cuts is
+    one, its state copied into its slot after it."""
     if not spans.cuts:
         return run(0, spans.starts[-1] + spans.counts[-1], *spans.tensors)
     outs = []
@@ -342,9 +339,6 @@ class GatedDeltaNet(Layer):
             if count == 1 and not fresh:
                 continue
             end = start + count
-            if fresh:
-                conv_states[row].zero_()
-                ssm_states[row].zero_()
             window = torch.cat([conv_states[row], mixed[start:end].t().to(conv_states.dtype)],
                                dim=-1)
             conv_states[row].copy_(window[:, window.shape[1] - (s.conv_kernel - 1):])
@@ -455,9 +449,15 @@ class HybridStack:
         states = self.states  # type: ignore[attr-defined]
         if batch.state_loads:  # requests admitted on a cached prefix resume from its snapshot
             states.copy(*map(list, zip(*batch.state_loads)))
+        # a span from position 0 starts from zero states
+        states.clear([row for row, fresh in zip(spans.rows, spans.fresh) if fresh])
         x, residual = self.embed(input_ids), None  # type: ignore[attr-defined]
-        for layer in self.layers:
-            x, residual = layer(x, residual, positions, batch, backend, spans)
+        fused = self.fused_layers  # type: ignore[attr-defined]
+        if fused is not None and not spans.cuts and fused.runs(batch, positions):
+            x, residual = fused(x, positions, batch, backend, spans.tensors)
+        else:
+            for layer in self.layers:
+                x, residual = layer(x, residual, positions, batch, backend, spans)
         ends = [(row, slot) for row, tokens, slot in batch.state_saves or ()
                 if tokens == spans.counts[spans.rows.index(row)]]
         if ends:  # the state at a span's end is the row's own after the forward

@@ -447,9 +447,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "spans of tokens through a Mamba2 layer from in_proj's output to out_proj's input, "
         "its states updated in place (CPU)",
         py::call_guard<py::gil_scoped_release>());
-  py::class_<FusedLayers>(m, "FusedLayers",
-                          "a Llama-family model's GGUF-block decoder layers as one call (CPU)")
-      .def(py::init<int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor>())
+  py::class_<FusedLayers>(m, "FusedLayers", "a decoder's GGUF-block layers as one call (CPU)")
+      .def(py::init<int64_t, int64_t, int64_t, double, double, c10::optional<at::Tensor>,
+                    c10::optional<at::Tensor>, double, double>())
       .def("add_layer", &FusedLayers::add_layer)
+      .def("add_mamba2_layer", &FusedLayers::add_mamba2_layer)
       .def("run", &FusedLayers::run, py::call_guard<py::gil_scoped_release>());
 }

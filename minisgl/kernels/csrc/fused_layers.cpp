@@ -16,28 +16,65 @@ at::Tensor silu_and_mul(at::Tensor x);
 // block_matmul.cpp
 at::Tensor block_matmul(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor subs,
                         int64_t bits, int64_t mode, int64_t terms);
+// hybrid_state.cpp
+at::Tensor mamba2_spans(at::Tensor proj, at::Tensor conv_weight,
+                        c10::optional<at::Tensor> conv_bias, at::Tensor conv_states,
+                        at::Tensor ssm_states, at::Tensor rows, at::Tensor counts,
+                        at::Tensor dt_bias, at::Tensor log_a, at::Tensor D,
+                        at::Tensor norm_weight, int64_t groups, double dt_min, double dt_max,
+                        double eps);
 
 FusedLayers::FusedLayers(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps,
-                         double scale, at::Tensor cos, at::Tensor sin)
+                         double scale, c10::optional<at::Tensor> cos,
+                         c10::optional<at::Tensor> sin, double query_scale,
+                         double residual_multiplier)
     : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
-      cos_(std::move(cos)), sin_(std::move(sin)) {}
+      query_scale_(query_scale), residual_multiplier_(residual_multiplier),
+      cos_(std::move(cos)), sin_(std::move(sin)) {
+  TORCH_CHECK(cos_.has_value() == sin_.has_value(), "both RoPE tables or neither");
+}
+
+std::vector<FusedLayers::Linear> FusedLayers::parsed(
+    const std::vector<std::vector<at::Tensor>>& linears,
+    const std::vector<std::vector<int64_t>>& kinds) {
+  TORCH_CHECK(linears.size() == 4 && kinds.size() == 4, "four linears a layer");
+  std::vector<Linear> out(4);
+  for (size_t i = 0; i < 4; ++i) {
+    TORCH_CHECK(!linears[i].empty() && linears[i].size() % 3 == 0 &&
+                kinds[i].size() == linears[i].size(), "three tensors and three kinds a part");
+    for (size_t p = 0; p < linears[i].size() / 3; ++p)
+      out[i].push_back({linears[i][3 * p], linears[i][3 * p + 1], linears[i][3 * p + 2],
+                        kinds[i][3 * p], kinds[i][3 * p + 1], kinds[i][3 * p + 2]});
+  }
+  return out;
+}
 
 void FusedLayers::add_layer(at::Tensor input_norm, at::Tensor post_norm,
                             std::vector<std::vector<at::Tensor>> linears,
                             std::vector<std::vector<int64_t>> kinds, at::Tensor k_cache,
                             at::Tensor v_cache) {
-  TORCH_CHECK(linears.size() == 4 && kinds.size() == 4, "four linears a layer");
-  Linear parsed[4];
-  for (size_t i = 0; i < 4; ++i) {
-    TORCH_CHECK(!linears[i].empty() && linears[i].size() % 3 == 0 &&
-                kinds[i].size() == linears[i].size(), "three tensors and three kinds a part");
-    for (size_t p = 0; p < linears[i].size() / 3; ++p)
-      parsed[i].push_back({linears[i][3 * p], linears[i][3 * p + 1], linears[i][3 * p + 2],
-                           kinds[i][3 * p], kinds[i][3 * p + 1], kinds[i][3 * p + 2]});
-  }
+  auto parts = parsed(linears, kinds);
   layers_.push_back({std::move(input_norm), std::move(post_norm), std::move(k_cache),
-                     std::move(v_cache), std::move(parsed[0]), std::move(parsed[1]),
-                     std::move(parsed[2]), std::move(parsed[3])});
+                     std::move(v_cache), std::move(parts[0]), std::move(parts[1]),
+                     std::move(parts[2]), std::move(parts[3]), false, {}});
+}
+
+void FusedLayers::add_mamba2_layer(at::Tensor input_norm, at::Tensor post_norm,
+                                   std::vector<std::vector<at::Tensor>> linears,
+                                   std::vector<std::vector<int64_t>> kinds,
+                                   at::Tensor conv_weight, c10::optional<at::Tensor> conv_bias,
+                                   at::Tensor conv_states, at::Tensor ssm_states,
+                                   at::Tensor dt_bias, at::Tensor log_a, at::Tensor D,
+                                   at::Tensor norm_weight, int64_t groups, double dt_min,
+                                   double dt_max, double norm_eps) {
+  auto parts = parsed(linears, kinds);
+  Mamba2 mamba2{std::move(conv_weight), std::move(conv_states), std::move(ssm_states),
+                std::move(dt_bias),     std::move(log_a),       std::move(D),
+                std::move(norm_weight), std::move(conv_bias),   groups,
+                dt_min,                 dt_max,                 norm_eps};
+  layers_.push_back({std::move(input_norm), std::move(post_norm), at::Tensor(), at::Tensor(),
+                     std::move(parts[0]), std::move(parts[1]), std::move(parts[2]),
+                     std::move(parts[3]), true, std::move(mamba2)});
 }
 
 at::Tensor FusedLayers::matmul(const at::Tensor& x, const Linear& linear) {
@@ -48,27 +85,50 @@ at::Tensor FusedLayers::matmul(const at::Tensor& x, const Linear& linear) {
   return outs.size() == 1 ? outs[0] : at::cat(outs, -1);
 }
 
-std::vector<at::Tensor> FusedLayers::run(at::Tensor x, at::Tensor positions,
-                                         at::Tensor out_loc, at::Tensor locations,
-                                         at::Tensor lens, at::Tensor rows) const {
+at::Tensor FusedLayers::scaled(at::Tensor x) const {
+  return residual_multiplier_ == 1.0 ? x : x.mul(residual_multiplier_);
+}
+
+at::Tensor FusedLayers::attention(const Layer& layer, const at::Tensor& x,
+                                  const at::Tensor& positions, const at::Tensor& out_loc,
+                                  const at::Tensor& locations, const at::Tensor& lens,
+                                  const at::Tensor& rows) const {
   const int64_t tokens = x.size(0), q_size = heads_ * head_dim_,
                 kv_size = kv_heads_ * head_dim_;
+  const auto qkv = matmul(x, layer.mix_in);
+  auto q = qkv.narrow(-1, 0, q_size).view({tokens, heads_, head_dim_});
+  auto k = qkv.narrow(-1, q_size, kv_size).view({tokens, kv_heads_, head_dim_});
+  auto v = qkv.narrow(-1, q_size + kv_size, kv_size).view({tokens, kv_heads_, head_dim_});
+  if (cos_.has_value()) rotary_(q, k, positions, *cos_, *sin_);
+  if (query_scale_ != 1.0) q = q.mul(query_scale_);
+  store_kv_(layer.k_cache, layer.v_cache, out_loc, k, v);
+  const auto attended = decode_attention(q.contiguous(), layer.k_cache, layer.v_cache,
+                                         locations, lens, scale_, rows, 0.0);
+  return matmul(attended.view({tokens, -1}), layer.mix_out);
+}
+
+std::vector<at::Tensor> FusedLayers::run(at::Tensor x, at::Tensor positions,
+                                         at::Tensor out_loc, at::Tensor locations,
+                                         at::Tensor lens, at::Tensor rows,
+                                         at::Tensor state_rows, at::Tensor state_counts) const {
   c10::optional<at::Tensor> residual;
   for (const Layer& layer : layers_) {
     auto normed = rms_norm(x, residual, layer.input_norm, eps_);
     residual = normed[1];
-    const auto qkv = matmul(normed[0], layer.qkv);
-    auto q = qkv.narrow(-1, 0, q_size).view({tokens, heads_, head_dim_});
-    auto k = qkv.narrow(-1, q_size, kv_size).view({tokens, kv_heads_, head_dim_});
-    auto v = qkv.narrow(-1, q_size + kv_size, kv_size).view({tokens, kv_heads_, head_dim_});
-    rotary_(q, k, positions, cos_, sin_);
-    store_kv_(layer.k_cache, layer.v_cache, out_loc, k, v);
-    const auto attended = decode_attention(q.contiguous(), layer.k_cache, layer.v_cache,
-                                           locations, lens, scale_, rows, 0.0);
-    const auto o = matmul(attended.view({tokens, -1}), layer.o);
-    normed = rms_norm(o, residual, layer.post_norm, eps_);
+    at::Tensor mixed;
+    if (layer.is_mamba2) {
+      const Mamba2& m = layer.mamba2;
+      mixed = matmul(
+          mamba2_spans(matmul(normed[0], layer.mix_in), m.conv_weight, m.conv_bias,
+                       m.conv_states, m.ssm_states, state_rows, state_counts, m.dt_bias,
+                       m.log_a, m.D, m.norm_weight, m.groups, m.dt_min, m.dt_max, m.eps),
+          layer.mix_out);
+    } else {
+      mixed = attention(layer, normed[0], positions, out_loc, locations, lens, rows);
+    }
+    normed = rms_norm(scaled(mixed), residual, layer.post_norm, eps_);
     residual = normed[1];
-    x = matmul(silu_and_mul(matmul(normed[0], layer.gate_up)), layer.down);
+    x = scaled(matmul(silu_and_mul(matmul(normed[0], layer.gate_up)), layer.down));
   }
   return {x, *residual};
 }

@@ -1,6 +1,8 @@
-// A Llama-family model's decoder layers, every linear in GGUF blocks (block_matmul.cpp), run as
-// one call over a batch: the same kernels, in the same order, as the Python modules call them
-// one by one (models.fused_layers), so the result is the same to the bit.
+// A decoder's layers, every linear in GGUF blocks (block_matmul.cpp), run as one call over a
+// batch: the same kernels, in the same order, as the Python modules call them one by one
+// (models.fused_layers), so the result is the same to the bit. A layer mixes tokens with
+// attention (Llama's, or Granite's without RoPE) or with Mamba2 (hybrid_state.cpp's spans),
+// then runs its MLP; Granite scales each sublayer's output by the residual multiplier.
 #pragma once
 
 #include "aten.h"
@@ -9,8 +11,11 @@
 
 class FusedLayers {
  public:
+  // cos / sin: the RoPE tables, or none (no positions); query_scale: q's factor before
+  // attention (1: none); residual_multiplier: each sublayer's output's (1: none).
   FusedLayers(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale,
-              at::Tensor cos, at::Tensor sin);
+              c10::optional<at::Tensor> cos, c10::optional<at::Tensor> sin, double query_scale,
+              double residual_multiplier);
 
   // linears: q/k/v, o, gate/up, down, each as its parts' (codes, scales, subs) in row order;
   // kinds: each part's (bits, mode, activation terms); caches: the layer's K and V in the
@@ -20,10 +25,22 @@ class FusedLayers {
                  std::vector<std::vector<int64_t>> kinds, at::Tensor k_cache,
                  at::Tensor v_cache);
 
-  // x: [tokens, hidden], the embeddings; locations / lens / rows: decode_attention's. Returns
-  // the last layer's (output, residual), as DecoderLayer returns them.
+  // A Mamba2 layer: linears in_proj, out_proj, gate/up, down as add_layer's; the rest as
+  // mamba2_spans takes them (conv_states / ssm_states: the layer's in the state pool).
+  void add_mamba2_layer(at::Tensor input_norm, at::Tensor post_norm,
+                        std::vector<std::vector<at::Tensor>> linears,
+                        std::vector<std::vector<int64_t>> kinds, at::Tensor conv_weight,
+                        c10::optional<at::Tensor> conv_bias, at::Tensor conv_states,
+                        at::Tensor ssm_states, at::Tensor dt_bias, at::Tensor log_a,
+                        at::Tensor D, at::Tensor norm_weight, int64_t groups, double dt_min,
+                        double dt_max, double norm_eps);
+
+  // x: [tokens, hidden], the embeddings; locations / lens / rows: decode_attention's;
+  // state_rows / state_counts: the batch's spans for the Mamba2 layers (mamba2_spans'; any
+  // where there are none). Returns the last layer's (output, residual), as the modules do.
   std::vector<at::Tensor> run(at::Tensor x, at::Tensor positions, at::Tensor out_loc,
-                              at::Tensor locations, at::Tensor lens, at::Tensor rows) const;
+                              at::Tensor locations, at::Tensor lens, at::Tensor rows,
+                              at::Tensor state_rows, at::Tensor state_counts) const;
 
  private:
   struct Part {
@@ -31,15 +48,30 @@ class FusedLayers {
     int64_t bits, mode, terms;
   };
   using Linear = std::vector<Part>;
+  struct Mamba2 {
+    at::Tensor conv_weight, conv_states, ssm_states, dt_bias, log_a, D, norm_weight;
+    c10::optional<at::Tensor> conv_bias;
+    int64_t groups;
+    double dt_min, dt_max, eps;
+  };
   struct Layer {
     at::Tensor input_norm, post_norm, k_cache, v_cache;
-    Linear qkv, o, gate_up, down;
+    // attention: qkv, o; Mamba2: in_proj, out_proj
+    Linear mix_in, mix_out, gate_up, down;
+    bool is_mamba2;
+    Mamba2 mamba2;
   };
 
   static at::Tensor matmul(const at::Tensor& x, const Linear& linear);
+  static std::vector<Linear> parsed(const std::vector<std::vector<at::Tensor>>& linears,
+                                    const std::vector<std::vector<int64_t>>& kinds);
+  at::Tensor attention(const Layer& layer, const at::Tensor& x, const at::Tensor& positions,
+                       const at::Tensor& out_loc, const at::Tensor& locations,
+                       const at::Tensor& lens, const at::Tensor& rows) const;
+  at::Tensor scaled(at::Tensor x) const;
 
   int64_t heads_, kv_heads_, head_dim_;
-  double eps_, scale_;
-  at::Tensor cos_, sin_;
+  double eps_, scale_, query_scale_, residual_multiplier_;
+  c10::optional<at::Tensor> cos_, sin_;
   std::vector<Layer> layers_;
 };
