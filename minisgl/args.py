@@ -162,6 +162,12 @@ class ServerArgs:
         None, "Hybrid models: recurrent states held in all, one per running request and the "
         "rest the prefix cache's snapshots (a cached prefix resumes only from the state at its "
         "end); default twice --max-running-requests.")
+    mamba_ssm_dtype: str = _flag(
+        "float32", "Hybrid models: the dtype the recurrent states (Mamba2's, Gated "
+        "DeltaNet's) are kept in between steps. bfloat16 halves the bytes a step reads and "
+        "writes and the pool's size, the updates still computed in float32, for one rounding "
+        "of each state a step (BENCHMARKS.md); it runs on the CPU kernels.",
+        choices=["float32", "bfloat16"])
     is_embedding: bool = _flag(
         False, "Serve the model as an embedding model: /v1/embeddings and /encode answer each "
         "input's final hidden state at its last token, L2-normalised (SGLang's pooling for "

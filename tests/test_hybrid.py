@@ -305,6 +305,42 @@ def test_what_hybrids_do_not_run_with_yet_is_refused_in_one_line(qwen3_next, fla
     assert "\n" not in str(refused.value)
 
 
+# max |bfloat16 states - float32 states| over all vocab logits (of order 1) across 40 positions
+# of chunks and decodes, each step rounding every state once: 7e-5 at most in these families
+BF16_STATE_TOLERANCE = 1e-3
+
+
+def test_bfloat16_states_stay_near_the_float32_ones(qwen3_next) -> None:
+    """--mamba-ssm-dtype bfloat16: the pool keeps the recurrent states in half the bytes and
+    the logits of a prompt forwarded in chunks and decodes stay within BF16_STATE_TOLERANCE of
+    the float32 states' (the updates themselves float32 both)."""
+    _, path = qwen3_next
+    ids = random_prompts((40,))[0]
+    spans = [(0, 7), (7, 23), (23, 24), (24, 25), (25, 40)]
+    logits, nbytes = {}, {}
+    for dtype in ("float32", "bfloat16"):
+        engine = Engine(EngineConfig(model_path=path, dtype="float32", max_total_tokens=256,
+                                     max_running_requests=2, mamba_ssm_dtype=dtype))
+        try:
+            assert engine.states.recurrent.dtype == getattr(torch, dtype)
+            nbytes[dtype] = engine.states.recurrent.nbytes
+            logits[dtype] = forward_spans(engine, ids, spans)
+        finally:
+            engine.shutdown()
+    assert nbytes["bfloat16"] * 2 == nbytes["float32"]
+    assert (logits["bfloat16"] - logits["float32"]).abs().max().item() < BF16_STATE_TOLERANCE
+
+
+def test_bfloat16_states_are_refused_where_the_cpu_kernels_do_not_run(qwen3_next,
+                                                                       monkeypatch) -> None:
+    from minisgl.engine import placement
+    monkeypatch.setattr(placement, "cpu_kernels", lambda: None)
+    with pytest.raises(ValueError, match="--mamba-ssm-dtype bfloat16") as refused:
+        Engine(EngineConfig(model_path=qwen3_next[1], dtype="float32", max_total_tokens=256,
+                            mamba_ssm_dtype="bfloat16"))
+    assert "\n" not in str(refused.value)
+
+
 def test_a_multimodal_qwen3_5_checkpoint_is_served_as_its_text_model(tmp_path) -> None:
     """Qwen3_5ForConditionalGeneration (most Qwen3.5 checkpoints): its text model under
     model.language_model, its vision tower skipped; greedy text equals transformers'."""

@@ -36,6 +36,7 @@ class EngineConfig:
     page_size: int | None
     disable_radix_cache: bool
     max_mamba_cache_size: int | None  # hybrids: the state pool's rows (requests + snapshots)
+    mamba_ssm_dtype: str  # hybrids: the recurrent states' dtype between steps
     attention_backend: str | None
     cuda_graph_max_bs: int
     disable_cuda_graph: bool

@@ -91,7 +91,7 @@ class Engine:
             check_tp_size(self.arch, self.tp.size, self.model_path.name)
         if self.arch.is_hybrid:
             check_hybrid(self.arch, config.tp_size, config.speculative_algorithm,
-                         config.enable_lora)
+                         config.enable_lora, config.mamba_ssm_dtype, self.device, self.dtype)
         self.draft_arch = (draft_arch(config, self.arch, self.context_len)
                            if self.tp.is_primary else None)
         if self.draft_arch is not None and self.draft_arch[1].is_hybrid:
@@ -145,7 +145,8 @@ class Engine:
                 self.arch, self.tp.size, self.max_running + 1,
                 (config.max_mamba_cache_size or 0) - self.max_running, self.dtype, self.device,
                 scratch=0 if config.speculative_algorithm is None
-                else config.speculative_num_draft_tokens - 1)
+                else config.speculative_num_draft_tokens - 1,
+                state_dtype=getattr(torch, config.mamba_ssm_dtype))
             if self.states is not None:
                 self.model.bind_states(self.states)
             self.kv_pool = allocate_kv_pool(

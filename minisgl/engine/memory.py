@@ -65,18 +65,19 @@ def allocate_kv_pool(config: EngineConfig, arch: ModelArch, kv_heads: int, page_
 
 
 def allocate_state_pool(arch: ModelArch, tp_size: int, rows: int, snapshots: int,
-                        dtype: torch.dtype, device: torch.device, scratch: int = 0) -> StatePool:
+                        dtype: torch.dtype, device: torch.device, scratch: int = 0,
+                        state_dtype: torch.dtype = torch.float32) -> StatePool:
     """A hybrid model's recurrent states (this rank's heads), one per table row, `snapshots`
     for the prefix cache and `scratch` per row for speculative verify steps (before the KV
     pool, which takes what memory is left)."""
     assert arch.linear is not None
     shape = arch.linear.split(tp_size)
     pool = StatePool(arch.linear_layers, rows, shape.conv_dim, shape.conv_kernel,
-                     shape.state_shape, dtype, device, snapshots, scratch)
+                     shape.state_shape, dtype, device, snapshots, scratch, state_dtype)
     logger.info("state pool: %d rows + %d prefix-cache snapshots + %d verify scratch of %d "
-                "linear-attention layers (%.2f MiB each, %.2f GiB)", rows, snapshots,
+                "linear-attention layers (%.2f MiB each, %s states, %.2f GiB)", rows, snapshots,
                 rows * scratch, arch.linear_layers, pool.bytes_per_state / 2**20,
-                pool.nbytes / 2**30)
+                str(state_dtype).removeprefix("torch."), pool.nbytes / 2**30)
     return pool
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from minisgl.kernels import cpu_kernels
 from minisgl.layers.linear import native_cpu_gemm
 from minisgl.models import ModelArch
 
@@ -51,11 +52,19 @@ def check_tp_size(arch: ModelArch, size: int, model_name: str) -> None:
 
 
 def check_hybrid(arch: ModelArch, tp_size: int, speculative_algorithm: str | None,
-                 enable_lora: bool) -> None:
+                 enable_lora: bool, ssm_dtype: str = "float32",
+                 device: torch.device = torch.device("cpu"),
+                 dtype: torch.dtype = torch.float32) -> None:
     """Refuse, in one line, what a hybrid model (recurrent states beside KV) does not run
-    with: linear-layer heads that do not split over the ranks, and with tensor parallelism
-    speculative decoding (the other ranks would need each row's accepted drafts to roll their
-    states back) and LoRA adapters (a fused projection's parts are split apart)."""
+    with: bfloat16 states where the CPU kernels do not run the linear layers (the torch forms
+    update their states in float32); linear-layer heads that do not split over the ranks, and
+    with tensor parallelism speculative decoding (the other ranks would need each row's
+    accepted drafts to roll their states back) and LoRA adapters (a fused projection's parts
+    are split apart)."""
+    if ssm_dtype != "float32" and (device.type != "cpu" or cpu_kernels() is None
+                                   or dtype not in (torch.float32, torch.bfloat16)):
+        raise ValueError(f"--mamba-ssm-dtype {ssm_dtype} runs on the CPU kernels only (a CPU, "
+                         "--dtype float32 or bfloat16); here the states stay float32")
     if tp_size == 1:
         return
     assert arch.linear is not None

@@ -20,15 +20,16 @@ import torch
 class StatePool:
     def __init__(self, num_layers: int, rows: int, conv_dim: int, conv_kernel: int,
                  state_shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device,
-                 snapshots: int = 0, scratch: int = 0) -> None:
+                 snapshots: int = 0, scratch: int = 0,
+                 state_dtype: torch.dtype = torch.float32) -> None:
         self.rows, self.snapshots, self.scratch = rows, snapshots, scratch
         total = rows + snapshots + rows * scratch
         # [layer, row, channel, the last conv_kernel - 1 inputs], in the model's dtype
         self.conv = torch.zeros(num_layers, total, conv_dim, conv_kernel - 1, dtype=dtype,
                                 device=device)
         # [layer, row, head, ...]: the recurrent state (Gated DeltaNet: key x value; Mamba2:
-        # head_dim x d_state), float32 as it is updated
-        self.recurrent = torch.zeros(num_layers, total, *state_shape, dtype=torch.float32,
+        # head_dim x d_state), float32 (as it is updated) or bfloat16 (--mamba-ssm-dtype)
+        self.recurrent = torch.zeros(num_layers, total, *state_shape, dtype=state_dtype,
                                      device=device)
 
     def layer(self, linear_id: int) -> tuple[torch.Tensor, torch.Tensor]:

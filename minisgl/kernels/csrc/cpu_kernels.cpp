@@ -10,9 +10,10 @@
 // - 4- and 8-bit block-quantized weight matmuls (quant_matmul.cpp), the W8A8 int8 one
 //   (int8_matmul.cpp), the mixture-of-experts one (expert_matmul.cpp) and multi-LoRA's
 //   (lora_matmul.cpp);
-// - a Llama-family model's decoder layers in GGUF blocks as one call (fused_layers.cpp);
-// - a hybrid model's Gated DeltaNet and Mamba2 decode steps, their states updated in place
-//   (hybrid_state.cpp).
+// - a Llama-family or Granite 4.0-H model's decoder layers in GGUF blocks as one call
+//   (fused_layers.cpp);
+// - a hybrid model's Gated DeltaNet and Mamba2 layers over spans of tokens, their states
+//   updated in place (hybrid_state.cpp).
 #include <ATen/Dispatch.h>
 #include <ATen/ops/empty_like.h>
 #include <torch/csrc/utils/pybind.h>

@@ -54,20 +54,22 @@ template <typename T>
 void conv_step(const T* x, int64_t x_stride, const T* weight, const T* bias, T* states,
                const Spans& spans, float* out, int64_t channels, int64_t kernel) {
   const int64_t blocks = (channels + kConvBlock - 1) / kConvBlock, keep = kernel - 1;
+  std::vector<float> taps(kernel * channels), biases(channels);  // [K, channels] and [channels]
+  for (int64_t c = 0; c < channels; ++c) {
+    for (int64_t t = 0; t < kernel; ++t)
+      taps[t * channels + c] = static_cast<float>(weight[c * kernel + t]);
+    biases[c] = bias != nullptr ? static_cast<float>(bias[c]) : 0.f;
+  }
   at::parallel_for(0, spans.size() * blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> buffer, taps(kernel * kConvBlock), biases(kConvBlock);
+    std::vector<float> buffer;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / blocks, c0 = task % blocks * kConvBlock;
       const int64_t width = std::min(channels, c0 + kConvBlock) - c0, count = spans.counts[s];
       T* window = states + spans.rows[s] * channels * keep + c0 * keep;
       buffer.resize((keep + count) * width);
-      for (int64_t c = 0; c < width; ++c) {
-        for (int64_t t = 0; t < kernel; ++t)
-          taps[t * width + c] = static_cast<float>(weight[(c0 + c) * kernel + t]);
-        biases[c] = bias != nullptr ? static_cast<float>(bias[c0 + c]) : 0.f;
+      for (int64_t c = 0; c < width; ++c)
         for (int64_t t = 0; t < keep; ++t)
           buffer[t * width + c] = static_cast<float>(window[c * keep + t]);
-      }
       for (int64_t t = 0; t < count; ++t) {
         const T* xr = x + (spans.first[s] + t) * x_stride + c0;
         float* row = buffer.data() + (keep + t) * width;
@@ -75,9 +77,10 @@ void conv_step(const T* x, int64_t x_stride, const T* weight, const T* bias, T* 
       }
       for (int64_t t = 0; t < count; ++t) {
         float* o = out + (spans.first[s] + t) * channels + c0;
-        std::copy_n(biases.data(), width, o);
+        std::copy_n(biases.data() + c0, width, o);
         for (int64_t k = 0; k < kernel; ++k) {
-          const float *tap = taps.data() + k * width, *in = buffer.data() + (t + k) * width;
+          const float *tap = taps.data() + k * channels + c0,
+                      *in = buffer.data() + (t + k) * width;
 #pragma omp simd
           for (int64_t c = 0; c < width; ++c) o[c] += tap[c] * in[c];
         }
@@ -92,28 +95,29 @@ void conv_step(const T* x, int64_t x_stride, const T* weight, const T* bias, T* 
   });
 }
 
-// Columns [j0, j0 + W) of one head's delta rule step, S (dk x dv, row stride dv) in place:
-// recall = S^T k; delta = beta (v - g recall); S <- g S + k delta^T; out = S^T q.
-template <int W>
-inline void delta_columns(float* S, int64_t dk, int64_t dv, int64_t j0, const float* q,
+// Columns [j0, j0 + W) of one head's delta rule step, S (dk x dv, row stride dv; float32 or
+// bfloat16, the math float32) in place: recall = S^T k; delta = beta (v - g recall);
+// S <- g S + k delta^T; out = S^T q.
+template <int W, typename S_t>
+inline void delta_columns(S_t* S, int64_t dk, int64_t dv, int64_t j0, const float* q,
                           const float* k, const float* v, float g, float beta, float* out) {
   float acc[W] = {};
   for (int64_t i = 0; i < dk; ++i) {
-    const float* row = S + i * dv + j0;
+    const S_t* row = S + i * dv + j0;
     const float ki = k[i];
 #pragma omp simd
-    for (int j = 0; j < W; ++j) acc[j] += ki * row[j];
+    for (int j = 0; j < W; ++j) acc[j] += ki * scalar(row, j);
   }
   float delta[W], o[W] = {};
 #pragma omp simd
   for (int j = 0; j < W; ++j) delta[j] = beta * (v[j0 + j] - g * acc[j]);
   for (int64_t i = 0; i < dk; ++i) {
-    float* row = S + i * dv + j0;
+    S_t* row = S + i * dv + j0;
     const float ki = k[i], qi = q[i];
 #pragma omp simd
     for (int j = 0; j < W; ++j) {
-      const float s = g * row[j] + ki * delta[j];
-      row[j] = s;
+      const float s = g * scalar(row, j) + ki * delta[j];
+      put(row, j, s);
       o[j] += qi * s;
     }
   }
@@ -133,7 +137,8 @@ inline void normalized(const float* x, int64_t d, float scale, float* out) {
 
 // conv: [tokens, 2 nk dk + nv dv] (q, k, v) after the convolution; states [pool rows, nv, dk,
 // dv].
-void delta_step(const float* conv, float* states, const Spans& spans, const float* decay,
+template <typename S_t>
+void delta_step(const float* conv, S_t* states, const Spans& spans, const float* decay,
                 const float* beta, float* out, int64_t nk, int64_t nv, int64_t dk, int64_t dv) {
   const int64_t group = nv / nk, conv_dim = 2 * nk * dk + nv * dv;
   const float q_scale = 1.f / std::sqrt(static_cast<float>(dk));
@@ -141,7 +146,7 @@ void delta_step(const float* conv, float* states, const Spans& spans, const floa
     std::vector<float> q(dk), k(dk);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / nv, h = task % nv, kh = h / group;
-      float* S = states + (spans.rows[s] * nv + h) * dk * dv;
+      S_t* S = states + (spans.rows[s] * nv + h) * dk * dv;
       for (int64_t r = spans.first[s]; r < spans.first[s] + spans.counts[s]; ++r) {
         const float* c = conv + r * conv_dim;
         normalized(c + kh * dk, dk, q_scale, q.data());
@@ -162,8 +167,8 @@ void delta_step(const float* conv, float* states, const Spans& spans, const floa
 
 // Rows [p, p + R) of one Mamba2 head's state (row stride N) through one token: h <- g h +
 // dt x_p B^T, y_p = h C. R rows at once: R independent sums where one would wait on its adds.
-template <int R>
-inline void mamba2_rows(float* H, int64_t N, float g, float dt, const float* x, const float* B,
+template <int R, typename S_t>
+inline void mamba2_rows(S_t* H, int64_t N, float g, float dt, const float* x, const float* B,
                         const float* C, float* y) {
   float u[R];
   v8 sums[R];
@@ -175,9 +180,9 @@ inline void mamba2_rows(float* H, int64_t N, float g, float dt, const float* x, 
   for (; i + 8 <= N; i += 8) {
     const v8 b = load8(B + i), c = load8(C + i);
     for (int j = 0; j < R; ++j) {
-      float* at = H + j * N + i;
+      S_t* at = H + j * N + i;
       const v8 v = g * load8(at) + u[j] * b;
-      *reinterpret_cast<v8u*>(at) = v;
+      store8(at, v);
       sums[j] += v * c;
     }
   }
@@ -185,8 +190,8 @@ inline void mamba2_rows(float* H, int64_t N, float g, float dt, const float* x, 
     float sum = 0.f;
     for (int l = 0; l < 8; ++l) sum += sums[j][l];
     for (int64_t t = i; t < N; ++t) {
-      const float v = g * H[j * N + t] + u[j] * B[t];
-      H[j * N + t] = v;
+      const float v = g * scalar(H, j * N + t) + u[j] * B[t];
+      put(H, j * N + t, v);
       sum += v * C[t];
     }
     y[j] = sum;
@@ -195,14 +200,15 @@ inline void mamba2_rows(float* H, int64_t N, float g, float dt, const float* x, 
 
 // conv: [tokens, heads P + 2 groups N] (x, B, C) after the convolution; states [pool rows,
 // heads, P, N]. Per (span, head), token by token: h <- exp(dt a) h + dt x B^T; y = h C.
-void mamba2_state_step(const float* conv, float* states, const Spans& spans, const float* dt,
+template <typename S_t>
+void mamba2_state_step(const float* conv, S_t* states, const Spans& spans, const float* dt,
                        const float* log_a, float* y, int64_t heads, int64_t groups, int64_t P,
                        int64_t N) {
   const int64_t per_group = heads / groups, conv_dim = heads * P + 2 * groups * N;
   at::parallel_for(0, spans.size() * heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / heads, h = task % heads, grp = h / per_group;
-      float* H = states + (spans.rows[s] * heads + h) * P * N;
+      S_t* H = states + (spans.rows[s] * heads + h) * P * N;
       for (int64_t r = spans.first[s]; r < spans.first[s] + spans.counts[s]; ++r) {
         const float* x = conv + r * conv_dim + h * P;
         const float* B = conv + r * conv_dim + heads * P + grp * N;
@@ -248,11 +254,13 @@ at::Tensor conv_window_step(const at::Tensor& x, const at::Tensor& weight,
   return out;
 }
 
-// The recurrent states (float32 [pool rows, heads, ., .], as many rows as the conv windows'),
+// The recurrent states (float32 or bfloat16 [pool rows, heads, ., .], as many rows as the conv
+// windows'),
 // and the spans: each its table row in them (no two the same) and its count of the n tokens.
 Spans checked_spans(const at::Tensor& ssm_states, const at::Tensor& conv_states,
                     const at::Tensor& rows, const at::Tensor& counts, int64_t n) {
-  TORCH_CHECK(ssm_states.scalar_type() == at::kFloat && ssm_states.is_contiguous() &&
+  TORCH_CHECK((ssm_states.scalar_type() == at::kFloat ||
+               ssm_states.scalar_type() == at::kBFloat16) && ssm_states.is_contiguous() &&
               ssm_states.dim() == 4 && ssm_states.size(0) == conv_states.size(0));
   TORCH_CHECK(rows.scalar_type() == at::kLong && rows.is_contiguous() &&
               counts.scalar_type() == at::kLong && counts.is_contiguous() &&
@@ -281,9 +289,9 @@ void check_per_head(const at::Tensor& t, int64_t n, int64_t heads) {
 // Spans of tokens (table rows `rows`, `counts` tokens each, in order) through a Gated DeltaNet
 // layer's convolution and delta rule. mixed: [tokens, conv_dim] (q, k, v of nk, nk and nv heads
 // before the convolution); conv_weight: [conv_dim, 1, K]; conv_states: [pool rows, conv_dim,
-// K - 1], all three in the model's dtype; ssm_states: [pool rows, nv, dk, dv] float32; decay
-// (the log of the gate) and beta: [tokens, nv] float32. Both states are updated in place.
-// Returns [tokens, nv, dv].
+// K - 1], all three in the model's dtype; ssm_states: [pool rows, nv, dk, dv], float32 or
+// bfloat16 (the math float32 either way); decay (the log of the gate) and beta: [tokens, nv]
+// float32. Both states are updated in place. Returns [tokens, nv, dv].
 at::Tensor gated_delta_spans(at::Tensor mixed, at::Tensor conv_weight, at::Tensor conv_states,
                              at::Tensor ssm_states, at::Tensor rows, at::Tensor counts,
                              at::Tensor decay, at::Tensor beta, int64_t num_k_heads) {
@@ -296,9 +304,14 @@ at::Tensor gated_delta_spans(at::Tensor mixed, at::Tensor conv_weight, at::Tenso
   check_per_head(beta, n, nv);
   const auto conv = conv_window_step(mixed, conv_weight, c10::nullopt, conv_states, spans);
   auto out = at::empty({n, nv, dv}, conv.options());
-  delta_step(conv.data_ptr<float>(), ssm_states.data_ptr<float>(), spans,
-             decay.data_ptr<float>(), beta.data_ptr<float>(), out.data_ptr<float>(),
-             num_k_heads, nv, dk, dv);
+  const auto step = [&](auto* states) {
+    delta_step(conv.data_ptr<float>(), states, spans, decay.data_ptr<float>(),
+               beta.data_ptr<float>(), out.data_ptr<float>(), num_k_heads, nv, dk, dv);
+  };
+  if (ssm_states.scalar_type() == at::kBFloat16)
+    step(ssm_states.data_ptr<at::BFloat16>());
+  else
+    step(ssm_states.data_ptr<float>());
   return out;
 }
 
@@ -346,11 +359,11 @@ void mamba2_gated_norm(const float* y, const float* conv, const T* proj, int64_t
 // from its in_proj's output to its out_proj's input. proj [tokens, inner + conv_dim + heads]:
 // z, then x, B and C before the convolution, then dt, in the model's dtype; conv_weight
 // [conv_dim, 1, K], conv_bias [conv_dim] and conv_states [pool rows, conv_dim, K - 1] in the
-// model's dtype; ssm_states [pool rows, heads, P, N] float32. dt = clamp(softplus(dt +
-// dt_bias), dt_min, dt_max); the convolution; the scan (h <- exp(dt a) h + dt x B^T; y = h C,
-// log_a = log a < 0); both states in place; then the D skip, the gate silu(z) and the gated
-// group norm (norm_weight [inner], eps). dt_bias, log_a, D: [heads] float32. Returns [tokens,
-// inner] in the model's dtype.
+// model's dtype; ssm_states [pool rows, heads, P, N], float32 or bfloat16 (the math float32
+// either way). dt = clamp(softplus(dt + dt_bias), dt_min, dt_max); the convolution; the scan
+// (h <- exp(dt a) h + dt x B^T; y = h C, log_a = log a < 0); both states in place; then the D
+// skip, the gate silu(z) and the gated group norm (norm_weight [inner], eps). dt_bias, log_a,
+// D: [heads] float32. Returns [tokens, inner] in the model's dtype.
 at::Tensor mamba2_spans(at::Tensor proj, at::Tensor conv_weight,
                         c10::optional<at::Tensor> conv_bias, at::Tensor conv_states,
                         at::Tensor ssm_states, at::Tensor rows, at::Tensor counts,
@@ -383,8 +396,14 @@ at::Tensor mamba2_spans(at::Tensor proj, at::Tensor conv_weight,
         const float raw = static_cast<float>(p[r * proj.stride(0) + inner + conv_dim + h]);
         dts[r * heads + h] = std::min(hi, std::max(lo, softplus(raw + bias[h])));
       }
-    mamba2_state_step(conv.data_ptr<float>(), ssm_states.data_ptr<float>(), spans, dts,
-                      log_a.data_ptr<float>(), y.data_ptr<float>(), heads, groups, P, N);
+    const auto step = [&](auto* states) {
+      mamba2_state_step(conv.data_ptr<float>(), states, spans, dts, log_a.data_ptr<float>(),
+                        y.data_ptr<float>(), heads, groups, P, N);
+    };
+    if (ssm_states.scalar_type() == at::kBFloat16)
+      step(ssm_states.data_ptr<at::BFloat16>());
+    else
+      step(ssm_states.data_ptr<float>());
     mamba2_gated_norm(y.data_ptr<float>(), conv.data_ptr<float>(), p, proj.stride(0),
                       D.data_ptr<float>(), weight, o, n, heads, P, groups, conv_dim,
                       static_cast<float>(eps));
