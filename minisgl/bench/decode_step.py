@@ -2,7 +2,7 @@
 
     python -m minisgl.bench decode-step --batch 1 8 32 64 --context 128 [--dtype bfloat16]
         [--quantization gguf|w8a8_int8|none] [--cpu-int8-activations] [--model PATH]
-        [--json-model-override-args '{...}']
+        [--json-model-override-args '{...}'] [--mamba-ssm-dtype float32|bfloat16]
 
 The windowed attention path (BENCHMARKS.md, "Sliding windows"): the bundled weights served as
 a Mistral with a window, beside the same model without one:
@@ -87,6 +87,8 @@ def main() -> None:
     parser.add_argument("--load-format", default="auto",
                         help="dummy: random weights (a shipped shape-only config)")
     parser.add_argument("--cpu-int8-activations", action="store_true")
+    parser.add_argument("--mamba-ssm-dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="a hybrid's recurrent states between steps")
     args = parser.parse_args()
     most = max(args.batch)
     engine = Engine(EngineConfig(model_path=args.model, dtype=args.dtype,
@@ -94,6 +96,7 @@ def main() -> None:
                                  max_running_requests=most,
                                  quantization=args.quantization,
                                  cpu_int8_activations=args.cpu_int8_activations,
+                                 mamba_ssm_dtype=args.mamba_ssm_dtype,
                                  json_model_override_args=args.json_model_override_args,
                                  max_total_tokens=most * (args.context + 8) + 16))
     read = weight_bytes(engine.model)
