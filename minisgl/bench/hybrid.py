@@ -1,6 +1,7 @@
 """A hybrid's decode step (Gated DeltaNet layers with a fixed-size state, one attention layer in
 four) against the dense model of about equal parameters, side by side in one run, model
-forward only, random weights; and the delta rule's two forms on a prompt.
+forward only, random weights; and a prompt through one layer's delta rule in its two torch
+forms and in the CPU span kernel.
 
     python -m minisgl.bench hybrid                        # 1 / 32 / 64 rows at 512, 1 / 32 at 8k
     python -m minisgl.bench hybrid --long-rows 64 --rounds 3
@@ -64,6 +65,26 @@ def delta_rule_ms(tokens: int, heads: int, dim: int) -> tuple[float, float]:
     return times[0], times[1]
 
 
+def span_kernel_ms(tokens: int, heads: int, dim: int) -> float | None:
+    """Milliseconds of one layer's prompt through the CPU span kernel (gated_delta_spans: the
+    convolution, the q / k norms and the delta rule token by token, the state in cache); None
+    without the kernels."""
+    kernels = cpu_kernels()
+    if kernels is None:
+        return None
+    gen = torch.Generator().manual_seed(0)
+    conv_dim = 3 * heads * dim
+    mixed = torch.randn(tokens, conv_dim, generator=gen)
+    weight = torch.randn(conv_dim, 1, 4, generator=gen) * 0.5
+    windows, states = torch.zeros(1, conv_dim, 3), torch.zeros(1, heads, dim, dim)
+    decay, beta = -torch.rand(tokens, heads, generator=gen), torch.rand(tokens, heads,
+                                                                        generator=gen)
+    started = time.perf_counter()
+    kernels.gated_delta_spans(mixed, weight, windows, states, torch.tensor([0]),
+                              torch.tensor([tokens]), decay, beta, heads)
+    return (time.perf_counter() - started) * 1e3
+
+
 def step_ms(engine: Engine, rows: int, context: int, steps: int, torch_steps: bool) -> float:
     """One decode step; `torch_steps`: the linear layers' decode steps on torch ops, not on the
     state kernels."""
@@ -89,11 +110,13 @@ def main() -> None:
     parser.add_argument("--delta-rule-only", action="store_true")
     args = parser.parse_args()
 
-    print("| prompt tokens | delta rule token by token ms | blocked ms | ratio |\n"
-          "|---|---|---|---|")
+    print("| prompt tokens | delta rule token by token ms | blocked ms | ratio | span kernel ms "
+          "| blocked / kernel |\n|---|---|---|---|---|---|")
     for tokens in (64, 512):
         stepped, blocked = delta_rule_ms(tokens, heads=32, dim=128)
-        print(f"| {tokens} | {stepped:.0f} | {blocked:.0f} | {stepped / blocked:.1f}x |",
+        kernel = span_kernel_ms(tokens, heads=32, dim=128)
+        print(f"| {tokens} | {stepped:.0f} | {blocked:.0f} | {stepped / blocked:.1f}x | "
+              + ("- | - |" if kernel is None else f"{kernel:.0f} | {blocked / kernel:.1f}x |"),
               flush=True)
     if args.delta_rule_only:
         return
