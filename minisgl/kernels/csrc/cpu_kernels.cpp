@@ -20,6 +20,7 @@
 
 #include "aten.h"
 #include "fused_layers.h"
+#include "hybrid_state.h"
 
 #include <algorithm>
 #include <cmath>
@@ -389,16 +390,6 @@ at::Tensor block_dequantize(at::Tensor codes, at::Tensor scales, at::Tensor subs
                             int64_t bits, int64_t mode, at::Tensor rows);
 at::Tensor block_dequantize_t(at::Tensor codes, at::Tensor scales, at::Tensor subs,
                               int64_t bits, int64_t mode, bool bf16);
-// hybrid_state.cpp
-at::Tensor gated_delta_spans(at::Tensor mixed, at::Tensor conv_weight, at::Tensor conv_states,
-                             at::Tensor ssm_states, at::Tensor rows, at::Tensor counts,
-                             at::Tensor decay, at::Tensor beta, int64_t num_k_heads);
-at::Tensor mamba2_spans(at::Tensor proj, at::Tensor conv_weight,
-                        c10::optional<at::Tensor> conv_bias, at::Tensor conv_states,
-                        at::Tensor ssm_states, at::Tensor rows, at::Tensor counts,
-                        at::Tensor dt_bias, at::Tensor log_a, at::Tensor D,
-                        at::Tensor norm_weight, int64_t groups, double dt_min, double dt_max,
-                        double eps);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention,

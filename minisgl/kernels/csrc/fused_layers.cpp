@@ -1,4 +1,5 @@
 #include "fused_layers.h"
+#include "hybrid_state.h"
 
 #include <ATen/ops/cat.h>
 
@@ -16,13 +17,6 @@ at::Tensor silu_and_mul(at::Tensor x);
 // block_matmul.cpp
 at::Tensor block_matmul(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor subs,
                         int64_t bits, int64_t mode, int64_t terms);
-// hybrid_state.cpp
-at::Tensor mamba2_spans(at::Tensor proj, at::Tensor conv_weight,
-                        c10::optional<at::Tensor> conv_bias, at::Tensor conv_states,
-                        at::Tensor ssm_states, at::Tensor rows, at::Tensor counts,
-                        at::Tensor dt_bias, at::Tensor log_a, at::Tensor D,
-                        at::Tensor norm_weight, int64_t groups, double dt_min, double dt_max,
-                        double eps);
 
 FusedLayers::FusedLayers(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps,
                          double scale, c10::optional<at::Tensor> cos,

@@ -13,6 +13,7 @@
 // Heads that share a key head (DeltaNet) or a group's B and C (Mamba2) read them in place.
 #include "aten.h"
 #include "vec8.h"
+#include "hybrid_state.h"
 #include "vnni.h"
 
 #include <algorithm>
