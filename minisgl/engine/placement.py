@@ -52,9 +52,8 @@ def check_tp_size(arch: ModelArch, size: int, model_name: str) -> None:
 
 
 def check_hybrid(arch: ModelArch, tp_size: int, speculative_algorithm: str | None,
-                 enable_lora: bool, ssm_dtype: str = "float32",
-                 device: torch.device = torch.device("cpu"),
-                 dtype: torch.dtype = torch.float32) -> None:
+                 enable_lora: bool, ssm_dtype: str, device: torch.device,
+                 dtype: torch.dtype) -> None:
     """Refuse, in one line, what a hybrid model (recurrent states beside KV) does not run
     with: bfloat16 states where the CPU kernels do not run the linear layers (the torch forms
     update their states in float32); linear-layer heads that do not split over the ranks, and

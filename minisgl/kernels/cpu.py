@@ -1,8 +1,9 @@
 """CPU kernels (paged decode attention, add + RMSNorm, silu * up, rotary, 4/8-bit block
 matmul, W8A8 int8 matmul, experts' grouped matmul, every GGUF block type's matmul, multi-LoRA,
 a Llama or Granite 4.0-H model's GGUF decoder layers in one call, a hybrid model's Gated
-DeltaNet and Mamba2 layers over spans of tokens) compiled on first use by torch's C++ extension loader (needs a C++ compiler and
-ninja). When they cannot be built, callers fall back to plain torch ops."""
+DeltaNet and Mamba2 layers over spans of tokens) compiled on first use by torch's C++
+extension loader (needs a C++ compiler and ninja). When they cannot be built, callers fall
+back to plain torch ops."""
 
 from __future__ import annotations
 

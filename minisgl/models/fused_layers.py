@@ -23,6 +23,7 @@ from minisgl.layers import SiluAndMul
 from minisgl.layers.gguf_weight import GgufWeight, StackedWeight
 from minisgl.models.granite_hybrid import GraniteHybridLayer, Mamba2Mixer, NoRotary
 from minisgl.models.llama import MLP, Attention, DecoderLayer
+from minisgl.models.qwen3_next import state_step_kernels
 
 NO_SPANS = torch.zeros(0, dtype=torch.long)
 
@@ -135,9 +136,9 @@ def _layer_parts(layer: Any) -> LayerParts | None:
     if type(layer) is GraniteHybridLayer and layer.mlp is None and _plain_mlp(layer.shared_mlp):
         mlp = layer.shared_mlp
         mixer = layer.mamba if layer.is_linear else layer.self_attn
-        if isinstance(mixer, Mamba2Mixer):
+        if type(mixer) is Mamba2Mixer:
             conv_states, _ = mixer.states.layer(mixer.linear_id)
-            if type(mixer) is not Mamba2Mixer or mixer.conv1d.weight.dtype != conv_states.dtype:
+            if state_step_kernels(conv_states, mixer.conv1d.weight, mixer.conv1d.bias) is None:
                 return None
             ends = (mixer.in_proj, mixer.out_proj)
         elif _plain_attention(mixer):
