@@ -197,14 +197,16 @@ def tiled_rows(values: np.ndarray, keys: int, heads: int, width: int, axis: int 
 
 
 def write_qwen_hybrid_gguf(folder: Path, path: Path,
-                           linears: GGMLQuantizationType | None = None) -> Path:
+                           linears: GGMLQuantizationType | None = None,
+                           gate_blocks: bool = False) -> Path:
     """The checkpoint saved in `folder` (transformers' Qwen3.5, Qwen3.5-MoE or Qwen3-Next, its
     tensor names; SmolLM2's vocabulary) as llama.cpp's converter writes it (without the
     multi-token predictor): the decoder norms as 1 + w, A as -exp(A_log), the convolution
     squeezed; Qwen3-Next's in_proj_qkvz split into q, k, v and z over all heads; Qwen3.5's
     value heads tiled over the key heads (in_proj_qkv's v rows, in_proj_z, in_proj_a / b,
     A_log, dt_bias, the convolution's v channels, out_proj's columns); experts stacked. F32,
-    or with `linears` for every projection and expert."""
+    or with `linears` for every projection and expert; `gate_blocks`: in_proj_a / in_proj_b
+    too (F32 as the converter writes them; llama-quantize quantizes them)."""
     from safetensors.numpy import load_file
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(folder)
@@ -290,9 +292,9 @@ def write_qwen_hybrid_gguf(folder: Path, path: Path,
             value = head_rows(value, 1)
         elif name.endswith("linear_attn.out_proj.weight"):
             value = head_rows(value, dv, axis=1)
-        kind = linears if name.endswith(("proj.weight", "in_proj_qkv.weight",
-                                         "in_proj_z.weight")) and not name.endswith(
-            ("in_proj_a.weight", "in_proj_b.weight")) else None
+        gates = name.endswith(("in_proj_a.weight", "in_proj_b.weight"))
+        kind = linears if (gate_blocks and gates) or (not gates and name.endswith(
+            ("proj.weight", "in_proj_qkv.weight", "in_proj_z.weight"))) else None
         add(writer, gguf_name, np.ascontiguousarray(value), kind)
     finish(writer)
     return path

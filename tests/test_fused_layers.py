@@ -1,7 +1,8 @@
 """The decoder layers as one C++ call (models.fused_layers): the same kernels in the same order
 as the modules, so a served run with it equals one without it to the bit, over decode,
-prefill, mixed and prefix-cached batches, for Llama layers and Granite 4.0-H's (Mamba2 and
-attention layers, its multipliers); and it stays out of what it cannot run. (Against
+prefill, mixed and prefix-cached batches, for Llama layers, Granite 4.0-H's (Mamba2 and
+attention layers, its multipliers) and dense Qwen3.5's (Gated DeltaNet and gated attention
+layers); and it stays out of what it cannot run. (Against
 transformers: tests.test_gguf_kquants serves the same Q4_K_M-style file, fused;
 tests.test_hybrid_gguf a Granite hybrid file.)"""
 
@@ -99,6 +100,21 @@ def test_fused_granite_hybrid_layers_serve_the_modules_outputs_to_the_bit(varian
                  **({"position_embedding_type": "rope"} if variant == "rope" else {}))
     gguf = str(write_granite_hybrid_gguf(tmp_path / "hf", tmp_path / "tiny.Q8_0.gguf",
                                          GGMLQuantizationType.Q8_0))
+    assert_same_outputs(served(fused=True, path=gguf), served(fused=False, path=gguf))
+
+
+def test_fused_qwen3_5_layers_serve_the_modules_outputs_to_the_bit(tmp_path):
+    """A Q8_0 dense Qwen3.5 file (Gated DeltaNet layers with 8 value heads tiled over 2 key
+    heads; gated attention with QK-norm and a quarter of each head rotating)."""
+    from gguf import GGMLQuantizationType
+
+    from tests.gguf_families import write_qwen_hybrid_gguf
+    from tests.test_hybrid_gguf import save_qwen
+
+    # rows by 8: in_proj_a / in_proj_b hold one per value head
+    save_qwen("qwen3.5", tmp_path / "hf", linear_num_value_heads=8)
+    gguf = str(write_qwen_hybrid_gguf(tmp_path / "hf", tmp_path / "tiny.Q8_0.gguf",
+                                      GGMLQuantizationType.Q8_0, gate_blocks=True))
     assert_same_outputs(served(fused=True, path=gguf), served(fused=False, path=gguf))
 
 

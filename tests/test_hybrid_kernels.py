@@ -176,12 +176,15 @@ BATCHES = {  # spans in ROWS: decode rows; a decode row, a fresh span and a cont
 }
 
 
+LAYER_KERNELS = {"mamba2": "mamba2_spans", "gated_delta": "gated_delta_layer"}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kind", ["mamba2", "gated_delta"])
+@pytest.mark.parametrize("kind", sorted(LAYER_KERNELS))
 @pytest.mark.parametrize("batch", sorted(BATCHES))
 def test_a_batch_of_spans_through_the_kernels_equals_the_torch_forward(
         kernels, dtype, kind, batch, monkeypatch) -> None:
-    """The layer's forward with the span kernel (one call a batch, or one a piece between
+    """The layer's forward with its kernel (one call a batch, or one a piece between
     snapshots) against its forward on torch ops (a decode step for one-token spans, the
     chunked form for the others): outputs, windows, states and snapshots."""
     layer, state = linear_layer(kind, dtype)
@@ -201,7 +204,7 @@ def test_a_batch_of_spans_through_the_kernels_equals_the_torch_forward(
                 out = layer(x, qwen3_next.RowSpans(spans.starts, spans.counts, spans.rows,
                                                    spans.fresh, spans.cuts))
         if recording is not None:
-            assert set(recording.called) == {f"{kind}_spans"}
+            assert set(recording.called) == {LAYER_KERNELS[kind]}
         return out, layer.states.windows, layer.states.states
 
     assert_steps_agree(dtype, forward(kernels), forward(None))

@@ -1,7 +1,8 @@
 """A decoder's layers as one C++ call a step on CPU, when every linear is in GGUF blocks
 (layers.gguf_weight): kernels/csrc/fused_layers.cpp calls the kernels the modules call, in the
-same order, so the outputs are equal to the bit. It knows plain Llama layers and Granite 4.0-H's
-(Mamba2 or attention without RoPE, a shared MLP, the residual multiplier).
+same order, so the outputs are equal to the bit. It knows plain Llama layers, Granite 4.0-H's
+(Mamba2 or attention without RoPE, a shared MLP, the residual multiplier) and dense Qwen3.5's
+(Gated DeltaNet or gated attention with QK-norm and partial RoPE).
 
 Why: between two block-kernel calls, each streaming its weight through the caches, the
 interpreter's working set falls out of them, and each of a layer's many Python-level calls
@@ -23,7 +24,8 @@ from minisgl.layers import SiluAndMul
 from minisgl.layers.gguf_weight import GgufWeight, StackedWeight
 from minisgl.models.granite_hybrid import GraniteHybridLayer, Mamba2Mixer, NoRotary
 from minisgl.models.llama import MLP, Attention, DecoderLayer
-from minisgl.models.qwen3_next import state_step_kernels
+from minisgl.models.qwen3_next import (GatedAttention, GatedDeltaNet, HybridDecoderLayer,
+                                       state_step_kernels)
 
 NO_SPANS = torch.zeros(0, dtype=torch.long)
 
@@ -50,16 +52,19 @@ class FusedLayers:
         return out, residual  # NOTE: run() answers a list
 
 
+Mixer = Attention | GatedAttention | Mamba2Mixer | GatedDeltaNet
+
+
 @dataclass
 class LayerParts:
-    """A layer the program knows: its two norms, its mixer (Attention or Mamba2Mixer), its
-    four linears (the mixer's in and out, the MLP's gate/up and down), and the factor on each
-    sublayer's output."""
+    """A layer the program knows: its two norms, its mixer, its four linears (the mixer's in
+    and out, the MLP's gate/up and down; each one linear or several whose outputs the program
+    concatenates), and the factor on each sublayer's output."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    mixer: Attention | Mamba2Mixer
-    linears: tuple[Any, Any, Any, Any]
+    mixer: Mixer
+    linears: tuple[tuple[Any, ...], ...]
     residual_multiplier: float = 1.0
 
 
@@ -75,13 +80,15 @@ def fuse_layers(model: Any, backend: AttentionBackend, tp_size: int) -> FusedLay
     parts = [_layer_parts(layer) for layer in layers]
     if any(p is None for p in parts):
         return None
-    blocks = [[_blocks(linear) for linear in p.linears] for p in parts]
+    blocks = [[_blocks(*linears) for linears in p.linears] for p in parts]
     if any(b is None for linears in blocks for b in linears):
         return None
-    attention = [p.mixer for p in parts if isinstance(p.mixer, Attention)]
-    shared = {(id(a.rotary), a.query_scale) for a in attention}
+    attention = [p.mixer for p in parts if isinstance(p.mixer, (Attention, GatedAttention))]
+    shared = {(id(a.rotary), _query_scale(a), type(a)) for a in attention}
     multipliers = {p.residual_multiplier for p in parts}
-    if not attention or len(shared) > 1 or len(multipliers) > 1:
+    eps = layers[0].input_layernorm.eps
+    if (not attention or len(shared) > 1 or len(multipliers) > 1
+            or any(a.q_norm is not None and a.q_norm.eps != eps for a in attention)):
         return None
     first = attention[0]
     cos = sin = None  # NoPE
@@ -89,25 +96,38 @@ def fuse_layers(model: Any, backend: AttentionBackend, tp_size: int) -> FusedLay
         cos, sin = first.rotary.cos, first.rotary.sin
         if cos.dtype != torch.float32:
             return None
+    gated = isinstance(first, GatedAttention)
     qkv = first.qkv_proj
     program = backend.kernels.FusedLayers(
-        qkv.num_heads, qkv.num_kv_heads, qkv.head_dim, layers[0].input_layernorm.eps,
-        backend.scale, cos, sin, first.query_scale, multipliers.pop())
+        qkv.num_heads // 2 if gated else qkv.num_heads, qkv.num_kv_heads, qkv.head_dim, eps,
+        backend.scale, cos, sin, _query_scale(first), multipliers.pop())
     for p, linears in zip(parts, blocks):
         weights = [w for w, _, _ in linears]
         kinds = [k for _, k, _ in linears]
-        if isinstance(p.mixer, Attention):
-            program.add_layer(p.input_norm, p.post_norm, weights, kinds,
-                              *backend.kv_pool.layer(p.mixer.layer_id))
-            continue
         m = p.mixer
-        conv_states, ssm_states = m.states.layer(m.linear_id)
-        program.add_mamba2_layer(p.input_norm, p.post_norm, weights, kinds,
-                                 m.conv1d.weight.detach(), _detached(m.conv1d.bias),
-                                 conv_states, ssm_states, *m.per_head(),
-                                 m.norm.weight.detach(), m.shape.groups, *m.shape.dt_limit,
-                                 m.eps)
+        if isinstance(m, (Attention, GatedAttention)):
+            layer_id = m.kv_index if gated else m.layer_id
+            norms = ((m.q_norm.weight.detach(), m.k_norm.weight.detach())
+                     if m.q_norm is not None else (None, None))
+            program.add_layer(p.input_norm, p.post_norm, weights, kinds,
+                              *backend.kv_pool.layer(layer_id), *norms, gated)
+        elif isinstance(m, GatedDeltaNet):
+            program.add_delta_layer(p.input_norm, p.post_norm, weights, kinds,
+                                    m.conv1d.weight.detach(), *m.states.layer(m.linear_id),
+                                    *m.per_head(), m.norm.weight.detach(), m.shape.num_k_heads,
+                                    m.norm.eps, m.shape.tiled)
+        else:
+            conv_states, ssm_states = m.states.layer(m.linear_id)
+            program.add_mamba2_layer(p.input_norm, p.post_norm, weights, kinds,
+                                     m.conv1d.weight.detach(), _detached(m.conv1d.bias),
+                                     conv_states, ssm_states, *m.per_head(),
+                                     m.norm.weight.detach(), m.shape.groups, *m.shape.dt_limit,
+                                     m.eps)
     return FusedLayers(program, min(rows for linears in blocks for _, _, rows in linears))
+
+
+def _query_scale(attention: Attention | GatedAttention) -> float:
+    return getattr(attention, "query_scale", 1.0)
 
 
 def _detached(tensor: torch.Tensor | None) -> torch.Tensor | None:
@@ -123,7 +143,7 @@ def _plain_attention(attn: Any) -> bool:
 
 
 def _layer_parts(layer: Any) -> LayerParts | None:
-    if type(layer) not in (DecoderLayer, GraniteHybridLayer):
+    if type(layer) not in (DecoderLayer, GraniteHybridLayer, HybridDecoderLayer):
         return None
     norms = (layer.input_layernorm.weight.detach(),
              layer.post_attention_layernorm.weight.detach())
@@ -131,8 +151,10 @@ def _layer_parts(layer: Any) -> LayerParts | None:
         attn, mlp = layer.self_attn, layer.mlp
         if not _plain_attention(attn) or attn.query_scale != 1.0 or not _plain_mlp(mlp):
             return None
-        return LayerParts(*norms, attn, (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                         mlp.down_proj))
+        return LayerParts(*norms, attn, ((attn.qkv_proj,), (attn.o_proj,), (mlp.gate_up_proj,),
+                                         (mlp.down_proj,)))
+    if type(layer) is HybridDecoderLayer:
+        return _qwen3_5_parts(layer, norms)
     if type(layer) is GraniteHybridLayer and layer.mlp is None and _plain_mlp(layer.shared_mlp):
         mlp = layer.shared_mlp
         mixer = layer.mamba if layer.is_linear else layer.self_attn
@@ -145,20 +167,44 @@ def _layer_parts(layer: Any) -> LayerParts | None:
             ends = (mixer.qkv_proj, mixer.o_proj)
         else:
             return None
-        return LayerParts(*norms, mixer, (*ends, mlp.gate_up_proj, mlp.down_proj),
-                          layer.residual_multiplier)
+        return LayerParts(*norms, mixer, ((ends[0],), (ends[1],), (mlp.gate_up_proj,),
+                                          (mlp.down_proj,)), layer.residual_multiplier)
     return None
 
 
-def _blocks(linear: Any) -> tuple[list[torch.Tensor], list[int], int] | None:
-    """A linear's parts as the program's (tensors, kinds) and the most rows they all run the
-    block kernel at; None unless it is GGUF blocks with no bias or LoRA."""
-    if linear.bias is not None or linear.lora is not None:
+def _qwen3_5_parts(layer: HybridDecoderLayer, norms: tuple[torch.Tensor, torch.Tensor]
+                   ) -> LayerParts | None:
+    """A dense Qwen3.5 layer (its q/k/v, z, b and a projections apart, not Qwen3-Next's
+    grouped ones; no experts)."""
+    mlp = layer.mlp
+    if not _plain_mlp(mlp):
         return None
-    quantized = linear.quantized
-    parts = (quantized.parts if isinstance(quantized, StackedWeight)
-             else [quantized] if isinstance(quantized, GgufWeight) else None)
-    if parts is None or not all(isinstance(p, GgufWeight) for p in parts):
+    if not layer.is_linear:
+        attn = layer.self_attn
+        if type(attn) is not GatedAttention:
+            return None
+        return LayerParts(*norms, attn, ((attn.qkv_proj,), (attn.o_proj,),
+                                         (mlp.gate_up_proj,), (mlp.down_proj,)))
+    delta = layer.linear_attn
+    conv_states, _ = delta.states.layer(delta.linear_id)
+    if delta.shape.grouped or state_step_kernels(conv_states, delta.conv1d.weight) is None:
+        return None
+    return LayerParts(*norms, delta, ((delta.in_proj_qkv, delta.in_proj_z, delta.in_proj_b,
+                                       delta.in_proj_a), (delta.out_proj,),
+                                      (mlp.gate_up_proj,), (mlp.down_proj,)))
+
+
+def _blocks(*linears: Any) -> tuple[list[torch.Tensor], list[int], int] | None:
+    """Linears' parts, in order, as the program's (tensors, kinds) and the most rows they all
+    run the block kernel at; None unless each is GGUF blocks with no bias or LoRA."""
+    parts = []
+    for linear in linears:
+        if linear.bias is not None or linear.lora is not None:
+            return None
+        quantized = linear.quantized
+        parts += (quantized.parts if isinstance(quantized, StackedWeight)
+                  else [quantized] if isinstance(quantized, GgufWeight) else [None])
+    if not all(isinstance(p, GgufWeight) for p in parts):
         return None
     return ([t for p in parts for t in (p.codes, p.scales, p.subs)],
             [v for p in parts for v in (p.bits, p.mode, p.terms)],

@@ -176,8 +176,6 @@ def _qwen_tensor(kind: str, suffix: str, value: torch.Tensor, config: Config
         return [("linear_attn.A_log", heads((-value.flatten()).log()))]
     if kind == "ssm_dt":
         return [("linear_attn.dt_bias", heads(value))]
-    if kind in ("ssm_alpha", "ssm_beta"):
-        return [(f"linear_attn.in_proj_{kind[4]}.weight", heads(value))]
     if kind == "ssm_ba":  # [key heads, (b: group, a: group)] rows
         group = config["linear_num_value_heads"] // config["linear_num_key_heads"]
         b, a = value.view(config["linear_num_key_heads"], 2, group, -1).unbind(1)
@@ -196,8 +194,11 @@ def _qwen_tensor(kind: str, suffix: str, value: torch.Tensor, config: Config
 
 
 def _qwen_rows(kind: str, config: Config) -> torch.Tensor | None:
-    if not config["linear_value_heads_tiled"] or kind not in ("attn_qkv", "attn_gate"):
+    if not config["linear_value_heads_tiled"] or kind not in ("attn_qkv", "attn_gate",
+                                                              "ssm_alpha", "ssm_beta"):
         return None
+    if kind in ("ssm_alpha", "ssm_beta"):  # one row per value head
+        return grouped_rows(config, 1)
     v = grouped_rows(config, config["linear_value_head_dim"])
     if kind == "attn_gate":
         return v
@@ -256,6 +257,7 @@ def _qwen(architecture: str) -> GgufFamily:
                        "rope.dimension_sections"},
         {**ATTENTION, **EXPERTS, **MLP, **_shared("mlp.shared_expert", "_shexp"),
          "attn_qkv": "linear_attn.in_proj_qkv", "attn_gate": "linear_attn.in_proj_z",
+         "ssm_alpha": "linear_attn.in_proj_a", "ssm_beta": "linear_attn.in_proj_b",
          "ssm_out": "linear_attn.out_proj"},
         _qwen_rows, _qwen_tensor, norms_plus_one=True)
 

@@ -33,8 +33,8 @@ from minisgl.layers.shard import read_all
 from minisgl.models.arch import MambaShape, ModelArch
 from minisgl.models.llama import MLP, Attention
 from minisgl.models.moe import MoEForCausalLM
-from minisgl.models.qwen3_next import (HybridStack, RowSpans, load_head_rows, save_snapshot,
-                                       state_step_kernels, step_spans)
+from minisgl.models.qwen3_next import (HybridStack, PerHeadFloats, RowSpans, load_head_rows,
+                                       save_snapshot, state_step_kernels, step_spans)
 
 SCAN_CHUNK = 64  # tokens per block of the blocked scan
 # Hub names of the MoE block -> ours (models.moe reads the experts' stacked tensors)
@@ -110,21 +110,15 @@ class Mamba2Mixer(Layer):
         self.eps = arch.rms_norm_eps
         self.out_proj = RowParallelLinear(full.inner, arch.hidden_size, bias=full.proj_bias)
         self.states: StatePool | None = None  # bound by the engine (bind_states)
-        self._per_head: tuple[tuple[int, ...], tuple[torch.Tensor, ...]] | None = None
+        self._per_head = PerHeadFloats()
 
     def load(self, name: str, source: Any, shard_id: Any = None) -> None:
         """dt_bias, A_log and D: this rank's heads."""
         load_head_rows(getattr(self, name), source, name)
 
     def per_head(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """dt_bias, log a (= -exp(A_log)) and D in float32, computed again only after one of
-        them changed (a tensor's version counts its in-place writes)."""
-        versions = (self.dt_bias._version, self.A_log._version, self.D._version)
-        if self._per_head is None or self._per_head[0] != versions:
-            self._per_head = (versions, (self.dt_bias.float().contiguous(),
-                                         -self.A_log.float().exp().contiguous(),
-                                         self.D.float().contiguous()))
-        return self._per_head[1]
+        """dt_bias, log a (= -exp(A_log)) and D, float32 (PerHeadFloats)."""
+        return self._per_head(self.dt_bias, self.A_log, self.D)  # type: ignore[return-value]
 
     def _conv(self, window: torch.Tensor) -> torch.Tensor:
         """The causal convolution's outputs over `window` [rows, conv_dim, K - 1 + L], SiLU'd:

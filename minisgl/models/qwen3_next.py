@@ -140,6 +140,25 @@ def load_head_rows(param: torch.Tensor, source: Any, name: str) -> None:
     copy_into(param.data, read_part_rows(source, [len(param) * tp.size], tp.rank, tp.size), name)
 
 
+class PerHeadFloats:
+    """A linear layer's per-head vectors as its kernel takes them, float32: dt_bias, log a
+    (= -exp(A_log)), and any others as they are; made again only after one of them changed (a
+    tensor's version counts its in-place writes)."""
+
+    def __init__(self) -> None:
+        self._made: tuple[tuple[int, ...], tuple[torch.Tensor, ...]] | None = None
+
+    def __call__(self, dt_bias: torch.Tensor, a_log: torch.Tensor, *others: torch.Tensor
+                 ) -> tuple[torch.Tensor, ...]:
+        params = (dt_bias, a_log, *others)
+        versions = tuple(p._version for p in params)
+        if self._made is None or self._made[0] != versions:
+            self._made = (versions, (dt_bias.float().contiguous(),
+                                     -a_log.float().exp().contiguous(),
+                                     *(p.float().contiguous() for p in others)))
+        return self._made[1]
+
+
 def l2_normalized(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
@@ -239,27 +258,30 @@ class GatedDeltaNet(Layer):
         self.norm = RMSNorm(full.v_head_dim, arch.rms_norm_eps)
         self.out_proj = RowParallelLinear(value_dim, arch.hidden_size)
         self.states: StatePool | None = None  # bound by the engine (bind_states)
+        self._per_head = PerHeadFloats()
 
     def load(self, name: str, source: Any, shard_id: Any = None) -> None:
         """dt_bias and A_log: this rank's value heads."""
         load_head_rows(getattr(self, name), source, name)
 
-    def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """(q, k [T, nk, dk]; v, z [T, nv, dv]; b, a [T, nv]) from the input projections."""
+    def per_head(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """dt_bias and log a (= -exp(A_log)), float32 (PerHeadFloats)."""
+        return self._per_head(self.dt_bias, self.A_log)  # type: ignore[return-value]
+
+    def _projections(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(q, k, v before the convolution [T, conv_dim]; z [T, nv dv]; b, a [T, nv]) from the
+        input projections."""
         s, tokens = self.shape, x.shape[0]
         if not s.grouped:
-            q, k, v = self.in_proj_qkv(x).split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
-            return (q.view(tokens, s.num_k_heads, -1), k.view(tokens, s.num_k_heads, -1),
-                    v.view(tokens, -1, s.v_head_dim),
-                    self.in_proj_z(x).view(tokens, -1, s.v_head_dim), self.in_proj_b(x),
-                    self.in_proj_a(x))
+            return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
         qkvz = self.in_proj_qkvz(x).view(tokens, s.num_k_heads, -1)
         ba = self.in_proj_ba(x).view(tokens, s.num_k_heads, 2 * self.group)
         wide = self.group * s.v_head_dim
         q, k, v, z = qkvz.split([s.k_head_dim, s.k_head_dim, wide, wide], dim=-1)
         b, a = ba.split([self.group, self.group], dim=-1)
-        return (q, k, v.reshape(tokens, -1, s.v_head_dim), z.reshape(tokens, -1, s.v_head_dim),
-                b.reshape(tokens, -1), a.reshape(tokens, -1))
+        mixed = torch.cat([q.reshape(tokens, -1), k.reshape(tokens, -1),
+                           v.reshape(tokens, -1)], dim=-1)
+        return (mixed, z.reshape(tokens, -1), b.reshape(tokens, -1), a.reshape(tokens, -1))
 
     def _heads(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q (normalized, scaled), k (normalized) and v per value head, float32, from the
@@ -293,21 +315,22 @@ class GatedDeltaNet(Layer):
     def forward(self, x: torch.Tensor, spans: RowSpans) -> torch.Tensor:
         s, states = self.shape, self.states
         assert states is not None, "the engine binds a state pool to a hybrid model"
-        q, k, v, z, b, a = self._split(x)
+        mixed, z, b, a = self._projections(x)
         tokens = x.shape[0]
-        mixed = torch.cat([q.reshape(tokens, -1), k.reshape(tokens, -1),
-                           v.reshape(tokens, -1)], dim=-1)
         conv_states, ssm_states = states.layer(self.linear_id)
-        beta = torch.sigmoid(b.float())
-        decay = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         weight = self.conv1d.weight
         kernels = state_step_kernels(conv_states, mixed, weight)
         if kernels is not None:
-            out = step_spans(spans, conv_states, ssm_states, lambda first, end, rows, counts:
-                             kernels.gated_delta_spans(
-                                 mixed[first:end], weight, conv_states, ssm_states, rows,
-                                 counts, decay[first:end], beta[first:end], s.num_k_heads))
-        elif spans.decode_rows is not None:  # a decode batch: every row steps, none gathered
+            per_head = self.per_head()
+            return self.out_proj(step_spans(
+                spans, conv_states, ssm_states, lambda first, end, rows, counts:
+                kernels.gated_delta_layer(mixed[first:end], z[first:end], b[first:end],
+                                          a[first:end], weight, conv_states, ssm_states, rows,
+                                          counts, *per_head, self.norm.weight, self.norm.eps,
+                                          s.num_k_heads, s.tiled)))
+        beta = torch.sigmoid(b.float())
+        decay = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        if spans.decode_rows is not None:  # a decode batch: every row steps, none gathered
             out = self._step(mixed, decay, beta, spans.decode_rows.to(x.device), conv_states,
                              ssm_states)
         else:

@@ -435,6 +435,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gated_delta_spans", &gated_delta_spans,
         "spans of tokens through a Gated DeltaNet layer, its states updated in place (CPU)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("gated_delta_layer", &gated_delta_layer,
+        "spans of tokens through a Gated DeltaNet layer from its input projections' outputs to "
+        "out_proj's input, its states updated in place (CPU)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("mamba2_spans", &mamba2_spans,
         "spans of tokens through a Mamba2 layer from in_proj's output to out_proj's input, "
         "its states updated in place (CPU)",
@@ -444,5 +448,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     c10::optional<at::Tensor>, double, double>())
       .def("add_layer", &FusedLayers::add_layer)
       .def("add_mamba2_layer", &FusedLayers::add_mamba2_layer)
+      .def("add_delta_layer", &FusedLayers::add_delta_layer)
       .def("run", &FusedLayers::run, py::call_guard<py::gil_scoped_release>());
 }

@@ -1,8 +1,10 @@
 // A decoder's layers, every linear in GGUF blocks (block_matmul.cpp), run as one call over a
 // batch: the same kernels, in the same order, as the Python modules call them one by one
 // (models.fused_layers), so the result is the same to the bit. A layer mixes tokens with
-// attention (Llama's, or Granite's without RoPE) or with Mamba2 (hybrid_state.cpp's spans),
-// then runs its MLP; Granite scales each sublayer's output by the residual multiplier.
+// attention (Llama's, Granite's without RoPE, or Qwen3.5's with QK-norm and an output gate)
+// or with a linear layer over the state pool (hybrid_state.cpp's spans: Mamba2, Gated
+// DeltaNet), then runs its MLP; Granite scales each sublayer's output by the residual
+// multiplier.
 #pragma once
 
 #include "aten.h"
@@ -19,11 +21,14 @@ class FusedLayers {
 
   // linears: q/k/v, o, gate/up, down, each as its parts' (codes, scales, subs) in row order;
   // kinds: each part's (bits, mode, activation terms); caches: the layer's K and V in the
-  // head-major pool.
+  // head-major pool; q_norm / k_norm: per-head RMSNorm weights (QK-norm), or none; gated:
+  // q/k/v's q holds each head's query then its gate, and the attention's output is scaled by
+  // sigmoid(gate) before o.
   void add_layer(at::Tensor input_norm, at::Tensor post_norm,
                  std::vector<std::vector<at::Tensor>> linears,
                  std::vector<std::vector<int64_t>> kinds, at::Tensor k_cache,
-                 at::Tensor v_cache);
+                 at::Tensor v_cache, c10::optional<at::Tensor> q_norm,
+                 c10::optional<at::Tensor> k_norm, bool gated);
 
   // A Mamba2 layer: linears in_proj, out_proj, gate/up, down as add_layer's; the rest as
   // mamba2_spans takes them (conv_states / ssm_states: the layer's in the state pool).
@@ -35,8 +40,17 @@ class FusedLayers {
                         at::Tensor D, at::Tensor norm_weight, int64_t groups, double dt_min,
                         double dt_max, double norm_eps);
 
+  // A Gated DeltaNet layer (Qwen3.5's): linears in_proj (q/k/v, z, b, a as one linear's parts),
+  // out_proj, gate/up, down; the rest as gated_delta_layer takes them.
+  void add_delta_layer(at::Tensor input_norm, at::Tensor post_norm,
+                       std::vector<std::vector<at::Tensor>> linears,
+                       std::vector<std::vector<int64_t>> kinds, at::Tensor conv_weight,
+                       at::Tensor conv_states, at::Tensor ssm_states, at::Tensor dt_bias,
+                       at::Tensor log_a, at::Tensor norm_weight, int64_t num_k_heads,
+                       double norm_eps, bool tiled);
+
   // x: [tokens, hidden], the embeddings; locations / lens / rows: decode_attention's;
-  // state_rows / state_counts: the batch's spans for the Mamba2 layers (mamba2_spans'; any
+  // state_rows / state_counts: the batch's spans for the linear layers (the span kernels'; any
   // where there are none). Returns the last layer's (output, residual), as the modules do.
   std::vector<at::Tensor> run(at::Tensor x, at::Tensor positions, at::Tensor out_loc,
                               at::Tensor locations, at::Tensor lens, at::Tensor rows,
@@ -54,12 +68,23 @@ class FusedLayers {
     int64_t groups;
     double dt_min, dt_max, eps;
   };
+  struct Delta {
+    at::Tensor conv_weight, conv_states, ssm_states, dt_bias, log_a, norm_weight;
+    int64_t num_k_heads;
+    double eps;
+    bool tiled;
+  };
+  enum class Mixer { attention, mamba2, delta };
   struct Layer {
-    at::Tensor input_norm, post_norm, k_cache, v_cache;
-    // attention: qkv, o; Mamba2: in_proj, out_proj
+    at::Tensor input_norm, post_norm;
+    // attention: qkv, o; a linear layer: in_proj, out_proj
     Linear mix_in, mix_out, gate_up, down;
-    bool is_mamba2;
+    Mixer mixer;
+    at::Tensor k_cache, v_cache;
+    c10::optional<at::Tensor> q_norm, k_norm;
+    bool gated = false;
     Mamba2 mamba2;
+    Delta delta;
   };
 
   static at::Tensor matmul(const at::Tensor& x, const Linear& linear);
@@ -68,6 +93,8 @@ class FusedLayers {
   at::Tensor attention(const Layer& layer, const at::Tensor& x, const at::Tensor& positions,
                        const at::Tensor& out_loc, const at::Tensor& locations,
                        const at::Tensor& lens, const at::Tensor& rows) const;
+  at::Tensor delta_net(const Layer& layer, const at::Tensor& x, const at::Tensor& state_rows,
+                       const at::Tensor& state_counts) const;
   at::Tensor scaled(at::Tensor x) const;
 
   int64_t heads_, kv_heads_, head_dim_;

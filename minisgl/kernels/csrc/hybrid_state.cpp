@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -324,6 +325,65 @@ void check_per_head(const at::Tensor& t, int64_t n, int64_t heads) {
 
 }  // namespace
 
+namespace {
+
+// The convolution and the delta rule over checked spans; decay and beta: [tokens, nv] float32.
+at::Tensor delta_rule(const at::Tensor& mixed, const at::Tensor& conv_weight,
+                      at::Tensor& conv_states, at::Tensor& ssm_states, const Spans& spans,
+                      const float* decay, const float* beta, int64_t num_k_heads) {
+  const int64_t n = mixed.size(0), nv = ssm_states.size(1), dk = ssm_states.size(2),
+                dv = ssm_states.size(3);
+  TORCH_CHECK(num_k_heads > 0 && nv % num_k_heads == 0 &&
+              mixed.size(1) == 2 * num_k_heads * dk + nv * dv, "conv_dim = 2 nk dk + nv dv");
+  const auto conv = conv_window_step(mixed, conv_weight, c10::nullopt, conv_states, spans);
+  auto out = at::empty({n, nv, dv}, conv.options());
+  const auto step = [&](auto* states) {
+    delta_step(conv.data_ptr<float>(), states, spans, decay, beta, out.data_ptr<float>(),
+               num_k_heads, nv, dk, dv);
+  };
+  if (ssm_states.scalar_type() == at::kBFloat16)
+    step(ssm_states.data_ptr<at::BFloat16>());
+  else
+    step(ssm_states.data_ptr<float>());
+  return out;
+}
+
+inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }
+
+// Per (token, value head): rmsnorm(y) weight silu(z), float32, rounded once, at the head's
+// place in out_proj's input: value head j of key head h at h * group + j, or tiled at
+// j * nk + h.
+template <typename T>
+void delta_gated_norm(const float* y, const T* z, int64_t z_stride, const float* weight, T* out,
+                      int64_t n, int64_t nk, int64_t nv, int64_t dv, float eps, bool tiled) {
+  const int64_t group = nv / nk;
+  at::parallel_for(0, n * nv, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> gate(dv);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / nv, h = task % nv;
+      const float* yh = y + task * dv;
+      const T* zh = z + r * z_stride + h * dv;
+      float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+      for (int64_t i = 0; i < dv; ++i) squares += yh[i] * yh[i];
+      const float factor = 1.f / std::sqrt(squares / static_cast<float>(dv) + eps);
+      for (int64_t i = 0; i < dv; ++i) gate[i] = static_cast<float>(zh[i]);
+#pragma omp simd
+      for (int64_t i = 0; i < dv; ++i) gate[i] = silu(gate[i]);
+      T* o = out + (r * nv + (tiled ? (h % group) * nk + h / group : h)) * dv;
+      for (int64_t i = 0; i < dv; ++i)
+        o[i] = static_cast<T>(yh[i] * factor * weight[i] * gate[i]);
+    }
+  });
+}
+
+void check_rows(const at::Tensor& t, int64_t n, int64_t width, const at::Tensor& like) {
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == n && t.size(1) == width && t.stride(1) == 1 &&
+              t.scalar_type() == like.scalar_type(), "[tokens, width] rows in the model's dtype");
+}
+
+}  // namespace
+
 // Spans of tokens (table rows `rows`, `counts` tokens each, in order) through a Gated DeltaNet
 // layer's convolution and delta rule. mixed: [tokens, conv_dim] (q, k, v of nk, nk and nv heads
 // before the convolution); conv_weight: [conv_dim, 1, K]; conv_states: [pool rows, conv_dim,
@@ -335,27 +395,62 @@ at::Tensor gated_delta_spans(at::Tensor mixed, at::Tensor conv_weight, at::Tenso
                              at::Tensor decay, at::Tensor beta, int64_t num_k_heads) {
   const int64_t n = mixed.size(0);
   const Spans spans = checked_spans(ssm_states, conv_states, rows, counts, n);
-  const int64_t nv = ssm_states.size(1), dk = ssm_states.size(2), dv = ssm_states.size(3);
-  TORCH_CHECK(num_k_heads > 0 && nv % num_k_heads == 0 &&
-              mixed.size(1) == 2 * num_k_heads * dk + nv * dv, "conv_dim = 2 nk dk + nv dv");
-  check_per_head(decay, n, nv);
-  check_per_head(beta, n, nv);
-  const auto conv = conv_window_step(mixed, conv_weight, c10::nullopt, conv_states, spans);
-  auto out = at::empty({n, nv, dv}, conv.options());
-  const auto step = [&](auto* states) {
-    delta_step(conv.data_ptr<float>(), states, spans, decay.data_ptr<float>(),
-               beta.data_ptr<float>(), out.data_ptr<float>(), num_k_heads, nv, dk, dv);
+  check_per_head(decay, n, ssm_states.size(1));
+  check_per_head(beta, n, ssm_states.size(1));
+  return delta_rule(mixed, conv_weight, conv_states, ssm_states, spans, decay.data_ptr<float>(),
+                    beta.data_ptr<float>(), num_k_heads);
+}
+
+// The same spans through the whole layer between its input projections and out_proj: mixed
+// as above, z [tokens, nv dv], b and a [tokens, nv] (rows of any stride, the model's dtype);
+// beta = sigmoid(b), decay = log_a softplus(a + dt_bias) (dt_bias, log_a = -exp(A_log): [nv]
+// float32); the rule; then rmsnorm(out) norm_weight silu(z) per value head, in float32 (eps;
+// norm_weight [dv]), the heads in out_proj's order (`tiled`: delta_gated_norm's). Returns
+// [tokens, nv dv] in the model's dtype.
+at::Tensor gated_delta_layer(at::Tensor mixed, at::Tensor z, at::Tensor b, at::Tensor a,
+                             at::Tensor conv_weight, at::Tensor conv_states,
+                             at::Tensor ssm_states, at::Tensor rows, at::Tensor counts,
+                             at::Tensor dt_bias, at::Tensor log_a, at::Tensor norm_weight,
+                             double eps, int64_t num_k_heads, bool tiled) {
+  const int64_t n = mixed.size(0);
+  const Spans spans = checked_spans(ssm_states, conv_states, rows, counts, n);
+  const int64_t nv = ssm_states.size(1), dv = ssm_states.size(3);
+  check_rows(z, n, nv * dv, mixed);
+  check_rows(b, n, nv, mixed);
+  check_rows(a, n, nv, mixed);
+  check_per_head(dt_bias, 1, nv);
+  check_per_head(log_a, 1, nv);
+  TORCH_CHECK(norm_weight.numel() == dv, "norm_weight: [dv]");
+  const auto weight = norm_weight.to(at::kFloat).contiguous();
+  auto gates = at::empty({2, n, nv}, mixed.options().dtype(at::kFloat));
+  float *decay = gates.data_ptr<float>(), *beta = decay + n * nv;
+  auto out = at::empty({n, nv * dv}, mixed.options());
+  const auto run = [&](auto* model_dtype) {
+    using T = std::remove_pointer_t<decltype(model_dtype)>;
+    const T *bs = b.data_ptr<T>(), *as = a.data_ptr<T>();
+    const float *bias = dt_bias.data_ptr<float>(), *log = log_a.data_ptr<float>();
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t h = 0; h < nv; ++h) {
+        beta[r * nv + h] = 1.f / (1.f + std::exp(-static_cast<float>(bs[r * b.stride(0) + h])));
+        decay[r * nv + h] =
+            log[h] * softplus(static_cast<float>(as[r * a.stride(0) + h]) + bias[h]);
+      }
+    const auto y = delta_rule(mixed, conv_weight, conv_states, ssm_states, spans, decay, beta,
+                              num_k_heads);
+    delta_gated_norm(y.data_ptr<float>(), z.data_ptr<T>(), z.stride(0),
+                     weight.data_ptr<float>(), out.data_ptr<T>(), n, num_k_heads, nv, dv,
+                     static_cast<float>(eps), tiled);
   };
-  if (ssm_states.scalar_type() == at::kBFloat16)
-    step(ssm_states.data_ptr<at::BFloat16>());
-  else
-    step(ssm_states.data_ptr<float>());
+  if (mixed.scalar_type() == at::kBFloat16) {
+    run(static_cast<at::BFloat16*>(nullptr));
+  } else {
+    TORCH_CHECK(mixed.scalar_type() == at::kFloat, "float32 or bfloat16");
+    run(static_cast<float*>(nullptr));
+  }
   return out;
 }
 
 namespace {
-
-inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }
 
 // Per row: y <- (y + x D) silu(z), then the gated group norm, times its weight (the model's
 // dtype, rounded as the torch path rounds: the normalized value, then the product).
