@@ -20,6 +20,9 @@ from minisgl.models.qwen3_next import GatedDeltaNet, gated_delta_rule, l2_normal
 # max |kernel - reference| of outputs and states (values of order 1): float32 math both sides,
 # summed in another order
 TOLERANCE = 2e-5
+# bfloat16 states (their 32-column blocks run AVX-512 BF16 where built), relative to the
+# largest value: a rounding that lands the other way where the sums' order differs
+BF16_STATE_RELATIVE = 2 ** -7
 # against the layers' torch step in bfloat16, which rounds the convolution's products and
 # output to bfloat16 where the kernel keeps float32: relative to the largest output
 BF16_RELATIVE = 3e-2
@@ -53,29 +56,44 @@ def assert_rows_stepped(before: torch.Tensor, after: torch.Tensor, expected: tor
                         tolerance: float) -> None:
     others = [r for r in range(POOL_ROWS) if r not in ROWS]
     assert torch.equal(after[others], before[others])
-    torch.testing.assert_close(after[ROWS], expected, rtol=0, atol=tolerance)
+    torch.testing.assert_close(after[ROWS].to(expected.dtype), expected, rtol=0, atol=tolerance)
 
 
 def span_tensors() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(ROWS), torch.tensor(COUNTS)
 
 
+def rule_rounding_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         decay: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+                         state_dtype: torch.dtype) -> torch.Tensor:
+    """gated_delta_rule token by token on a float32 `state`, rounded to `state_dtype` after
+    each token as the kernel stores it."""
+    outs = []
+    for t in range(q.shape[0]):
+        outs.append(gated_delta_rule(q[t:t + 1], k[t:t + 1], v[t:t + 1], decay[t:t + 1],
+                                     beta[t:t + 1], state))
+        state.copy_(state.to(state_dtype).float())
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("nk, nv, dk, dv", [(2, 4, 16, 40), (1, 1, 8, 8), (2, 2, 32, 64)])
-def test_gated_delta_spans_are_the_delta_rule(kernels, dtype, nk, nv, dk, dv) -> None:
+def test_gated_delta_spans_are_the_delta_rule(kernels, dtype, state_dtype, nk, nv, dk, dv
+                                              ) -> None:
     gen = torch.Generator().manual_seed(nk * 100 + dv)
     n, conv_dim = sum(COUNTS), 2 * nk * dk + nv * dv
     mixed = torch.randn(n, conv_dim, generator=gen).to(dtype)
     weight = (torch.randn(conv_dim, 1, KERNEL, generator=gen) * 0.5).to(dtype)
     windows = torch.randn(POOL_ROWS, conv_dim, KERNEL - 1, generator=gen).to(dtype)
-    states = torch.randn(POOL_ROWS, nv, dk, dv, generator=gen)
+    states = torch.randn(POOL_ROWS, nv, dk, dv, generator=gen).to(state_dtype)
     decay, beta = -torch.rand(n, nv, generator=gen), torch.rand(n, nv, generator=gen)
     windows_before, states_before = windows.clone(), states.clone()
 
     out = kernels.gated_delta_spans(mixed, weight, windows, states, *span_tensors(), decay,
                                     beta, nk)
 
-    expected, expected_states, shifted, start = [], states_before[ROWS], [], 0
+    expected, expected_states, shifted, start = [], states_before[ROWS].float(), [], 0
     for i, (row, count) in enumerate(zip(ROWS, COUNTS)):
         end = start + count
         conv, window = conv_reference(mixed[start:end], weight, None, windows_before[row])
@@ -83,11 +101,17 @@ def test_gated_delta_spans_are_the_delta_rule(kernels, dtype, nk, nv, dk, dv) ->
         q, k, v = conv.split([nk * dk, nk * dk, nv * dv], dim=-1)
         q = (l2_normalized(q.view(count, nk, dk)) * dk ** -0.5).repeat_interleave(nv // nk, 1)
         k = l2_normalized(k.view(count, nk, dk)).repeat_interleave(nv // nk, dim=1)
-        expected.append(gated_delta_rule(q, k, v.reshape(count, nv, dv), decay[start:end],
-                                         beta[start:end], expected_states[i]))
+        expected.append(rule_rounding_states(q, k, v.reshape(count, nv, dv), decay[start:end],
+                                             beta[start:end], expected_states[i], state_dtype))
         start = end
-    torch.testing.assert_close(out, torch.cat(expected), rtol=0, atol=TOLERANCE)
-    assert_rows_stepped(states_before, states, expected_states, TOLERANCE)
+    expected_out = torch.cat(expected)
+    if state_dtype == torch.float32:
+        out_tolerance = state_tolerance = TOLERANCE
+    else:
+        out_tolerance = BF16_STATE_RELATIVE * expected_out.abs().max().item()
+        state_tolerance = BF16_STATE_RELATIVE * expected_states.abs().max().item()
+    torch.testing.assert_close(out, expected_out, rtol=0, atol=out_tolerance)
+    assert_rows_stepped(states_before, states, expected_states, state_tolerance)
     assert_rows_stepped(windows_before, windows, torch.stack(shifted), 0.0)
 
 
