@@ -200,7 +200,14 @@ def test_ngram_speculation_rolls_the_state_back_to_the_accepted_tokens(qwen3_nex
     assert_ngram_speculation_is_greedy(*qwen3_next)
 
 
-def assert_ngram_speculation_is_greedy(model: torch.nn.Module, path: str) -> None:
+def test_ngram_speculation_over_two_ranks_rolls_each_ranks_states_back(qwen3_next) -> None:
+    """Each rank holds half of the heads' states: rank 0's choice of each row's state after
+    its accepted drafts reaches the other rank."""
+    assert_ngram_speculation_is_greedy(*qwen3_next, tp_size=2)
+
+
+def assert_ngram_speculation_is_greedy(model: torch.nn.Module, path: str, tp_size: int = 1
+                                       ) -> None:
     """Greedy NGRAM speculation, every draft verified, with 16-token chunks, mixed batches and
     the prefix cache, gives transformers' greedy tokens: a rejected draft's state is undone,
     and a partly accepted row keeps the state after its accepted drafts (the Qwen models
@@ -211,7 +218,8 @@ def assert_ngram_speculation_is_greedy(model: torch.nn.Module, path: str) -> Non
     params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
     with LLM(model=path, dtype="float32", max_total_tokens=2048, max_running_requests=4,
              chunked_prefill_size=16, enable_mixed_chunk=True, speculative_algorithm="NGRAM",
-             speculative_always_draft=True, speculative_num_draft_tokens=4) as llm:
+             speculative_always_draft=True, speculative_num_draft_tokens=4,
+             tp_size=tp_size) as llm:
         outs = llm.generate(input_ids=prompts, sampling_params=params)
         again = llm.generate(input_ids=prompts, sampling_params=params)
         stats = llm.runtime.state()
@@ -294,7 +302,6 @@ def assert_tensor_parallel_2_is_greedy(model: torch.nn.Module, path: str) -> Non
 
 
 @pytest.mark.parametrize("flags, named", [
-    ({"tp_size": 2, "speculative_algorithm": "NGRAM"}, "--speculative-algorithm"),
     ({"tp_size": 2, "enable_lora": True, "max_lora_rank": 8}, "--enable-lora"),
     ({"tp_size": 4}, "--tp-size 4"),
 ])

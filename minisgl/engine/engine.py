@@ -39,7 +39,7 @@ from minisgl.engine.model_loading import attention_for, draft_arch, kv_heads, lo
 from minisgl.engine.placement import check_hybrid, check_tp_size, resolve_device
 from minisgl.engine.pooling import last_token_embeddings
 from minisgl.engine.quantization import check_int8_activations
-from minisgl.engine.sampler import Sampler
+from minisgl.engine.sampler import Sampler, to_device
 from minisgl.engine.scoring import score_rows
 from minisgl.engine.speculation import Speculator, spec_config
 from minisgl.engine.stream import Completion, CpuStream
@@ -48,6 +48,7 @@ from minisgl.env import cuda_wait_mode
 from minisgl.errors import EngineFailed
 from minisgl.flag_checks import lora_adapters
 from minisgl.kvcache import KVPool
+from minisgl.kvcache.state_pool import StatePool
 from minisgl.layers.moe import syncs_on_host
 from minisgl.models import ModelArch, check_supported, load_config, resolve_model_path
 from minisgl.models.fused_layers import fuse_layers
@@ -90,8 +91,8 @@ class Engine:
         if self.tp.size > 1:
             check_tp_size(self.arch, self.tp.size, self.model_path.name)
         if self.arch.is_hybrid:
-            check_hybrid(self.arch, config.tp_size, config.speculative_algorithm,
-                         config.enable_lora, config.mamba_ssm_dtype, self.device, self.dtype)
+            check_hybrid(self.arch, config.tp_size, config.enable_lora, config.mamba_ssm_dtype,
+                         self.device, self.dtype)
         self.draft_arch = (draft_arch(config, self.arch, self.context_len)
                            if self.tp.is_primary else None)
         if self.draft_arch is not None and self.draft_arch[1].is_hybrid:
@@ -190,7 +191,7 @@ class Engine:
             if graph_runner is not None:
                 speculator.pad_for_graphs(*graph_runner.verify_shape, self.kv_pool.dummy_loc)
         self.runner = ModelRunner(self.model, self.attn_backend, self.sampler, self.token_pool,
-                                  graph_runner, self.tp, speculator, self.lora)
+                                  graph_runner, self.tp, speculator, self.lora, self.states)
         if not self.tp.is_primary:
             return  # a worker runs its steps on its main thread
         binding = (self.tp, self.group) if self.tp.size > 1 else None
@@ -424,12 +425,13 @@ RETURN_HEAP_AFTER_TOKENS = 1024
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, attn_backend, sampler: Sampler,
                  token_pool: torch.Tensor, graph_runner: GraphRunner | None, tp: TPInfo,
-                 speculator: Speculator | None = None, lora: LoraModules | None = None
-                 ) -> None:
+                 speculator: Speculator | None = None, lora: LoraModules | None = None,
+                 states: StatePool | None = None) -> None:
         self.model, self.attn_backend, self.sampler = model, attn_backend, sampler
         self.token_pool, self.graph_runner, self.tp = token_pool, graph_runner, tp
         self.speculator = speculator  # rank 0 of a speculating engine
         self.lora = lora  # --enable-lora
+        self.states = states  # a hybrid model's recurrent states
         self.device = token_pool.device
         self.phase_seconds = {phase: 0.0 for phase in PHASES}
         self.phase_steps = {phase: 0 for phase in PHASES}
@@ -464,6 +466,8 @@ class ModelRunner:
             next_tokens = torch.empty(len(fwd.write_indices), dtype=torch.int32,
                                       device=self.device)
             self.token_pool.view(-1)[fwd.write_indices] = broadcast(next_tokens, 0)
+            if fwd.verify_step and self.states is not None:
+                self._keep_states_as_rank_0(fwd.batch)
             return ForwardOutput()
         output = self._sample(fwd, logits, scored)
         output.embeddings = embeddings
@@ -498,6 +502,14 @@ class ModelRunner:
         return self.model(input_ids, positions, batch, self.attn_backend,
                           fwd.logit_rows), None, None
 
+    def _keep_states_as_rank_0(self, batch: Batch) -> None:
+        """A verify step on a worker: each row's recurrent states (this rank's heads') back to
+        those after its accepted tokens, from the sources rank 0 chose
+        (Speculator.keep_accepted_states)."""
+        assert self.states is not None
+        rows = to_device(torch.tensor(batch.table_rows[:batch.size]), self.device)
+        self.states.copy(broadcast(torch.empty_like(rows), 0), rows)
+
     def _sample(self, fwd: ForwardInput, logits: torch.Tensor,
                 scored: InputLogprobs | None) -> ForwardOutput:
         """Rank 0: sample (under the grammar's mask), store the ids in the token pool, share
@@ -509,10 +521,12 @@ class ModelRunner:
         if fwd.verify is not None:
             assert self.speculator is not None
             output, stored = self.speculator.verify(fwd, logits, self.sampler, mask)
-            self.speculator.keep_accepted_states(fwd)
+            sources = self.speculator.keep_accepted_states(fwd)
             self.token_pool.view(-1)[fwd.write_indices] = stored
             if self.tp.size > 1:
                 broadcast(stored, 0)
+                if sources is not None:  # each rank rolls its own heads' states back
+                    broadcast(sources, 0)
             return output
         sample = self.sampler.sample(logits[: fwd.batch.size], fwd.sample_args, self.token_pool,
                                      mask)

@@ -194,12 +194,13 @@ class Speculator:
                                                                    device=self.device)
         fwd.verify_step = True
 
-    def keep_accepted_states(self, fwd: ForwardInput) -> None:
+    def keep_accepted_states(self, fwd: ForwardInput) -> torch.Tensor | None:
         """After `verify`: each hybrid row's recurrent state back to the one after its accepted
         tokens (the last token and its accepted drafts), from the device's committed lengths
-        (no sync)."""
+        (no sync). Returns the rows' sources (state rows, in batch order) for the other ranks
+        (keep_states_as), or None for a model without states."""
         if self.states is None:
-            return
+            return None
         batch, verify = fwd.batch, fwd.verify
         assert verify is not None
         rows = to_device(torch.tensor(batch.table_rows[:batch.size]), self.device)
@@ -209,6 +210,7 @@ class Speculator:
         sources = torch.where(kept < counts,
                               self.states.scratch_row(rows, (kept - 1).clamp(min=0)), rows)
         self.states.copy(sources, rows)
+        return sources
 
     def token_writes(self, fwd: ForwardInput) -> list[tuple[int, int, torch.Tensor]]:
         """The drafts `resolve` wrote, as token-pool writes (row, start, ids) for other ranks."""
