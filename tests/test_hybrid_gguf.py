@@ -64,17 +64,20 @@ def test_a_qwen_hybrid_gguf_file_serves_transformers_logits(family, tmp_path) ->
 
 def test_a_qwen3_5_q8_0_file_keeps_its_tiled_projections_as_blocks(tmp_path) -> None:
     """--quantization gguf: the DeltaNet's projections are blocks (their value-head rows
-    reordered, the output projection taking them tiled), with the logits of the same file
-    dequantized (bfloat16 both; bound BF16_REL_BOUND)."""
-    save_qwen("qwen3.5", tmp_path / "hf")
+    reordered, the output projection taking them tiled; in_proj_a / in_proj_b too, quantized
+    as llama-quantize does), with the logits of the same file dequantized (bfloat16 both;
+    bound BF16_REL_BOUND)."""
+    # 8 value heads: in_proj_a / in_proj_b's rows fill the block kernels' 8-row layout
+    save_qwen("qwen3.5", tmp_path / "hf", linear_num_value_heads=8)
     gguf = write_qwen_hybrid_gguf(tmp_path / "hf", tmp_path / "tiny.Q8_0.gguf",
-                                  GGMLQuantizationType.Q8_0)
+                                  GGMLQuantizationType.Q8_0, gate_blocks=True)
 
     def check(engine: Engine, blocks: bool) -> None:
         mixer = engine.model.layers[0].linear_attn
         assert engine.arch.linear.tiled
         assert [not isinstance(m.weight, torch.nn.Parameter) for m in
-                (mixer.in_proj_qkv, mixer.in_proj_z, mixer.out_proj)] == [blocks] * 3
+                (mixer.in_proj_qkv, mixer.in_proj_z, mixer.in_proj_a, mixer.in_proj_b,
+                 mixer.out_proj)] == [blocks] * 5
 
     assert_blocks_give_the_dequantized_logits(gguf, check)
 

@@ -81,10 +81,14 @@ def build_llama_server(cache: Path = LLAMA_CACHE) -> tuple[Path | None, str]:
         generator = ["-G", "Ninja"] if shutil.which("ninja") else []
         log(f"building llama-server {version} (several minutes on 2 cores)")
         started = time.perf_counter()
+        # NOTE: without AMX: on an AMX-capable virtual machine its matmul crashed llama-server
+        # (SIGSEGV at the first batch); the AVX-512 kernels run instead
+        no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
         subprocess.run(["cmake", "-S", str(source), "-B", str(cache / "build"), *generator,
                         "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
                         "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-                        "-DLLAMA_BUILD_EXAMPLES=OFF"], check=True, stdout=subprocess.DEVNULL)
+                        "-DLLAMA_BUILD_EXAMPLES=OFF", f"-DCMAKE_C_FLAGS={no_amx}",
+                        f"-DCMAKE_CXX_FLAGS={no_amx}"], check=True, stdout=subprocess.DEVNULL)
         subprocess.run(["cmake", "--build", str(cache / "build"), "--target", "llama-server",
                         "-j", str(os.cpu_count() or 2)], check=True, stdout=subprocess.DEVNULL)
         log(f"built llama-server in {time.perf_counter() - started:.0f} s")

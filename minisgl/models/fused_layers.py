@@ -70,8 +70,8 @@ class LayerParts:
 
 def fuse_layers(model: Any, backend: AttentionBackend, tp_size: int) -> FusedLayers | None:
     """The fused call for `model`'s layers, or None where some layer is not one the program
-    knows (biases, QK-norm, LoRA, windows, soft-capping, experts, other layer types), a linear
-    is not in GGUF blocks, there is more than one rank, or not on CPU."""
+    knows (biases, a Llama layer's QK-norm, LoRA, windows, soft-capping, experts, other layer
+    types), a linear is not in GGUF blocks, there is more than one rank, or not on CPU."""
     layers = getattr(model, "layers", None)
     if (not layers or not isinstance(backend, TorchBackend) or backend.kernels is None
             or backend.softcap > 0 or any(backend.window(i) for i in range(len(layers)))
