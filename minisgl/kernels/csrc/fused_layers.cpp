@@ -44,16 +44,23 @@ std::vector<FusedLayers::Linear> FusedLayers::parsed(
   return out;
 }
 
+FusedLayers::Layer FusedLayers::new_layer(at::Tensor input_norm, at::Tensor post_norm,
+                                          const std::vector<std::vector<at::Tensor>>& linears,
+                                          const std::vector<std::vector<int64_t>>& kinds,
+                                          Mixer mixer) {
+  auto parts = parsed(linears, kinds);
+  return {std::move(input_norm), std::move(post_norm), std::move(parts[0]), std::move(parts[1]),
+          std::move(parts[2]),   std::move(parts[3]),  mixer};
+}
+
 void FusedLayers::add_layer(at::Tensor input_norm, at::Tensor post_norm,
                             std::vector<std::vector<at::Tensor>> linears,
                             std::vector<std::vector<int64_t>> kinds, at::Tensor k_cache,
                             at::Tensor v_cache, c10::optional<at::Tensor> q_norm,
                             c10::optional<at::Tensor> k_norm, bool gated) {
   TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "both QK-norm weights or neither");
-  auto parts = parsed(linears, kinds);
-  Layer layer{std::move(input_norm), std::move(post_norm), std::move(parts[0]),
-              std::move(parts[1]),   std::move(parts[2]),  std::move(parts[3]),
-              Mixer::attention};
+  Layer layer = new_layer(std::move(input_norm), std::move(post_norm), linears, kinds,
+                          Mixer::attention);
   layer.k_cache = std::move(k_cache);
   layer.v_cache = std::move(v_cache);
   layer.q_norm = std::move(q_norm);
@@ -70,10 +77,8 @@ void FusedLayers::add_mamba2_layer(at::Tensor input_norm, at::Tensor post_norm,
                                    at::Tensor dt_bias, at::Tensor log_a, at::Tensor D,
                                    at::Tensor norm_weight, int64_t groups, double dt_min,
                                    double dt_max, double norm_eps) {
-  auto parts = parsed(linears, kinds);
-  Layer layer{std::move(input_norm), std::move(post_norm), std::move(parts[0]),
-              std::move(parts[1]),   std::move(parts[2]),  std::move(parts[3]),
-              Mixer::mamba2};
+  Layer layer = new_layer(std::move(input_norm), std::move(post_norm), linears, kinds,
+                          Mixer::mamba2);
   layer.mamba2 = {std::move(conv_weight), std::move(conv_states), std::move(ssm_states),
                   std::move(dt_bias),     std::move(log_a),       std::move(D),
                   std::move(norm_weight), std::move(conv_bias),   groups,
@@ -88,10 +93,8 @@ void FusedLayers::add_delta_layer(at::Tensor input_norm, at::Tensor post_norm,
                                   at::Tensor ssm_states, at::Tensor dt_bias, at::Tensor log_a,
                                   at::Tensor norm_weight, int64_t num_k_heads, double norm_eps,
                                   bool tiled) {
-  auto parts = parsed(linears, kinds);
-  Layer layer{std::move(input_norm), std::move(post_norm), std::move(parts[0]),
-              std::move(parts[1]),   std::move(parts[2]),  std::move(parts[3]),
-              Mixer::delta};
+  Layer layer = new_layer(std::move(input_norm), std::move(post_norm), linears, kinds,
+                          Mixer::delta);
   layer.delta = {std::move(conv_weight), std::move(conv_states), std::move(ssm_states),
                  std::move(dt_bias),     std::move(log_a),       std::move(norm_weight),
                  num_k_heads,            norm_eps,               tiled};

@@ -88,6 +88,10 @@ class FusedLayers {
   };
 
   static at::Tensor matmul(const at::Tensor& x, const Linear& linear);
+  // A layer's norms, linears and mixer kind; the caller fills in the mixer's own fields.
+  static Layer new_layer(at::Tensor input_norm, at::Tensor post_norm,
+                         const std::vector<std::vector<at::Tensor>>& linears,
+                         const std::vector<std::vector<int64_t>>& kinds, Mixer mixer);
   static std::vector<Linear> parsed(const std::vector<std::vector<at::Tensor>>& linears,
                                     const std::vector<std::vector<int64_t>>& kinds);
   at::Tensor attention(const Layer& layer, const at::Tensor& x, const at::Tensor& positions,
