@@ -34,7 +34,10 @@ from tests.test_quantization import (
 pytestmark = pytest.mark.skipif(vnni_kernels() is None, reason="no AVX-512 VNNI here")
 
 LOGIT_REL_BOUND = 0.1
-PERPLEXITY_REL_BOUND = 0.01
+# the paragraph's perplexity against float32's: 0.17% on an AMD Zen 5 host, 1.01% on an Intel
+# Xeon (AMX) host with the same code (BENCHMARKS.md, W8A8); one activation scale per token
+# (SGLang's form) is 2.3% off, which this still refuses
+PERPLEXITY_REL_BOUND = 0.015
 TOP2_MARGIN = 0.5  # logit units: where a w8a8 greedy run may leave the fp32 one
 
 
