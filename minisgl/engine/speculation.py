@@ -198,7 +198,7 @@ class Speculator:
         """After `verify`: each hybrid row's recurrent state back to the one after its accepted
         tokens (the last token and its accepted drafts), from the device's committed lengths
         (no sync). Returns the rows' sources (state rows, in batch order) for the other ranks
-        (keep_states_as), or None for a model without states."""
+        (ModelRunner._keep_states_as_rank_0), or None for a model without states."""
         if self.states is None:
             return None
         batch, verify = fwd.batch, fwd.verify
