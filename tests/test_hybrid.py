@@ -252,10 +252,13 @@ def test_a_dense_draft_model_speculates_for_a_hybrid_target(qwen3_next, tmp_path
     assert stats["spec_accepted_tokens"] < stats["spec_drafted_tokens"], stats
 
 
-def test_lora_adapters_on_attention_mlp_and_linear_mixer_layers(qwen3_next, tmp_path,
-                                                                request) -> None:
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_lora_adapters_on_attention_mlp_and_linear_mixer_layers(qwen3_next, tmp_path, request,
+                                                                tp_size: int) -> None:
     """A PEFT adapter on the attention, MLP and linear-mixer projections, batched with a
-    request of the base model: each equals its transformers reference (PEFT's merged model)."""
+    request of the base model: each equals its transformers reference (PEFT's merged model),
+    on one rank and on two (each adapter's B cut as its projection's parts are: q, k and v's
+    shares, or Mamba2's z, x, B, C and dt's)."""
     from tests.lora_fixtures import merged_model, save_adapter
     model, path = qwen3_next
     mixer = {"qwen3-next": ["in_proj_qkvz", "out_proj"], "qwen3.5": ["in_proj_qkv", "out_proj"],
@@ -268,7 +271,7 @@ def test_lora_adapters_on_attention_mlp_and_linear_mixer_layers(qwen3_next, tmp_
     prompts = random_prompts((9, 30))
     params = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
     with LLM(model=path, dtype="float32", max_total_tokens=1024, enable_lora=True,
-             lora_paths=[f"adapter={adapter}"], max_lora_rank=8) as llm:
+             lora_paths=[f"adapter={adapter}"], max_lora_rank=8, tp_size=tp_size) as llm:
         outs = llm.generate(input_ids=prompts, sampling_params=params,
                             lora_path=["adapter", None])
         llm.check_integrity()
@@ -302,7 +305,6 @@ def assert_tensor_parallel_2_is_greedy(model: torch.nn.Module, path: str) -> Non
 
 
 @pytest.mark.parametrize("flags, named", [
-    ({"tp_size": 2, "enable_lora": True, "max_lora_rank": 8}, "--enable-lora"),
     ({"tp_size": 4}, "--tp-size 4"),
 ])
 def test_what_hybrids_do_not_run_with_yet_is_refused_in_one_line(qwen3_next, flags, named):

@@ -91,8 +91,8 @@ class Engine:
         if self.tp.size > 1:
             check_tp_size(self.arch, self.tp.size, self.model_path.name)
         if self.arch.is_hybrid:
-            check_hybrid(self.arch, config.tp_size, config.enable_lora, config.mamba_ssm_dtype,
-                         self.device, self.dtype)
+            check_hybrid(self.arch, config.tp_size, config.mamba_ssm_dtype, self.device,
+                         self.dtype)
         self.draft_arch = (draft_arch(config, self.arch, self.context_len)
                            if self.tp.is_primary else None)
         if self.draft_arch is not None and self.draft_arch[1].is_hybrid:

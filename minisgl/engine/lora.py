@@ -162,8 +162,7 @@ class LoraModules:
                 start, count = module.input_cols()
                 a = a[:, start:start + count]
             else:
-                _, start, count = module.output_rows(target[2])
-                b = b[start:start + count]
+                b = module.own_rows(b, target[2])
             if a.shape[1] != slots.a.shape[2] or b.shape[0] != slots.parts[part]:
                 raise AdapterError(f"{adapter.path}: {name} has shape {tuple(a.shape)} x "
                                    f"{tuple(b.shape)}, not this model's")

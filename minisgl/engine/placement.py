@@ -51,12 +51,12 @@ def check_tp_size(arch: ModelArch, size: int, model_name: str) -> None:
                      f"tensor-parallel sizes that fit this model: {sizes}")
 
 
-def check_hybrid(arch: ModelArch, tp_size: int, enable_lora: bool, ssm_dtype: str,
-                 device: torch.device, dtype: torch.dtype) -> None:
+def check_hybrid(arch: ModelArch, tp_size: int, ssm_dtype: str, device: torch.device,
+                 dtype: torch.dtype) -> None:
     """Refuse, in one line, what a hybrid model (recurrent states beside KV) does not run
     with: bfloat16 states where the CPU kernels do not run the linear layers (the torch forms
-    update their states in float32); linear-layer heads that do not split over the ranks, and
-    with tensor parallelism LoRA adapters (a fused projection's parts are split apart)."""
+    update their states in float32), and linear-layer heads that do not split over the
+    ranks."""
     if ssm_dtype != "float32" and (device.type != "cpu" or cpu_kernels() is None
                                    or dtype not in (torch.float32, torch.bfloat16)):
         raise ValueError(f"--mamba-ssm-dtype {ssm_dtype} runs on the CPU kernels only (a CPU, "
@@ -65,6 +65,3 @@ def check_hybrid(arch: ModelArch, tp_size: int, enable_lora: bool, ssm_dtype: st
         return
     assert arch.linear is not None
     arch.linear.split(tp_size)
-    if enable_lora:
-        raise ValueError("hybrid models (linear-attention layers) with --tp-size > 1 do not "
-                         "run with --enable-lora yet")

@@ -105,6 +105,12 @@ class _Linear(Layer):
         checkpoint's tensor: (offset here, first source row, rows)."""
         raise NotImplementedError
 
+    def own_rows(self, full: torch.Tensor, shard_id: Any = None) -> torch.Tensor:
+        """This rank's rows of a tensor over part `shard_id`'s full output (a LoRA B), cut
+        as `load` cuts the weight."""
+        _, start, size = self.output_rows(shard_id)
+        return full[start:start + size]
+
 
 # Up to this many rows (a verify step of speculative decoding, a small decode batch) a CPU
 # linear runs our kernel, which streams the weight once for all of them: the GEMM library's
@@ -172,8 +178,11 @@ class PartedColumnParallelLinear(ColumnParallelLinear):
         tp = get_tp_info()
         if tp.size == 1:
             return super().load(name, source, shard_id)
-        copy_into(getattr(self, name).data, read_part_rows(source, self.parts, tp.rank, tp.size),
-                  name)
+        copy_into(getattr(self, name).data, self.own_rows(source), name)
+
+    def own_rows(self, full: Any, shard_id: Any = None) -> torch.Tensor:
+        tp = get_tp_info()
+        return read_part_rows(full, self.parts, tp.rank, tp.size)
 
 
 class PartedParameters(Layer):
