@@ -1,8 +1,9 @@
 """A GGUF file of a transformers model of a family llama.cpp covers, written here as
 llama.cpp's converter lays it out (its tensor names, experts stacked per layer, the metadata
 keys its loader reads) with the bundled SmolLM2 file's tokenizer: the GGUF route of a new
-family without a download: Qwen3-MoE (llama.cpp's `qwen3moe`) and Granite 4.0-H
-(`granitehybrid`, with what llama.cpp's converter changes in a Mamba2 layer's tensors)."""
+family without a download: Qwen3-MoE (llama.cpp's `qwen3moe`), Granite 4.0-H
+(`granitehybrid`, with what llama.cpp's converter changes in a Mamba2 layer's tensors), the
+Qwen hybrids and Nemotron-H (`nemotron_h`, `nemotron_h_moe`)."""
 
 from __future__ import annotations
 
@@ -296,5 +297,101 @@ def write_qwen_hybrid_gguf(folder: Path, path: Path,
         kind = linears if (gate_blocks and gates) or (not gates and name.endswith(
             ("proj.weight", "in_proj_qkv.weight", "in_proj_z.weight"))) else None
         add(writer, gguf_name, np.ascontiguousarray(value), kind)
+    finish(writer)
+    return path
+
+
+def write_nemotron_h_gguf(folder: Path, path: Path,
+                          linears: GGMLQuantizationType | None = None) -> Path:
+    """The checkpoint saved in `folder` (transformers' NemotronHForCausalLM, its Hub names
+    under `backbone.`; SmolLM2's vocabulary) as llama.cpp's converter writes it: `nemotron_h`,
+    or `nemotron_h_moe` with experts (their routing in the expert_* keys, the experts
+    stacked, the correction bias as exp_probs_b); per-layer KV heads and MLP widths (0 where a
+    layer has none); the Mamba2 tensors as for Granite (A as -exp(A_log), D as [heads, 1],
+    the convolution squeezed, the gated norm as [groups, inner / groups]); q / k rows
+    permuted as for Llama's rotary halves. F32, or with `linears` for every projection and
+    expert."""
+    from safetensors.numpy import load_file
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(folder)
+    kinds = list(config.layers_block_type)
+    layers, hidden = len(kinds), config.hidden_size
+    moe = "moe" in kinds
+    architecture = "nemotron_h_moe" if moe else "nemotron_h"
+    writer = GGUFWriter(str(path), architecture)
+    writer.add_name(f"tiny-{architecture}")
+    writer.add_block_count(layers)
+    writer.add_context_length(2 ** 20)
+    writer.add_embedding_length(hidden)
+    # NOTE: as the converter does, a MoE file gives its plain MLP layers width 0
+    width = ({"moe": config.moe_intermediate_size} if moe else
+             {"mlp": config.intermediate_size})
+    writer.add_feed_forward_length([width.get(kind, 0) for kind in kinds])
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv([config.num_key_value_heads if kind == "full_attention" else 0
+                              for kind in kinds])
+    writer.add_layer_norm_eps(config.layer_norm_epsilon)
+    if moe:
+        writer.add_expert_count(config.n_routed_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_group_count(config.n_group)
+        writer.add_expert_group_used_count(config.topk_group)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_rope_dimension_count(config.head_dim)
+    writer.add_ssm_conv_kernel(config.conv_kernel)
+    writer.add_ssm_state_size(config.ssm_state_size)
+    writer.add_ssm_group_count(config.n_groups)
+    writer.add_ssm_inner_size(config.mamba_num_heads * config.mamba_head_dim)
+    writer.add_ssm_time_step_rank(config.mamba_num_heads)
+    writer.add_rope_scaling_finetuned(False)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    if moe:
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        writer.add_expert_shared_feed_forward_length(config.moe_shared_expert_intermediate_size)
+        writer.add_expert_shared_count(config.n_shared_experts)
+        writer.add_expert_weights_norm(config.norm_topk_prob)
+        writer.add_expert_weights_scale(config.routed_scaling_factor)
+    copy_tokenizer(writer)
+    state = load_file(folder / "model.safetensors")
+    tables = {"backbone.embeddings.weight": "token_embd.weight",
+              "backbone.norm_f.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    for layer, kind in enumerate(kinds):
+        prefix = f"backbone.layers.{layer}.mixer.experts."
+        for part in ("up", "down") if kind == "moe" else ():
+            stacked = np.stack([state.pop(f"{prefix}{e}.{part}_proj.weight")
+                                for e in range(config.n_routed_experts)])
+            add(writer, f"blk.{layer}.ffn_{part}_exps.weight", stacked, linears)
+    names = {"norm.weight": "attn_norm.weight", "mixer.in_proj.weight": "ssm_in.weight",
+             "mixer.out_proj.weight": "ssm_out.weight", "mixer.conv1d.weight":
+             "ssm_conv1d.weight", "mixer.conv1d.bias": "ssm_conv1d.bias",
+             "mixer.dt_bias": "ssm_dt.bias", "mixer.A_log": "ssm_a", "mixer.D": "ssm_d",
+             "mixer.norm.weight": "ssm_norm.weight", "mixer.q_proj.weight": "attn_q.weight",
+             "mixer.k_proj.weight": "attn_k.weight", "mixer.v_proj.weight": "attn_v.weight",
+             "mixer.o_proj.weight": "attn_output.weight", "mixer.gate.weight":
+             "ffn_gate_inp.weight", "mixer.gate.e_score_correction_bias": "exp_probs_b.bias",
+             "mixer.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+             "mixer.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
+             "mixer.up_proj.weight": "ffn_up.weight", "mixer.down_proj.weight": "ffn_down.weight"}
+    for name, value in state.items():
+        if name in tables:
+            add(writer, tables[name], value, None)
+            continue
+        _, _, layer, rest = name.split(".", 3)
+        if rest.endswith("A_log"):
+            value = -np.exp(value)[:, None]
+        elif rest.endswith(".D"):
+            value = value[:, None]
+        elif rest.endswith("conv1d.weight"):
+            value = value[:, 0, :]
+        elif rest == "mixer.norm.weight":
+            value = value.reshape(config.n_groups, -1)
+        elif rest.endswith(("q_proj.weight", "k_proj.weight")):
+            value = permute_rows(value, config.num_attention_heads if "q_proj" in rest
+                                 else config.num_key_value_heads)
+        kind = linears if rest.endswith("proj.weight") else None
+        add(writer, f"blk.{layer}.{names[rest]}", np.ascontiguousarray(value), kind)
     finish(writer)
     return path

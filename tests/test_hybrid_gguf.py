@@ -1,4 +1,5 @@
-"""A hybrid's GGUF file (llama.cpp's `granitehybrid`, `qwen35`, `qwen35moe`, `qwen3next`),
+"""A hybrid's GGUF file (llama.cpp's `granitehybrid`, `qwen35`, `qwen35moe`, `qwen3next`,
+`nemotron_h`, `nemotron_h_moe`),
 written here as llama.cpp's converter writes it (tests.gguf_families) from a tiny random
 transformers model: the config read from the file's metadata, the tensors brought back to the
 checkpoint's conventions, the linear weights kept as blocks under --quantization gguf."""
@@ -13,8 +14,10 @@ from gguf import GGMLQuantizationType
 
 from minisgl.engine import Engine, EngineConfig
 from tests.engine_probe import prefill_logits
-from tests.gguf_families import write_granite_hybrid_gguf, write_qwen_hybrid_gguf
+from tests.gguf_families import (write_granite_hybrid_gguf, write_nemotron_h_gguf,
+                                 write_qwen_hybrid_gguf)
 from tests.test_hybrid import FAMILIES, GRANITE, assert_logits_match_across_spans, random_prompts
+from tests.test_nemotron_h import save_nemotron
 from tests.test_moe import BF16_REL_BOUND
 from tests.test_quantization import relative_error
 
@@ -124,6 +127,38 @@ def test_gguf_quantization_keeps_the_hybrid_linears_as_blocks(tmp_path) -> None:
                                       ("shared", mamba.shared_mlp.gate_up_proj))}
         assert set(dense.values()) == {not blocks}, dense
         assert (mamba.mlp.experts.gate_up is None) == blocks
+
+    assert_blocks_give_the_dequantized_logits(gguf, check)
+
+
+@pytest.mark.parametrize("family", ["dense", "moe"])
+def test_a_nemotron_h_gguf_file_serves_transformers_logits(family, tmp_path) -> None:
+    """F32 `nemotron_h` / `nemotron_h_moe` file: each block's mixer (Mamba2, attention, MLP,
+    experts) told by its tensors, the experts' grouped routing by the expert_* keys."""
+    model = save_nemotron(tmp_path / "hf", family, vocab_size=VOCAB)
+    gguf = write_nemotron_h_gguf(tmp_path / "hf", tmp_path / f"tiny-{family}.gguf")
+    assert_logits_match_across_spans(model, str(gguf), [(0, 7), (7, 23), (23, 24), (24, 40)])
+
+
+def test_a_nemotron_h_q8_0_file_keeps_every_projection_and_expert_as_blocks(tmp_path) -> None:
+    """--quantization gguf: Mamba2's in / out projections, attention, the MLP, the shared
+    expert and the experts hold blocks, with the logits of the same file dequantized (bfloat16
+    both; bound BF16_REL_BOUND)."""
+    # blocks of 32 along every input, rows by 8 (Mamba2's in_proj: 2 x 128 + 64 + 8)
+    save_nemotron(tmp_path / "hf", "moe", vocab_size=VOCAB, mamba_num_heads=8,
+                  moe_shared_expert_intermediate_size=64)
+    gguf = write_nemotron_h_gguf(tmp_path / "hf", tmp_path / "tiny.Q8_0.gguf",
+                                 GGMLQuantizationType.Q8_0)
+
+    def check(engine: Engine, blocks: bool) -> None:
+        mamba, experts, attention, mlp = (engine.model.layers[i].mixer if i != 2 else
+                                          engine.model.layers[i].self_attn for i in range(4))
+        dense = {name: isinstance(getattr(module, "weight", None), torch.nn.Parameter)
+                 for name, module in (("in_proj", mamba.in_proj), ("out_proj", mamba.out_proj),
+                                      ("qkv", attention.qkv_proj), ("mlp", mlp.up_proj),
+                                      ("shared", experts.shared_experts.down_proj))}
+        assert set(dense.values()) == {not blocks}, dense
+        assert (experts.experts.gate_up is None) == blocks
 
     assert_blocks_give_the_dequantized_logits(gguf, check)
 

@@ -43,18 +43,23 @@ FAMILIES = {
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def nemotron(request, tmp_path_factory) -> tuple[torch.nn.Module, str]:
+    path = tmp_path_factory.mktemp(request.param)
+    return save_nemotron(path, request.param), str(path)
+
+
+def save_nemotron(path: Path, family: str, **fields) -> torch.nn.Module:
+    """FAMILIES[family] (with `fields`) with random weights (fixed seed), saved at `path`."""
     import transformers
     torch.manual_seed(0)
-    config = transformers.NemotronHConfig(**FAMILIES[request.param])
+    config = transformers.NemotronHConfig(**{**FAMILIES[family], **fields})
     model = transformers.NemotronHForCausalLM(config).float().eval()
     with torch.no_grad():
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
             if any(key in name for key in ("norm", "A_log", "dt_bias", ".D",
                                            "e_score_correction_bias")):
                 tensor.add_(torch.randn_like(tensor) * 0.2)
-    path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path)
-    return model, str(path)
+    return model
 
 
 @pytest.mark.parametrize("spans", [

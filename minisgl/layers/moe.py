@@ -161,7 +161,8 @@ class Experts(Layer):
         per expert, never dense: the dense parameters are released, `finish_blocks` follows.
         A quantized checkpoint's experts (models.hf_quant) come so too (`expect_gguf_blocks`),
         one tensor per expert and part."""
-        self.blocks = {part: [None] * self.num_experts for part in ("gate", "up", "down")}
+        parts = ("gate", "up", "down") if self.gated else ("up", "down")
+        self.blocks = {part: [None] * self.num_experts for part in parts}
         self.gate_up = self.down = None
 
     def expect_gguf_blocks(self) -> None:
@@ -169,17 +170,19 @@ class Experts(Layer):
             self.expect_blocks()
 
     def finish_blocks(self, dtype: torch.dtype, device: torch.device) -> None:
-        """Each expert's gate and up blocks (rows) as one weight, and its down blocks: GGUF
-        Q4 blocks in the form layers.quant runs them, a checkpoint's in the form its kernel
-        runs on `device` (layers.gguf_weight on CPU, layers.gpu_blocks on CUDA)."""
+        """Each expert's gate and up blocks (rows; ungated: up alone) as one weight, and its
+        down blocks: GGUF Q4 blocks in the form layers.quant runs them, a checkpoint's in the
+        form its kernel runs on `device` (layers.gguf_weight on CPU, layers.gpu_blocks on
+        CUDA)."""
         missing = [f"{part} of expert {e}" for part, per_expert in self.blocks.items()
                    for e, blocks in enumerate(per_expert) if blocks is None]
         if missing:
             raise ValueError(f"quantized experts: no weights for {', '.join(missing[:4])}")
-        gate, up, down = (self.blocks[part] for part in ("gate", "up", "down"))
+        # per expert its gate and up (or up alone: an ungated MLP) as one weight, and down
+        firsts = zip(*(self.blocks[part] for part in self.blocks if part != "down"))
         self.quantized = QuantizedExperts([
-            (joined([g, u], dtype, device), joined([d], dtype, device))
-            for g, u, d in zip(gate, up, down)])
+            (joined(list(first), dtype, device), joined([d], dtype, device))
+            for first, d in zip(firsts, self.blocks["down"])])
         self.blocks = None
 
     def quantize_int8(self) -> None:

@@ -1,10 +1,11 @@
 """GGUF files of the hybrid families, which transformers' GGUF reader does not take: llama.cpp's
-`granitehybrid` (Granite 4.0-H), `qwen35` and `qwen35moe` (Qwen3.5) and `qwen3next`. The
+`granitehybrid` (Granite 4.0-H), `qwen35` and `qwen35moe` (Qwen3.5), `qwen3next`, and
+`nemotron_h` / `nemotron_h_moe` (Nemotron-H, a block's mixer kind told by its tensors). The
 config comes from the file's metadata; every tensor is renamed to the checkpoint name our
 model loads, with what llama.cpp's converter changed undone:
   - both: A stored as -exp(A_log), the convolution's weight squeezed to [channels, K];
-  - Granite: D as [heads, 1], the gated norm's weight as [groups, inner / groups], q / k rows
-    permuted as for Llama, the fused gate / up projections split;
+  - Granite and Nemotron-H: D as [heads, 1], the gated norm's weight as [groups, inner /
+    groups], q / k rows permuted as for Llama; Granite's fused gate / up projections split;
   - Qwen: the decoder norms stored as 1 + w; Qwen3-Next's in_proj_qkvz split into q, k, v and
     z (each over all heads) and its in_proj_ba kept grouped by key head; Qwen3.5's value heads
     reordered from grouped by key head to tiled over them (k0 k1 .. k0 k1 ..), which we undo
@@ -206,6 +207,105 @@ def _qwen_rows(kind: str, config: Config) -> torch.Tensor | None:
     return torch.cat([torch.arange(qk), qk + v])
 
 
+NEMOTRON_ARCHITECTURES = ("nemotron_h", "nemotron_h_moe")
+# the tensor that marks a block's mixer kind (an attention block: its KV heads in the metadata)
+NEMOTRON_MIXERS = {"ssm_in.weight": "linear_attention", "ffn_up_exps.weight": "moe",
+                   "ffn_up.weight": "mlp"}
+SIGMOID_GATING = 2  # llama.cpp's expert_gating_func for sigmoid scores
+
+
+def _one_value(meta: Metadata, key: str, default: Any = 0) -> Any:
+    """A key llama.cpp may write per layer (0 for the layers without it): its one value."""
+    value = meta.get(key, default)
+    if not isinstance(value, (list, tuple)):
+        return value
+    values = {v for v in value if v}
+    if len(values) > 1:
+        raise ValueError(f"{key} differs across the layers ({sorted(values)}): minisgl's "
+                         "Nemotron-H takes one value for every layer")
+    return values.pop() if values else default
+
+
+def _nemotron_config(meta: Metadata, shapes: Shapes) -> Config:
+    layers = int(meta["block_count"]) - int(meta.get("nextn_predict_layers", 0))
+    kv = meta["attention.head_count_kv"]
+    kv = list(kv) if isinstance(kv, (list, tuple)) else [kv] * layers
+    kinds = []
+    for layer in range(layers):
+        kind = "full_attention" if kv[layer] else next(
+            (k for tensor, k in NEMOTRON_MIXERS.items() if f"blk.{layer}.{tensor}" in shapes),
+            None)
+        if kind is None:
+            raise ValueError(f"GGUF block {layer}: neither attention, Mamba2, MLP nor experts")
+        kinds.append(kind)
+    head_dim = int(meta["attention.key_length"])
+    if int(meta.get("attention.value_length", head_dim)) != head_dim:
+        raise ValueError("nemotron_h: attention key and value lengths differ")
+    if meta.get("rope.scaling.finetuned"):
+        raise ValueError("nemotron_h: rotary attention (rope.scaling.finetuned) is not "
+                         "Nemotron-H's")
+    heads, inner = int(meta["ssm.time_step_rank"]), int(meta["ssm.inner_size"])
+    mamba = kinds.index("linear_attention") if "linear_attention" in kinds else None
+    mlp = kinds.index("mlp") if "mlp" in kinds else None
+    fields: Config = {
+        "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
+        "vocab_size": shapes["token_embd.weight"][0],
+        "hidden_size": int(meta["embedding_length"]), "num_hidden_layers": layers,
+        "layers_block_type": kinds, "num_attention_heads": int(meta["attention.head_count"]),
+        "num_key_value_heads": max(kv[:layers]), "head_dim": head_dim,
+        "intermediate_size": shapes[f"blk.{mlp}.ffn_up.weight"][0] if mlp is not None else 0,
+        "layer_norm_epsilon": float(meta.get("attention.layer_norm_rms_epsilon",
+                                             meta["attention.layer_norm_epsilon"])),
+        "max_position_embeddings": int(meta["context_length"]),
+        "mamba_num_heads": heads, "mamba_head_dim": inner // heads,
+        "ssm_state_size": int(meta["ssm.state_size"]), "n_groups": int(meta["ssm.group_count"]),
+        "conv_kernel": int(meta["ssm.conv_kernel"]),
+        "use_conv_bias": mamba is not None and f"blk.{mamba}.ssm_conv1d.bias" in shapes,
+        "use_bias": mamba is not None and f"blk.{mamba}.ssm_in.bias" in shapes,
+        "tie_word_embeddings": "output.weight" not in shapes,
+    }
+    if "moe" in kinds:
+        if int(meta.get("expert_gating_func", SIGMOID_GATING)) != SIGMOID_GATING:
+            raise ValueError(f"nemotron_h_moe: expert_gating_func "
+                             f"{meta['expert_gating_func']} (Nemotron-H's is sigmoid, 2)")
+        fields.update(
+            n_routed_experts=int(meta["expert_count"]),
+            num_experts_per_tok=int(_one_value(meta, "expert_used_count")),
+            moe_intermediate_size=int(_one_value(meta, "expert_feed_forward_length")),
+            moe_shared_expert_intermediate_size=int(meta["expert_shared_feed_forward_length"]),
+            n_shared_experts=int(meta.get("expert_shared_count", 1)),
+            n_group=int(meta.get("expert_group_count", 1)),
+            topk_group=int(meta.get("expert_group_used_count", 1)),
+            norm_topk_prob=bool(meta.get("expert_weights_norm", False)),
+            routed_scaling_factor=float(meta.get("expert_weights_scale", 1.0)),
+            moe_latent_size=meta.get("moe_latent_size"))
+    return fields
+
+
+def _nemotron_tensor(kind: str, suffix: str, value: torch.Tensor, config: Config
+                     ) -> list[tuple[str, torch.Tensor]]:
+    if kind == "ssm_a":
+        return [("mixer.A_log", (-value.flatten()).log())]
+    if kind in ("ssm_d", "ssm_norm"):
+        return [({"ssm_d": "mixer.D", "ssm_norm": "mixer.norm.weight"}[kind], value.flatten())]
+    if kind == "ssm_dt":
+        return [("mixer.dt_bias", value)]
+    if kind == "ssm_conv1d":
+        return [(f"mixer.conv1d.{suffix}", value.unsqueeze(1) if suffix == "weight" else value)]
+    names = {"attn_norm": "norm", "ffn_gate_inp": "mixer.gate"}
+    if kind == "exp_probs_b":
+        return [("mixer.gate.e_score_correction_bias", value)]
+    return [(f"{names[kind]}.{suffix}", value)] if kind in names else []
+
+
+def _nemotron_rows(kind: str, config: Config) -> torch.Tensor | None:
+    """llama.cpp permutes q / k rows as for Llama's rotary halves, though Nemotron-H's
+    attention has no RoPE: undone all the same (an adapter's rows follow the checkpoint's)."""
+    heads = {"attn_q": "num_attention_heads", "attn_k": "num_key_value_heads"}.get(kind)
+    return None if heads is None else llama_rows(config[heads] * config["head_dim"],
+                                                 config[heads])
+
+
 @dataclass(frozen=True)
 class GgufFamily:
     """How a llama.cpp architecture maps onto one of our models."""
@@ -262,7 +362,21 @@ def _qwen(architecture: str) -> GgufFamily:
         _qwen_rows, _qwen_tensor, norms_plus_one=True)
 
 
-FAMILIES = {"granitehybrid": GRANITE, **{a: _qwen(a) for a in QWEN_ARCHITECTURES}}
+NEMOTRON = GgufFamily(
+    _nemotron_config,
+    COMMON_KEYS | {"attention.key_length", "attention.value_length", "rope.scaling.finetuned",
+                   "expert_feed_forward_length", "expert_shared_count", "expert_group_count",
+                   "expert_group_used_count", "expert_weights_norm", "expert_weights_scale",
+                   "expert_gating_func", "moe_latent_size", "nextn_predict_layers",
+                   "attention.layer_norm_epsilon"},
+    {**ATTENTION, "ssm_in": "mixer.in_proj", "ssm_out": "mixer.out_proj",
+     "ffn_up": "mixer.up_proj", "ffn_down": "mixer.down_proj",
+     "ffn_up_exps": "mixer.experts.up_proj", "ffn_down_exps": "mixer.experts.down_proj",
+     "ffn_up_shexp": "mixer.shared_experts.up_proj",
+     "ffn_down_shexp": "mixer.shared_experts.down_proj"},
+    _nemotron_rows, _nemotron_tensor)
+FAMILIES = {"granitehybrid": GRANITE, **{a: _qwen(a) for a in QWEN_ARCHITECTURES},
+            **{a: NEMOTRON for a in NEMOTRON_ARCHITECTURES}}
 
 
 def family_linears(architecture: str) -> dict[str, str]:

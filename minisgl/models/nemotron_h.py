@@ -188,19 +188,30 @@ class NemotronHForCausalLM(HybridStack, LlamaForCausalLM):
             parts[3] = "self_attn"
         return ".".join(parts)
 
+    def weight_target(self, name: str) -> tuple[nn.Module, str, Any] | None:
+        """As Llama's, for the checkpoint's names; an experts tensor's target is the Experts
+        module, its part (up, down) and the expert (None: all of them, stacked)."""
+        name = self.our_name(name)
+        match = EXPERT_TENSOR.match(name)
+        if match is None:
+            return super().weight_target(name)
+        try:
+            experts = self.get_submodule(match["experts"].removeprefix("model."))
+        except AttributeError:
+            return None
+        return experts, match["part"], None if match["expert"] is None else int(match["expert"])
+
     def load_weight(self, name: str, source: Any) -> bool:
         if name.startswith("mtp."):
             return True  # the multi-token-prediction layers are not served
         name = self.our_name(name)
-        match = EXPERT_TENSOR.match(name)
-        if match is None or self.skips(name):
+        if EXPERT_TENSOR.match(name) is None or self.skips(name):
             return super().load_weight(name, source)
-        try:
-            experts = self.get_submodule(match["experts"].removeprefix("model."))
-        except AttributeError:
+        target = self.weight_target(name)
+        if target is None:
             return False
-        experts.load(None if match["expert"] is None else int(match["expert"]), match["part"],
-                     source)
+        experts, part, expert = target
+        experts.load(expert, part, source)
         return True
 
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
