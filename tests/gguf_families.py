@@ -22,6 +22,7 @@ from gguf import (
 )
 
 from minisgl.models.weights import bundled_gguf
+from tests.gguf_requant import encode
 
 
 def write_qwen3moe_gguf(model: torch.nn.Module, path: Path,
@@ -180,7 +181,7 @@ def add(writer: GGUFWriter, name: str, value: np.ndarray,
     if kind is None:
         writer.add_tensor(name, value)
     else:
-        data = quants.quantize(value, kind)
+        data = encode(value, kind)  # the k-quants too
         writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=kind)
 
 
@@ -302,7 +303,8 @@ def write_qwen_hybrid_gguf(folder: Path, path: Path,
 
 
 def write_nemotron_h_gguf(folder: Path, path: Path,
-                          linears: GGMLQuantizationType | None = None) -> Path:
+                          linears: GGMLQuantizationType | None = None,
+                          experts: GGMLQuantizationType | None = None) -> Path:
     """The checkpoint saved in `folder` (transformers' NemotronHForCausalLM, its Hub names
     under `backbone.`; SmolLM2's vocabulary) as llama.cpp's converter writes it: `nemotron_h`,
     or `nemotron_h_moe` with experts (their routing in the expert_* keys, the experts
@@ -310,7 +312,7 @@ def write_nemotron_h_gguf(folder: Path, path: Path,
     layer has none); the Mamba2 tensors as for Granite (A as -exp(A_log), D as [heads, 1],
     the convolution squeezed, the gated norm as [groups, inner / groups]); q / k rows
     permuted as for Llama's rotary halves. F32, or with `linears` for every projection and
-    expert."""
+    `experts` (by default `linears`) for the experts."""
     from safetensors.numpy import load_file
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(folder)
@@ -363,7 +365,7 @@ def write_nemotron_h_gguf(folder: Path, path: Path,
         for part in ("up", "down") if kind == "moe" else ():
             stacked = np.stack([state.pop(f"{prefix}{e}.{part}_proj.weight")
                                 for e in range(config.n_routed_experts)])
-            add(writer, f"blk.{layer}.ffn_{part}_exps.weight", stacked, linears)
+            add(writer, f"blk.{layer}.ffn_{part}_exps.weight", stacked, experts or linears)
     names = {"norm.weight": "attn_norm.weight", "mixer.in_proj.weight": "ssm_in.weight",
              "mixer.out_proj.weight": "ssm_out.weight", "mixer.conv1d.weight":
              "ssm_conv1d.weight", "mixer.conv1d.bias": "ssm_conv1d.bias",

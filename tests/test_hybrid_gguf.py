@@ -140,15 +140,21 @@ def test_a_nemotron_h_gguf_file_serves_transformers_logits(family, tmp_path) -> 
     assert_logits_match_across_spans(model, str(gguf), [(0, 7), (7, 23), (23, 24), (24, 40)])
 
 
-def test_a_nemotron_h_q8_0_file_keeps_every_projection_and_expert_as_blocks(tmp_path) -> None:
+@pytest.mark.parametrize("experts_kind", ["Q8_0", "Q4_K"])
+def test_a_nemotron_h_q8_0_file_keeps_every_projection_and_expert_as_blocks(experts_kind,
+                                                                           tmp_path) -> None:
     """--quantization gguf: Mamba2's in / out projections, attention, the MLP, the shared
-    expert and the experts hold blocks, with the logits of the same file dequantized (bfloat16
-    both; bound BF16_REL_BOUND)."""
-    # blocks of 32 along every input, rows by 8 (Mamba2's in_proj: 2 x 128 + 64 + 8)
-    save_nemotron(tmp_path / "hf", "moe", vocab_size=VOCAB, mamba_num_heads=8,
-                  moe_shared_expert_intermediate_size=64)
-    gguf = write_nemotron_h_gguf(tmp_path / "hf", tmp_path / "tiny.Q8_0.gguf",
-                                 GGMLQuantizationType.Q8_0)
+    expert and the experts (Q8_0, or a k-quant: the block kernel's, one weight per expert)
+    hold blocks, with the logits of the same file dequantized (bfloat16 both; bound
+    BF16_REL_BOUND)."""
+    # blocks of 32 along every input (256: a k-quant's), rows by 8 (Mamba2's in_proj: 2 x 128
+    # + 64 + 8); every token takes every expert, so that no near-tie of the router's scores
+    # flips a choice between the two roundings (the blocks' products are what is compared)
+    save_nemotron(tmp_path / "hf", "moe", vocab_size=VOCAB, mamba_num_heads=8, hidden_size=256,
+                  moe_intermediate_size=256, moe_shared_expert_intermediate_size=64,
+                  num_experts_per_tok=8, n_group=1, topk_group=1)
+    gguf = write_nemotron_h_gguf(tmp_path / "hf", tmp_path / f"tiny.{experts_kind}.gguf",
+                                 GGMLQuantizationType.Q8_0, GGMLQuantizationType[experts_kind])
 
     def check(engine: Engine, blocks: bool) -> None:
         mamba, experts, attention, mlp = (engine.model.layers[i].mixer if i != 2 else
@@ -159,6 +165,9 @@ def test_a_nemotron_h_q8_0_file_keeps_every_projection_and_expert_as_blocks(tmp_
                                       ("shared", experts.shared_experts.down_proj))}
         assert set(dense.values()) == {not blocks}, dense
         assert (experts.experts.gate_up is None) == blocks
+        if blocks and experts_kind.endswith("_K"):  # one k-quant weight per expert and part
+            assert {w.kind for parts in experts.experts.quantized.parts for w in parts} == {
+                experts_kind}
 
     assert_blocks_give_the_dequantized_logits(gguf, check)
 

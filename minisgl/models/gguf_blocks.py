@@ -85,8 +85,7 @@ def kernel_for(kind: str, out_features: int, experts: bool, table: bool, dtype: 
                  and dtype == torch.bfloat16)
     if kind in BLOCK_BYTES and vnni_runs:
         return "vnni"
-    if block_kernels() is not None and kind in KINDS and not experts and (
-            out_features % GGUF_LANES == 0):
+    if block_kernels() is not None and kind in KINDS and out_features % GGUF_LANES == 0:
         return "avx2"
     return "torch" if kind in ("Q4_0", "Q4_1") and not table and dtype == torch.bfloat16 else None
 
@@ -145,11 +144,11 @@ def _decode_tensor(tensor: Any, kernel: str, experts: bool, order: torch.Tensor 
                    ) -> WeightBlocks | GgufBlocks | list[WeightBlocks]:
     kind = tensor.tensor_type.name
     in_features, out_features = (int(n) for n in tensor.shape[:2])
+    decode = read_gguf_blocks if kernel == "avx2" else decode_blocks
     if experts:  # [experts, out, in]: one weight per expert
         raw = np.asarray(tensor.data).reshape(int(tensor.shape[2]), -1)
-        return [decode_blocks(kind, e, out_features, in_features) for e in raw]
-    weight = (read_gguf_blocks(kind, tensor.data, out_features, in_features)
-              if kernel == "avx2" else decode_blocks(kind, tensor.data, out_features, in_features))
+        return [decode(kind, e, out_features, in_features) for e in raw]
+    weight = decode(kind, tensor.data, out_features, in_features)
     return weight if order is None else weight[order]
 
 
@@ -170,8 +169,7 @@ def stage_block_linears(model: torch.nn.Module, path: Path, config: dict[str, An
         if all(p is not None and p.kernel != "avx2" for p in parts) and (
                 len(widths := {p.bits for p in parts}) == 1):
             module.expect_blocks(widths.pop())
-        elif all(p is not None and not p.experts for p in parts) and (
-                block_kernels() is not None):
+        elif all(p is not None for p in parts) and block_kernels() is not None:
             # NOTE: a layer with parts for both kernels (llama.cpp's Q4_K_M: q / k Q5_0 and v
             # Q8_0) runs every part on the one that takes all types
             parts = [p if p.kernel == "avx2" else
@@ -187,8 +185,11 @@ def stage_block_linears(model: torch.nn.Module, path: Path, config: dict[str, An
     return staged, kept
 
 
-def _as_gguf_blocks_of(read: Callable[[], WeightBlocks]) -> GgufBlocks:
-    return as_gguf_blocks(read())
+def _as_gguf_blocks_of(read: Callable[[], WeightBlocks | list[WeightBlocks]]
+                       ) -> GgufBlocks | list[GgufBlocks]:
+    blocks = read()
+    return ([as_gguf_blocks(b) for b in blocks] if isinstance(blocks, list)
+            else as_gguf_blocks(blocks))
 
 
 def as_gguf_blocks(blocks: WeightBlocks) -> GgufBlocks:
