@@ -18,7 +18,6 @@ from gguf import (
     GGUFValueType,
     GGUFWriter,
     get_tensor_name_map,
-    quants,
 )
 
 from minisgl.models.weights import bundled_gguf
@@ -395,5 +394,41 @@ def write_nemotron_h_gguf(folder: Path, path: Path,
                                  else config.num_key_value_heads)
         kind = linears if rest.endswith("proj.weight") else None
         add(writer, f"blk.{layer}.{names[rest]}", np.ascontiguousarray(value), kind)
+    finish(writer)
+    return path
+
+
+def write_smollm3_gguf(model: torch.nn.Module, path: Path,
+                       linears: GGMLQuantizationType | None = None) -> Path:
+    """`model` (transformers' SmolLM3ForCausalLM, vocabulary 49152: SmolLM2's tokenizer) as
+    llama.cpp's converter writes it (`smollm3`: Llama's tensors, q / k rows permuted; which
+    layers go without RoPE is llama.cpp's rule, not in the file): F32, or with `linears` for
+    every projection."""
+    config = model.config
+    layers = config.num_hidden_layers
+    writer = GGUFWriter(str(path), "smollm3")
+    writer.add_name("tiny-smollm3")
+    writer.add_block_count(layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    copy_tokenizer(writer)
+    names = get_tensor_name_map(MODEL_ARCH.SMOLLM3, layers)
+    state = {k: v.float().numpy() for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    for name, value in state.items():
+        base, _, suffix = name.rpartition(".")
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            value = permute_rows(value, config.num_attention_heads if "q_proj" in name
+                                 else config.num_key_value_heads)
+        add(writer, f"{names.get_name(base)}.{suffix}", np.ascontiguousarray(value),
+            linears if name.endswith("proj.weight") else None)
     finish(writer)
     return path

@@ -10,11 +10,11 @@ from minisgl.layers.linear import (
     RowParallelLinear,
 )
 from minisgl.layers.norm import RMSNorm
-from minisgl.layers.rotary import RotaryEmbedding
+from minisgl.layers.rotary import NoRotary, RotaryEmbedding
 
 __all__ = [
     "GeluTanhAndMul",
-    "ColumnParallelLinear", "Layer", "MergedColumnParallelLinear", "ParallelLMHead",
+    "ColumnParallelLinear", "Layer", "MergedColumnParallelLinear", "NoRotary", "ParallelLMHead",
     "QKVParallelLinear", "RMSNorm", "RotaryEmbedding", "RowParallelLinear", "SiluAndMul",
     "VocabParallelEmbedding",
 ]

@@ -190,5 +190,14 @@ class RotaryEmbedding(Layer):
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
 
+class NoRotary:
+    """Attention without positions (NoPE: Granite's and Nemotron-H's layers, SmolLM3's every
+    fourth)."""
+
+    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        return q, k
+
+
 def _heads_contiguous(x: torch.Tensor) -> bool:
     return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]

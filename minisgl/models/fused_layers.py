@@ -20,9 +20,9 @@ import torch
 from minisgl.attention import AttentionBackend
 from minisgl.attention.torch_backend import KernelMetadata, TorchBackend
 from minisgl.core import Batch
-from minisgl.layers import SiluAndMul
+from minisgl.layers import NoRotary, SiluAndMul
 from minisgl.layers.gguf_weight import GgufWeight, StackedWeight
-from minisgl.models.granite_hybrid import GraniteHybridLayer, Mamba2Mixer, NoRotary
+from minisgl.models.granite_hybrid import GraniteHybridLayer, Mamba2Mixer
 from minisgl.models.llama import MLP, Attention, DecoderLayer
 from minisgl.models.qwen3_next import (GatedAttention, GatedDeltaNet, HybridDecoderLayer,
                                        state_step_kernels)

@@ -1,11 +1,13 @@
-"""GGUF files of the hybrid families, which transformers' GGUF reader does not take: llama.cpp's
-`granitehybrid` (Granite 4.0-H), `qwen35` and `qwen35moe` (Qwen3.5), `qwen3next`, and
-`nemotron_h` / `nemotron_h_moe` (Nemotron-H, a block's mixer kind told by its tensors). The
-config comes from the file's metadata; every tensor is renamed to the checkpoint name our
-model loads, with what llama.cpp's converter changed undone:
-  - both: A stored as -exp(A_log), the convolution's weight squeezed to [channels, K];
+"""GGUF files of the families transformers' GGUF reader does not take, the hybrids and SmolLM3:
+llama.cpp's `granitehybrid` (Granite 4.0-H), `qwen35` and `qwen35moe` (Qwen3.5), `qwen3next`,
+`nemotron_h` / `nemotron_h_moe` (Nemotron-H, a block's mixer kind told by its tensors) and
+`smollm3` (Llama's layout, every fourth layer without RoPE). The config comes from the file's
+metadata; every tensor is renamed to the checkpoint name our model loads, with what
+llama.cpp's converter changed undone:
+  - the hybrids: A stored as -exp(A_log), the convolution's weight squeezed to [channels, K];
   - Granite and Nemotron-H: D as [heads, 1], the gated norm's weight as [groups, inner /
-    groups], q / k rows permuted as for Llama; Granite's fused gate / up projections split;
+    groups]; Granite's fused gate / up projections split;
+  - Granite, Nemotron-H and SmolLM3: q / k rows permuted as for Llama;
   - Qwen: the decoder norms stored as 1 + w; Qwen3-Next's in_proj_qkvz split into q, k, v and
     z (each over all heads) and its in_proj_ba kept grouped by key head; Qwen3.5's value heads
     reordered from grouped by key head to tiled over them (k0 k1 .. k0 k1 ..), which we undo
@@ -298,9 +300,37 @@ def _nemotron_tensor(kind: str, suffix: str, value: torch.Tensor, config: Config
     return [(f"{names[kind]}.{suffix}", value)] if kind in names else []
 
 
-def _nemotron_rows(kind: str, config: Config) -> torch.Tensor | None:
-    """llama.cpp permutes q / k rows as for Llama's rotary halves, though Nemotron-H's
-    attention has no RoPE: undone all the same (an adapter's rows follow the checkpoint's)."""
+def _smollm3_config(meta: Metadata, shapes: Shapes) -> Config:
+    heads = int(meta["attention.head_count"])
+    head_dim = int(meta.get("attention.key_length", int(meta["embedding_length"]) // heads))
+    if int(meta.get("rope.dimension_count", head_dim)) != head_dim:
+        raise ValueError("smollm3: RoPE over part of each head (rope.dimension_count "
+                         f"{meta['rope.dimension_count']} of {head_dim})")
+    if int(meta.get("attention.value_length", head_dim)) != head_dim:
+        raise ValueError("smollm3: attention key and value lengths differ")
+    return {
+        "architectures": ["SmolLM3ForCausalLM"], "model_type": "smollm3",
+        "vocab_size": shapes["token_embd.weight"][0],
+        "hidden_size": int(meta["embedding_length"]),
+        "num_hidden_layers": int(meta["block_count"]),
+        "intermediate_size": int(meta["feed_forward_length"]),
+        "num_attention_heads": heads, "num_key_value_heads": int(meta["attention.head_count_kv"]),
+        "head_dim": head_dim, "rms_norm_eps": float(meta["attention.layer_norm_rms_epsilon"]),
+        "max_position_embeddings": int(meta["context_length"]),
+        "rope_theta": float(meta.get("rope.freq_base", 10000.0)),
+        # NOTE: llama.cpp's smollm3 takes every fourth layer without RoPE; the file says nothing
+        "no_rope_layer_interval": 4,
+        "tie_word_embeddings": "output.weight" not in shapes,
+    }
+
+
+def _llama_norms(kind: str, suffix: str, value: torch.Tensor, config: Config
+                 ) -> list[tuple[str, torch.Tensor]]:
+    names = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+    return [(f"{names[kind]}.{suffix}", value)] if kind in names else []
+
+
+def _llama_rows(kind: str, config: Config) -> torch.Tensor | None:
     heads = {"attn_q": "num_attention_heads", "attn_k": "num_key_value_heads"}.get(kind)
     return None if heads is None else llama_rows(config[heads] * config["head_dim"],
                                                  config[heads])
@@ -374,9 +404,18 @@ NEMOTRON = GgufFamily(
      "ffn_up_exps": "mixer.experts.up_proj", "ffn_down_exps": "mixer.experts.down_proj",
      "ffn_up_shexp": "mixer.shared_experts.up_proj",
      "ffn_down_shexp": "mixer.shared_experts.down_proj"},
-    _nemotron_rows, _nemotron_tensor)
+    # NOTE: llama.cpp permutes q / k rows as for Llama's rotary halves though Nemotron-H's
+    # attention has no RoPE: undone all the same (an adapter's rows follow the checkpoint's)
+    _llama_rows, _nemotron_tensor)
+SMOLLM3 = GgufFamily(
+    _smollm3_config,
+    {"block_count", "context_length", "embedding_length", "feed_forward_length",
+     "attention.head_count", "attention.head_count_kv", "attention.layer_norm_rms_epsilon",
+     "attention.key_length", "attention.value_length", "rope.freq_base",
+     "rope.dimension_count", "vocab_size"},
+    {**ATTENTION, **MLP}, _llama_rows, _llama_norms)
 FAMILIES = {"granitehybrid": GRANITE, **{a: _qwen(a) for a in QWEN_ARCHITECTURES},
-            **{a: NEMOTRON for a in NEMOTRON_ARCHITECTURES}}
+            **{a: NEMOTRON for a in NEMOTRON_ARCHITECTURES}, "smollm3": SMOLLM3}
 
 
 def family_linears(architecture: str) -> dict[str, str]:

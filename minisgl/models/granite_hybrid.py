@@ -26,7 +26,7 @@ from minisgl.attention import AttentionBackend
 from minisgl.core import Batch
 from minisgl.distributed import get_tp_info
 from minisgl.kvcache.state_pool import StatePool
-from minisgl.layers import Layer, RMSNorm, RotaryEmbedding, RowParallelLinear
+from minisgl.layers import Layer, NoRotary, RMSNorm, RotaryEmbedding, RowParallelLinear
 from minisgl.layers.linear import PartedColumnParallelLinear, PartedParameters
 from minisgl.layers.moe import SparseMoE
 from minisgl.layers.shard import read_all
@@ -199,14 +199,6 @@ class Mamba2Mixer(Layer):
         grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
         normed = self.norm.weight * grouped.view(tokens, -1).to(x.dtype)
         return self.out_proj(normed)
-
-
-class NoRotary:
-    """Attention without positions (Granite's NoPE)."""
-
-    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        return q, k
 
 
 class GraniteHybridLayer(Layer):

@@ -28,10 +28,10 @@ from torch import nn
 from minisgl.attention import AttentionBackend
 from minisgl.core import Batch
 from minisgl.distributed import all_reduce
-from minisgl.layers import ColumnParallelLinear, Layer, RMSNorm, RowParallelLinear
+from minisgl.layers import ColumnParallelLinear, Layer, NoRotary, RMSNorm, RowParallelLinear
 from minisgl.layers.moe import Experts
 from minisgl.models.arch import ModelArch
-from minisgl.models.granite_hybrid import Mamba2Mixer, NoRotary
+from minisgl.models.granite_hybrid import Mamba2Mixer
 from minisgl.models.llama import Attention, LlamaForCausalLM
 from minisgl.models.qwen3_next import HybridStack, RowSpans
 

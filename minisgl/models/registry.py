@@ -14,6 +14,7 @@ from minisgl.models.moe import MoEForCausalLM
 from minisgl.models.nemotron_h import NemotronHForCausalLM
 from minisgl.models.phi3 import Phi3ForCausalLM
 from minisgl.models.qwen3_next import Qwen3NextForCausalLM
+from minisgl.models.smollm3 import SmolLM3ForCausalLM
 
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
@@ -30,6 +31,7 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3NextForCausalLM,
     "Qwen3_5MoeForCausalLM": Qwen3NextForCausalLM,
+    "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
 }
 
 
