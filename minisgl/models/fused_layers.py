@@ -84,16 +84,18 @@ def fuse_layers(model: Any, backend: AttentionBackend, tp_size: int) -> FusedLay
     if any(b is None for linears in blocks for b in linears):
         return None
     attention = [p.mixer for p in parts if isinstance(p.mixer, (Attention, GatedAttention))]
-    shared = {(id(a.rotary), _query_scale(a), type(a)) for a in attention}
+    rotaries = {id(a.rotary): a.rotary for a in attention if not isinstance(a.rotary, NoRotary)}
+    shared = {(_query_scale(a), type(a)) for a in attention}
     multipliers = {p.residual_multiplier for p in parts}
     eps = layers[0].input_layernorm.eps
-    if (not attention or len(shared) > 1 or len(multipliers) > 1
+    if (not attention or len(shared) > 1 or len(rotaries) > 1 or len(multipliers) > 1
             or any(a.q_norm is not None and a.q_norm.eps != eps for a in attention)):
         return None
     first = attention[0]
-    cos = sin = None  # NoPE
-    if not isinstance(first.rotary, NoRotary):
-        cos, sin = first.rotary.cos, first.rotary.sin
+    cos = sin = None  # NoPE in every layer
+    if rotaries:
+        rotary = rotaries.popitem()[1]
+        cos, sin = rotary.cos, rotary.sin
         if cos.dtype != torch.float32:
             return None
     gated = isinstance(first, GatedAttention)
@@ -110,7 +112,8 @@ def fuse_layers(model: Any, backend: AttentionBackend, tp_size: int) -> FusedLay
             norms = ((m.q_norm.weight.detach(), m.k_norm.weight.detach())
                      if m.q_norm is not None else (None, None))
             program.add_layer(p.input_norm, p.post_norm, weights, kinds,
-                              *backend.kv_pool.layer(layer_id), *norms, gated)
+                              *backend.kv_pool.layer(layer_id), *norms, gated,
+                              not isinstance(m.rotary, NoRotary))
         elif isinstance(m, GatedDeltaNet):
             program.add_delta_layer(p.input_norm, p.post_norm, weights, kinds,
                                     m.conv1d.weight.detach(), *m.states.layer(m.linear_id),

@@ -57,7 +57,7 @@ void FusedLayers::add_layer(at::Tensor input_norm, at::Tensor post_norm,
                             std::vector<std::vector<at::Tensor>> linears,
                             std::vector<std::vector<int64_t>> kinds, at::Tensor k_cache,
                             at::Tensor v_cache, c10::optional<at::Tensor> q_norm,
-                            c10::optional<at::Tensor> k_norm, bool gated) {
+                            c10::optional<at::Tensor> k_norm, bool gated, bool rotary) {
   TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "both QK-norm weights or neither");
   Layer layer = new_layer(std::move(input_norm), std::move(post_norm), linears, kinds,
                           Mixer::attention);
@@ -66,6 +66,7 @@ void FusedLayers::add_layer(at::Tensor input_norm, at::Tensor post_norm,
   layer.q_norm = std::move(q_norm);
   layer.k_norm = std::move(k_norm);
   layer.gated = gated;
+  layer.rotary = rotary;
   layers_.push_back(std::move(layer));
 }
 
@@ -139,7 +140,7 @@ at::Tensor FusedLayers::attention(const Layer& layer, const at::Tensor& x,
     q = plain_norm(q.contiguous(), *layer.q_norm, eps_);
     k = plain_norm(k, *layer.k_norm, eps_);
   }
-  if (cos_.has_value()) rotary_(q, k, positions, *cos_, *sin_);
+  if (layer.rotary && cos_.has_value()) rotary_(q, k, positions, *cos_, *sin_);
   if (query_scale_ != 1.0) q = q.mul(query_scale_);
   store_kv_(layer.k_cache, layer.v_cache, out_loc, k, v);
   auto attended = decode_attention(q.contiguous(), layer.k_cache, layer.v_cache, locations,

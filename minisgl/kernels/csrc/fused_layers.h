@@ -23,12 +23,13 @@ class FusedLayers {
   // kinds: each part's (bits, mode, activation terms); caches: the layer's K and V in the
   // head-major pool; q_norm / k_norm: per-head RMSNorm weights (QK-norm), or none; gated:
   // q/k/v's q holds each head's query then its gate, and the attention's output is scaled by
-  // sigmoid(gate) before o.
+  // sigmoid(gate) before o; rotary: whether the RoPE tables apply to this layer (false: a NoPE
+  // layer among rotary ones, SmolLM3's).
   void add_layer(at::Tensor input_norm, at::Tensor post_norm,
                  std::vector<std::vector<at::Tensor>> linears,
                  std::vector<std::vector<int64_t>> kinds, at::Tensor k_cache,
                  at::Tensor v_cache, c10::optional<at::Tensor> q_norm,
-                 c10::optional<at::Tensor> k_norm, bool gated);
+                 c10::optional<at::Tensor> k_norm, bool gated, bool rotary);
 
   // A Mamba2 layer: linears in_proj, out_proj, gate/up, down as add_layer's; the rest as
   // mamba2_spans takes them (conv_states / ssm_states: the layer's in the state pool).
@@ -82,7 +83,7 @@ class FusedLayers {
     Mixer mixer;
     at::Tensor k_cache, v_cache;
     c10::optional<at::Tensor> q_norm, k_norm;
-    bool gated = false;
+    bool gated = false, rotary = true;
     Mamba2 mamba2;
     Delta delta;
   };
