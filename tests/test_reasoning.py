@@ -95,9 +95,17 @@ OFF_BY_DEFAULT_TEMPLATE = CHATML + (
     "{%- if enable_thinking | default(false) %}{{ '<think>\\n' }}{%- endif %}{%- endif %}")
 
 
-def thinking(template: str) -> TemplateThinking:
+# a switch in the system message (SmolLM3's kind): `/no_think` there closes an empty block
+SYSTEM_SWITCH_TEMPLATE = (
+    "{%- set off = messages[0]['role'] == 'system' and '/no_think' in messages[0]['content'] %}"
+    + CHATML + "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{%- if off %}{{ '<think>\\n\\n</think>\\n' }}{%- endif %}{%- endif %}")
+
+
+def thinking(template: str, system: str | None = None) -> TemplateThinking:
     compiled = jinja2.Environment().from_string(template)
-    return TemplateThinking.probe(lambda messages, kw: compiled.render(messages=messages, **kw))
+    return TemplateThinking.probe(lambda messages, kw: compiled.render(messages=messages, **kw),
+                                  system)
 
 
 @pytest.mark.parametrize("template, kwargs, prefix, inside", [
@@ -115,6 +123,13 @@ def thinking(template: str) -> TemplateThinking:
 ])
 def test_qwen3_start(template, kwargs, prefix, inside):
     assert starts_in_reasoning("qwen3", thinking(template), kwargs, prefix) is inside
+
+
+@pytest.mark.parametrize("system, inside", [
+    (None, True), ("Answer briefly.", True), ("Answer briefly. /no_think", False)])
+def test_qwen3_start_follows_a_switch_in_the_system_message(system, inside):
+    template = thinking(SYSTEM_SWITCH_TEMPLATE, system)
+    assert starts_in_reasoning("qwen3", template, {}, "") is inside
 
 
 def test_deepseek_r1_always_starts_inside_unless_continued_past_it():

@@ -4,6 +4,7 @@ the model cards of /v1/models, and the settings chat requests follow (--sampling
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -18,6 +19,8 @@ logger = logging.getLogger(__name__)
 
 # NOTE: sglang-router fills a chat request's missing `model` with this name
 ROUTER_PLACEHOLDER_MODEL = "unknown"
+# distinct system messages whose effect on the template's thinking is kept (an LRU)
+SYSTEM_MESSAGES_PROBED = 256
 
 
 class UnknownModel(InvalidRequest):
@@ -33,7 +36,10 @@ class OpenAIModel:
     sampling_defaults: dict[str, Any]  # what chat requests that leave a sampling field out get
     tool_call_parser: str
     reasoning_parser: str | None = None
-    template_thinking: TemplateThinking = field(default_factory=TemplateThinking)
+    # what the chat template's generation prompt holds of the thinking after a request's
+    # system message (None: none)
+    template_thinking: Callable[[str | None], TemplateThinking] = lambda system: (
+        TemplateThinking())
     adapters: Callable[[], dict[str, str]] = dict  # the loaded LoRA adapters: name -> path
     lora: bool = False  # --enable-lora: `base:adapter` names an adapter
     created: int = field(default_factory=lambda: int(time.time()))
@@ -48,8 +54,10 @@ class OpenAIModel:
         aliases = {*runtime.served_names, str(runtime.model_path),
                    *([args.model_path] if args.model_path else [])}
         tokenizer = runtime.tokenizer
-        thinking = (TemplateThinking.probe(tokenizer.chat_prompt)
-                    if args.reasoning_parser and tokenizer is not None else TemplateThinking())
+        thinking = (functools.lru_cache(maxsize=SYSTEM_MESSAGES_PROBED)(
+            functools.partial(TemplateThinking.probe, tokenizer.chat_prompt))
+            if args.reasoning_parser and tokenizer is not None
+            else lambda system: TemplateThinking())
         return cls(list(runtime.served_names), aliases, args.strict_model_name,
                    runtime.context_len, defaults, args.tool_call_parser,
                    args.reasoning_parser, thinking, runtime.loaded_adapters, args.enable_lora)

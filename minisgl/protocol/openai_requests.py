@@ -115,8 +115,12 @@ def parse_chat(body: dict[str, Any], model: OpenAIModel, template_takes_tools: b
     reasoning, thinking = None, False
     if model.reasoning_parser is not None or any(
             name in body for name in ("separate_reasoning", "stream_reasoning")):
+        first = messages[0] if messages else {}
+        system = (first.get("content") if first.get("role") == "system"
+                  and isinstance(first.get("content"), str) else None)
         reasoning, thinking = request_reasoning(body, model.reasoning_parser,
-                                                model.template_thinking, template_kwargs, prefix)
+                                                model.template_thinking(system), template_kwargs,
+                                                prefix)
     tools = (parse_tool_use(body) if any(body.get(name) is not None for name in
                                          ("tools", "tool_choice", "parallel_tool_calls"))
              else None)

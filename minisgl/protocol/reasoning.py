@@ -5,8 +5,9 @@ answer's thinking, written between `<think>` and `</think>`, is returned as
 Where the answer starts (SGLang's rules, parser/reasoning_parser.py and
 entrypoints/openai/serving_chat.py):
 - deepseek-r1: always inside the reasoning (its template opens `<think>` for the model).
-- qwen3: inside when the chat template's generation prompt leaves a `<think>` open; outside
-  when it holds a closed block (Qwen3's `enable_thinking: false`); otherwise inside unless
+- qwen3: inside when the chat template's generation prompt (after the request's system
+  message) leaves a `<think>` open; outside when it holds a closed block (Qwen3's
+  `enable_thinking: false`, SmolLM3's `/no_think`); otherwise inside unless
   `chat_template_kwargs.enable_thinking` is false (a template without a thinking switch), or
   the template has a switch that is off by default and the request does not turn it on.
 - A continued final assistant message (continue_final_message) moves it: its last marker
@@ -143,11 +144,14 @@ class TemplateThinking:
     switch_off_by_default: bool = False
 
     @classmethod
-    def probe(cls, chat_prompt: Callable[[list[dict[str, Any]], dict[str, Any]], str]
-              ) -> TemplateThinking:
-        """Render one user turn with and without the generation prompt, for each value of
-        the switch; a template that cannot render it tells nothing."""
-        messages = [{"role": "user", "content": "Hi"}]
+    def probe(cls, chat_prompt: Callable[[list[dict[str, Any]], dict[str, Any]], str],
+              system: str | None = None) -> TemplateThinking:
+        """Render one user turn (after the system message `system`, where a template may
+        read a switch: SmolLM3's `/think` and `/no_think`) with and without the generation
+        prompt, for each value of the switch; a template that cannot render it tells
+        nothing."""
+        messages = ([{"role": "system", "content": system}] if system is not None else []) + [
+            {"role": "user", "content": "Hi"}]
 
         def generation_prompt(extra: dict[str, Any]) -> str:
             with_prompt = chat_prompt(messages, {**extra, "add_generation_prompt": True})
