@@ -12,21 +12,27 @@ from minisgl.kvcache import KVPool
 
 
 def float64_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   page_table: torch.Tensor, seq_lens: list[int], scale: float) -> torch.Tensor:
-    """softmax(q k^T * scale) v per request and query head, in float64."""
+                   page_table: torch.Tensor, seq_lens: list[int], scale: float,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale) v per request and query head, in float64; with `sinks`, each
+    head's sink logit joins its softmax and is dropped from it."""
     group = q.shape[1] // k_cache.shape[0]
     out = torch.empty(q.shape, dtype=torch.float64)
     for row, length in enumerate(seq_lens):
         where = page_table[row, :length].long()
         k = k_cache[:, where].double().repeat_interleave(group, 0)  # [heads, length, dim]
         v = v_cache[:, where].double().repeat_interleave(group, 0)
-        weights = (torch.einsum("hd,htd->ht", q[row].double(), k) * scale).softmax(-1)
+        scores = torch.einsum("hd,htd->ht", q[row].double(), k) * scale
+        if sinks is not None:
+            scores = torch.cat((scores, sinks.double()[:, None]), dim=-1)
+        weights = scores.softmax(-1)[:, :length]
         out[row] = torch.einsum("ht,htd->hd", weights, v)
     return out
 
 
 # NOTE: the bfloat16 bound is the output's own rounding (8 bits: |out| < 4 here, so < 2 ** -6)
 # plus float32 sums; the float32 one is float32 sums over <= 80 tokens.
+@pytest.mark.parametrize("sinks", [False, True])  # gpt-oss's attention sinks
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 1.6e-2)])
 @pytest.mark.parametrize("heads,kv_heads,dim", [
     (9, 3, 64),    # SmolLM2 (bfloat16: the vectorised path)
@@ -36,7 +42,7 @@ def float64_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     (12, 4, 96),   # a head dim with no vectorised path: the generic loop
 ])
 def test_kernel_matches_float64_decode(dtype: torch.dtype, tolerance: float, heads: int,
-                                       kv_heads: int, dim: int) -> None:
+                                       kv_heads: int, dim: int, sinks: bool) -> None:
     if cpu_kernels() is None:
         pytest.skip("no C++ compiler here: the kernel falls back to torch ops")
     gen = torch.Generator().manual_seed(0)
@@ -54,6 +60,8 @@ def test_kernel_matches_float64_decode(dtype: torch.dtype, tolerance: float, hea
     # the step's own k / v are what the pool holds at its last location (stored again as is)
     k, v = k_cache[:, last].transpose(0, 1), v_cache[:, last].transpose(0, 1)
     q = torch.randn(batch, heads, dim, generator=gen).to(dtype)
+    # sink logits around the scores' own range, so each takes a real share of some softmax
+    sink = torch.randn(heads, generator=gen) * 2 + 1 if sinks else None
     outputs = []
     for kernels in (cpu_kernels(), None):
         backend = TorchBackend(pool, page_table, dim ** -0.5)
@@ -63,9 +71,9 @@ def test_kernel_matches_float64_decode(dtype: torch.dtype, tolerance: float, hea
                        extend_lens=[1] * batch, input_positions=torch.tensor(seq_lens) - 1,
                        out_loc=last)
         backend.prepare_metadata(batch_)
-        outputs.append(backend.forward(q, k, v, 0, batch_))
+        outputs.append(backend.forward(q, k, v, 0, batch_, sink))
     fast, slow = outputs
-    exact = float64_decode(q, k_cache, v_cache, page_table, seq_lens, dim ** -0.5)
+    exact = float64_decode(q, k_cache, v_cache, page_table, seq_lens, dim ** -0.5, sink)
     exact = exact.view(fast.shape)
     assert (fast.double() - exact).abs().max().item() < tolerance
     assert (slow.double() - exact).abs().max().item() < 2 * tolerance  # the torch path too

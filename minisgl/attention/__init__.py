@@ -20,10 +20,14 @@ __all__ = ["AttentionBackend", "create_attention_backend", "default_attention_ba
 
 
 def default_attention_backend(device: torch.device, dtype: torch.dtype,
-                              head_dim: int = 128) -> str:
+                              head_dim: int = 128, sinks: bool = False) -> str:
     """FlashInfer on CUDA for half-precision models of the head sizes it takes, when it is
-    installed; torch otherwise."""
+    installed, and without attention sinks; torch otherwise."""
     if device.type != "cuda":
+        return "torch"
+    if sinks:
+        logger.warning("attention: torch backend, without CUDA graphs (this model's attention "
+                       "sinks are not in minisgl's FlashInfer path)")
         return "torch"
     if head_dim not in FLASHINFER_HEAD_DIMS:
         logger.warning("attention: torch backend, without CUDA graphs (FlashInfer's kernels take "

@@ -34,6 +34,8 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                batch: Batch) -> torch.Tensor:
+                batch: Batch, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q: [tokens, heads, head_dim], k/v: [tokens, kv_heads, head_dim] of the new tokens.
-        Stores k/v at batch.out_loc and returns [tokens, heads * head_dim]."""
+        Stores k/v at batch.out_loc and returns [tokens, heads * head_dim]. sinks: [heads], a
+        logit per query head that joins each softmax's denominator and adds nothing to the
+        output (gpt-oss's attention sinks)."""

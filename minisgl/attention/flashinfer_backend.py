@@ -266,7 +266,9 @@ class FlashInferBackend(AttentionBackend):
         done.record()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                batch: Batch) -> torch.Tensor:
+                batch: Batch, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        # NOTE: a model with sinks gets the torch backend (model_loading.attention_for)
+        assert sinks is None, "attention sinks are not in the FlashInfer path"
         self.kv_pool.store(layer_id, batch.out_loc, k, v)
         meta: PagedMetadata = batch.attn_metadata
         if meta.wrappers is None:  # eager: plan once per batch, at its first attention layer

@@ -169,27 +169,28 @@ class TorchBackend(AttentionBackend):
                               torch.tensor(seq_lens, device=device), max(seq_lens))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                batch: Batch) -> torch.Tensor:
+                batch: Batch, sinks: torch.Tensor | None = None) -> torch.Tensor:
         meta, window = batch.attn_metadata, self.window(layer_id)
         if isinstance(meta, KernelMetadata):
             k_cache, v_cache = self.kv_pool.layer(layer_id)
             self.kernels.store_kv_(k_cache, v_cache, batch.out_loc, k, v)
             locations, lens, rows = meta.view(window, self.page_table)
             out = self.kernels.decode_attention(q.contiguous(), k_cache, v_cache, locations,
-                                                lens, self.scale, rows, self.softcap)
+                                                lens, self.scale, rows, self.softcap, sinks)
             return out.view(q.shape[0], -1)
         k_cache, v_cache = self.kv_pool.store(layer_id, batch.out_loc, k, v)
         if batch.is_decode:
-            return self._decode(q, k_cache, v_cache, meta, window)
+            return self._decode(q, k_cache, v_cache, meta, window, sinks)
         if not isinstance(meta, MixedMetadata):
-            return self._prefill(q, k, v, k_cache, v_cache, meta, window)
+            return self._prefill(q, k, v, k_cache, v_cache, meta, window, sinks)
         split = meta.prefill_tokens
         return torch.cat((self._prefill(q[:split], k[:split], v[:split], k_cache, v_cache,
-                                        meta.prefill, window),
-                          self._decode(q[split:], k_cache, v_cache, meta.decode, window)))
+                                        meta.prefill, window, sinks),
+                          self._decode(q[split:], k_cache, v_cache, meta.decode, window, sinks)))
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: DecodeMetadata, window: int) -> torch.Tensor:
+                meta: DecodeMetadata, window: int, sinks: torch.Tensor | None
+                ) -> torch.Tensor:
         if meta.locations is None:
             meta.materialize(self.page_table, self.kv_pool.dummy_loc)
         bs, max_len = meta.locations.shape
@@ -205,13 +206,14 @@ class TorchBackend(AttentionBackend):
                                         keys.transpose(1, 2)))
         scores = scores.view(num_kv, bs, group, max_len).masked_fill_(meta.padding_for(window),
                                                                 float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        per_head = None if sinks is None else sinks.view(num_kv, 1, group, 1)
+        probs = softmax_with_sinks(scores, per_head).to(q.dtype)
         out = torch.bmm(probs.view(num_kv * bs, group, max_len), values)
         return out.view(num_kv, bs, group, head_dim).transpose(0, 1).reshape(bs, -1)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, segments: list[PrefillSegment], window: int
-                 ) -> torch.Tensor:
+                 v_cache: torch.Tensor, segments: list[PrefillSegment], window: int,
+                 sinks: torch.Tensor | None) -> torch.Tensor:
         out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
         heads, dim = q.shape[1], q.shape[2]
         for seg in segments:
@@ -228,7 +230,7 @@ class TorchBackend(AttentionBackend):
             if window not in seg.masks:
                 seg.masks[window] = self._mask(new, seg.cached_len, window, q.dtype, q.device)
             mask = seg.masks[window]
-            o = self._attend(qs, ks, vs, mask)  # [n, heads, new, dim]
+            o = self._attend(qs, ks, vs, mask, sinks)  # [n, heads, new, dim]
             out[seg.start:seg.end] = o.transpose(1, 2).reshape(n * new, heads * dim)
         return out
 
@@ -237,7 +239,8 @@ class TorchBackend(AttentionBackend):
         """Which keys `new` queries after `cached_len` cached tokens see: None where plain
         causality says it (no prefix, no window reaching back); else True = attend, or (the
         fused CPU kernel wants it) 0 / -inf, shaped [1, 1, new, cached_len + new]. Soft-capped
-        scores always get the boolean mask (_attend computes them itself)."""
+        scores always get the boolean mask (_attend computes them itself; with sinks it makes
+        one from None)."""
         if cached_len == 0 and (not window or new <= window) and not self.softcap:
             return None
         query_pos = torch.arange(new, device=device)[:, None] + cached_len
@@ -251,12 +254,17 @@ class TorchBackend(AttentionBackend):
             ~allowed, float("-inf"))[None, None]
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                mask: torch.Tensor | None) -> torch.Tensor:
+                mask: torch.Tensor | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention of q [n, heads, new, dim] over k/v [n, kv_heads, len, dim]; `mask`
         (_mask) replaces causality when a cached prefix precedes the queries or a window
         limits them."""
-        if self.softcap:
-            return self._attend_capped(q, k, v, mask)
+        if self.softcap or sinks is not None:
+            if mask is None:
+                mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool,
+                                  device=q.device).tril_()
+            elif mask.dtype != torch.bool:
+                mask = mask[0, 0] == 0
+            return self._attend_scores(q, k, v, mask, sinks)
         if self._flash is None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                                   scale=self.scale, enable_gqa=True)
@@ -271,13 +279,24 @@ class TorchBackend(AttentionBackend):
             return scores
         return torch.tanh(scores / self.softcap) * self.softcap
 
-    def _attend_capped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       allowed: torch.Tensor) -> torch.Tensor:
-        """_attend with soft-capped scores, which SDPA does not compute: the scores in full
-        ([n, heads, new, len]; `allowed` is the boolean mask, [new, len])."""
+    def _attend_scores(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       allowed: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+        """_attend with soft-capped scores or sinks, which SDPA does not compute: the scores
+        in full ([n, heads, new, len]; `allowed` is the boolean mask, [new, len])."""
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         scores = self._capped(torch.matmul(q * self.scale, k.transpose(-1, -2)))
         scores = scores.masked_fill(~allowed, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        per_head = None if sinks is None else sinks.view(1, -1, 1, 1)
+        probs = softmax_with_sinks(scores, per_head).to(q.dtype)
         return torch.matmul(probs, v)
+
+
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """softmax over the last dimension in float32, with `sinks` (broadcast to scores' shape
+    but the last dimension, which is 1) as one more logit each that takes its share of the
+    probability and is then dropped."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1, dtype=torch.float32)
+    column = sinks.float().expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat((scores.float(), column), dim=-1), dim=-1)[..., :-1]

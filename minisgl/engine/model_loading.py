@@ -65,8 +65,11 @@ def attention_for(name: str | None, arch: ModelArch, model: torch.nn.Module, poo
     """`--attention-backend` `name` (None: the default for the device, dtype and model)."""
     windows = arch.layer_windows if arch.sliding_window else ()
     softcap = arch.attn_logit_softcap
+    if name == "flashinfer" and arch.attention_sinks:
+        raise ValueError("--attention-backend flashinfer: this model's attention sinks are not "
+                         "in minisgl's FlashInfer path; use --attention-backend torch")
     return create_attention_backend(
-        name or default_attention_backend(device, dtype, arch.head_dim),
+        name or default_attention_backend(device, dtype, arch.head_dim, arch.attention_sinks),
         pool, page_table, arch.head_dim ** -0.5, windows, softcap,
         num_qo_heads=first_attention(model).qkv_proj.num_heads)  # flashinfer only
 

@@ -31,18 +31,21 @@ from minisgl.layers.w8a8 import Int8ChannelWeight, fits_int8
 
 
 class TopKRouter(Layer):
-    """Softmax over the experts' logits (float32), the top k, optionally renormalised to sum
-    to one (Mixtral always; Qwen3-MoE where norm_topk_prob says so)."""
+    """Softmax over the experts' logits (float32; a bias on them: gpt-oss's), the top k,
+    optionally renormalised to sum to one (Mixtral always; Qwen3-MoE where norm_topk_prob says
+    so)."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int,
-                 renormalize: bool) -> None:
+                 renormalize: bool, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        self.bias = (nn.Parameter(torch.empty(num_experts), requires_grad=False) if bias
+                     else None)
         self.top_k, self.renormalize = top_k, renormalize
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in x's dtype, expert ids [T, k])."""
-        probs = torch.softmax(F.linear(x, self.weight).float(), dim=-1)
+        probs = torch.softmax(F.linear(x, self.weight, self.bias).float(), dim=-1)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -98,24 +101,32 @@ class QuantizedExperts:
 
 class Experts(Layer):
     """Every expert's gate/up ([E, 2 * I / tp, H]) and down ([E, H, I / tp]) weights. With an
-    `act` of its own an expert has no gate: `gate_up` holds its up rows alone ([E, I / tp, H])
-    and act(up x) feeds down."""
+    `act` of its own an expert has no gate (unless `gated`: the act takes gate and up, as
+    SiluAndMul does): `gate_up` holds its up rows alone ([E, I / tp, H]) and act(up x) feeds
+    down. With `bias`, each expert adds its own to gate/up's output and to down's."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
-                 act: Layer | None = None) -> None:
+                 act: Layer | None = None, gated: bool | None = None, bias: bool = False
+                 ) -> None:
         super().__init__()
         tp = get_tp_info()
         self.shard = divide(intermediate_size, tp.size, "expert intermediate size")
         self.rank_start = tp.rank * self.shard  # this rank's first intermediate feature
         self.num_experts, self.hidden_size = num_experts, hidden_size
         self.intermediate_size = intermediate_size
-        self.gated = act is None
+        self.gated = act is None if gated is None else gated
         self.gate_up_width = (2 if self.gated else 1) * self.shard
         self.gate_up = nn.Parameter(torch.empty(num_experts, self.gate_up_width, hidden_size),
                                     requires_grad=False)
         self.down = nn.Parameter(torch.empty(num_experts, hidden_size, self.shard),
                                  requires_grad=False)
         self.act = act or SiluAndMul()
+        self.gate_up_bias = self.down_bias = None
+        if bias:
+            self.gate_up_bias = nn.Parameter(torch.empty(num_experts, self.gate_up_width),
+                                             requires_grad=False)
+            self.down_bias = nn.Parameter(torch.empty(num_experts, hidden_size),
+                                          requires_grad=False)
         self.quantized: QuantizedExperts | None = None  # --quantization w8a8_int8/fp8/gguf
         # --quantization gguf: per part (gate, up, down), each expert's blocks as loaded
         self.blocks: dict[str, list[WeightBlocks | None]] | None = None
@@ -123,8 +134,11 @@ class Experts(Layer):
 
     def load(self, expert: int | None, part: str, source: Any) -> None:
         """One checkpoint tensor: `part` gate / up / down of `expert`, or of every expert at once
-        (expert None: a [E, ...] tensor; part gate_up is gate and up stacked)."""
+        (expert None: a [E, ...] tensor; part gate_up is gate and up stacked); or every
+        expert's gate_up_bias ([E, 2 I]: gate's then up's) or down_bias ([E, H])."""
         rank_start = get_tp_info().rank * self.shard
+        if part.endswith("_bias"):
+            return self._load_bias(part, read_all(source))
 
         def shard(blocks: Any) -> Any:
             return (read_cols(blocks, rank_start, self.shard) if part == "down"
@@ -155,6 +169,16 @@ class Experts(Layer):
             start = self.shard if part == "up" and self.gated else 0
             rows = self.gate_up.data[expert].narrow(0, start, self.shard)
             copy_into(rows, read_rows(source, rank_start, self.shard), f"experts.{expert}.{part}")
+
+    def _load_bias(self, part: str, full: torch.Tensor) -> None:
+        tp = get_tp_info()
+        if part == "down_bias":  # NOTE: down's outputs are summed over the ranks: added once
+            copy_into(self.down_bias.data, full if tp.rank == 0 else torch.zeros_like(full),
+                      part)
+            return
+        halves = full.view(self.num_experts, 2 if self.gated else 1, -1)
+        rows = halves[:, :, tp.rank * self.shard:(tp.rank + 1) * self.shard]
+        copy_into(self.gate_up_bias.data, rows.reshape(self.num_experts, -1), part)
 
     def expect_blocks(self, bits: int = 4) -> None:
         """--quantization gguf: the experts' weights come as blocks (models.gguf_blocks), one
@@ -224,10 +248,19 @@ class Experts(Layer):
 
             def matmul(h: torch.Tensor, part: str) -> torch.Tensor:
                 return self._per_expert(h, host_counts, part)
-        h = self.act(self._add_lora("gate_up", grouped, matmul(grouped, "gate_up"), lora))
-        out = self._add_lora("down", h, matmul(h, "down"), lora)
+        sorted_ids = choices.index_select(0, order) if self.down_bias is not None else None
+        h = self.act(self._add_lora("gate_up", grouped, self._biased(
+            matmul(grouped, "gate_up"), self.gate_up_bias, sorted_ids), lora))
+        out = self._add_lora("down", h, self._biased(matmul(h, "down"), self.down_bias,
+                                                     sorted_ids), lora)
         out = out * weights.flatten().index_select(0, order).unsqueeze(1)
         return torch.zeros_like(x).index_add_(0, rows, out)
+
+    @staticmethod
+    def _biased(out: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor | None
+                ) -> torch.Tensor:
+        """`out` (rows grouped by expert; ids: each row's expert) plus its expert's bias."""
+        return out if bias is None else out + bias.index_select(0, ids)
 
     def _add_lora(self, part: str, x: torch.Tensor, out: torch.Tensor, step: LoraStep | None
                   ) -> torch.Tensor:

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from minisgl.distributed import get_tp_info
 from minisgl.layers.gguf_weight import GgufBlocks
 from minisgl.layers.gpu_blocks import Fp8Blocks
 from minisgl.layers.quant import WeightBlocks
@@ -56,3 +57,9 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
     if dst.shape != src.shape:
         raise ValueError(f"{what}: checkpoint shape {tuple(src.shape)} != expected {tuple(dst.shape)}")
     dst.copy_(src)
+
+
+def load_head_rows(param: Any, source: Any, name: str) -> None:
+    """A per-head vector's rows of this rank's heads (all of them without parallelism)."""
+    tp = get_tp_info()
+    copy_into(param.data, read_part_rows(source, [len(param) * tp.size], tp.rank, tp.size), name)

@@ -16,6 +16,8 @@ FAMILY_TRAITS: dict[tuple[str, str], dict[str, bool]] = {
     ("qwen3", "Qwen3ForCausalLM"): {"qk_norm": True},
     ("gemma3_text", "Gemma3ForCausalLM"): {"qk_norm": True},
     ("qwen3_moe", "Qwen3MoeForCausalLM"): {"qk_norm": True},
+    # a learned logit per query head in each softmax's denominator, biased q/k/v and o
+    ("gpt_oss", "GptOssForCausalLM"): {"attention_sinks": True},
 }
 
 
@@ -103,9 +105,9 @@ class MoEShape:
         experts = config.get("num_local_experts") or config.get("num_experts") or 0
         if not experts:
             return None
-        # NOTE: Mixtral's and Qwen3.5's routers always renormalise; the others say so
+        # NOTE: Mixtral's, Qwen3.5's and gpt-oss's routers always renormalise; the others say so
         always = config.get("model_type") in ("mixtral", "qwen3_5_moe", "qwen3_5_moe_text",
-                                              "granitemoehybrid")
+                                              "granitemoehybrid", "gpt_oss")
         step = config.get("decoder_sparse_step") or 1
         dense = set(config.get("mlp_only_layers") or ())
         return cls(
@@ -289,6 +291,7 @@ class ModelArch:
     rotary_dim: int = 0  # the first rotary_dim dims of each head rotate (partial_rotary_factor)
     served_context: int = 0  # the context the engine serves (Engine sets it; 0: the model's)
     attn_logit_softcap: float = 0.0  # > 0: attention scores s -> cap * tanh(s / cap)
+    attention_sinks: bool = False  # a learned logit per query head joins each softmax
     final_logit_softcap: float = 0.0  # > 0: the same on the output logits
     moe: MoEShape | None = None  # None: a dense model
     # per layer "full_attention" (or "sliding_attention") or "linear_attention" (a hybrid's
@@ -343,6 +346,7 @@ class ModelArch:
             layer_windows=layer_windows(config),
             rotary_dim=int(head_dim * partial),
             attn_logit_softcap=softcap(config, "attn_logit_softcapping"),
+            attention_sinks=traits.get("attention_sinks", False),
             final_logit_softcap=softcap(config, "final_logit_softcapping"),
             moe=MoEShape.from_config(config),
             layer_types=layer_types(config),

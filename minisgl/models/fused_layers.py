@@ -142,7 +142,7 @@ def _plain_mlp(mlp: Any) -> bool:
 
 
 def _plain_attention(attn: Any) -> bool:
-    return type(attn) is Attention and attn.q_norm is None
+    return type(attn) is Attention and attn.q_norm is None and attn.sinks is None
 
 
 def _layer_parts(layer: Any) -> LayerParts | None:

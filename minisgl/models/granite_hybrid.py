@@ -29,12 +29,12 @@ from minisgl.kvcache.state_pool import StatePool
 from minisgl.layers import Layer, NoRotary, RMSNorm, RotaryEmbedding, RowParallelLinear
 from minisgl.layers.linear import PartedColumnParallelLinear, PartedParameters
 from minisgl.layers.moe import SparseMoE
-from minisgl.layers.shard import read_all
+from minisgl.layers.shard import load_head_rows, read_all
 from minisgl.models.arch import MambaShape, ModelArch
 from minisgl.models.llama import MLP, Attention
 from minisgl.models.moe import MoEForCausalLM
-from minisgl.models.qwen3_next import (HybridStack, PerHeadFloats, RowSpans, load_head_rows,
-                                       save_snapshot, state_step_kernels, step_spans)
+from minisgl.models.qwen3_next import (HybridStack, PerHeadFloats, RowSpans, save_snapshot,
+                                       state_step_kernels, step_spans)
 
 SCAN_CHUNK = 64  # tokens per block of the blocked scan
 # Hub names of the MoE block -> ours (models.moe reads the experts' stacked tensors)

@@ -25,12 +25,16 @@ from minisgl.layers import (
     SiluAndMul,
     VocabParallelEmbedding,
 )
+from minisgl.layers.shard import load_head_rows
 from minisgl.models.arch import ModelArch
 
 LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 
 
 class Attention(Layer):
+    """With `arch.attention_sinks` (gpt-oss): a learned logit per query head in each softmax,
+    and the output projection biased as q/k/v are."""
+
     def __init__(self, arch: ModelArch, layer_id: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.layer_id = layer_id
@@ -38,7 +42,10 @@ class Attention(Layer):
         self.qkv_proj = QKVParallelLinear(arch.hidden_size, arch.head_dim, arch.num_heads,
                                           arch.num_kv_heads, bias=arch.attention_bias)
         self.o_proj = RowParallelLinear(arch.num_heads * arch.head_dim, arch.hidden_size,
-                                        bias=False)
+                                        bias=arch.attention_sinks)
+        # this rank's query heads' sink logits
+        self.sinks = (nn.Parameter(torch.empty(self.qkv_proj.num_heads), requires_grad=False)
+                      if arch.attention_sinks else None)
         self.rotary = rotary
         self.query_scale = 1.0  # Gemma: its query_pre_attn_scalar over the backend's head_dim
         if arch.qk_norm:
@@ -58,7 +65,11 @@ class Attention(Layer):
         q, k = self.rotary(positions, q, k)
         if self.query_scale != 1.0:
             q = q * self.query_scale
-        return self.o_proj(backend.forward(q, k, v, self.layer_id, batch))
+        return self.o_proj(backend.forward(q, k, v, self.layer_id, batch, self.sinks))
+
+    def load(self, name: str, source: Any, shard_id: Any = None) -> None:
+        """sinks: this rank's query heads'."""
+        load_head_rows(getattr(self, name), source, name)
 
 
 class MLP(Layer):

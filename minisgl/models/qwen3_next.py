@@ -35,7 +35,7 @@ from minisgl.layers import (ColumnParallelLinear, Layer, QKVParallelLinear, RMSN
                             RotaryEmbedding, RowParallelLinear)
 from minisgl.layers.linear import PartedColumnParallelLinear, PartedParameters
 from minisgl.layers.moe import SparseMoE
-from minisgl.layers.shard import copy_into, read_all, read_part_rows
+from minisgl.layers.shard import load_head_rows, read_all
 from minisgl.models.arch import LinearAttnShape, ModelArch
 from minisgl.models.llama import MLP
 from minisgl.models.moe import MoEForCausalLM
@@ -132,12 +132,6 @@ def step_spans(spans: RowSpans, conv_states: torch.Tensor, ssm_states: torch.Ten
                 conv_states[slot].copy_(conv_states[row])
                 ssm_states[slot].copy_(ssm_states[row])
     return torch.cat(outs)
-
-
-def load_head_rows(param: torch.Tensor, source: Any, name: str) -> None:
-    """A per-head vector's rows of this rank's heads (all of them without parallelism)."""
-    tp = get_tp_info()
-    copy_into(param.data, read_part_rows(source, [len(param) * tp.size], tp.rank, tp.size), name)
 
 
 class PerHeadFloats:

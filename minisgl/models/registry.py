@@ -8,6 +8,7 @@ from torch import nn
 
 from minisgl.models.arch import ModelArch
 from minisgl.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from minisgl.models.gpt_oss import GptOssForCausalLM
 from minisgl.models.granite_hybrid import GraniteMoeHybridForCausalLM
 from minisgl.models.llama import LlamaForCausalLM
 from minisgl.models.moe import MoEForCausalLM
@@ -19,6 +20,7 @@ from minisgl.models.smollm3 import SmolLM3ForCausalLM
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
     "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,

@@ -73,7 +73,7 @@ template <typename T>
 void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* locations,
             const int64_t* seq_lens, const int64_t* token_rows, T* out, int64_t batch,
             int64_t heads, int64_t kv_heads, int64_t pool, int64_t dim, int64_t max_len,
-            float scale, float softcap) {
+            float scale, float softcap, const float* sinks) {
   const int64_t group = heads / kv_heads;
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * dim), probs(group * max_len), acc(group * dim);
@@ -101,8 +101,9 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* locat
       }
       for (int64_t g = 0; g < group; ++g) {
         float* pg = probs.data() + g * max_len;
-        const float m = maxs[g];
-        float sum = 0.f;
+        const float sink = sinks ? sinks[h * group + g] : -std::numeric_limits<float>::infinity();
+        const float m = std::max(maxs[g], sink);
+        float sum = sinks ? std::exp(sink - m) : 0.f;
         // NOTE: a separate simd loop so that expf is vectorised (libmvec, -ffast-math).
 #pragma omp simd reduction(+ : sum)
         for (int64_t t = 0; t < len; ++t) {
@@ -335,17 +336,20 @@ std::vector<at::Tensor> rms_norm(at::Tensor x, c10::optional<at::Tensor> residua
 bool decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& locations,
                            const at::Tensor& seq_lens, const int64_t* token_rows,
-                           at::Tensor& out, double scale);
+                           at::Tensor& out, double scale, const float* sinks);
 
 // q: [tokens, heads, dim]; k_cache/v_cache: [kv_heads, pool, dim]; locations: [rows, max_len]
 // int64 (entries past a token's length are not read); seq_lens: [tokens] int64, each >= 1: the
 // keys token i attends to are the first seq_lens[i] of its row, token_rows[i] (by default row
 // i: a decode batch; a prefill or mixed batch passes each token's request row, and its position
 // + 1 as its length, so causality comes from the lengths). softcap > 0: each score s becomes
-// softcap * tanh(s / softcap) (Gemma 2's attention logit soft-capping).
+// softcap * tanh(s / softcap) (Gemma 2's attention logit soft-capping). sinks: [heads] float32,
+// a logit per query head that joins the softmax's denominator and adds nothing to the output
+// (gpt-oss's attention sinks).
 at::Tensor decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                             at::Tensor locations, at::Tensor seq_lens, double scale,
-                            c10::optional<at::Tensor> token_rows, double softcap) {
+                            c10::optional<at::Tensor> token_rows, double softcap,
+                            c10::optional<at::Tensor> sinks) {
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
   TORCH_CHECK(locations.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong);
   TORCH_CHECK(seq_lens.numel() == q.size(0));
@@ -354,8 +358,12 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache
                                            : at::Tensor();
   TORCH_CHECK(!rows.defined() || rows.numel() == q.size(0));
   const int64_t* row_of = rows.defined() ? rows.data_ptr<int64_t>() : nullptr;
+  const auto sink = sinks.has_value() ? sinks->to(at::kFloat).contiguous() : at::Tensor();
+  TORCH_CHECK(!sink.defined() || sink.numel() == q.size(1), "one sink logit per query head");
+  const float* sink_of = sink.defined() ? sink.data_ptr<float>() : nullptr;
   auto out = at::empty_like(q);
-  if (softcap <= 0 && decode_attention_bf16(q, k_cache, v_cache, where, lens, row_of, out, scale))
+  if (softcap <= 0 &&
+      decode_attention_bf16(q, k_cache, v_cache, where, lens, row_of, out, scale, sink_of))
     return out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention",
                                   [&] {
@@ -363,7 +371,7 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache
                      v_cache.data_ptr<scalar_t>(), where.data_ptr<int64_t>(),
                      lens.data_ptr<int64_t>(), row_of, out.data_ptr<scalar_t>(), q.size(0),
                      q.size(1), k_cache.size(0), k_cache.size(1), q.size(2), where.size(1),
-                     static_cast<float>(scale), static_cast<float>(softcap));
+                     static_cast<float>(scale), static_cast<float>(softcap), sink_of);
   });
   return out;
 }
@@ -396,7 +404,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "paged attention of tokens over their requests' cached K/V (CPU)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("locations"), py::arg("seq_lens"),
         py::arg("scale"), py::arg("token_rows") = py::none(), py::arg("softcap") = 0.0,
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("sinks") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("argmax_rows", &argmax_rows, "each row's first index of its largest value (CPU)",
         py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "residual add + RMSNorm (CPU)",

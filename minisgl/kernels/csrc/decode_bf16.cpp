@@ -61,6 +61,7 @@ struct Task {
   float* probs;    // [group, stride]
   int64_t stride;  // len rounded up to kTile
   bf16* out;       // [group, dim]
+  const float* sinks;  // [group]: each query head's sink logit, or none
   int64_t ahead = 0;              // rows to prefetch ahead (see prefetch_stream)
   const bf16* next_k = nullptr;  // the K rows of this thread's next task, if any
   const int64_t* next_loc = nullptr;
@@ -170,8 +171,8 @@ void attend(const Task& a, std::vector<float>& maxima, std::vector<float>& sums)
   scores<DIM>(a, maxima);
   for (int64_t g = 0; g < a.group; ++g) {
     float* p = a.probs + g * a.stride;
-    const float m = maxima[g];
-    float sum = 0.f;
+    const float m = a.sinks ? std::max(maxima[g], a.sinks[g]) : maxima[g];
+    float sum = a.sinks ? std::exp(a.sinks[g] - m) : 0.f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t t = 0; t < a.len; ++t) {
       p[t] = std::exp(p[t] - m);
@@ -195,7 +196,7 @@ int64_t balanced_token(int64_t i, int64_t n);  // cpu_kernels.cpp
 bool decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& locations,
                            const at::Tensor& seq_lens, const int64_t* token_rows,
-                           at::Tensor& out, double scale) {
+                           at::Tensor& out, double scale, const float* sinks) {
 #ifdef MINISGL_VNNI
   const int64_t dim = q.size(2);
   if (q.scalar_type() != at::kBFloat16 || (dim != 64 && dim != 128)) return false;
@@ -217,7 +218,7 @@ bool decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
       const int64_t* row = loc + (token_rows ? token_rows[b] : b) * max_len;
       return Task{qp + first, kp + h * pool * dim, vp + h * pool * dim, row, lens[b],
                   group, static_cast<float>(scale), probs.data(), stride, op + first,
-                  decode ? kDecodeAhead : kPrefillAhead};
+                  sinks ? sinks + h * group : nullptr, decode ? kDecodeAhead : kPrefillAhead};
     };
     Task next = task_at(begin);
     for (int64_t task = begin; task < end; ++task) {

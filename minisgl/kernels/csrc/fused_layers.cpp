@@ -13,7 +13,8 @@ void store_kv_(at::Tensor k_cache, at::Tensor v_cache, at::Tensor locations, at:
                at::Tensor v);
 at::Tensor decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                             at::Tensor locations, at::Tensor seq_lens, double scale,
-                            c10::optional<at::Tensor> token_rows, double softcap);
+                            c10::optional<at::Tensor> token_rows, double softcap,
+                            c10::optional<at::Tensor> sinks);
 at::Tensor silu_and_mul(at::Tensor x);
 // block_matmul.cpp
 at::Tensor block_matmul(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor subs,
@@ -144,7 +145,7 @@ at::Tensor FusedLayers::attention(const Layer& layer, const at::Tensor& x,
   if (query_scale_ != 1.0) q = q.mul(query_scale_);
   store_kv_(layer.k_cache, layer.v_cache, out_loc, k, v);
   auto attended = decode_attention(q.contiguous(), layer.k_cache, layer.v_cache, locations,
-                                   lens, scale_, rows, 0.0)
+                                   lens, scale_, rows, 0.0, c10::nullopt)
                       .view({tokens, -1});
   if (layer.gated) attended = attended.mul(gate.reshape({tokens, -1}).sigmoid());
   return matmul(attended, layer.mix_out);
