@@ -332,11 +332,6 @@ def write_nemotron_h_gguf(folder: Path, path: Path,
     writer.add_head_count_kv([config.num_key_value_heads if kind == "full_attention" else 0
                               for kind in kinds])
     writer.add_layer_norm_eps(config.layer_norm_epsilon)
-    if moe:
-        writer.add_expert_count(config.n_routed_experts)
-        writer.add_expert_used_count(config.num_experts_per_tok)
-        writer.add_expert_group_count(config.n_group)
-        writer.add_expert_group_used_count(config.topk_group)
     writer.add_vocab_size(config.vocab_size)
     writer.add_rope_dimension_count(config.head_dim)
     writer.add_ssm_conv_kernel(config.conv_kernel)
@@ -348,6 +343,10 @@ def write_nemotron_h_gguf(folder: Path, path: Path,
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
     if moe:
+        writer.add_expert_count(config.n_routed_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_group_count(config.n_group)
+        writer.add_expert_group_used_count(config.topk_group)
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
         writer.add_expert_shared_feed_forward_length(config.moe_shared_expert_intermediate_size)
         writer.add_expert_shared_count(config.n_shared_experts)
