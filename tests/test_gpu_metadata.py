@@ -66,7 +66,8 @@ class EmulatedFlashInfer(AttentionBackend):
             batch.table_rows, batch.seq_lens, batch.extend_lens, self.kv_pool.page_size,
             self.page_table.shape[1], batch.is_decode)
 
-    def forward(self, q, k, v, layer_id, batch):
+    def forward(self, q, k, v, layer_id, batch, sinks=None):
+        assert sinks is None  # as the real one: a model with sinks never gets this backend
         ps = self.kv_pool.page_size
         k_cache, v_cache = self.kv_pool.layer(layer_id)
         k_cache.index_copy_(1, batch.out_loc, k.transpose(0, 1))
