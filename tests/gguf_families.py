@@ -431,3 +431,61 @@ def write_smollm3_gguf(model: torch.nn.Module, path: Path,
             linears if name.endswith("proj.weight") else None)
     finish(writer)
     return path
+
+
+def write_gpt_oss_gguf(folder: Path, path: Path,
+                       experts: GGMLQuantizationType | None = None) -> Path:
+    """The checkpoint saved in `folder` (transformers' GptOssForCausalLM, SmolLM2's vocabulary)
+    as llama.cpp's converter writes it from bfloat16 weights (`gpt-oss`): the experts' gate
+    and up apart, stacked output-major with their biases; YaRN's keys; q / k rows as they are.
+    F32, or with `experts` for the experts' weights."""
+    from safetensors.numpy import load_file
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(folder)
+    layers, rope = config.num_hidden_layers, config.rope_parameters
+    writer = GGUFWriter(str(path), "gpt-oss")
+    writer.add_name("tiny-gpt-oss")
+    writer.add_block_count(layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_scaling_type(__import__("gguf").RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(rope["factor"])
+    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+    writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_expert_count(config.num_local_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_sliding_window(config.sliding_window)
+    writer.add_expert_feed_forward_length(config.intermediate_size)
+    copy_tokenizer(writer)
+    names = get_tensor_name_map(MODEL_ARCH.GPT_OSS, layers)
+    state = load_file(folder / "model.safetensors")
+    for layer in range(layers):
+        prefix = f"model.layers.{layer}.mlp."
+        gate_up = state.pop(prefix + "experts.gate_up_proj")  # [E, hidden, 2 I], interleaved
+        gate_up_bias = state.pop(prefix + "experts.gate_up_proj_bias")
+        parts = {"gate": (gate_up[..., 0::2], gate_up_bias[:, 0::2]),
+                 "up": (gate_up[..., 1::2], gate_up_bias[:, 1::2]),
+                 "down": (state.pop(prefix + "experts.down_proj"),
+                          state.pop(prefix + "experts.down_proj_bias"))}
+        for part, (weight, bias) in parts.items():
+            add(writer, f"blk.{layer}.ffn_{part}_exps.weight",
+                np.ascontiguousarray(weight.transpose(0, 2, 1)), experts)
+            add(writer, f"blk.{layer}.ffn_{part}_exps.bias", np.ascontiguousarray(bias), None)
+        for suffix in ("weight", "bias"):
+            add(writer, f"blk.{layer}.ffn_gate_inp.{suffix}",
+                state.pop(f"{prefix}router.{suffix}"), None)
+        add(writer, f"blk.{layer}.attn_sinks.weight",
+            state.pop(f"model.layers.{layer}.self_attn.sinks"), None)
+    for name, value in state.items():
+        base, _, suffix = name.rpartition(".")
+        add(writer, f"{names.get_name(base)}.{suffix}", np.ascontiguousarray(value), None)
+    finish(writer)
+    return path

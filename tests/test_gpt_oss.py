@@ -5,6 +5,8 @@ its sinks and biases drawn large enough that each shows."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -22,17 +24,21 @@ SHAPE = dict(intermediate_size=32, num_hidden_layers=4, head_dim=16, num_local_e
 
 @pytest.fixture(scope="module")
 def gpt_oss(tmp_path_factory) -> tuple[torch.nn.Module, str]:
+    path = tmp_path_factory.mktemp("gpt-oss")
+    return save_gpt_oss(path), str(path)
+
+
+def save_gpt_oss(path: Path, **fields) -> torch.nn.Module:
     import transformers
     torch.manual_seed(0)
-    config = transformers.GptOssConfig(**{**TINY, **SHAPE})
+    config = transformers.GptOssConfig(**{**TINY, **SHAPE, **fields})
     model = transformers.GptOssForCausalLM(config).float().eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "sinks" in name or "bias" in name:
                 param.normal_(0, 0.5)
-    path = tmp_path_factory.mktemp("gpt-oss")
     model.save_pretrained(path)
-    return model, str(path)
+    return model
 
 
 @pytest.mark.parametrize("steps", STEPS)
@@ -82,3 +88,38 @@ def test_the_shipped_gpt_oss_20b_shape_builds_from_dummy_weights_and_decodes() -
         outs = llm.generate(input_ids=random_prompts((12, 30)), sampling_params=params)
         llm.check_integrity()
     assert all(len(r["output_ids"]) == 6 for r in outs)
+
+
+GGUF_VOCAB = 49152  # the bundled tokenizer's, which the file carries
+
+
+@pytest.mark.parametrize("experts", [None, "MXFP4"])
+def test_a_gpt_oss_gguf_file_serves_transformers_logits(tmp_path, experts: str | None) -> None:
+    """llama.cpp's `gpt-oss` file (F32, or its experts MXFP4 as the released files hold them,
+    served dequantized): the config from its metadata (YaRN, the window on every other layer),
+    the experts' gate and up apart. The reference is transformers on the checkpoint, its
+    experts replaced by the file's values (gguf's own dequantization)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFReader, dequantize
+
+    from tests.gguf_families import write_gpt_oss_gguf
+    model = save_gpt_oss(tmp_path / "hf", vocab_size=GGUF_VOCAB, intermediate_size=64)
+    kind = GGMLQuantizationType[experts] if experts else None
+    gguf = write_gpt_oss_gguf(tmp_path / "hf", tmp_path / "tiny.gguf", kind)
+    stored = {t.name: torch.from_numpy(np.array(dequantize(t.data, t.tensor_type),
+                                                dtype=np.float32))
+              for t in GGUFReader(str(gguf)).tensors if "_exps.weight" in t.name}
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            gate, up, down = (stored[f"blk.{i}.ffn_{p}_exps.weight"] for p in ("gate", "up",
+                                                                                  "down"))
+            interleaved = torch.stack((gate, up), dim=2).flatten(1, 2)  # [E, 2 I, hidden]
+            layer.mlp.experts.gate_up_proj.copy_(interleaved.transpose(1, 2))
+            layer.mlp.experts.down_proj.copy_(down.transpose(1, 2))
+
+    def check(engine: Engine) -> None:
+        assert type(engine.model).__name__ == "GptOssForCausalLM"
+        assert engine.attn_backend.windows == (WINDOW, 0, WINDOW, 0)
+
+    assert_logits_match(model, str(gguf), STEPS["chunked prefill"], seed=10, vocab=GGUF_VOCAB,
+                        check=check)

@@ -135,7 +135,8 @@ class Experts(Layer):
     def load(self, expert: int | None, part: str, source: Any) -> None:
         """One checkpoint tensor: `part` gate / up / down of `expert`, or of every expert at once
         (expert None: a [E, ...] tensor; part gate_up is gate and up stacked); or every
-        expert's gate_up_bias ([E, 2 I]: gate's then up's) or down_bias ([E, H])."""
+        expert's bias of a part: gate_up_bias ([E, 2 I]: gate's then up's), gate_bias,
+        up_bias ([E, I]) or down_bias ([E, H])."""
         rank_start = get_tp_info().rank * self.shard
         if part.endswith("_bias"):
             return self._load_bias(part, read_all(source))
@@ -176,9 +177,13 @@ class Experts(Layer):
             copy_into(self.down_bias.data, full if tp.rank == 0 else torch.zeros_like(full),
                       part)
             return
-        halves = full.view(self.num_experts, 2 if self.gated else 1, -1)
-        rows = halves[:, :, tp.rank * self.shard:(tp.rank + 1) * self.shard]
-        copy_into(self.gate_up_bias.data, rows.reshape(self.num_experts, -1), part)
+        mine = slice(tp.rank * self.shard, (tp.rank + 1) * self.shard)
+        if part == "gate_up_bias":
+            rows = full.view(self.num_experts, 2 if self.gated else 1, -1)[:, :, mine]
+            copy_into(self.gate_up_bias.data, rows.reshape(self.num_experts, -1), part)
+            return
+        start = self.shard if part == "up_bias" and self.gated else 0
+        copy_into(self.gate_up_bias.data[:, start:start + self.shard], full[:, mine], part)
 
     def expect_blocks(self, bits: int = 4) -> None:
         """--quantization gguf: the experts' weights come as blocks (models.gguf_blocks), one

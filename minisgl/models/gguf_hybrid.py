@@ -1,7 +1,8 @@
-"""GGUF files of the families transformers' GGUF reader does not take, the hybrids and SmolLM3:
-llama.cpp's `granitehybrid` (Granite 4.0-H), `qwen35` and `qwen35moe` (Qwen3.5), `qwen3next`,
-`nemotron_h` / `nemotron_h_moe` (Nemotron-H, a block's mixer kind told by its tensors) and
-`smollm3` (Llama's layout, every fourth layer without RoPE). The config comes from the file's
+"""GGUF files of the families transformers' GGUF reader does not take (or, for gpt-oss, fails
+on): the hybrids, SmolLM3 and gpt-oss: llama.cpp's `granitehybrid` (Granite 4.0-H), `qwen35`
+and `qwen35moe` (Qwen3.5), `qwen3next`, `nemotron_h` / `nemotron_h_moe` (Nemotron-H, a block's
+mixer kind told by its tensors), `smollm3` (Llama's layout, every fourth layer without RoPE)
+and `gpt-oss` (its experts' gate and up apart, every other layer windowed). The config comes from the file's
 metadata; every tensor is renamed to the checkpoint name our model loads, with what
 llama.cpp's converter changed undone:
   - the hybrids: A stored as -exp(A_log), the convolution's weight squeezed to [channels, K];
@@ -330,6 +331,52 @@ def _llama_norms(kind: str, suffix: str, value: torch.Tensor, config: Config
     return [(f"{names[kind]}.{suffix}", value)] if kind in names else []
 
 
+def _gpt_oss_config(meta: Metadata, shapes: Shapes) -> Config:
+    layers, heads = int(meta["block_count"]), int(meta["attention.head_count"])
+    head_dim = int(meta["attention.key_length"])
+    if int(meta.get("attention.value_length", head_dim)) != head_dim:
+        raise ValueError("gpt-oss: attention key and value lengths differ")
+    pattern = meta.get("attention.sliding_window_pattern", 2)
+    if isinstance(pattern, (list, tuple)):  # per layer: windowed or not
+        windowed = [bool(p) for p in pattern][:layers]
+    else:  # NOTE: llama.cpp's rule: the last layer of every `pattern` is the full one
+        windowed = [i % int(pattern) < int(pattern) - 1 for i in range(layers)]
+    rope = {"rope_type": "default", "rope_theta": float(meta.get("rope.freq_base", 10000.0))}
+    if meta.get("rope.scaling.type", "none") != "none":
+        if meta["rope.scaling.type"] != "yarn":
+            raise ValueError(f"gpt-oss: rope.scaling.type {meta['rope.scaling.type']!r}")
+        # NOTE: truncate false, as the checkpoint's config says (the file does not)
+        rope.update(rope_type="yarn", factor=float(meta["rope.scaling.factor"]),
+                    original_max_position_embeddings=int(
+                        meta["rope.scaling.original_context_length"]),
+                    beta_fast=float(meta.get("rope.scaling.yarn_beta_fast", 32.0)),
+                    beta_slow=float(meta.get("rope.scaling.yarn_beta_slow", 1.0)),
+                    truncate=False)
+    return {
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
+        "vocab_size": shapes["token_embd.weight"][0],
+        "hidden_size": int(meta["embedding_length"]), "num_hidden_layers": layers,
+        "intermediate_size": int(meta["expert_feed_forward_length"]),
+        "num_attention_heads": heads, "num_key_value_heads": int(meta["attention.head_count_kv"]),
+        "head_dim": head_dim, "rms_norm_eps": float(meta["attention.layer_norm_rms_epsilon"]),
+        "max_position_embeddings": int(meta["context_length"]),
+        "rope_parameters": rope, "sliding_window": int(meta["attention.sliding_window"]),
+        "layer_types": ["sliding_attention" if w else "full_attention" for w in windowed],
+        "num_local_experts": int(meta["expert_count"]),
+        "num_experts_per_tok": int(meta["expert_used_count"]), "attention_bias": True,
+        "tie_word_embeddings": "output.weight" not in shapes,
+    }
+
+
+def _gpt_oss_tensor(kind: str, suffix: str, value: torch.Tensor, config: Config
+                    ) -> list[tuple[str, torch.Tensor]]:
+    names = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+             "ffn_gate_inp": "mlp.router"}
+    if kind == "attn_sinks":
+        return [("self_attn.sinks", value)]
+    return [(f"{names[kind]}.{suffix}", value)] if kind in names else []
+
+
 def _llama_rows(kind: str, config: Config) -> torch.Tensor | None:
     heads = {"attn_q": "num_attention_heads", "attn_k": "num_key_value_heads"}.get(kind)
     return None if heads is None else llama_rows(config[heads] * config["head_dim"],
@@ -414,8 +461,21 @@ SMOLLM3 = GgufFamily(
      "attention.key_length", "attention.value_length", "rope.freq_base",
      "rope.dimension_count", "vocab_size"},
     {**ATTENTION, **MLP}, _llama_rows, _llama_norms)
+# NOTE: q / k rows as the checkpoint's (the converter does not permute them)
+GPT_OSS = GgufFamily(
+    _gpt_oss_config,
+    {"block_count", "context_length", "embedding_length", "feed_forward_length",
+     "attention.head_count", "attention.head_count_kv", "attention.layer_norm_rms_epsilon",
+     "attention.key_length", "attention.value_length", "attention.sliding_window",
+     "attention.sliding_window_pattern", "rope.freq_base", "rope.dimension_count",
+     "rope.scaling.type", "rope.scaling.factor", "rope.scaling.original_context_length",
+     "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow", "expert_count",
+     "expert_used_count", "expert_feed_forward_length", "vocab_size"},
+    {**ATTENTION, **{f"ffn_{p}_exps": f"mlp.experts.{p}_proj" for p in ("gate", "up", "down")}},
+    lambda kind, config: None, _gpt_oss_tensor)
 FAMILIES = {"granitehybrid": GRANITE, **{a: _qwen(a) for a in QWEN_ARCHITECTURES},
-            **{a: NEMOTRON for a in NEMOTRON_ARCHITECTURES}, "smollm3": SMOLLM3}
+            **{a: NEMOTRON for a in NEMOTRON_ARCHITECTURES}, "smollm3": SMOLLM3,
+            "gpt-oss": GPT_OSS}
 
 
 def family_linears(architecture: str) -> dict[str, str]:

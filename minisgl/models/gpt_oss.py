@@ -8,7 +8,9 @@
 Checkpoint: the experts stacked as the model multiplies them, input-major: `gate_up_proj`
 [E, hidden, 2 I] with gate and up interleaved (columns 0::2 and 1::2), `down_proj`
 [E, I, hidden], their biases `gate_up_proj_bias` / `down_proj_bias`; the router `mlp.router`.
-The released checkpoints' MXFP4 experts (quant_method mxfp4) are refused at start.
+A GGUF file's experts (models.gguf_hybrid) come as `{gate,up,down}_proj.{weight,bias}`,
+stacked output-major [E, out, in], gate and up apart. The released checkpoints' MXFP4
+experts (quant_method mxfp4) are refused at start.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ from minisgl.models.llama import LlamaForCausalLM
 
 EXPERT_TENSOR = re.compile(r"^(?P<experts>.*\.mlp\.experts)\.(?P<part>gate_up_proj|down_proj)"
                            r"(?P<bias>_bias)?$")
+# a GGUF file's experts, output-major like a linear's weight, gate and up apart
+GGUF_EXPERT_TENSOR = re.compile(r"^(?P<experts>.*\.mlp\.experts)\.(?P<part>gate|up|down)_proj"
+                                r"\.(?P<kind>weight|bias)$")
 
 
 class ClampedSwiGLU(Layer):
@@ -77,30 +82,36 @@ class GptOssForCausalLM(LlamaForCausalLM):
         return GptOssMoE(arch)
 
     def weight_target(self, name: str) -> tuple[nn.Module, str, Any] | None:
+        """As Llama's; an experts tensor's target is the Experts module and its part (gate_up,
+        gate, up or down, or one of their biases: `..._bias`), every expert at once."""
         match = EXPERT_TENSOR.match(name)
-        if match is None:
+        gguf = GGUF_EXPERT_TENSOR.match(name)
+        if match is None and gguf is None:
             return super().weight_target(name.replace(".mlp.router.", ".mlp.gate."))
         try:
-            experts = self.get_submodule(match["experts"].removeprefix("model."))
+            experts = self.get_submodule((match or gguf)["experts"].removeprefix("model."))
         except AttributeError:
             return None
+        if gguf is not None:
+            return experts, gguf["part"] + ("_bias" if gguf["kind"] == "bias" else ""), None
         part = {"gate_up_proj": "gate_up", "down_proj": "down"}[match["part"]]
         return experts, part + (match["bias"] or ""), None
 
     def load_weight(self, name: str, source: Any) -> bool:
-        match = EXPERT_TENSOR.match(name)
-        if match is None or self.skips(name):
+        hub = EXPERT_TENSOR.match(name) is not None
+        if (not hub and GGUF_EXPERT_TENSOR.match(name) is None) or self.skips(name):
             return super().load_weight(name.replace(".mlp.router.", ".mlp.gate."), source)
         target = self.weight_target(name)
         if target is None:
             return False
         experts, part, _ = target
-        tensor = read_all(source)
-        if part.startswith("gate_up"):
-            tensor = deinterleaved(tensor)
-        elif part == "down":
-            tensor = tensor.transpose(1, 2)  # [E, hidden, I]
-        experts.load(None, part, tensor)
+        if hub:  # input-major, gate and up interleaved
+            source = read_all(source)
+            if part.startswith("gate_up"):
+                source = deinterleaved(source)
+            elif part == "down":
+                source = source.transpose(1, 2)  # [E, hidden, I]
+        experts.load(None, part, source)
         return True
 
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
