@@ -123,3 +123,25 @@ def test_a_gpt_oss_gguf_file_serves_transformers_logits(tmp_path, experts: str |
 
     assert_logits_match(model, str(gguf), STEPS["chunked prefill"], seed=10, vocab=GGUF_VOCAB,
                         check=check)
+
+
+def test_a_gpt_oss_q8_0_file_keeps_its_experts_as_blocks(tmp_path) -> None:
+    """--quantization gguf: each expert's gate/up and down are blocks (their biases added
+    after), with the logits of the same file dequantized (bfloat16 both; bound
+    BF16_REL_BOUND). Every token takes every expert, so that no near-tie of the router's
+    scores flips a choice between the two roundings."""
+    from gguf import GGMLQuantizationType
+
+    from tests.gguf_families import write_gpt_oss_gguf
+    from tests.test_hybrid_gguf import assert_blocks_give_the_dequantized_logits
+    save_gpt_oss(tmp_path / "hf", vocab_size=GGUF_VOCAB, intermediate_size=64,
+                 num_experts_per_tok=4)
+    gguf = write_gpt_oss_gguf(tmp_path / "hf", tmp_path / "tiny.Q8_0.gguf",
+                              GGMLQuantizationType.Q8_0)
+
+    def check(engine: Engine, blocks: bool) -> None:
+        experts = engine.model.layers[0].mlp.experts
+        assert (experts.quantized is not None) == blocks
+        assert experts.gate_up_bias is not None
+
+    assert_blocks_give_the_dequantized_logits(gguf, check)
