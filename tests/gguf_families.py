@@ -8,6 +8,7 @@ Qwen hybrids and Nemotron-H (`nemotron_h`, `nemotron_h_moe`)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -17,6 +18,7 @@ from gguf import (
     GGUFReader,
     GGUFValueType,
     GGUFWriter,
+    RopeScalingType,
     get_tensor_name_map,
 )
 
@@ -33,14 +35,7 @@ def write_qwen3moe_gguf(model: torch.nn.Module, path: Path,
     experts = config.num_local_experts if hasattr(config, "num_local_experts") else (
         config.num_experts)
     layers = config.num_hidden_layers
-    writer = GGUFWriter(str(path), "qwen3moe")
-    writer.add_name("tiny-qwen3moe")
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    writer = decoder_writer(path, "qwen3moe", config)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
@@ -64,6 +59,20 @@ def write_qwen3moe_gguf(model: torch.nn.Module, path: Path,
             linears if name.endswith("proj.weight") else None)
     finish(writer)
     return path
+
+
+def decoder_writer(path: Path, architecture: str, config: Any) -> GGUFWriter:
+    """A writer for `architecture` at `path` with the keys every Llama-like decoder's file
+    has: its depth, context, widths and head counts."""
+    writer = GGUFWriter(str(path), architecture)
+    writer.add_name(f"tiny-{architecture}")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    return writer
 
 
 def copy_tokenizer(writer: GGUFWriter) -> None:
@@ -216,14 +225,7 @@ def write_qwen_hybrid_gguf(folder: Path, path: Path,
     keys, values = config.linear_num_key_heads, config.linear_num_value_heads
     dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
     tiled = architecture != "qwen3next" and keys != values
-    writer = GGUFWriter(str(path), architecture)
-    writer.add_name(f"tiny-{architecture}")
-    writer.add_block_count(layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(hidden)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    writer = decoder_writer(path, architecture, config)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     experts = getattr(config, "num_experts", 0)
@@ -405,14 +407,7 @@ def write_smollm3_gguf(model: torch.nn.Module, path: Path,
     every projection."""
     config = model.config
     layers = config.num_hidden_layers
-    writer = GGUFWriter(str(path), "smollm3")
-    writer.add_name("tiny-smollm3")
-    writer.add_block_count(layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    writer = decoder_writer(path, "smollm3", config)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
@@ -443,15 +438,8 @@ def write_gpt_oss_gguf(folder: Path, path: Path,
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(folder)
     layers, rope = config.num_hidden_layers, config.rope_parameters
-    writer = GGUFWriter(str(path), "gpt-oss")
-    writer.add_name("tiny-gpt-oss")
-    writer.add_block_count(layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_scaling_type(__import__("gguf").RopeScalingType.YARN)
+    writer = decoder_writer(path, "gpt-oss", config)
+    writer.add_rope_scaling_type(RopeScalingType.YARN)
     writer.add_rope_scaling_factor(rope["factor"])
     writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])

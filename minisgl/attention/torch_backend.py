@@ -104,7 +104,8 @@ class PrefillSegment:
     length: int
     cached_len: int = 0
     locations: torch.Tensor | None = None
-    masks: dict[int, torch.Tensor | None] = field(default_factory=dict)  # window -> _mask()
+    # (window, scores computed in full) -> _mask()
+    masks: dict[tuple[int, bool], torch.Tensor | None] = field(default_factory=dict)
 
     @property
     def end(self) -> int:
@@ -216,6 +217,7 @@ class TorchBackend(AttentionBackend):
                  sinks: torch.Tensor | None) -> torch.Tensor:
         out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
         heads, dim = q.shape[1], q.shape[2]
+        scored = bool(self.softcap) or sinks is not None  # the scores in full, not SDPA
         for seg in segments:
             if seg.length == 0:
                 continue
@@ -227,28 +229,28 @@ class TorchBackend(AttentionBackend):
             else:
                 ks = k_cache.index_select(1, seg.locations)[None]
                 vs = v_cache.index_select(1, seg.locations)[None]
-            if window not in seg.masks:
-                seg.masks[window] = self._mask(new, seg.cached_len, window, q.dtype, q.device)
-            mask = seg.masks[window]
+            if (window, scored) not in seg.masks:
+                seg.masks[window, scored] = self._mask(new, seg.cached_len, window, q.dtype,
+                                                       q.device, scored)
+            mask = seg.masks[window, scored]
             o = self._attend(qs, ks, vs, mask, sinks)  # [n, heads, new, dim]
             out[seg.start:seg.end] = o.transpose(1, 2).reshape(n * new, heads * dim)
         return out
 
     def _mask(self, new: int, cached_len: int, window: int, dtype: torch.dtype,
-              device: torch.device) -> torch.Tensor | None:
+              device: torch.device, scored: bool) -> torch.Tensor | None:
         """Which keys `new` queries after `cached_len` cached tokens see: None where plain
         causality says it (no prefix, no window reaching back); else True = attend, or (the
-        fused CPU kernel wants it) 0 / -inf, shaped [1, 1, new, cached_len + new]. Soft-capped
-        scores always get the boolean mask (_attend computes them itself; with sinks it makes
-        one from None)."""
-        if cached_len == 0 and (not window or new <= window) and not self.softcap:
+        fused CPU kernel wants it) 0 / -inf, shaped [1, 1, new, cached_len + new]. Scores
+        computed in full (`scored`: soft-capped, or with sinks) always get the boolean mask."""
+        if cached_len == 0 and (not window or new <= window) and not scored:
             return None
         query_pos = torch.arange(new, device=device)[:, None] + cached_len
         key_pos = torch.arange(cached_len + new, device=device)[None, :]
         allowed = key_pos <= query_pos
         if window:
             allowed &= key_pos > query_pos - window
-        if self._flash is None or self.softcap:
+        if self._flash is None or scored:
             return allowed
         return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(
             ~allowed, float("-inf"))[None, None]
@@ -259,11 +261,6 @@ class TorchBackend(AttentionBackend):
         (_mask) replaces causality when a cached prefix precedes the queries or a window
         limits them."""
         if self.softcap or sinks is not None:
-            if mask is None:
-                mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool,
-                                  device=q.device).tril_()
-            elif mask.dtype != torch.bool:
-                mask = mask[0, 0] == 0
             return self._attend_scores(q, k, v, mask, sinks)
         if self._flash is None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,

@@ -77,8 +77,7 @@ def decode_blocks(kind: str, raw: np.ndarray, out_features: int, in_features: in
     return WeightBlocks(codes, scales, zeros)
 
 
-def kernel_for(kind: str, out_features: int, experts: bool, table: bool, dtype: torch.dtype
-               ) -> str | None:
+def kernel_for(kind: str, out_features: int, table: bool, dtype: torch.dtype) -> str | None:
     """Which kernel runs a tensor of GGUF type `kind`: "vnni" or "torch" (WeightBlocks, in
     bfloat16), "avx2" (GgufBlocks), or None (it stays dense)."""
     vnni_runs = (vnni_kernels() is not None and out_features % LANES == 0
@@ -120,7 +119,7 @@ def read_block_linears(path: Path, config: dict[str, Any], skips: Callable[[str]
         kind = tensor.tensor_type.name
         in_features, out_features = (int(n) for n in tensor.shape[:2])
         experts = len(tensor.shape) == 3
-        kernel = kernel_for(kind, out_features, experts, tensor.name in TABLES, dtype)
+        kernel = kernel_for(kind, out_features, tensor.name in TABLES, dtype)
         if kernel is None:
             if tensor.name not in TABLES:
                 dense[name] = kind

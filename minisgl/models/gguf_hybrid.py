@@ -2,9 +2,9 @@
 on): the hybrids, SmolLM3 and gpt-oss: llama.cpp's `granitehybrid` (Granite 4.0-H), `qwen35`
 and `qwen35moe` (Qwen3.5), `qwen3next`, `nemotron_h` / `nemotron_h_moe` (Nemotron-H, a block's
 mixer kind told by its tensors), `smollm3` (Llama's layout, every fourth layer without RoPE)
-and `gpt-oss` (its experts' gate and up apart, every other layer windowed). The config comes from the file's
-metadata; every tensor is renamed to the checkpoint name our model loads, with what
-llama.cpp's converter changed undone:
+and `gpt-oss` (its experts' gate and up apart, every other layer windowed). The config comes
+from the file's metadata; every tensor is renamed to the checkpoint name our model loads, with
+what llama.cpp's converter changed undone:
   - the hybrids: A stored as -exp(A_log), the convolution's weight squeezed to [channels, K];
   - Granite and Nemotron-H: D as [heads, 1], the gated norm's weight as [groups, inner /
     groups]; Granite's fused gate / up projections split;

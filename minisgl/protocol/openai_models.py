@@ -37,7 +37,7 @@ class OpenAIModel:
     tool_call_parser: str
     reasoning_parser: str | None = None
     # what the chat template's generation prompt holds of the thinking after a request's
-    # system message (None: none)
+    # system message (its text, or None without one)
     template_thinking: Callable[[str | None], TemplateThinking] = lambda system: (
         TemplateThinking())
     adapters: Callable[[], dict[str, str]] = dict  # the loaded LoRA adapters: name -> path
