@@ -268,9 +268,9 @@ def offline_workloads(args: argparse.Namespace) -> list[OfflineWorkload]:
 def run_offline(args: argparse.Namespace, load: OfflineWorkload) -> list[dict]:
     rows = []
     for c in load.concurrency:
-        ns = argparse.Namespace(dtype="bfloat16", tp_size=1, max_total_tokens=65536,
-                                input_len=load.input_len, output_len=load.output_len,
-                                num_prompts=load.prompts or max(4, 2 * c), seed=args.seed + c)
+        ns = offline.arguments().parse_args([])
+        ns.input_len, ns.output_len = load.input_len, load.output_len
+        ns.num_prompts, ns.seed = load.prompts or max(4, 2 * c), args.seed + c
         prompts = offline.make_prompts(ns)
         lens = offline.output_lens(ns, len(prompts))
         log(f"offline {load.name}, concurrency {c}, {len(prompts)} prompts")

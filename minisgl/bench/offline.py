@@ -95,7 +95,8 @@ def run_hf(prompts: list[list[int]], lens: list[int], batch: int, args: argparse
             "wall_s": wall, "output_tok_s": tokens / wall}
 
 
-def main() -> None:
+def arguments() -> argparse.ArgumentParser:
+    """This benchmark's flags (bench.compare takes their defaults for its offline part)."""
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[32, 64])
@@ -116,7 +117,11 @@ def main() -> None:
     parser.add_argument("--no-overlap-baseline", dest="overlap_baseline", action="store_false")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="write the results here")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = arguments().parse_args()
 
     prompts = make_prompts(args)
     lens = output_lens(args, len(prompts))
