@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from minisgl.flag_checks import check_lora, check_speculation, lora_adapters
+from minisgl.flag_checks import check_lora, check_parsers, check_speculation, lora_adapters
 
 T = TypeVar("T")
 
@@ -36,6 +36,14 @@ def _flag(default: Any, help: str, *aliases: str, choices: list[str] | None = No
                                             "nargs": nargs})
 
 
+def _is_file(value: str) -> bool:
+    """Whether a flag's value names a file (an inline template may be too long for a path)."""
+    try:
+        return Path(value).is_file()
+    except OSError:
+        return False
+
+
 @dataclass
 class ServerArgs:
     model_path: str | None = _flag(
@@ -56,12 +64,15 @@ class ServerArgs:
         "hermes", "How tool calls are read from a chat answer under tool_choice auto: hermes "
         "or qwen25 (<tool_call>{...}</tool_call>, Qwen2.5/3 style), llama3 (a JSON object), "
         "mistral ([TOOL_CALLS] and a JSON array of calls) or pythonic (a Python list of calls, "
-        "[f(a=1), g(b=\"x\")]).",
-        choices=["hermes", "qwen25", "llama3", "mistral", "pythonic"])
+        "[f(a=1), g(b=\"x\")]) or gpt-oss (harmony's commentary channel; with the reasoning "
+        "parser gpt-oss, the default for gpt-oss models).",
+        choices=["hermes", "qwen25", "llama3", "mistral", "pythonic", "gpt-oss"])
     reasoning_parser: str | None = _flag(
         None, "Return a chat answer's thinking (<think>...</think>) as reasoning_content apart "
         "from content: qwen3 (Qwen3's templates, enable_thinking) or deepseek-r1 (the answer "
-        "always starts inside the thinking).", choices=["qwen3", "deepseek-r1"])
+        "always starts inside the thinking); gpt-oss: harmony's analysis channel (with the "
+        "tool-call parser gpt-oss, the default for gpt-oss models).",
+        choices=["qwen3", "deepseek-r1", "gpt-oss"])
     sampling_defaults: str = _flag(
         "model", "model: chat requests that leave temperature, top_p, top_k, min_p or "
         "repetition_penalty out take them from the model's generation_config.json; openai: "
@@ -270,6 +281,7 @@ class ServerArgs:
             if value not in choices or (isinstance(value, bool) and f.type != "bool"):
                 raise ValueError(f"{flag(f.name)} must be one of "
                                  f"{', '.join(str(c) for c in choices)}, got {value!r}")
+        check_parsers(self)
         check_speculation(self)
         check_lora(self)
         if self.is_embedding and self.speculative_algorithm is not None:
@@ -283,7 +295,7 @@ class ServerArgs:
         if not self.host:
             raise ValueError("--host must not be empty")
         template = self.chat_template
-        if template is not None and not (Path(template).is_file() or "{{" in template
+        if template is not None and not (_is_file(template) or "{{" in template
                                          or "{%" in template):
             raise ValueError(f"--chat-template {template!r} is neither a file nor a Jinja "
                              "template")
@@ -301,7 +313,7 @@ class ServerArgs:
     def chat_template_text(self) -> str | None:
         """--chat-template's Jinja: the file's contents, or the flag's value itself."""
         template = self.chat_template
-        if template is not None and Path(template).is_file():
+        if template is not None and _is_file(template):
             return Path(template).read_text()
         return template
 

@@ -6,8 +6,22 @@ from __future__ import annotations
 import json
 from typing import Any
 
+HARMONY_PARSER = "gpt-oss"  # both parser flags' name for the harmony format
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
 MAX_DRAFT_TOKENS = 64
+
+
+def check_parsers(args: Any) -> None:
+    """gpt-oss on either parser flag reads harmony answers, which carry the reasoning and the
+    tool calls together: the other flag becomes gpt-oss too (left at its default, or given as
+    gpt-oss); any other value is refused."""
+    if HARMONY_PARSER not in (args.tool_call_parser, args.reasoning_parser):
+        return
+    if (args.reasoning_parser not in (None, HARMONY_PARSER)
+            or args.tool_call_parser not in ("hermes", HARMONY_PARSER)):
+        raise ValueError("--reasoning-parser gpt-oss and --tool-call-parser gpt-oss read the "
+                         "harmony format together: give both as gpt-oss (or only one)")
+    args.tool_call_parser = args.reasoning_parser = HARMONY_PARSER
 
 
 def check_speculation(args: Any) -> None:

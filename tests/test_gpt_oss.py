@@ -145,3 +145,24 @@ def test_a_gpt_oss_q8_0_file_keeps_its_experts_as_blocks(tmp_path) -> None:
         assert experts.gate_up_bias is not None
 
     assert_blocks_give_the_dequantized_logits(gguf, check)
+
+
+def test_a_gpt_oss_server_reads_its_answers_as_harmony(tmp_path) -> None:
+    """Both parsers default to gpt-oss for the family; a chat answer goes through them."""
+    import requests
+
+    from minisgl.models.weights import resolve_model_path
+    from tests.conftest import start_minisgl_server
+
+    save_gpt_oss(tmp_path, vocab_size=49152)  # the bundled tokenizer's
+    server = start_minisgl_server("--model", str(tmp_path), "--tokenizer-path",
+                                  str(resolve_model_path(None)))
+    try:
+        info = requests.get(server.url + "/server_info").json()
+        assert (info["reasoning_parser"], info["tool_call_parser"]) == ("gpt-oss", "gpt-oss")
+        answer = requests.post(server.url + "/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+            "reasoning_effort": "low"}).json()
+        assert answer.get("choices", [answer])[0].get("finish_reason") == "length", answer
+    finally:
+        assert server.stop() == 0, server.log()

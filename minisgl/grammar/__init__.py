@@ -6,6 +6,6 @@ is_terminated) and fills a plain int32 bitmask; the sampler applies it with torc
 below this package imports xgrammar.
 """
 
-from minisgl.grammar.backend import GrammarBackend, create_grammar_backend
+from minisgl.grammar.backend import GrammarBackend, builtin_structural_tag, create_grammar_backend
 
-__all__ = ["GrammarBackend", "create_grammar_backend"]
+__all__ = ["GrammarBackend", "builtin_structural_tag", "create_grammar_backend"]

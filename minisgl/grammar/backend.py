@@ -24,6 +24,17 @@ CACHE_SIZE = 1024  # compiled grammars kept (least recently used go first)
 _LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
 
+def builtin_structural_tag(model_format: str, **options: Any) -> dict[str, Any]:
+    """xgrammar's structural tag for a model family's output format (`harmony`, ...: its
+    reasoning and tool calls), as JSON; `options` are get_builtin_structural_tag's."""
+    try:
+        import xgrammar
+    except ImportError as e:
+        raise InvalidRequest(f"constrained output in the {model_format} format needs "
+                             "xgrammar") from e
+    return xgrammar.get_builtin_structural_tag(model_format, **options).model_dump(mode="json")
+
+
 class GrammarBackend:
     """Refuses every grammar: `--grammar-backend none`, or xgrammar missing."""
 
@@ -78,6 +89,9 @@ class XGrammarBackend(GrammarBackend):
         if not isinstance(tag, dict):
             raise InvalidRequest("structural_tag must be a JSON object")
         if "structures" not in tag:
+            if not self.any_whitespace:
+                _bound_whitespace(tag)
+                text = json.dumps(tag)
             return self._compiler.compile_structural_tag(text)
         structures, triggers = tag.get("structures"), tag.get("triggers")
         if not (isinstance(structures, list) and isinstance(triggers, list) and all(
@@ -114,6 +128,20 @@ class XGrammarBackend(GrammarBackend):
         (the end of a reasoning model's thinking), anything goes before it."""
         matcher = self._xgr.GrammarMatcher(compiled)
         return ReasonerMatcher(matcher, after.encode(), self._token_bytes) if after else matcher
+
+
+def _bound_whitespace(node: Any) -> None:
+    """The JSON contents of a structural tag allow one whitespace character at a time where
+    they do not say otherwise (structural tags have no one-line form; this keeps a model from
+    writing whitespace without end)."""
+    if isinstance(node, dict):
+        if node.get("type") == "json_schema" and node.get("max_whitespace_cnt") is None:
+            node["max_whitespace_cnt"] = 1
+        for value in node.values():
+            _bound_whitespace(value)
+    elif isinstance(node, list):
+        for value in node:
+            _bound_whitespace(value)
 
 
 def create_grammar_backend(name: str, hf_tokenizer: Any | None, vocab_size: int,

@@ -17,7 +17,7 @@ FAMILY_TRAITS: dict[tuple[str, str], dict[str, bool]] = {
     ("gemma3_text", "Gemma3ForCausalLM"): {"qk_norm": True},
     ("qwen3_moe", "Qwen3MoeForCausalLM"): {"qk_norm": True},
     # a learned logit per query head in each softmax's denominator, biased q/k/v and o
-    ("gpt_oss", "GptOssForCausalLM"): {"attention_sinks": True},
+    ("gpt_oss", "GptOssForCausalLM"): {"attention_sinks": True, "harmony": True},
 }
 
 
@@ -292,6 +292,7 @@ class ModelArch:
     served_context: int = 0  # the context the engine serves (Engine sets it; 0: the model's)
     attn_logit_softcap: float = 0.0  # > 0: attention scores s -> cap * tanh(s / cap)
     attention_sinks: bool = False  # a learned logit per query head joins each softmax
+    harmony: bool = False  # its chat answers are in OpenAI's harmony format
     final_logit_softcap: float = 0.0  # > 0: the same on the output logits
     moe: MoEShape | None = None  # None: a dense model
     # per layer "full_attention" (or "sliding_attention") or "linear_attention" (a hybrid's
@@ -347,6 +348,7 @@ class ModelArch:
             rotary_dim=int(head_dim * partial),
             attn_logit_softcap=softcap(config, "attn_logit_softcapping"),
             attention_sinks=traits.get("attention_sinks", False),
+            harmony=traits.get("harmony", False),
             final_logit_softcap=softcap(config, "final_logit_softcapping"),
             moe=MoEShape.from_config(config),
             layer_types=layer_types(config),

@@ -51,13 +51,13 @@ COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs"} | REASONING_F
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens",
                                "tools", "tool_choice", "continue_final_message",
                                "add_generation_prompt", "chat_template_kwargs",
-                               "parallel_tool_calls"} | REASONING_FIELDS
+                               "parallel_tool_calls", "reasoning_effort"} | REASONING_FIELDS
 # Nothing a client sees depends on these.
 INERT_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "custom_labels",
                           "custom_params"})
 # Features minisgl lacks: accepted only at their default.
 UNSUPPORTED_FIELDS = frozenset({
-    "suffix", "functions", "function_call", "reasoning_effort", "reasoning", "thinking",
+    "suffix", "functions", "function_call", "reasoning", "thinking",
     "task", "audio", "modalities",
     "prediction", "web_search_options", "return_hidden_states", "return_routed_experts",
     "routed_experts_start_len", "return_cached_tokens_details", "return_spec_tokens_details",

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from minisgl.errors import InvalidRequest
+from minisgl.flag_checks import HARMONY_PARSER
 from minisgl.models import generation_defaults
 from minisgl.protocol.reasoning import TemplateThinking
 from minisgl.runtime import Runtime
@@ -44,6 +45,11 @@ class OpenAIModel:
     lora: bool = False  # --enable-lora: `base:adapter` names an adapter
     created: int = field(default_factory=lambda: int(time.time()))
 
+    @property
+    def harmony(self) -> bool:
+        """Chat answers are in the harmony format (reasoning, calls and answer together)."""
+        return self.reasoning_parser == HARMONY_PARSER
+
     @classmethod
     def of(cls, runtime: Runtime) -> OpenAIModel:
         args = runtime.args
@@ -56,7 +62,7 @@ class OpenAIModel:
         tokenizer = runtime.tokenizer
         thinking = (functools.lru_cache(maxsize=SYSTEM_MESSAGES_PROBED)(
             functools.partial(TemplateThinking.probe, tokenizer.chat_prompt))
-            if args.reasoning_parser and tokenizer is not None
+            if args.reasoning_parser not in (None, HARMONY_PARSER) and tokenizer is not None
             else lambda system: TemplateThinking())
         return cls(list(runtime.served_names), aliases, args.strict_model_name,
                    runtime.context_len, defaults, args.tool_call_parser,

@@ -15,6 +15,8 @@ from minisgl.protocol.openai_fields import (CHAT_FIELDS, COMPLETION_FIELDS, MAX_
                                             StreamOptions, chat_template_kwargs, check_fields,
                                             normalize_messages, sampling_params, split_prefill,
                                             stream_options)
+from minisgl.protocol.harmony import (harmony_grammar, harmony_messages, harmony_params,
+                                      harmony_reasoning, reasoning_effort)
 from minisgl.protocol.openai_models import OpenAIModel
 from minisgl.protocol.openai_tools import ToolUse, parse_tool_use, render_tools
 from minisgl.protocol.reasoning import THINK_END, Reasoning, request_reasoning
@@ -113,7 +115,16 @@ def parse_chat(body: dict[str, Any], model: OpenAIModel, template_takes_tools: b
     messages, prefix = split_prefill(normalize_messages(body.get("messages")), continue_final)
     template_kwargs = {**chat_template_kwargs(body), "add_generation_prompt": generation_prompt}
     reasoning, thinking = None, False
-    if model.reasoning_parser is not None or any(
+    if model.harmony:
+        messages = harmony_messages(messages)
+        reasoning = harmony_reasoning(body)
+        effort = reasoning_effort(body.get("reasoning_effort"))
+        if effort is not None:
+            template_kwargs["reasoning_effort"] = effort
+    elif body.get("reasoning_effort") is not None:
+        raise InvalidRequest("reasoning_effort is read by harmony models only (gpt-oss, "
+                             "--reasoning-parser gpt-oss)")
+    elif model.reasoning_parser is not None or any(
             name in body for name in ("separate_reasoning", "stream_reasoning")):
         first = messages[0] if messages else {}
         system = (first.get("content") if first.get("role") == "system"
@@ -139,12 +150,15 @@ def parse_chat(body: dict[str, Any], model: OpenAIModel, template_takes_tools: b
         max_tokens = body.get("max_tokens")
     # NOTE: None is OpenAI's default: whatever room the context leaves
     params = sampling_params(body, max_tokens, model.sampling_defaults)
-    if tools is not None:
-        grammar = tools.grammar(model.tool_call_parser, params.grammar)
-        if grammar != params.grammar:
-            for name in GRAMMAR_FIELDS:
-                setattr(params, name, None)
-            setattr(params, *grammar)
+    grammar = (harmony_grammar(tools, params.grammar) if model.harmony
+               else tools.grammar(model.tool_call_parser, params.grammar) if tools is not None
+               else params.grammar)
+    if grammar != params.grammar:
+        for name in GRAMMAR_FIELDS:
+            setattr(params, name, None)
+        setattr(params, *grammar)
+    if model.harmony:
+        harmony_params(params)
     if thinking and params.grammar is not None:
         params.grammar_after = THINK_END  # NOTE: the reasoning is free text, the answer is not
     chat = ChatPrompt(messages, template_kwargs, prefix)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from minisgl.protocol.harmony import HarmonyParser
 from minisgl.protocol.openai_fields import StreamOptions
 from minisgl.protocol.openai_logprobs import Cursor, chat_logprobs, completion_logprobs
 from minisgl.protocol.openai_models import OpenAIModel
@@ -117,7 +118,8 @@ class ChatAnswer(_Answer):
     """Chat answers. With --reasoning-parser (and separate_reasoning) each choice's text is
     split first (protocol.reasoning): the message's `reasoning_content` (null when there is
     none) and a stream's `delta.reasoning_content` (null in deltas without any, as SGLang's),
-    then `content`, which alone the tool-call parser reads."""
+    then `content`, which alone the tool-call parser reads. A harmony answer (gpt-oss) is read
+    by one parser for all three (protocol.harmony)."""
 
     def __init__(self, req: ChatRequest, handles: list[ReqHandle], model: OpenAIModel,
                  tokens: TokenTexts) -> None:
@@ -126,9 +128,10 @@ class ChatAnswer(_Answer):
         super().__init__(head, req.groups, handles, req.options, tokens)
         self.tools, self.parser_name, self.reasoning = (req.tools, model.tool_call_parser,
                                                         req.reasoning)
+        self.harmony = model.harmony
         # a stream's parsers per choice: reasoning, tool calls; and the content sent so far
         self._reasoners: dict[int, ReasoningParser] = {}
-        self._parsers: dict[int, ToolCallParser | PythonicCallParser] = {}
+        self._parsers: dict[int, ToolCallParser | PythonicCallParser | HarmonyParser] = {}
         self._content_sent: dict[int, int] = {}
 
     def body(self) -> dict[str, Any]:
@@ -145,6 +148,8 @@ class ChatAnswer(_Answer):
     def _message(self, h: ReqHandle) -> tuple[dict[str, Any], str | None]:
         """A finished choice's message and finish_reason ("tool_calls" when it called and
         stopped by itself), read by the same parsers a stream uses."""
+        if self.harmony:
+            return self._harmony_message(h)
         reasoning, text = None, h.text
         if self.reasoning is not None:
             reasoning, text = self.reasoning.new_parser().parse(h.text)
@@ -161,6 +166,22 @@ class ChatAnswer(_Answer):
             message["content"] = None  # NOTE: as SGLang: only thoughts, no answer
         return message, reason
 
+    def _harmony_parser(self) -> HarmonyParser:
+        tools = self.tools
+        return HarmonyParser(set(tools.names) if tools else set(),
+                             one_call=tools is not None and not tools.parallel,
+                             separate_reasoning=self.reasoning is not None,
+                             stream_reasoning=self.reasoning is None or self.reasoning.stream)
+
+    def _harmony_message(self, h: ReqHandle) -> tuple[dict[str, Any], str | None]:
+        parser = self._harmony_parser()
+        reasoning, content, calls = parser.parse(h.text)
+        message: dict[str, Any] = {"role": "assistant", "content": content,
+                                   "reasoning_content": reasoning}
+        if calls:
+            message["tool_calls"] = calls
+        return message, parser.finish_reason(openai_finish_reason(h.finish_reason))
+
     def stream_first(self) -> list[dict[str, Any]]:
         """The role comes first, alone, for each choice."""
         return [{**self.head, "choices": [{"index": k, "delta": {"role": "assistant",
@@ -170,8 +191,9 @@ class ChatAnswer(_Answer):
                  **self._no_usage} for k in range(len(self.handles))]
 
     def _split(self, k: int, h: ReqHandle) -> tuple[str, str]:
-        """(the reasoning choice k's text adds, its content so far)."""
-        if self.reasoning is None:
+        """(the reasoning choice k's text adds, its content so far); a harmony text is split
+        by its own parser."""
+        if self.reasoning is None or self.harmony:
             return "", h.text
         if k not in self._reasoners:
             self._reasoners[k] = self.reasoning.new_parser()
@@ -183,22 +205,25 @@ class ChatAnswer(_Answer):
 
     def _choice(self, k: int, h: ReqHandle, cursor: Cursor) -> dict[str, Any] | None:
         """What choice k's text adds, as a delta: reasoning_content, then content (with tools:
-        content and tool calls as openai_tool_parser reads them)."""
+        content and tool calls as openai_tool_parser reads them; harmony: all three as
+        protocol.harmony reads them)."""
         reasoning, content = self._split(k, h)
         cursor.chars = len(h.text)
         delta: dict[str, Any] = {}
-        if self.tools is None:
+        if self.tools is None and not self.harmony:
             if len(content) > self._content_sent.get(k, 0):
                 delta["content"] = content[self._content_sent.get(k, 0):]
             self._content_sent[k] = len(content)
             reason = openai_finish_reason(h.finish_reason)
         else:
             if k not in self._parsers:
-                self._parsers[k] = self.tools.parser(self.parser_name)
+                self._parsers[k] = (self._harmony_parser() if self.harmony
+                                    else self.tools.parser(self.parser_name))
             parser = self._parsers[k]
             new = parser.feed(content)
             if h.finished:
                 new += parser.finish()
+            reasoning += getattr(new, "reasoning", "")
             if new.content:
                 delta["content"] = new.content
             if new.tool_calls:

@@ -22,13 +22,13 @@ from minisgl.protocol.responses_store import ResponseStore
 OWN_FIELDS = frozenset({"model", "input", "instructions", "max_output_tokens", "stream",
                         "tools", "tool_choice", "parallel_tool_calls", "text",
                         "previous_response_id", "store", "include", "truncation",
-                        "chat_template_kwargs", "priority", "lora_path"})
+                        "chat_template_kwargs", "priority", "lora_path", "reasoning"})
 # Nothing a client sees depends on these.
 INERT_FIELDS = frozenset({"metadata", "user", "service_tier", "safety_identifier",
                           "prompt_cache_key", "prompt_cache_retention", "stream_options",
                           "background"})
 # Features minisgl lacks: accepted only at their default.
-UNSUPPORTED_FIELDS = frozenset({"conversation", "prompt", "reasoning", "top_logprobs",
+UNSUPPORTED_FIELDS = frozenset({"conversation", "prompt", "top_logprobs",
                                 "max_tool_calls", "context_management"})
 HOSTED_TOOLS = "web search, file search, code interpreter, computer use, image generation, MCP"
 SAMPLING_PASSED = frozenset(SAMPLING_FIELDS) - {"n"}
@@ -184,10 +184,7 @@ def _response_format(text: Any) -> tuple[dict[str, Any] | None, dict[str, Any]]:
 
 
 def _check_fields(body: dict[str, Any], unknown: UnknownFields) -> None:
-    reasoning = body.get("reasoning")
-    if isinstance(reasoning, dict):  # {"effort": null, "summary": null} asks for nothing
-        reasoning = {k: v for k, v in reasoning.items() if v is not None}
-    refuse_unsupported({**body, "reasoning": reasoning}, UNSUPPORTED_FIELDS)
+    refuse_unsupported(body, UNSUPPORTED_FIELDS)
     if flag(body, "background"):
         raise InvalidRequest("background is not supported by minisgl (responses run while "
                              "the request waits or streams)")
@@ -200,6 +197,19 @@ def _check_fields(body: dict[str, Any], unknown: UnknownFields) -> None:
     extra = set(body) - OWN_FIELDS - INERT_FIELDS - UNSUPPORTED_FIELDS - SAMPLING_PASSED
     if extra:
         unknown.ignore("/v1/responses", extra)
+
+
+def _reasoning_effort(reasoning: Any) -> str | None:
+    """reasoning.effort (read by harmony models, as chat's reasoning_effort); a summary is
+    refused ({"effort": null, "summary": null} asks for nothing)."""
+    if reasoning is None:
+        return None
+    if not isinstance(reasoning, dict):
+        raise InvalidRequest("reasoning must be an object {\"effort\", \"summary\"}")
+    if reasoning.get("summary") is not None:
+        raise InvalidRequest("reasoning.summary is not supported by minisgl (the reasoning is "
+                             "returned whole)")
+    return reasoning.get("effort")
 
 
 def parse_responses(body: dict[str, Any], model: OpenAIModel, store: ResponseStore,
@@ -226,14 +236,16 @@ def parse_responses(body: dict[str, Any], model: OpenAIModel, store: ResponseSto
         messages=([{"role": "system", "content": instructions}] if instructions else [])
         + messages, max_tokens=max_output, tools=_chat_tools(body.get("tools")),
         tool_choice=_chat_tool_choice(body.get("tool_choice")),
-        response_format=response_format, rid=response_id)
+        response_format=response_format, rid=response_id,
+        reasoning_effort=_reasoning_effort(body.get("reasoning")))
     chat = parse_chat({k: v for k, v in chat_body.items() if v is not None}, model,
                       template_takes_tools, max_sequences, unknown)
     params = chat.prompts[0].params
     echo = {"instructions": instructions, "max_output_tokens": max_output, "model": chat.model,
             "parallel_tool_calls": chat.tools.parallel if chat.tools else
             flag(body, "parallel_tool_calls", True),
-            "previous_response_id": previous_id, "reasoning": {"effort": None, "summary": None},
+            "previous_response_id": previous_id,
+            "reasoning": {"effort": chat_body["reasoning_effort"], "summary": None},
             "store": flag(body, "store", True), "temperature": params.temperature,
             "text": text, "tool_choice": body.get("tool_choice") or "auto",
             "tools": body.get("tools") or [], "top_p": params.top_p, "truncation": "disabled",

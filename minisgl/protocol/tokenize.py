@@ -20,9 +20,9 @@ from minisgl.runtime.tokenizer import Tokenizer
 # the chat fields that shape a prompt (the others, sampling, are a chat completion's business)
 CHAT_PROMPT_FIELDS = frozenset({"model", "messages", "add_generation_prompt",
                                 "continue_final_message", "chat_template_kwargs", "tools",
-                                "tool_choice", "parallel_tool_calls"})
+                                "tool_choice", "parallel_tool_calls", "reasoning_effort"})
 TOKENIZE_FIELDS = CHAT_PROMPT_FIELDS | {"prompt", "add_special_tokens", "return_token_strs",
-                                        "reasoning_effort", "mm_processor_kwargs"}
+                                        "mm_processor_kwargs"}
 DETOKENIZE_FIELDS = frozenset({"model", "tokens", "skip_special_tokens"})
 
 
@@ -38,9 +38,8 @@ async def tokenize(body: dict[str, Any], requests: RequestManager, model: OpenAI
     tokenizer = _need_tokenizer(requests.tokenizer)
     model.resolve(body)
     unknown.ignore("/tokenize", set(body) - TOKENIZE_FIELDS)
-    for name in ("reasoning_effort", "mm_processor_kwargs"):
-        if body.get(name) is not None:
-            raise InvalidRequest(f"{name} is not supported by minisgl")
+    if body.get("mm_processor_kwargs") is not None:
+        raise InvalidRequest("mm_processor_kwargs is not supported by minisgl")
     prompt, messages = body.get("prompt"), body.get("messages")
     if (prompt is None) == (messages is None):
         raise InvalidRequest("give exactly one of prompt or messages")

@@ -4,6 +4,7 @@ HTTP server and the offline `LLM` hold this object and reach nothing below it.""
 from __future__ import annotations
 
 import asyncio
+import logging
 import dataclasses
 from dataclasses import replace
 from pathlib import Path
@@ -13,6 +14,7 @@ from minisgl.args import ServerArgs
 from minisgl.engine import Engine, EngineConfig
 from minisgl.env import quiet_tokenizer_threads
 from minisgl.errors import InvalidRequest
+from minisgl.flag_checks import HARMONY_PARSER
 from minisgl.grammar import create_grammar_backend
 from minisgl.models import model_name
 from minisgl.runtime.manager import RequestManager
@@ -22,6 +24,9 @@ from minisgl.runtime.tokenizer import Tokenizer
 from minisgl.scheduler import Scheduler, SchedulerConfig
 from minisgl.scheduler.lora import add_adapter
 
+logger = logging.getLogger(__name__)
+
+
 class Runtime:
     def __init__(self, args: ServerArgs) -> None:
         self.args = args
@@ -30,6 +35,12 @@ class Runtime:
         if args.is_embedding:  # NOTE: it never decodes, so decode graphs would be dead weight
             engine_config = replace(engine_config, disable_cuda_graph=True)
         self.engine = Engine(engine_config)
+        if (self.engine.arch.harmony and args.reasoning_parser is None
+                and args.tool_call_parser == "hermes"):
+            logger.info("%s answers in the harmony format: --reasoning-parser gpt-oss "
+                        "--tool-call-parser gpt-oss", self.engine.arch.architecture)
+            self.args = args = replace(args, reasoning_parser=HARMONY_PARSER,
+                                       tool_call_parser=HARMONY_PARSER)
         try:
             self.tokenizer = Tokenizer.load(args.tokenizer_path or self.engine.model_path)
             template = args.chat_template_text()
