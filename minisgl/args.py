@@ -159,9 +159,11 @@ class ServerArgs:
         "fp8 (linear weights float8 per output feature, weight-only: for decode speed on "
         "CUDA GPUs of compute capability 8.9+; an fp8 checkpoint's own weights on CPU), "
         "awq / gptq / compressed-tensors (int4 checkpoints, on CPU; a quantized checkpoint "
-        "takes its own method by default) "
+        "takes its own method by default), mxfp4 (gpt-oss's released experts, kept in their "
+        "4-bit blocks on CPU) "
         "or none (every weight dequantized to --dtype; the default otherwise).",
-        choices=["gguf", "w8a8_int8", "fp8", "awq", "gptq", "compressed-tensors", "none"])
+        choices=["gguf", "w8a8_int8", "fp8", "awq", "gptq", "compressed-tensors", "mxfp4",
+                 "none"])
     cpu_int8_activations: bool = _flag(
         False, "CPU kernels of quantized weights (--quantization gguf, quantized "
         "checkpoints) round each activation to one int8 per group of 32 inputs, as llama.cpp "

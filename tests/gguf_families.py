@@ -428,16 +428,10 @@ def write_smollm3_gguf(model: torch.nn.Module, path: Path,
     return path
 
 
-def write_gpt_oss_gguf(folder: Path, path: Path,
-                       experts: GGMLQuantizationType | None = None) -> Path:
-    """The checkpoint saved in `folder` (transformers' GptOssForCausalLM, SmolLM2's vocabulary)
-    as llama.cpp's converter writes it from bfloat16 weights (`gpt-oss`): the experts' gate
-    and up apart, stacked output-major with their biases; YaRN's keys; q / k rows as they are.
-    F32, or with `experts` for the experts' weights."""
-    from safetensors.numpy import load_file
-    from transformers import AutoConfig
-    config = AutoConfig.from_pretrained(folder)
-    layers, rope = config.num_hidden_layers, config.rope_parameters
+def gpt_oss_writer(path: Path, config: Any) -> GGUFWriter:
+    """A `gpt-oss` file's writer with llama.cpp's keys for `config` (transformers' GptOssConfig)
+    and the bundled tokenizer: the tensors follow."""
+    rope = config.rope_parameters
     writer = decoder_writer(path, "gpt-oss", config)
     writer.add_rope_scaling_type(RopeScalingType.YARN)
     writer.add_rope_scaling_factor(rope["factor"])
@@ -453,6 +447,20 @@ def write_gpt_oss_gguf(folder: Path, path: Path,
     writer.add_sliding_window(config.sliding_window)
     writer.add_expert_feed_forward_length(config.intermediate_size)
     copy_tokenizer(writer)
+    return writer
+
+
+def write_gpt_oss_gguf(folder: Path, path: Path,
+                       experts: GGMLQuantizationType | None = None) -> Path:
+    """The checkpoint saved in `folder` (transformers' GptOssForCausalLM, SmolLM2's vocabulary)
+    as llama.cpp's converter writes it from bfloat16 weights (`gpt-oss`): the experts' gate
+    and up apart, stacked output-major with their biases; YaRN's keys; q / k rows as they are.
+    F32, or with `experts` for the experts' weights."""
+    from safetensors.numpy import load_file
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(folder)
+    layers = config.num_hidden_layers
+    writer = gpt_oss_writer(path, config)
     names = get_tensor_name_map(MODEL_ARCH.GPT_OSS, layers)
     state = load_file(folder / "model.safetensors")
     for layer in range(layers):

@@ -1,4 +1,4 @@
-"""GGUF blocks of every type the AVX2 kernel runs, k-quants included, kept in their codes:
+"""GGUF blocks of every type the AVX2 kernel runs, k-quants and MXFP4 included, kept in their codes:
 decoded exactly as the gguf package dequantizes them, multiplied to within
 the activations' ~15 bits of the float64 product, and a Q4_K_M-style re-encoding of the bundled
 model (llama.cpp's layout for it: Q4_K / Q6_K where a row is whole 256-value super-blocks,
@@ -31,7 +31,7 @@ KERNEL_BOUND_BF16 = 8e-3
 ROWS = (1, 2, 3, 4, 5, 8, 17, 64, 65, 600)
 # fp16 fields of each block (byte offsets): d, and the min / dmin where the type has one
 FP16_AT = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
-           "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+           "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "MXFP4": []}
 
 
 def random_blocks(kind: str, out: int, in_features: int, seed: int = 0) -> np.ndarray:
@@ -44,6 +44,8 @@ def random_blocks(kind: str, out: int, in_features: int, seed: int = 0) -> np.nd
     for at in FP16_AT[kind]:
         scale = rng.standard_normal((out, in_features // per_block, 1)) * 0.01
         raw[..., at:at + 2] = scale.astype(np.float16).view(np.uint8)
+    if kind == "MXFP4":  # an e8m0 exponent: scales 2^-9 .. 2^2
+        raw[..., 0] = rng.integers(118, 130, size=raw.shape[:2])
     return raw.reshape(out, -1)
 
 

@@ -23,14 +23,16 @@ loading itself: models.loader).
   (H100 / H200)"). As SGLang quantizes a bf16 checkpoint online: it loads dense, then each
   layer's weight is quantized and released; the LM head and the embedding stay in the serving
   dtype.
-- `awq`, `gptq`, `compressed-tensors` (int4) and `fp8` checkpoints (config.json's
+- `awq`, `gptq`, `compressed-tensors` (int4), `fp8` and `mxfp4` checkpoints (config.json's
   quantization_config; the method is then the checkpoint's): linear weights read as blocks
   for the AVX2 kernel on CPU (models.hf_quant), or kept as stored for the Triton kernels on
-  CUDA (layers.gpu_blocks: int4 from compute capability 8.0, fp8 from 8.9).
+  CUDA (layers.gpu_blocks: int4 from compute capability 8.0, fp8 from 8.9; mxfp4 there is
+  dequantized).
 - `none`: every weight dequantized to the serving dtype.
 With `--load-format dummy`, `gguf` makes the linear weights random 4-bit blocks (large shapes
 in a quarter of the memory), `awq` / `gptq` / `compressed-tensors` random int4 groups (on
-CUDA); `w8a8_int8` and `fp8` quantize random dense weights layer by layer.
+CUDA), `mxfp4` random MXFP4 experts (gpt-oss); `w8a8_int8` and `fp8` quantize random dense
+weights layer by layer.
 """
 
 from __future__ import annotations
@@ -72,6 +74,15 @@ def resolve_quantization(method: str | None, model: str | None, device: torch.de
         raise ValueError(f"--quantization {method} loads checkpoints quantized so (config.json's "
                          "quantization_config), or random weights on CUDA (--load-format "
                          "dummy); this model has none")
+    if method == "mxfp4":
+        if load_format != "dummy":
+            raise ValueError("--quantization mxfp4 loads checkpoints quantized so (gpt-oss's "
+                             "released ones), or random weights (--load-format dummy); this "
+                             "model has none")
+        why = _checkpoint_unavailable(method, device, dtype)
+        if why is not None:
+            raise ValueError(f"--quantization mxfp4: {why}")
+        return method
     if method is None:
         if device.type != "cpu" or load_format == "dummy" or gguf_file(model) is None:
             return "none"  # NOTE: before the kernel checks, which build the CPU kernels

@@ -1,6 +1,7 @@
 """GGUF linear weights of every block type the AVX2 kernel runs (kernels/csrc/block_matmul.cpp):
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 ("flat": a scale per 32 values) and the k-quants Q4_K, Q5_K,
-Q6_K (super-blocks of 256 values with 6- or 8-bit sub-scales), kept in their codes.
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 ("flat": a scale per 32 values), MXFP4 (e2m1 codes, a power of
+two per 32 values) and the k-quants Q4_K, Q5_K, Q6_K (super-blocks of 256 values with 6- or
+8-bit sub-scales), kept in their codes.
 
 `GgufBlocks` is one tensor's blocks decoded but not dequantized (models.gguf_decode reads
 them); it slices like the dense weight (whole groups / super-blocks of columns), so the
@@ -22,16 +23,22 @@ from minisgl.layers.quant import terms_now
 GROUP = 32
 SUPER = 256
 LANES = 8  # output features per block of the kernel's layout
-FLAT, MINS, SIX_BIT, SYMMETRIC = 0, 1, 2, 3  # the kernel's scale modes
+FLAT, MINS, SIX_BIT, SYMMETRIC, LUT = 0, 1, 2, 3, 4  # the kernel's scale modes
+# LUT (MXFP4): code c stands for E2M1[c]; the kernel reads 2 E2M1[c] + 12 (a byte in [0, 24])
+# with d' = half the block's scale and m' = -12 d'
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+LUT_OFFSET = 12
+LUT_CODES = torch.tensor([int(2 * v) + LUT_OFFSET for v in E2M1], dtype=torch.uint8)
 # kind -> (code bits, scale mode)
 # ("W4": an int4 checkpoint's groups of 32 to 128 inputs, a zero point each: models.hf_quant)
 KINDS = {"Q4_0": (4, SYMMETRIC), "Q4_1": (4, FLAT), "Q5_0": (5, SYMMETRIC), "Q5_1": (5, FLAT),
          "Q8_0": (8, SYMMETRIC), "Q4_K": (4, MINS), "Q5_K": (5, MINS), "Q6_K": (6, SIX_BIT),
-         "W4": (4, MINS)}
+         "MXFP4": (4, LUT), "W4": (4, MINS)}
 # With one activation term these kinds' m' (a fixed multiple of d') is folded into the integer
 # dot product: the whole weight times the rounded activations, as llama.cpp computes them;
 # the others multiply d' * code by the rounded activations and m' by the exact ones.
-OFFSET_FOLDED = frozenset(kind for kind, (_, mode) in KINDS.items() if mode in (SYMMETRIC, SIX_BIT))
+OFFSET_FOLDED = frozenset(kind for kind, (_, mode) in KINDS.items()
+                          if mode in (SYMMETRIC, SIX_BIT, LUT))
 # NOTE: past this many rows the dequantized weight and a GEMM beat the integer dot products
 # (the crossovers: BENCHMARKS.md, "k-quants on VNNI" against a bfloat16 GEMM and "The AVX2
 # block kernel's int16 products" against a float32 one)
@@ -58,7 +65,8 @@ class GgufBlocks:
     Q4_K, Q5_K, W4: d' = scales[o, i // S, 0] * subs[o, i // 32, 0],
                 m' = scales[o, i // S, 1] * subs[o, i // 32, 1] (scales[..., 1] = -dmin),
                 S = 256 (W4: the checkpoint's group size);
-    Q6_K: d' = scales[o, i // 256, 0] * subs[o, i // 32, (i // 16) % 2] (int8), m' = -32 d'.
+    Q6_K: d' = scales[o, i // 256, 0] * subs[o, i // 32, (i // 16) % 2] (int8), m' = -32 d';
+    MXFP4: codes index E2M1, read through LUT_CODES (d' = half the scale, m' = -12 d').
     Every value is exact in float32 (float16 scales times small integers)."""
 
     kind: str
@@ -110,7 +118,8 @@ class GgufBlocks:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         d, m = self.scale_and_offset()
-        return (d * self.codes.float() + m).to(dtype)
+        codes = LUT_CODES[self.codes.long()] if self.kind == "MXFP4" else self.codes
+        return (d * codes.float() + m).to(dtype)
 
 
 def cat_rows(parts: list[GgufBlocks]) -> GgufBlocks:
@@ -129,8 +138,9 @@ class GgufWeight:
                              f"kernel's blocks of {LANES} x {GROUP}")
         self.kind, self.out_features, self.in_features = blocks.kind, out, in_features
         self.bits, self.mode = KINDS[blocks.kind]
-        if self.mode == SYMMETRIC:  # the kernel takes m' as this multiple of d', not as stored
-            offset = 0 if self.bits == 8 else 1 << (self.bits - 1)
+        if self.mode in (SYMMETRIC, LUT):  # the kernel takes m' as a multiple of d', not stored
+            offset = (LUT_OFFSET if self.mode == LUT else 0 if self.bits == 8
+                      else 1 << (self.bits - 1))
             if not torch.equal(blocks.scales[..., 1], -offset * blocks.scales[..., 0]):
                 raise ValueError(f"{blocks.kind} blocks with offsets other than {-offset} d")
         rows, groups = out // LANES, in_features // GROUP

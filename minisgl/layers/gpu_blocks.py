@@ -70,12 +70,14 @@ def finished_weight(slots: BlockSlots, device: torch.device) -> Any:
 
 
 def gpu_block_weight(slots: BlockSlots, device: torch.device
-                     ) -> Int4GroupWeight | Fp8ChannelWeight:
+                     ) -> Int4GroupWeight | Fp8ChannelWeight | DenseWeight:
     """One layer's staged parts (rows in order) as one weight for its CUDA kernel."""
     parts = slots.ordered_parts()
     kinds = {part.kind for part in parts}
     if kinds == {"W4"}:
         return Int4GroupWeight(cat_rows(parts), device)
+    if kinds == {"MXFP4"}:  # NOTE: no CUDA kernel for it yet: the values, in bfloat16
+        return DenseWeight(cat_rows(parts).dequantize(torch.bfloat16).to(device))
     if len(kinds) == 1 and isinstance(parts[0], Fp8Blocks):
         groups = {part.group for part in parts}
         if len(groups) > 1:
@@ -85,6 +87,21 @@ def gpu_block_weight(slots: BlockSlots, device: torch.device
         return Fp8ChannelWeight.from_codes(codes, scales, groups.pop())
     raise ValueError(f"weights of kinds {sorted(kinds)} have no GPU kernel in one layer "
                      "(int4 or fp8 checkpoints' only)")
+
+
+class DenseWeight:
+    """A weight whose blocks have no kernel on this device, held dequantized."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+        self.out_features, self.in_features = weight.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.to(self.weight.dtype) @ self.weight.t()).to(x.dtype)
 
 
 @functools.lru_cache(maxsize=1)

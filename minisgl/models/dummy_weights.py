@@ -10,7 +10,9 @@ everything else N(0, 0.02); with `int4` (`--quantization gguf`), the layers' lin
 (not the experts') are random 4-bit blocks instead, of about the same spread (codes uniform in
 0..15, scale 0.02 / 4.6, zero 0), never dense; with `int4_groups` (`--quantization awq`,
 `gptq` or `compressed-tensors` on CUDA), int4 groups of 128 of that spread (zero point 8) in
-the form such a checkpoint loads into (layers.gpu_blocks).
+the form such a checkpoint loads into (layers.gpu_blocks); with `mxfp4` (`--quantization
+mxfp4`), stacked experts (gpt-oss's) are MXFP4 blocks per expert as the released checkpoints
+hold them (codes uniform, every block's scale 2^-7: about that spread too).
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ import torch
 from torch import nn
 
 from minisgl.layers.gguf_weight import GgufBlocks
+from minisgl.models.gguf_decode import mxfp4_blocks
 from minisgl.layers.quant import GROUP, WeightBlocks
 
 INT4_SCALE = 0.02 / 4.6  # codes - 8 uniform in [-8, 7] have a standard deviation of ~4.6
 INT4_GROUP = 128  # the usual group size of AWQ / GPTQ checkpoints
+MXFP4_EXPONENT = 120  # 2^-7: E2M1 values of uniform codes have a standard deviation of ~2.9
 
 
 def checkpoint_shapes(arch: Any) -> dict[str, tuple[int, ...]]:
@@ -106,13 +110,25 @@ def is_layer_linear(name: str) -> bool:
             and ".experts." not in name)
 
 
+def is_stacked_experts(name: str, shape: tuple[int, ...]) -> bool:
+    return ".mlp.experts." in name and name.endswith("_proj") and len(shape) == 3
+
+
 def load_dummy(model: nn.Module, arch: Any, seed: int, device: torch.device,
-               dtype: torch.dtype, int4: bool = False, int4_groups: bool = False) -> None:
+               dtype: torch.dtype, int4: bool = False, int4_groups: bool = False,
+               mxfp4: bool = False) -> None:
     # a model of another naming than the Llama family's says its own (models.nemotron_h)
     own = getattr(model, "checkpoint_shapes", None)
     shapes = own() if own is not None else checkpoint_shapes(arch)
     if int4_groups:
         for name in filter(is_layer_linear, shapes):
+            model.weight_target(name)[0].expect_gguf_blocks()
+    if mxfp4:
+        stacked = [name for name, shape in shapes.items() if is_stacked_experts(name, shape)]
+        if not stacked:
+            raise ValueError("--quantization mxfp4: this model has no stacked experts "
+                             "(gpt-oss's) to hold MXFP4 blocks")
+        for name in stacked:
             model.weight_target(name)[0].expect_gguf_blocks()
     if int4:
         for name in filter(is_layer_linear, shapes):
@@ -133,6 +149,8 @@ def load_dummy(model: nn.Module, arch: Any, seed: int, device: torch.device,
             full = WeightBlocks(codes, scales, torch.zeros_like(scales))
         elif int4_groups and is_layer_linear(name):
             full = random_int4_groups(shape, gen, device)
+        elif mxfp4 and is_stacked_experts(name, shape):
+            full = random_mxfp4_experts(shape, gen)
         else:
             full = torch.empty(shape, dtype=torch.float32, device=device).normal_(
                 0.0, 0.02, generator=gen).to(dtype)
@@ -142,6 +160,15 @@ def load_dummy(model: nn.Module, arch: Any, seed: int, device: torch.device,
     missing = [n for n, p in params.items() if torch.isnan(p).any()]
     if missing:
         raise ValueError(f"dummy weights left parameters unfilled: {missing[:5]}")
+
+
+def random_mxfp4_experts(shape: tuple[int, ...], gen: torch.Generator) -> list[GgufBlocks]:
+    """Stacked experts [E, in, out] (the checkpoint's dense form) as MXFP4 blocks per expert,
+    output-major as the released checkpoints store them."""
+    experts, in_features, out = shape
+    exponents = torch.full((out, in_features // GROUP), MXFP4_EXPONENT, dtype=torch.uint8)
+    return [mxfp4_blocks(torch.randint(0, 16, (out, in_features), generator=gen,
+                                       dtype=torch.uint8), exponents) for _ in range(experts)]
 
 
 def random_int4_groups(shape: tuple[int, ...], gen: torch.Generator, device: torch.device

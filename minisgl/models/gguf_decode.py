@@ -6,6 +6,8 @@ Flat blocks of 32 values (byte j of the 16 nibble bytes: value j low, value j + 
   Q5_0: fp16 d, 4 bytes of high bits (bit j: value j), 16 bytes; w = d (q - 16)
   Q5_1: fp16 d, fp16 m, high bits, 16 bytes; w = d q + m
   Q8_0: fp16 d, 32 int8; w = d q
+  MXFP4: e8m0 byte e, 16 bytes; w = 2^(e - 127) E2M1[q] (held as d = 2^(e - 128) times the
+        kernel's 2 E2M1[q] + 12, less 12 d: exact where d is a float16, 2^-24 .. 2^15)
 Super-blocks of 256 values:
   Q4_K: fp16 d, fp16 dmin, 12 bytes of 6-bit (sc, mn) for 8 groups of 32, 128 nibble bytes (per
         64 values, 32 bytes: values 0-31 low nibbles, 32-63 high); w = d sc q - dmin mn
@@ -20,9 +22,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from minisgl.layers.gguf_weight import GROUP, KINDS, SUPER, GgufBlocks
+from minisgl.layers.gguf_weight import GROUP, KINDS, LUT_OFFSET, SUPER, GgufBlocks
 
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34,
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "MXFP4": 17,
                "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 assert set(BLOCK_BYTES) == set(KINDS) - {"W4"}  # W4: checkpoints (models.hf_quant)
 
@@ -57,7 +59,20 @@ def read_gguf_blocks(kind: str, raw: np.ndarray, out_features: int, in_features:
                                                                   in_features)
 
 
+def mxfp4_blocks(codes: torch.Tensor, exponents: torch.Tensor) -> GgufBlocks:
+    """MXFP4 codes [out, in] (E2M1 indices) and their e8m0 exponents [out, in / 32] as blocks;
+    a scale a float16 cannot hold exactly is a ValueError (the weight then stays dense)."""
+    power = exponents.to(torch.int32) - 128
+    if int(power.min()) < -24 or int(power.max()) > 15:
+        raise ValueError("MXFP4 scales outside float16's exact powers of two")
+    d = torch.ldexp(torch.ones_like(power, dtype=torch.float32), power)
+    return GgufBlocks("MXFP4", codes, torch.stack([d, -LUT_OFFSET * d], -1), None)
+
+
 def _decode_flat(kind: str, b: np.ndarray, out: int, in_features: int) -> GgufBlocks:
+    if kind == "MXFP4":
+        return mxfp4_blocks(_nibbles(_bytes(b[..., 1:])).reshape(out, in_features),
+                            _bytes(b[..., 0]))
     d = _f16(b[..., 0:2])
     if kind == "Q8_0":
         codes = torch.from_numpy(b[..., 2:].copy().view(np.int8)).reshape(out, in_features)

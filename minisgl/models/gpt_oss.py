@@ -9,8 +9,9 @@ Checkpoint: the experts stacked as the model multiplies them, input-major: `gate
 [E, hidden, 2 I] with gate and up interleaved (columns 0::2 and 1::2), `down_proj`
 [E, I, hidden], their biases `gate_up_proj_bias` / `down_proj_bias`; the router `mlp.router`.
 A GGUF file's experts (models.gguf_hybrid) come as `{gate,up,down}_proj.{weight,bias}`,
-stacked output-major [E, out, in], gate and up apart. The released checkpoints' MXFP4
-experts (quant_method mxfp4) are refused at start.
+stacked output-major [E, out, in], gate and up apart. The released checkpoints' MXFP4 experts
+(quant_method mxfp4, models.hf_quant) come as blocks per expert, output-major, gate and up
+rows interleaved.
 """
 
 from __future__ import annotations
@@ -105,6 +106,13 @@ class GptOssForCausalLM(LlamaForCausalLM):
         if target is None:
             return False
         experts, part, _ = target
+        if isinstance(source, list):  # MXFP4 blocks per expert, output-major
+            if part == "gate_up":
+                experts.load(None, "gate", [blocks[0::2] for blocks in source])
+                experts.load(None, "up", [blocks[1::2] for blocks in source])
+            else:
+                experts.load(None, part, source)
+            return True
         if hub:  # input-major, gate and up interleaved
             source = read_all(source)
             if part.startswith("gate_up"):

@@ -19,6 +19,10 @@ Layouts (w[o, i] is the Hugging Face weight; an int32 word holds 8 codes, code j
   (int8 codes, float16 scale max |w| / 127), so each weight moves by at most half a step,
   max |w| / 254 of its group (for block-wise checkpoints, one in 254 of the group's largest).
   On CUDA the codes and scales stay as they are.
+- `mxfp4` (gpt-oss's experts): stacked `{name}_blocks` [E, out, in / 32, 16] (byte k of a
+  group: value 2k in its low nibble, 2k + 1 in its high one, an E2M1 index) and
+  `{name}_scales` [E, out, in / 32] (e8m0: 2^(s - 127)): per expert MXFP4 blocks, exact; on
+  CUDA, for want of a kernel there, dequantized to the model's dtype.
 Int4 groups (32 .. any multiple of 32, or the whole row) keep their codes, scales (float16:
 exact) and zero points: the kernel's super-blocks hold the group's scale, its 32-input groups
 the zero point (layers.gguf_weight "W4").
@@ -34,15 +38,17 @@ import torch
 
 from minisgl.layers.gguf_weight import GROUP, GgufBlocks
 from minisgl.layers.gpu_blocks import Fp8Blocks
+from minisgl.models.gguf_decode import mxfp4_blocks
 
-METHODS = ("awq", "gptq", "compressed-tensors", "fp8")
+METHODS = ("awq", "gptq", "compressed-tensors", "fp8", "mxfp4")
 INT4_METHODS = METHODS[:3]
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the output column of each code in an AWQ word
 SUFFIXES = {"awq": ("qweight", "qzeros", "scales"),
             "gptq": ("qweight", "qzeros", "scales", "g_idx"),
             "compressed-tensors": ("weight_packed", "weight_scale", "weight_zero_point",
                                    "weight_shape"),
-            "fp8": ("weight", "weight_scale_inv", "weight_scale", "input_scale")}
+            "fp8": ("weight", "weight_scale_inv", "weight_scale", "input_scale"),
+            "mxfp4": ("blocks", "scales")}  # name_blocks, name_scales
 FP8_BLOCK = 128
 
 
@@ -64,7 +70,7 @@ def quant_spec(config: dict) -> QuantSpec | None:
     supported = ("supported: awq (gemm, 4-bit), gptq (4-bit, desc_act false, gptq or gptq_v2 "
                  "format), "
                  "compressed-tensors (pack-quantized int4), fp8 (e4m3, block-wise or "
-                 "per-channel)")
+                 "per-channel), mxfp4 (gpt-oss's experts)")
     if method not in METHODS:
         raise ValueError(f"checkpoint quant_method {method!r} cannot be loaded; {supported}")
     if method == "fp8":
@@ -74,6 +80,8 @@ def quant_spec(config: dict) -> QuantSpec | None:
         return QuantSpec(method)
     if method == "compressed-tensors":
         return _compressed_tensors_spec(qc, supported)
+    if method == "mxfp4":
+        return QuantSpec(method)
     bits, group = qc.get("bits", qc.get("w_bit")), qc.get("group_size", qc.get("q_group_size"))
     problems = []
     if bits != 4:
@@ -181,6 +189,15 @@ def read_fp8(get: dict[str, torch.Tensor], rows_at_once: int = 256) -> GgufBlock
     return GgufBlocks("Q8_0", codes, torch.stack([d, torch.zeros_like(d)], dim=-1), None)
 
 
+def read_mxfp4(get: dict[str, torch.Tensor]) -> list[GgufBlocks]:
+    """Stacked experts' MXFP4 tensors as one GgufBlocks per expert."""
+    packed, exponents = get["blocks"], get["scales"]
+    experts, out = packed.shape[:2]
+    codes = torch.stack([packed & 15, packed >> 4], dim=-1).view(experts, out, -1)
+    return [mxfp4_blocks(codes[e].contiguous(), exponents[e].contiguous())
+            for e in range(experts)]
+
+
 def fp8_blocks(get: dict[str, torch.Tensor]) -> Fp8Blocks:
     """An fp8 weight as the checkpoint stores it (for CUDA): block scales expanded to rows."""
     weight = get["weight"]
@@ -213,22 +230,26 @@ class QuantizedReader:
         for file in sorted(self.folder.glob("*.safetensors")):
             f = self._files.enter_context(safe_open(str(file), framework="pt"))
             for key in f.keys():
-                prefix, _, suffix = key.rpartition(".")
+                prefix, _, suffix = key.rpartition("_" if self.spec.method == "mxfp4" else ".")
                 if suffix in SUFFIXES[self.spec.method]:
                     by_prefix.setdefault(prefix, {})[suffix] = (f, key)
         for prefix, parts in by_prefix.items():
-            quantized = ("weight_scale_inv" in parts or "weight_scale" in parts) if \
-                self.spec.method == "fp8" else ("qweight" in parts or "weight_packed" in parts)
-            if quantized:
-                self.parts[f"{prefix}.weight"] = parts
+            quantized = (("weight_scale_inv" in parts or "weight_scale" in parts)
+                         if self.spec.method == "fp8" else set(parts) == {"blocks", "scales"}
+                         if self.spec.method == "mxfp4"
+                         else ("qweight" in parts or "weight_packed" in parts))
+            if quantized:  # NOTE: mxfp4's name is the dense tensor's, the experts' stack
+                self.parts[prefix if self.spec.method == "mxfp4" else f"{prefix}.weight"] = parts
                 self.used.update(key for _, key in parts.values())
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._files.close()
 
-    def read(self, name: str) -> GgufBlocks | Fp8Blocks:
+    def read(self, name: str) -> GgufBlocks | Fp8Blocks | list[GgufBlocks]:
         get = {suffix: f.get_tensor(key) for suffix, (f, key) in self.parts[name].items()}
+        if self.spec.method == "mxfp4":
+            return read_mxfp4(get)
         if self.spec.method != "fp8":
             return read_int4(self.spec, get)
         return read_fp8(get) if self.device.type == "cpu" else fp8_blocks(get)

@@ -36,7 +36,7 @@ def load_weights(model: torch.nn.Module, folder: Path, arch: ModelArch, method: 
     dense weight and release it."""
     if load_format == "dummy":
         load_dummy(model, arch, seed, device, dtype, int4=method == "gguf",
-                   int4_groups=method in INT4_CHECKPOINT_METHODS)
+                   int4_groups=method in INT4_CHECKPOINT_METHODS, mxfp4=method == "mxfp4")
     else:
         with ExitStack() as files:
             staged: dict[str, PendingBlocks | None] = {}

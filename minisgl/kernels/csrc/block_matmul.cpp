@@ -51,13 +51,23 @@ constexpr int kMaxTileRows = 4;
 constexpr int kSpanTileRows = 8;
 constexpr int64_t kDecodedMinRows = 16;
 constexpr int64_t kActivationBlockBytes = 256 << 10;  // a block of rows' int8 activations
-enum Mode : int64_t { kFlat = 0, kMins = 1, kSixBit = 2, kSymmetric = 3 };
+enum Mode : int64_t { kFlat = 0, kMins = 1, kSixBit = 2, kSymmetric = 3, kLut = 4 };
 
-constexpr bool flat_scales(int64_t mode) { return mode == kFlat || mode == kSymmetric; }
+constexpr bool flat_scales(int64_t mode) {
+  return mode == kFlat || mode == kSymmetric || mode == kLut;
+}
+
+// kLut (MXFP4): a 4-bit code is an e2m1 value, twice which is an integer in [-12, 12]; the
+// kernel reads it as that integer plus 12, so that d' = half the block's power of two and
+// m' = -12 d', a symmetric weight of offset 12.
+constexpr uint8_t kLutCodes[16] = {12, 13, 14, 15, 16, 18, 20, 24,
+                                   12, 11, 10, 9, 8, 6, 4, 0};
+constexpr int kLutOffset = 12;
 
 // The o of m' = -o d' that one term folds into the dot product; -1 where m' is the weight's own.
 constexpr int code_offset(int64_t bits, int64_t mode) {
-  return mode == kSixBit ? 32 : mode != kSymmetric ? -1 : bits == 8 ? 0 : 1 << (bits - 1);
+  return mode == kSixBit ? 32 : mode == kLut ? kLutOffset
+       : mode != kSymmetric ? -1 : bits == 8 ? 0 : 1 << (bits - 1);
 }
 
 int64_t group_bytes(int64_t bits) {
@@ -83,6 +93,7 @@ int code_at(const Weight& w, int64_t block, int64_t g, int lane, int i) {
   if (w.bits == 8) return static_cast<int8_t>(c[t * 32 + 4 * lane + j]);
   const uint8_t byte = c[(t / 2) * 32 + 4 * lane + j];
   int q = (t & 1) ? byte >> 4 : byte & 15;
+  if (w.mode == kLut) return kLutCodes[q];
   if (w.bits == 5) q |= ((c[128 + 4 * lane + j] >> t) & 1) << 4;
   if (w.bits == 6) q |= ((c[128 + (t / 4) * 32 + 4 * lane + j] >> (2 * (t % 4))) & 3) << 4;
   return q;
@@ -116,7 +127,8 @@ Weight weight_of(const at::Tensor& codes, const at::Tensor& scales,
   TORCH_CHECK(codes.size(2) == group_bytes(bits), "codes do not match the bit width");
   const int64_t groups = codes.size(1), supers = scales.size(1);
   TORCH_CHECK(scales.size(0) == codes.size(0) && supers > 0 && groups % supers == 0);
-  TORCH_CHECK(mode >= kFlat && mode <= kSymmetric, "unknown scale mode");
+  TORCH_CHECK(mode >= kFlat && mode <= kLut, "unknown scale mode");
+  TORCH_CHECK(mode != kLut || bits == 4, "a lookup table takes 4-bit codes");
   TORCH_CHECK(flat_scales(mode) ? supers == groups
                             : subs.is_contiguous() && subs.scalar_type() == at::kByte);
   return {codes.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(),
@@ -308,6 +320,11 @@ inline __m256i shift16(__m256i v, int left) {  // each 16-bit lane shifted left 
   return left >= 0 ? _mm256_slli_epi16(v, left) : _mm256_srli_epi16(v, -left);
 }
 inline __m256i byte_of(__m256i, int8_t b) { return _mm256_set1_epi8(b); }
+inline __m256i lut_of(__m256i codes) {  // each byte (a code < 16) through kLutCodes
+  return _mm256_shuffle_epi8(
+      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kLutCodes))),
+      codes);
+}
 #ifdef MINISGL_BLOCK_VNNI
 inline __m512i bits_and(__m512i a, __m512i b) { return _mm512_and_si512(a, b); }
 inline __m512i bits_or(__m512i a, __m512i b) { return _mm512_or_si512(a, b); }
@@ -315,15 +332,21 @@ inline __m512i shift16(__m512i v, int left) {
   return left >= 0 ? _mm512_slli_epi16(v, left) : _mm512_srli_epi16(v, -left);
 }
 inline __m512i byte_of(__m512i, int8_t b) { return _mm512_set1_epi8(b); }
+inline __m512i lut_of(__m512i codes) {
+  return _mm512_shuffle_epi8(
+      _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kLutCodes))),
+      codes);
+}
 #endif
 
 // The codes of quad t (inputs 4t .. 4t + 3 of the group) for the 8 lanes of each block whose
-// group `load(offset)` reads (the offset in the group's bytes).
-template <int BITS, typename Load>
+// group `load(offset)` reads (the offset in the group's bytes); kLut: through its table.
+template <int BITS, int MODE, typename Load>
 inline auto quad_codes(Load load, int t) {
   if (BITS == 8) return load(t * 32);
   const auto v = load((t / 2) * 32), low4 = byte_of(v, 0x0F);
   auto q = bits_and(t & 1 ? shift16(v, -4) : v, low4);
+  if (MODE == kLut) return lut_of(q);
   if (BITS == 5)  // bit t of the high-bit vector to bit 4
     q = bits_or(q, bits_and(shift16(load(128), 4 - t), byte_of(v, 0x10)));
   if (BITS == 6)  // bits 2u, 2u + 1 of vector t / 4 to bits 4, 5
@@ -332,9 +355,9 @@ inline auto quad_codes(Load load, int t) {
   return q;
 }
 
-template <int BITS>
+template <int BITS, int MODE>
 inline __m256i quad_codes(const uint8_t* c, int t) {
-  return quad_codes<BITS>([c](int64_t at) {
+  return quad_codes<BITS, MODE>([c](int64_t at) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + at));
   }, t);
 }
@@ -432,7 +455,7 @@ void tile(const Activations& a, int64_t row0, const Weight& w, int64_t block, fl
     for (int t = 0; t < 8; ++t) {
       __m256i codes[BLOCKS], sign_source[BLOCKS];
       for (int b = 0; b < BLOCKS; ++b) {
-        codes[b] = sign_source[b] = quad_codes<BITS>(c[b], t);
+        codes[b] = sign_source[b] = quad_codes<BITS, MODE>(c[b], t);
         if (BITS == 8) codes[b] = _mm256_sign_epi8(codes[b], codes[b]);  // x takes the sign
       }
       const int chain = t % CHAINS;
@@ -514,7 +537,7 @@ void decode_span(const Weight& w, int64_t block, int width, DecodedSpan& s) {
     __m512i code_sums[HALVES] = {};  // 128 times each lane's codes, per half
 #pragma GCC unroll 8
     for (int t = 0; t < 8; ++t) {
-      __m512i codes = quad_codes<BITS>(load, t);
+      __m512i codes = quad_codes<BITS, MODE>(load, t);
       if (OFFSET > 0) codes = _mm512_sub_epi8(codes, _mm512_set1_epi8(OFFSET));
       if (OFFSET >= 0)
         code_sums[t * HALVES / 8] = _mm512_dpbusd_epi32(code_sums[t * HALVES / 8],
@@ -585,6 +608,7 @@ using DecodedTileFn = void (*)(const Activations&, int64_t, const DecodedSpan&, 
 
 DecodeSpanFn pick_decode_span(int64_t bits, int64_t mode) {
   if (mode == kSixBit) return decode_span<6, kSixBit>;
+  if (mode == kLut) return decode_span<4, kLut>;
   if (mode == kMins) return bits == 4 ? decode_span<4, kMins> : decode_span<5, kMins>;
   if (mode == kSymmetric)
     return bits == 4 ? decode_span<4, kSymmetric>
@@ -608,9 +632,9 @@ DecodedTileFn decoded_tile_for(int rows) {
 #else
 // The codes of quad t widened to int16: lo holds lanes 0, 1 | 4, 5 and hi lanes 2, 3 | 6, 7
 // (unpacking works per 128-bit half), a lane's 4 codes as 4 int16 in one 64-bit element.
-template <int BITS>
+template <int BITS, int MODE>
 inline void quad_codes16(const uint8_t* c, int t, __m256i& lo, __m256i& hi) {
-  const __m256i q = quad_codes<BITS>(c, t);
+  const __m256i q = quad_codes<BITS, MODE>(c, t);
   const __m256i high = BITS == 8 ? _mm256_cmpgt_epi8(_mm256_setzero_si256(), q)
                                  : _mm256_setzero_si256();
   lo = _mm256_unpacklo_epi8(q, high);
@@ -644,7 +668,7 @@ void tile(const Activations& a, int64_t row0, const Weight& w, int64_t block, fl
 #pragma GCC unroll 8
     for (int t = 0; t < 8; ++t) {
       __m256i lo, hi;
-      quad_codes16<BITS>(c, t, lo, hi);
+      quad_codes16<BITS, MODE>(c, t, lo, hi);
       for (int r = 0; r < ROWS; ++r) {
         const __m256i xq = broadcast_quad16(x + r * k + g * kGroup + 4 * t);
         lo_dot[r] = _mm256_add_epi32(lo_dot[r], _mm256_madd_epi16(lo, xq));
@@ -688,6 +712,7 @@ TileFn tile_for(int rows) {
 template <int BLOCKS, int TERMS>
 TileFn pick_tile(int64_t bits, int64_t mode, int rows) {
   if (mode == kSixBit) return tile_for<6, kSixBit, BLOCKS, TERMS>(rows);
+  if (mode == kLut) return tile_for<4, kLut, BLOCKS, TERMS>(rows);
   if constexpr (TERMS == 1) {
     if (mode == kSymmetric)
       return bits == 4 ? tile_for<4, kSymmetric, BLOCKS, TERMS>(rows)
@@ -727,7 +752,7 @@ void dequantize_block_t(const Weight& w, int64_t block, T* out, int64_t n) {
     if (MODE == kSixBit) group_scales<MODE>(w, block, g, 1, d[1], m[1]);
 #pragma GCC unroll 8
     for (int t = 0; t < 8; ++t) {
-      const __m256i codes = quad_codes<BITS>(c, t);
+      const __m256i codes = quad_codes<BITS, MODE>(c, t);
       const int h = MODE == kSixBit ? t / 4 : 0;
       for (int j = 0; j < 4; ++j) {
         const __m256i code = BITS == 8
@@ -746,6 +771,7 @@ using DequantizeFn = void (*)(const Weight&, int64_t, T*, int64_t);
 template <typename T>
 DequantizeFn<T> pick_dequantize(int64_t bits, int64_t mode) {  // kSymmetric: as kFlat
   if (mode == kSixBit) return dequantize_block_t<6, kSixBit, T>;
+  if (mode == kLut) return dequantize_block_t<4, kLut, T>;
   if (mode == kMins) return bits == 4 ? dequantize_block_t<4, kMins, T>
                                       : dequantize_block_t<5, kMins, T>;
   return bits == 4 ? dequantize_block_t<4, kFlat, T>
@@ -804,7 +830,7 @@ void decoded_span_rows(const Activations& a, const Weight& w, DecodedSpan& codes
       _mm_prefetch(next + fetched, _MM_HINT_T1);
     const int tile_rows = static_cast<int>(std::min<int64_t>(kSpanTileRows, last - r));
     const DecodedTileFn tile = w.mode == kSixBit ? decoded_tile_for<2, true>(tile_rows)
-        : w.mode == kSymmetric ? decoded_tile_for<1, true>(tile_rows)
+        : code_offset(w.bits, w.mode) >= 0 ? decoded_tile_for<1, true>(tile_rows)
                                : decoded_tile_for<1, false>(tile_rows);
     tile(a, r, codes, w.groups, tile_out);
     store_rows(tile_out, kSpanLanes, tile_rows, width, out + r * n + b * kLanes, n);
