@@ -151,6 +151,13 @@ def test_a_gpt_oss_file_keeps_its_experts_as_blocks(tmp_path, experts: str) -> N
         assert experts.gate_up_bias is not None
 
     assert_blocks_give_the_dequantized_logits(gguf, check)
+    # the converted folder leaves the quantized linears in the file (read from there, as
+    # blocks or dequantized): the experts are never written out in float32
+    from safetensors import safe_open
+
+    from minisgl.models.weights import resolve_model_path
+    with safe_open(str(resolve_model_path(str(gguf)) / "model.safetensors"), "pt") as f:
+        assert not [name for name in f.keys() if ".experts." in name and "bias" not in name]
 
 
 def test_a_gpt_oss_server_reads_its_answers_as_harmony(tmp_path) -> None:

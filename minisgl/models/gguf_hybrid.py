@@ -497,13 +497,33 @@ def _metadata(reader: Any) -> tuple[str, Metadata]:
     return architecture, meta
 
 
-def _hf_tensors(reader: Any, family: GgufFamily, config: Config
-                ) -> Iterator[tuple[str, torch.Tensor]]:
+DENSE_TYPES = ("F32", "F16", "BF16")
+
+
+def in_file_only(tensor: Any, architecture: str) -> bool:
+    """Whether a GGUF tensor stays out of the converted folder: a family's quantized linear
+    weight (the experts' most of all), read from the file when a model loads (as blocks, or
+    dequantized one tensor at a time), so that the folder holds what is small."""
+    family = FAMILIES.get(architecture)
+    parts = tensor.name.split(".")
+    return (family is not None and len(parts) == 4 and parts[0] == "blk"
+            and parts[2] in family.linears and parts[3] == "weight"
+            and tensor.tensor_type.name not in DENSE_TYPES)
+
+
+def dense_value(tensor: Any) -> torch.Tensor:
     from gguf import dequantize
+    return torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type),
+                                     dtype=np.float32))
+
+
+def _hf_tensors(reader: Any, family: GgufFamily, config: Config, architecture: str
+                ) -> Iterator[tuple[str, torch.Tensor]]:
     layers = config["num_hidden_layers"]
     for tensor in reader.tensors:
-        value = torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type),
-                                          dtype=np.float32))
+        if in_file_only(tensor, architecture):
+            continue
+        value = dense_value(tensor)
         if tensor.name in TABLES:
             if tensor.name == "output_norm.weight" and family.norms_plus_one:
                 value = value - 1.0
@@ -527,7 +547,8 @@ def _hf_tensors(reader: Any, family: GgufFamily, config: Config
 
 def convert_hybrid_gguf(gguf: Path, staging: Path) -> bool:
     """Write `gguf` as a model folder into `staging` if its architecture is a family here
-    (config.json, model.safetensors in float32, the tokenizer); False if it is not one."""
+    (config.json, model.safetensors in float32 without the quantized linear weights, which
+    stay in the file: `in_file_only`; the tokenizer); False if it is not one."""
     from gguf import GGUFReader
     from safetensors.torch import save_file
     from transformers import PreTrainedTokenizerFast
@@ -550,7 +571,7 @@ def convert_hybrid_gguf(gguf: Path, staging: Path) -> bool:
         if f"tokenizer.ggml.{field}" in tokens:
             config[key] = int(tokens[f"tokenizer.ggml.{field}"].contents())
     config["dtype"] = "float32"
-    state = dict(_hf_tensors(reader, family, config))
+    state = dict(_hf_tensors(reader, family, config, architecture))
     save_file({k: v.contiguous() for k, v in state.items()}, staging / "model.safetensors",
               metadata={"format": "pt"})
     (staging / "config.json").write_text(json.dumps(config, indent=2))

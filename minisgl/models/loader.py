@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -16,7 +16,7 @@ from minisgl.layers.gpu_blocks import Fp8Blocks
 from minisgl.layers.quant import WeightBlocks
 from minisgl.models.arch import ModelArch
 from minisgl.models.dummy_weights import load_dummy
-from minisgl.models.gguf_blocks import PendingBlocks, stage_block_linears
+from minisgl.models.gguf_blocks import PendingBlocks, file_linears, stage_block_linears
 from minisgl.models.hf_quant import INT4_METHODS as INT4_CHECKPOINT_METHODS
 from minisgl.models.hf_quant import METHODS as CHECKPOINT_METHODS
 from minisgl.models.hf_quant import QuantizedReader, QuantSpec, quant_spec
@@ -48,14 +48,19 @@ def load_weights(model: torch.nn.Module, folder: Path, arch: ModelArch, method: 
                 skip, read = reader.used, reader.read
                 method = "checkpoint"  # NOTE: what it left dense stays dense (not quantize_fp8)
             elif method == "gguf":
-                config = {**arch.config, "num_heads": arch.num_heads,
-                          "num_kv_heads": arch.num_kv_heads}
-                staged, kept = stage_block_linears(model, gguf_file(model_path), config, dtype)
+                staged, kept = stage_block_linears(model, gguf_file(model_path),
+                                                   gguf_config(arch), dtype)
                 if kept:
                     logger.warning("--quantization gguf: %d linear weights (%s) have no block "
                                    "kernel here and run dequantized", len(kept),
                                    ", ".join(sorted(set(kept.values()))))
-            load_safetensors(model, folder, skip=set(staged) | skip)
+            gguf = gguf_file(model_path)
+            elsewhere = {} if gguf is None else {
+                name: read for name, read in file_linears(gguf, gguf_config(arch),
+                                                          model.skips).items()
+                if name not in staged}
+            load_safetensors(model, folder, skip=set(staged) | skip | set(elsewhere),
+                             elsewhere=elsewhere)
             for name in list(staged):  # NOTE: one weight at a time, released once loaded
                 pending = staged.pop(name)
                 model.load_weight(name, pending.read() if read is None else read(name))
@@ -72,6 +77,11 @@ def load_weights(model: torch.nn.Module, folder: Path, arch: ModelArch, method: 
             module.add_int8_copy(per_channel=method == "w8a8_int8")
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the released dense weights: the KV pool is sized next
+
+
+def gguf_config(arch: ModelArch) -> dict[str, Any]:
+    """The model's config as the GGUF readers take it (head counts under their names)."""
+    return {**arch.config, "num_heads": arch.num_heads, "num_kv_heads": arch.num_kv_heads}
 
 
 def _finish_when_complete(model: torch.nn.Module, name: str, dtype: torch.dtype,

@@ -12,6 +12,7 @@ import logging
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -177,9 +178,11 @@ def text_model_config(config: dict) -> dict:
     return text
 
 
-def load_safetensors(model: nn.Module, path: Path, skip: set[str] = frozenset()) -> None:
+def load_safetensors(model: nn.Module, path: Path, skip: set[str] = frozenset(),
+                     elsewhere: dict[str, Callable[[], torch.Tensor]] | None = None) -> None:
     """Fill every parameter from the folder's safetensors files, except the tensors in `skip`
-    (loaded by the caller from elsewhere: quantized blocks)."""
+    (loaded by the caller from elsewhere: quantized blocks), and from `elsewhere` (name ->
+    reader: a GGUF file's quantized linears, dequantized one at a time)."""
     from safetensors import safe_open
 
     files = sorted(path.glob("*.safetensors"))
@@ -196,6 +199,9 @@ def load_safetensors(model: nn.Module, path: Path, skip: set[str] = frozenset())
                     continue
                 if not model.load_weight(name, f.get_slice(name)):
                     unknown.append(name)
+    for name, read in (elsewhere or {}).items():
+        if not model.load_weight(name, read()):
+            unknown.append(name)
     missing = [n for n, p in model.named_parameters() if torch.isnan(p).any()]
     if unknown or missing:
         raise ValueError(f"checkpoint does not fit the model: unknown tensors {unknown[:5]}, "
