@@ -1,5 +1,5 @@
-"""The process environment: every MINISGL_* variable, the cache folder, and the thread
-controls that keep OpenMP on the engine's thread.
+"""The process environment: every MINISGL_* variable, the cache folder, the thread
+controls that keep OpenMP on the engine's thread, and giving freed heap memory back.
 
 - MINISGL_CACHE_DIR: converted models and compiled kernels (default ~/.cache/minisgl)
 - MINISGL_DISABLE_CPU_KERNELS: plain torch ops instead of the compiled CPU kernels
@@ -41,6 +41,26 @@ def cuda_wait_mode() -> str:
     if mode not in ("thread", "poll"):
         raise ValueError(f"MINISGL_CUDA_WAIT={mode!r}: use thread or poll")
     return mode
+
+
+@functools.lru_cache(maxsize=1)
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+def return_freed_heap() -> None:
+    """Hand the C heap's free pages back to the OS (glibc's malloc_trim). NOTE: glibc keeps
+    what loading the weights freed (a checkpoint's decoded blocks: a few MB per expert, above
+    its first mmap threshold but below the one it moves to after the first large free) and a
+    large step's activations in the process, where neither the KV pool's sizing from
+    `available` memory nor anything outside sees it, and a load's peak would grow with the
+    layer count."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 @functools.lru_cache(maxsize=1)

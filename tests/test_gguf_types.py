@@ -165,6 +165,7 @@ def test_every_gguf_type_loads_with_gguf_quantization(caplog):
         assert layers[1].self_attn.o_proj.quantized is not None  # Q5_0
         assert layers[1].mlp.gate_up_proj.quantized is not None  # Q5_1 beside Q5_0
         assert layers[2].self_attn.qkv_proj.quantized is None  # F32, F16, BF16
+        assert layers[2].self_attn.o_proj.quantized.kind == "MXFP4"
         mixed = layers[1].self_attn.qkv_proj.quantized  # Q4_1 beside Q5_0, Q8_0
         assert isinstance(mixed, StackedWeight)
         assert [p.kind for p in mixed.parts] == ["Q4_1", "Q5_0", "Q8_0"]
@@ -172,7 +173,8 @@ def test_every_gguf_type_loads_with_gguf_quantization(caplog):
             assert_matches_transformers(hf_model(model), prompt, out, TOP2_MARGIN_BF16,
                                         BF16_LOGPROB_TOLERANCE)
     warnings = [r.getMessage() for r in caplog.records if "run dequantized" in r.getMessage()]
-    assert len(warnings) == 1 and "MXFP4" in warnings[0] and "Q4_K" not in warnings[0], warnings
+    assert len(warnings) == 1 and "TQ1_0" in warnings[0] and "Q4_K" not in warnings[0], warnings
+    assert "MXFP4" not in warnings[0], warnings
 
 
 @pytest.mark.parametrize("quantization", ["none", "gguf"])

@@ -24,6 +24,7 @@ from minisgl.protocol.openai_requests import parse_chat
 from minisgl.protocol.openai_tools import ToolUse
 from minisgl.runtime.tokenizer import Tokenizer
 from tests.conftest import start_minisgl_server
+from tests.test_responses import run_weather_agent
 
 CALL_TEXT = ("<|channel|>analysis<|message|>The user wants the weather. Call it.<|end|>"
              "<|start|>assistant<|channel|>commentary<|message|>Checking.<|end|>"
@@ -99,6 +100,22 @@ def test_parser_options():
     # a call whose body never came has empty arguments, as a JSON object
     cut = CALL_TEXT[:CALL_TEXT.rindex("{")]
     assert HarmonyParser({"get_weather"}).parse(cut)[2][0]["function"]["arguments"] == "{}"
+
+
+def test_a_continued_message_is_read_as_the_answers_start():
+    """continue_final_message: the answer goes on in the message the prefix left open."""
+    thinking = "<|channel|>analysis<|message|>Two plus"
+    assert HarmonyParser(set(), prefix=thinking).parse(
+        " two.<|end|><|start|>assistant<|channel|>final<|message|>4.") == (" two.", "4.", [])
+    calling = CALL_TEXT[:CALL_TEXT.rindex('"Paris"')]
+    parser = HarmonyParser({"get_weather"}, prefix=calling)
+    first = parser.feed("")  # the open call goes out first, with what the prefix wrote
+    assert [(c["function"].get("name"), c["function"]["arguments"]) for c in first.tool_calls
+            ] == [("get_weather", '{"city": ')]
+    rest = parser.feed('"Rome"}')
+    assert rest.tool_calls[0]["function"]["arguments"] == '"Rome"}'
+    assert parser.calls[0]["function"]["arguments"] == '{"city": "Rome"}'
+    assert (parser.reasoning, parser.content) == ("", "")
 
 
 def harmony_model() -> OpenAIModel:
@@ -306,6 +323,28 @@ def test_a_tool_result_round_trip_reaches_the_template(client, server):
     assert "22 degrees and sunny" in text
 
 
+def test_a_reasoning_item_sent_back_reaches_the_template(client):
+    """Responses input: a reasoning item before a call is that turn's thinking, as a chat
+    message's reasoning_content is."""
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+            "arguments": '{"city": "Paris"}'}
+    items = [{"role": "user", "content": "Weather in Paris?"},
+             {"type": "reasoning", "id": "rs_1", "summary": [],
+              "content": [{"type": "reasoning_text", "text": "Call get_weather."}]},
+             call, {"type": "function_call_output", "call_id": "call_1",
+                    "output": "22 degrees and sunny"}]
+    tools = [{"type": "function", **WEATHER["function"]}]
+
+    def input_tokens(input_items: list[dict[str, Any]]) -> int:
+        return client.responses.create(model="m", input=input_items, tools=tools,
+                                       instructions="Use the tools.", temperature=0,
+                                       max_output_tokens=1).usage.input_tokens
+    chat = client.chat.completions.create(model="m", messages=ROUND_TRIP, tools=[WEATHER],
+                                          temperature=0, max_tokens=1)
+    assert input_tokens(items) == chat.usage.prompt_tokens > input_tokens(
+        [item for item in items if item.get("type") != "reasoning"])
+
+
 def test_reasoning_effort_reaches_the_template(server):
     def prompt(effort: str) -> str:
         ids = requests.post(server.url + "/tokenize", json={
@@ -330,27 +369,7 @@ def test_responses_and_the_agents_sdk(server, client):
     assert [(item.type, item.content[0].text) for item in r.output] == [
         (kind, text) for kind, text in (("reasoning", message.reasoning_content),
                                         ("message", message.content)) if text]
-    agents = pytest.importorskip("agents")
-    calls: list[str] = []
-
-    @agents.function_tool
-    def get_weather(city: Literal["Paris", "Rome", "Tokyo"]) -> str:
-        """The weather of a city."""
-        calls.append(city)
-        return f"22 degrees and sunny in {city}"
-
-    async def run() -> agents.RunResult:
-        agents.set_tracing_disabled(True)
-        model = agents.OpenAIResponsesModel(
-            "m", openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused"))
-        # NOTE: a strict tool (the SDK's default) under tool_choice required
-        agent = agents.Agent(name="weather", instructions="Use the tools.",
-                             tools=[get_weather], model=model,
-                             tool_use_behavior="stop_on_first_tool",
-                             model_settings=agents.ModelSettings(
-                                 temperature=0, tool_choice="required",
-                                 parallel_tool_calls=False, max_tokens=200))
-        return await agents.Runner.run(agent, "What is the weather in Paris?", max_turns=2)
-
-    result = asyncio.run(run())
+    # a strict tool (the SDK's default) under tool_choice required
+    calls, result = run_weather_agent(server.url, "Use the tools.",
+                                      Literal["Paris", "Rome", "Tokyo"], max_tokens=200)
     assert len(calls) == 1 and result.final_output == f"22 degrees and sunny in {calls[0]}"

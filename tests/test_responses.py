@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+from typing import Any
 
 import jsonschema
 import openai
@@ -180,29 +181,37 @@ def test_bad_requests_name_the_field(server, body, contains):
     assert contains in r.json()["error"]["message"]
 
 
-def test_agents_sdk_runs_a_function_tool(server):
+def run_weather_agent(url: str, instructions: str, city_type: Any = str,
+                      max_tokens: int = 100) -> tuple[list[str], Any]:
+    """The Agents SDK's agent with one function tool (strict, its default) against the server
+    at `url`: (the cities the tool was called with, the run's result)."""
     agents = pytest.importorskip("agents")
     calls: list[str] = []
 
-    @agents.function_tool
     def get_weather(city: str) -> str:
         """The weather of a city."""
         calls.append(city)
         return f"22 degrees and sunny in {city}"
 
-    async def run() -> agents.RunResult:
+    get_weather.__annotations__["city"] = city_type
+    tool = agents.function_tool(get_weather)
+
+    async def run() -> Any:
         agents.set_tracing_disabled(True)
         model = agents.OpenAIResponsesModel(
-            "m", openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused"))
+            "m", openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused"))
         # NOTE: the 135M model keeps calling tools once it may, so the tool's result ends the
         # run (the model's own follow-up turn is covered by test_function_tool_round_trip)
-        agent = agents.Agent(name="weather", instructions="Answer with the weather tool.",
-                             tools=[get_weather], model=model,
-                             tool_use_behavior="stop_on_first_tool",
+        agent = agents.Agent(name="weather", instructions=instructions, tools=[tool],
+                             model=model, tool_use_behavior="stop_on_first_tool",
                              model_settings=agents.ModelSettings(
                                  temperature=0, tool_choice="required",
-                                 parallel_tool_calls=False, max_tokens=100))
+                                 parallel_tool_calls=False, max_tokens=max_tokens))
         return await agents.Runner.run(agent, "What is the weather in Paris?", max_turns=2)
 
-    result = asyncio.run(run())
+    return calls, asyncio.run(run())
+
+
+def test_agents_sdk_runs_a_function_tool(server):
+    calls, result = run_weather_agent(server.url, "Answer with the weather tool.")
     assert calls == ["Paris"] and result.final_output == "22 degrees and sunny in Paris"

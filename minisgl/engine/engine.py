@@ -33,8 +33,7 @@ from minisgl.engine.failure import FailureWatch
 from minisgl.engine.forward import ForwardInput, ForwardOutput, InputLogprobs, VerifyRows, to_host
 from minisgl.engine.graph import GraphRunner, supports_graphs
 from minisgl.engine.lora import LoraModules, lora_settings
-from minisgl.engine.memory import (allocate_kv_pool, allocate_state_pool, release_cuda_memory,
-                                   return_freed_heap)
+from minisgl.engine.memory import allocate_kv_pool, allocate_state_pool, release_cuda_memory
 from minisgl.engine.model_loading import attention_for, draft_arch, kv_heads, load_model
 from minisgl.engine.placement import check_hybrid, check_tp_size, resolve_device
 from minisgl.engine.pooling import last_token_embeddings
@@ -44,7 +43,7 @@ from minisgl.engine.scoring import score_rows
 from minisgl.engine.speculation import Speculator, spec_config
 from minisgl.engine.stream import Completion, CpuStream
 from minisgl.engine.tp_message import PHASES, StepMessage
-from minisgl.env import cuda_wait_mode
+from minisgl.env import cuda_wait_mode, return_freed_heap
 from minisgl.errors import EngineFailed
 from minisgl.flag_checks import lora_adapters
 from minisgl.kvcache import KVPool

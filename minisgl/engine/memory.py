@@ -2,38 +2,19 @@
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import logging
-from typing import Callable
 
 import psutil
 import torch
 
 from minisgl.distributed.context import all_reduce_min
 from minisgl.engine.config import EngineConfig
+from minisgl.env import return_freed_heap
 from minisgl.kvcache import KVPool
 from minisgl.kvcache.state_pool import StatePool
 from minisgl.models import ModelArch
 
 logger = logging.getLogger(__name__)
-
-
-def return_freed_heap() -> None:
-    """Hand the C heap's free pages back to the OS. NOTE: glibc keeps what loading the weights
-    freed (a checkpoint's decoded blocks) and a large step's activations in the process, where
-    neither the KV pool's sizing from `available` memory nor anything outside sees it."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
-@functools.lru_cache(maxsize=1)
-def _malloc_trim() -> Callable[[int], int] | None:
-    try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return None
 
 
 def allocate_kv_pool(config: EngineConfig, arch: ModelArch, kv_heads: int, page_size: int,

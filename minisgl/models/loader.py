@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 import torch
 
+from minisgl.env import return_freed_heap
 from minisgl.layers.embedding import VocabParallelEmbedding
 from minisgl.layers.gguf_weight import BlockSlots, GgufBlocks
 from minisgl.layers.gpu_blocks import Fp8Blocks
@@ -65,6 +66,7 @@ def load_weights(model: torch.nn.Module, folder: Path, arch: ModelArch, method: 
                 pending = staged.pop(name)
                 model.load_weight(name, pending.read() if read is None else read(name))
                 _finish_when_complete(model, name, dtype, device)
+                return_freed_heap()
     for module in model.modules():
         if isinstance(getattr(module, "weight", None), (WeightBlocks, BlockSlots)) or (
                 getattr(module, "blocks", None) is not None):  # a linear's, or experts' blocks
@@ -86,12 +88,16 @@ def gguf_config(arch: ModelArch) -> dict[str, Any]:
 
 def _finish_when_complete(model: torch.nn.Module, name: str, dtype: torch.dtype,
                           device: torch.device) -> None:
-    """Pack a linear's blocks into its kernel's layout as soon as its last part is in, so the
-    decoded parts (larger than the packed form) are held for one layer, not the model."""
+    """Pack a linear's (or a layer's experts') blocks into their kernel's layout as soon as
+    the last part is in, so the decoded parts (a byte a weight, larger than the packed form)
+    are held for one layer, not the model."""
     target = model.weight_target(name)
     module = None if target is None else target[0]
     slots = getattr(module, "weight", None)
-    if isinstance(slots, BlockSlots) and slots.complete:
+    experts = getattr(module, "blocks", None)
+    if (isinstance(slots, BlockSlots) and slots.complete) or (
+            isinstance(experts, dict) and all(b is not None for part in experts.values()
+                                              for b in part)):
         module.finish_blocks(dtype, device)
 
 

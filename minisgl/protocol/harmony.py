@@ -17,7 +17,9 @@ What each message becomes:
 Text before any header is content. A marker that may be arriving at the end of the text is held
 back until it is known, so where the text is cut never changes the result; a header cut short
 (max_tokens) is dropped. `stream_reasoning: false` holds the reasoning until it ends.
-`parallel_tool_calls: false` keeps only the first call.
+`parallel_tool_calls: false` keeps only the first call. A continued assistant message
+(continue_final_message) is read first, as the answer's start: the answer goes on in the
+message it left open (a call left open is the answer's, with the arguments written so far).
 
 Constrained output (tool_choice required or a named function, strict tools, response_format)
 is xgrammar's structural tag for harmony: free analysis, then the calls or the answer in their
@@ -79,18 +81,33 @@ class HarmonyParser:
     """One choice's harmony text as it streams: feed the cumulative text, get what is new."""
 
     def __init__(self, names: set[str], one_call: bool = False, separate_reasoning: bool = True,
-                 stream_reasoning: bool = True) -> None:
+                 stream_reasoning: bool = True, prefix: str = "") -> None:
         self.names, self.one_call = names, one_call
         self.separate, self.stream_reasoning = separate_reasoning, stream_reasoning
-        self.text, self.pos = "", 0
+        self.prefix, self.text, self.pos = prefix, "", 0
         self.body: str | None = None  # the open message's body kind; None: in a header
         self.call_index: int | None = None  # the open call's place in `calls` (None: dropped)
         self.held_reasoning = ""
         self.reasoning, self.content = "", ""
         self.calls: list[dict[str, Any]] = []  # OpenAI's message.tool_calls, as sent
+        self.open_call: dict[str, Any] | None = None  # a call the prefix left open, unsent
+        if prefix:
+            self.feed("")
+            self.reasoning = self.content = self.held_reasoning = ""
+            if self.body == "call" and self.call_index is not None:
+                self.open_call, self.calls = self.calls[self.call_index], [
+                    self.calls[self.call_index]]
+                self.call_index = 0
+            else:
+                self.calls, self.call_index = [], None
 
     def feed(self, text: str) -> HarmonyDelta:
-        self.text, out = text, HarmonyDelta()
+        """What the answer's cumulative `text` adds."""
+        self.text, out = self.prefix + text, HarmonyDelta()
+        if self.open_call is not None:
+            call, self.open_call = self.open_call, None
+            out.header(0, call["id"], call["function"]["name"])
+            out.arguments(0, call["function"]["arguments"])
         while self._step(out, final=False):
             pass
         return out
@@ -211,17 +228,6 @@ def reasoning_effort(value: Any) -> str | None:
         raise InvalidRequest(f"reasoning_effort must be one of {', '.join(EFFORTS)}, "
                              f"got {value!r}")
     return value
-
-
-def _content_format(kind: str, text: str) -> dict[str, Any]:
-    if kind == "json_schema":
-        return {"type": "json_schema", "json_schema": json.loads(text)}
-    if kind == "regex":
-        return {"type": "regex", "pattern": text}
-    if kind == "ebnf":
-        return {"type": "grammar", "grammar": text}
-    raise InvalidRequest(f"a {kind} answer format is not supported with the harmony format "
-                         "(ask for a JSON schema, a regex or an EBNF grammar)")
 
 
 def harmony_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -129,6 +129,7 @@ class ChatAnswer(_Answer):
         self.tools, self.parser_name, self.reasoning = (req.tools, model.tool_call_parser,
                                                         req.reasoning)
         self.harmony = model.harmony
+        self.prefixes = [p.chat.prefix if p.chat else "" for p in req.prompts]
         # a stream's parsers per choice: reasoning, tool calls; and the content sent so far
         self._reasoners: dict[int, ReasoningParser] = {}
         self._parsers: dict[int, ToolCallParser | PythonicCallParser | HarmonyParser] = {}
@@ -137,7 +138,7 @@ class ChatAnswer(_Answer):
     def body(self) -> dict[str, Any]:
         choices = []
         for k, h in enumerate(self.handles):
-            message, reason = self._message(h)
+            message, reason = self._message(k, h)
             choices.append({
                 "index": k, "message": message,
                 "logprobs": (chat_logprobs(self.tokens, h, Cursor()) if h.logprob_num >= 0
@@ -145,11 +146,11 @@ class ChatAnswer(_Answer):
                 "finish_reason": reason, "matched_stop": matched_stop(h.finish_reason)})
         return {**self.head, "choices": choices, "usage": self.usage()}
 
-    def _message(self, h: ReqHandle) -> tuple[dict[str, Any], str | None]:
+    def _message(self, k: int, h: ReqHandle) -> tuple[dict[str, Any], str | None]:
         """A finished choice's message and finish_reason ("tool_calls" when it called and
         stopped by itself), read by the same parsers a stream uses."""
         if self.harmony:
-            return self._harmony_message(h)
+            return self._harmony_message(k, h)
         reasoning, text = None, h.text
         if self.reasoning is not None:
             reasoning, text = self.reasoning.new_parser().parse(h.text)
@@ -166,15 +167,16 @@ class ChatAnswer(_Answer):
             message["content"] = None  # NOTE: as SGLang: only thoughts, no answer
         return message, reason
 
-    def _harmony_parser(self) -> HarmonyParser:
+    def _harmony_parser(self, k: int) -> HarmonyParser:
         tools = self.tools
         return HarmonyParser(set(tools.names) if tools else set(),
                              one_call=tools is not None and not tools.parallel,
                              separate_reasoning=self.reasoning is not None,
-                             stream_reasoning=self.reasoning is None or self.reasoning.stream)
+                             stream_reasoning=self.reasoning is None or self.reasoning.stream,
+                             prefix=self.prefixes[k])
 
-    def _harmony_message(self, h: ReqHandle) -> tuple[dict[str, Any], str | None]:
-        parser = self._harmony_parser()
+    def _harmony_message(self, k: int, h: ReqHandle) -> tuple[dict[str, Any], str | None]:
+        parser = self._harmony_parser(k)
         reasoning, content, calls = parser.parse(h.text)
         message: dict[str, Any] = {"role": "assistant", "content": content,
                                    "reasoning_content": reasoning}
@@ -217,7 +219,7 @@ class ChatAnswer(_Answer):
             reason = openai_finish_reason(h.finish_reason)
         else:
             if k not in self._parsers:
-                self._parsers[k] = (self._harmony_parser() if self.harmony
+                self._parsers[k] = (self._harmony_parser(k) if self.harmony
                                     else self.tools.parser(self.parser_name))
             parser = self._parsers[k]
             new = parser.feed(content)

@@ -96,19 +96,41 @@ def input_items(raw: Any) -> list[dict[str, Any]]:
     return items
 
 
+def _reasoning_text(item: dict[str, Any], where: str) -> str:
+    """A reasoning item's text: its content parts (reasoning_text), else its summary's."""
+    parts = item.get("content") or item.get("summary") or []
+    if not isinstance(parts, list) or not all(
+            isinstance(p, dict) and isinstance(p.get("text"), str) for p in parts):
+        raise InvalidRequest(f"{where}: a reasoning item's content and summary are lists of "
+                             "{\"type\", \"text\"} parts")
+    return "\n".join(p["text"] for p in parts)
+
+
 def items_to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Chat messages of input items: a function_call joins the assistant message before it
-    (as its tool_calls), its output becomes a `tool` message; reasoning items are dropped, as
-    chat templates drop earlier turns' thoughts."""
+    (as its tool_calls), its output becomes a `tool` message; a reasoning item's text is the
+    next assistant message's `reasoning_content` (templates that keep a tool-calling turn's
+    thoughts read it: Qwen3's, and gpt-oss's as its `thinking`; others ignore it)."""
     messages: list[dict[str, Any]] = []
+    thought = ""  # reasoning not yet given to an assistant message
+
+    def assistant(message: dict[str, Any]) -> dict[str, Any]:
+        nonlocal thought
+        if thought and "reasoning_content" not in message:
+            message["reasoning_content"], thought = thought, ""
+        return message
+
     for k, item in enumerate(items):
         where, kind = f"input[{k}]", item["type"]
-        if kind == "message":
+        if kind == "reasoning":
+            thought = "\n".join(filter(None, (thought, _reasoning_text(item, where))))
+        elif kind == "message":
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
                 raise InvalidRequest(f"{where}.role must be user, assistant, system or "
                                      f"developer, got {role!r}")
-            messages.append({"role": role, "content": _text_of(item.get("content"), where)})
+            message = {"role": role, "content": _text_of(item.get("content"), where)}
+            messages.append(assistant(message) if role == "assistant" else message)
         elif kind == "function_call":
             name, arguments, call_id = (item.get("name"), item.get("arguments"),
                                         item.get("call_id"))
@@ -120,9 +142,10 @@ def items_to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "function": {"name": name, "arguments": arguments}}
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
-                last.setdefault("tool_calls", []).append(call)
+                assistant(last).setdefault("tool_calls", []).append(call)
             else:
-                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                messages.append(assistant({"role": "assistant", "content": "",
+                                           "tool_calls": [call]}))
         elif kind == "function_call_output":
             call_id, output = item.get("call_id"), item.get("output")
             if not isinstance(call_id, str) or not call_id:

@@ -106,6 +106,8 @@ class ResponseAnswer:
         for item in self.output:
             if item["type"] == "message":
                 answer["content"] += item["content"][0]["text"]
+            elif item["type"] == "reasoning":  # as a reasoning item sent back would be read
+                answer["reasoning_content"] = item["content"][0]["text"]
             elif item["type"] == "function_call":
                 answer.setdefault("tool_calls", []).append(
                     {"id": item["call_id"], "type": "function",
