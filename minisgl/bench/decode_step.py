@@ -1,7 +1,7 @@
 """Time one decode forward (model only: no scheduler, no sampler) at several batch sizes.
 
     python -m minisgl.bench decode-step --batch 1 8 32 64 --context 128 [--dtype bfloat16]
-        [--quantization gguf|w8a8_int8|none] [--cpu-int8-activations] [--model PATH]
+        [--quantization gguf|w8a8_int8|mxfp4|none] [--cpu-int8-activations] [--model PATH]
         [--json-model-override-args '{...}'] [--mamba-ssm-dtype float32|bfloat16]
 
 The windowed attention path (BENCHMARKS.md, "Sliding windows"): the bundled weights served as
@@ -81,7 +81,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--quantization", default=None, choices=["gguf", "w8a8_int8", "none"])
+    parser.add_argument("--quantization", default=None,
+                        choices=["gguf", "w8a8_int8", "mxfp4", "none"])
     parser.add_argument("--model", default=None, help="a model path (default: the bundled one)")
     parser.add_argument("--json-model-override-args", default=None)
     parser.add_argument("--load-format", default="auto",

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from minisgl.env import return_freed_heap
 from minisgl.layers.gguf_weight import GgufBlocks
 from minisgl.models.gguf_decode import mxfp4_blocks
 from minisgl.layers.quant import GROUP, WeightBlocks
@@ -157,6 +158,11 @@ def load_dummy(model: nn.Module, arch: Any, seed: int, device: torch.device,
         if not model.load_weight(name, full):
             raise ValueError(f"dummy weights: the model has no place for {name}")
         del full
+        experts = model.weight_target(name)[0] if mxfp4 else None
+        if isinstance(getattr(experts, "blocks", None), dict) and all(
+                b is not None for part in experts.blocks.values() for b in part):
+            experts.finish_blocks(dtype, device)  # NOTE: a layer's unpacked codes at a time
+            return_freed_heap()
     missing = [n for n, p in params.items() if torch.isnan(p).any()]
     if missing:
         raise ValueError(f"dummy weights left parameters unfilled: {missing[:5]}")
