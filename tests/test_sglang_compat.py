@@ -319,14 +319,16 @@ def test_a_template_without_a_system_role_gets_it_folded(minisgl_server_factory)
 def test_sampling_defaults_from_generation_config(minisgl_server_factory, tmp_path: Path,
                                                    minisgl_server):
     """--sampling-defaults model (SGLang's default): chat requests that leave the sampling
-    fields out take the model's generation_config.json (here: greedy); openai: do not."""
+    fields out take the model's generation_config.json (here: greedy); openai: do not. Its
+    eos_token_id list stops generation either way, beside config.json's."""
     source = Path(get(minisgl_server, "/get_model_info").json()["model_path"])
     model = tmp_path / "model"
     model.mkdir()
     for file in source.iterdir():
         (model / file.name).symlink_to(file)
     (model / "generation_config.json").write_text(json.dumps({"temperature": 0.0,
-                                                              "top_p": 0.9}))
+                                                              "top_p": 0.9,
+                                                              "eos_token_id": [2, 42]}))
     for policy, distinct in (("model", 1), ("openai", 2)):
         server = minisgl_server_factory(*SHALLOW, "--model", str(model),
                                         "--sampling-defaults", policy)
@@ -334,6 +336,11 @@ def test_sampling_defaults_from_generation_config(minisgl_server_factory, tmp_pa
             "messages": MESSAGES, "max_tokens": 8, "n": 4})
         texts = {c["message"]["content"] for c in r.json()["choices"]}
         assert (len(texts) == 1) == (distinct == 1), (policy, texts)
+        forced = requests.post(server.url + "/generate", timeout=60, json={
+            "text": PROMPT, "sampling_params": {"max_new_tokens": 8, "temperature": 0,
+                                                "logit_bias": {"42": 100}}}).json()
+        assert forced["meta_info"]["finish_reason"] == {"type": "stop", "matched": 42}
+        assert forced["meta_info"]["completion_tokens"] == 1
         server.stop()
 
 

@@ -49,7 +49,8 @@ from minisgl.flag_checks import lora_adapters
 from minisgl.kvcache import KVPool
 from minisgl.kvcache.state_pool import StatePool
 from minisgl.layers.moe import syncs_on_host
-from minisgl.models import ModelArch, check_supported, load_config, resolve_model_path
+from minisgl.models import (ModelArch, check_supported, generation_eos_ids, load_config,
+                            resolve_model_path)
 from minisgl.models.fused_layers import fuse_layers
 
 logger = logging.getLogger(__name__)
@@ -79,6 +80,9 @@ class Engine:
         if config.json_model_override_args:
             model_config.update(json.loads(config.json_model_override_args))
         self.arch = ModelArch.from_config(model_config)
+        eos = self.arch.eos_token_ids
+        eos += tuple(t for t in generation_eos_ids(self.model_path) if t not in eos)
+        self.arch = dataclasses.replace(self.arch, eos_token_ids=eos)
         check_supported(self.arch)
         self.config = config = resolve(config, self.device, self.arch)
         self.dtype: torch.dtype = getattr(torch, config.dtype)

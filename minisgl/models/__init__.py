@@ -7,6 +7,7 @@ from minisgl.models.registry import UnsupportedModel, build_model, check_support
 from minisgl.models.weights import (
     ModelNotFound,
     generation_defaults,
+    generation_eos_ids,
     load_config,
     load_safetensors,
     model_name,
@@ -14,6 +15,6 @@ from minisgl.models.weights import (
 )
 
 __all__ = ["ModelArch", "ModelNotFound", "UnsupportedModel", "build_model", "check_supported",
-           "generation_defaults", "load_config",
+           "generation_defaults", "generation_eos_ids", "load_config",
            "load_dummy", "load_safetensors", "load_weights", "log_weight_memory", "model_name",
            "resolve_model_path"]

@@ -143,14 +143,24 @@ def _convert_with_transformers(gguf: Path, staging: Path) -> None:
 GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
+def _generation_config(path: Path) -> dict:
+    file = path / "generation_config.json"
+    return json.loads(file.read_text()) if file.is_file() else {}
+
+
 def generation_defaults(path: Path) -> dict[str, float | int]:
     """The sampling defaults a model folder's generation_config.json recommends (SGLang's
     --sampling-defaults model): the fields of GENERATION_DEFAULTS it sets."""
-    file = path / "generation_config.json"
-    if not file.is_file():
-        return {}
-    config = json.loads(file.read_text())
+    config = _generation_config(path)
     return {k: config[k] for k in GENERATION_DEFAULTS if config.get(k) is not None}
+
+
+def generation_eos_ids(path: Path) -> tuple[int, ...]:
+    """The end-of-sequence ids generation_config.json lists (beside config.json's: gpt-oss's
+    `<|call|>`, Qwen2.5's `<|endoftext|>`); generation stops at them too, as in SGLang."""
+    eos = _generation_config(path).get("eos_token_id")
+    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    return tuple(t for t in ids if isinstance(t, int))
 
 
 # multimodal architecture -> the text model we serve of it (its vision tower is not loaded)
