@@ -194,6 +194,12 @@ class Experts(Layer):
         self.blocks = {part: [None] * self.num_experts for part in parts}
         self.gate_up = self.down = None
 
+    @property
+    def blocks_complete(self) -> bool:
+        """Every expert's every part has come as blocks (`finish_blocks` may pack them)."""
+        return self.blocks is not None and all(b is not None for part in self.blocks.values()
+                                               for b in part)
+
     def expect_gguf_blocks(self) -> None:
         if self.blocks is None:
             self.expect_blocks()

@@ -25,8 +25,8 @@ from torch import nn
 
 from minisgl.env import return_freed_heap
 from minisgl.layers.gguf_weight import GgufBlocks
-from minisgl.models.gguf_decode import mxfp4_blocks
 from minisgl.layers.quant import GROUP, WeightBlocks
+from minisgl.models.gguf_decode import mxfp4_blocks
 
 INT4_SCALE = 0.02 / 4.6  # codes - 8 uniform in [-8, 7] have a standard deviation of ~4.6
 INT4_GROUP = 128  # the usual group size of AWQ / GPTQ checkpoints
@@ -159,8 +159,7 @@ def load_dummy(model: nn.Module, arch: Any, seed: int, device: torch.device,
             raise ValueError(f"dummy weights: the model has no place for {name}")
         del full
         experts = model.weight_target(name)[0] if mxfp4 else None
-        if isinstance(getattr(experts, "blocks", None), dict) and all(
-                b is not None for part in experts.blocks.values() for b in part):
+        if getattr(experts, "blocks_complete", False):
             experts.finish_blocks(dtype, device)  # NOTE: a layer's unpacked codes at a time
             return_freed_heap()
     missing = [n for n, p in params.items() if torch.isnan(p).any()]

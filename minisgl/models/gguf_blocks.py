@@ -28,7 +28,7 @@ from minisgl.layers.gguf_weight import KINDS, GgufBlocks, block_kernels
 from minisgl.layers.gguf_weight import LANES as GGUF_LANES
 from minisgl.layers.quant import GROUP, LANES, WeightBlocks, vnni_kernels
 from minisgl.models.gguf_decode import read_gguf_blocks
-from minisgl.models.gguf_hybrid import (dense_value, family_linears, in_file_only, llama_rows,
+from minisgl.models.gguf_hybrid import (dense_value, family_linears, in_file_name, llama_rows,
                                         row_order)
 
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
@@ -140,24 +140,21 @@ def _rows(architecture: str, kind: str, rows: int, config: dict[str, Any]
     return row_order(architecture, kind, config)
 
 
-def file_linears(path: Path, config: dict[str, Any], skips: Callable[[str], bool]
+def file_linears(path: Path, config: dict[str, Any], names: set[str]
                  ) -> dict[str, Callable[[], torch.Tensor]]:
-    """The linear weights a hybrid family's converted folder leaves in the GGUF file
-    (gguf_hybrid.in_file_only), by HF name: each a reader of the float32 weight, rows in our
+    """Linear weights `names` that a hybrid family's converted folder left in the GGUF file
+    (gguf_hybrid.in_file_name), by HF name: each a reader of the float32 weight, rows in our
     order (experts: [E, out, in])."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))
     arch = reader.fields["general.architecture"].contents()
-    if not family_linears(arch):
-        return {}
     readers = {}
     for tensor in reader.tensors:
-        name = hf_name(tensor.name, arch)
-        if name is None or skips(name) or not in_file_only(tensor, arch):
-            continue
-        order = _rows(arch, tensor.name.split(".")[2], int(tensor.shape[1]), config)
-        readers[name] = functools.partial(_dense_rows, tensor, order)
+        name = in_file_name(tensor, arch)
+        if name in names:
+            order = _rows(arch, tensor.name.split(".")[2], int(tensor.shape[1]), config)
+            readers[name] = functools.partial(_dense_rows, tensor, order)
     return readers
 
 

@@ -498,17 +498,26 @@ def _metadata(reader: Any) -> tuple[str, Metadata]:
 
 
 DENSE_TYPES = ("F32", "F16", "BF16")
+LEFT_IN_FILE = "left_in_gguf.json"  # the converted folder's list of the weights it lacks
 
 
-def in_file_only(tensor: Any, architecture: str) -> bool:
-    """Whether a GGUF tensor stays out of the converted folder: a family's quantized linear
-    weight (the experts' most of all), read from the file when a model loads (as blocks, or
-    dequantized one tensor at a time), so that the folder holds what is small."""
+def in_file_name(tensor: Any, architecture: str) -> str | None:
+    """The HF name of a GGUF tensor that stays out of the converted folder: a family's
+    quantized linear weight (the experts' most of all), read from the file when a model loads
+    (as blocks, or dequantized one tensor at a time), so that the folder holds what is small;
+    None for every other tensor."""
     family = FAMILIES.get(architecture)
     parts = tensor.name.split(".")
-    return (family is not None and len(parts) == 4 and parts[0] == "blk"
-            and parts[2] in family.linears and parts[3] == "weight"
-            and tensor.tensor_type.name not in DENSE_TYPES)
+    if (family is None or len(parts) != 4 or parts[0] != "blk" or parts[3] != "weight"
+            or parts[2] not in family.linears or tensor.tensor_type.name in DENSE_TYPES):
+        return None
+    return f"model.layers.{parts[1]}.{family.linears[parts[2]]}.weight"
+
+
+def left_in_file(folder: Path) -> list[str]:
+    """The weights a converted folder left in its GGUF file (none for other folders)."""
+    listing = folder / LEFT_IN_FILE
+    return json.loads(listing.read_text()) if listing.is_file() else []
 
 
 def dense_value(tensor: Any) -> torch.Tensor:
@@ -521,7 +530,7 @@ def _hf_tensors(reader: Any, family: GgufFamily, config: Config, architecture: s
                 ) -> Iterator[tuple[str, torch.Tensor]]:
     layers = config["num_hidden_layers"]
     for tensor in reader.tensors:
-        if in_file_only(tensor, architecture):
+        if in_file_name(tensor, architecture) is not None:
             continue
         value = dense_value(tensor)
         if tensor.name in TABLES:
@@ -548,7 +557,8 @@ def _hf_tensors(reader: Any, family: GgufFamily, config: Config, architecture: s
 def convert_hybrid_gguf(gguf: Path, staging: Path) -> bool:
     """Write `gguf` as a model folder into `staging` if its architecture is a family here
     (config.json, model.safetensors in float32 without the quantized linear weights, which
-    stay in the file: `in_file_only`; the tokenizer); False if it is not one."""
+    stay in the file: `in_file_name`, listed in LEFT_IN_FILE; the tokenizer); False if it is
+    not one."""
     from gguf import GGUFReader
     from safetensors.torch import save_file
     from transformers import PreTrainedTokenizerFast
@@ -575,6 +585,9 @@ def convert_hybrid_gguf(gguf: Path, staging: Path) -> bool:
     save_file({k: v.contiguous() for k, v in state.items()}, staging / "model.safetensors",
               metadata={"format": "pt"})
     (staging / "config.json").write_text(json.dumps(config, indent=2))
+    left = [name for t in reader.tensors if (name := in_file_name(t, architecture))
+            and int(t.name.split(".")[1]) < config["num_hidden_layers"]]
+    (staging / LEFT_IN_FILE).write_text(json.dumps(left))
     _, vocabulary, tokenizer_config = get_gguf_tokenizer(str(gguf))
     backend, extra = convert_gguf_tokenizer(architecture, vocabulary)
     PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra

@@ -49,6 +49,9 @@ SUFFIXES = {"awq": ("qweight", "qzeros", "scales"),
                                    "weight_shape"),
             "fp8": ("weight", "weight_scale_inv", "weight_scale", "input_scale"),
             "mxfp4": ("blocks", "scales")}  # name_blocks, name_scales
+# method -> the suffixes that mark a weight as quantized (one of them is there)
+MARKS = {"awq": {"qweight"}, "gptq": {"qweight"}, "compressed-tensors": {"weight_packed"},
+         "fp8": {"weight_scale_inv", "weight_scale"}, "mxfp4": {"blocks"}}
 FP8_BLOCK = 128
 
 
@@ -226,20 +229,18 @@ class QuantizedReader:
     def __enter__(self) -> QuantizedReader:
         from safetensors import safe_open
 
+        method = self.spec.method
+        stacked = method == "mxfp4"  # `{name}_blocks`: `name` is the dense experts' stack's
         by_prefix: dict[str, dict[str, tuple]] = {}
         for file in sorted(self.folder.glob("*.safetensors")):
             f = self._files.enter_context(safe_open(str(file), framework="pt"))
             for key in f.keys():
-                prefix, _, suffix = key.rpartition("_" if self.spec.method == "mxfp4" else ".")
-                if suffix in SUFFIXES[self.spec.method]:
+                prefix, _, suffix = key.rpartition("_" if stacked else ".")
+                if suffix in SUFFIXES[method]:
                     by_prefix.setdefault(prefix, {})[suffix] = (f, key)
         for prefix, parts in by_prefix.items():
-            quantized = (("weight_scale_inv" in parts or "weight_scale" in parts)
-                         if self.spec.method == "fp8" else set(parts) == {"blocks", "scales"}
-                         if self.spec.method == "mxfp4"
-                         else ("qweight" in parts or "weight_packed" in parts))
-            if quantized:  # NOTE: mxfp4's name is the dense tensor's, the experts' stack
-                self.parts[prefix if self.spec.method == "mxfp4" else f"{prefix}.weight"] = parts
+            if MARKS[method] & set(parts):
+                self.parts[prefix if stacked else f"{prefix}.weight"] = parts
                 self.used.update(key for _, key in parts.values())
         return self
 

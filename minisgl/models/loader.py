@@ -18,6 +18,7 @@ from minisgl.layers.quant import WeightBlocks
 from minisgl.models.arch import ModelArch
 from minisgl.models.dummy_weights import load_dummy
 from minisgl.models.gguf_blocks import PendingBlocks, file_linears, stage_block_linears
+from minisgl.models.gguf_hybrid import left_in_file
 from minisgl.models.hf_quant import INT4_METHODS as INT4_CHECKPOINT_METHODS
 from minisgl.models.hf_quant import METHODS as CHECKPOINT_METHODS
 from minisgl.models.hf_quant import QuantizedReader, QuantSpec, quant_spec
@@ -55,13 +56,13 @@ def load_weights(model: torch.nn.Module, folder: Path, arch: ModelArch, method: 
                     logger.warning("--quantization gguf: %d linear weights (%s) have no block "
                                    "kernel here and run dequantized", len(kept),
                                    ", ".join(sorted(set(kept.values()))))
-            gguf = gguf_file(model_path)
-            elsewhere = {} if gguf is None else {
-                name: read for name, read in file_linears(gguf, gguf_config(arch),
-                                                          model.skips).items()
-                if name not in staged}
-            load_safetensors(model, folder, skip=set(staged) | skip | set(elsewhere),
-                             elsewhere=elsewhere)
+            # NOTE: a converted folder lists what it left in its GGUF file: the file is read
+            # (seconds, for a vocabulary's metadata) only where some of that is not staged
+            left = {name for name in left_in_file(folder)
+                    if name not in staged and not model.skips(name)}
+            elsewhere = file_linears(gguf_file(model_path), gguf_config(arch), left) if left \
+                else {}
+            load_safetensors(model, folder, skip=set(staged) | skip, elsewhere=elsewhere)
             for name in list(staged):  # NOTE: one weight at a time, released once loaded
                 pending = staged.pop(name)
                 model.load_weight(name, pending.read() if read is None else read(name))
@@ -94,10 +95,8 @@ def _finish_when_complete(model: torch.nn.Module, name: str, dtype: torch.dtype,
     target = model.weight_target(name)
     module = None if target is None else target[0]
     slots = getattr(module, "weight", None)
-    experts = getattr(module, "blocks", None)
-    if (isinstance(slots, BlockSlots) and slots.complete) or (
-            isinstance(experts, dict) and all(b is not None for part in experts.values()
-                                              for b in part)):
+    if (isinstance(slots, BlockSlots) and slots.complete) or getattr(module, "blocks_complete",
+                                                                     False):
         module.finish_blocks(dtype, device)
 
 

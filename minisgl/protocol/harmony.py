@@ -41,7 +41,7 @@ from minisgl.grammar import builtin_structural_tag
 from minisgl.protocol.fields import check_bool, none_as
 from minisgl.protocol.openai_tool_parser import ToolDelta
 from minisgl.protocol.openai_tools import ToolUse
-from minisgl.protocol.reasoning import Reasoning
+from minisgl.protocol.reasoning import Reasoning, held_prefix
 
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 END, CALL, RETURN = "<|end|>", "<|call|>", "<|return|>"
@@ -67,14 +67,6 @@ class HarmonyDelta(ToolDelta):
         super().__iadd__(other)
         self.reasoning += getattr(other, "reasoning", "")
         return self
-
-
-def _held(text: str, start: int, markers: tuple[str, ...]) -> int:
-    """How many characters at the end of text[start:] may begin one of `markers`."""
-    for k in range(min(max(map(len, markers)) - 1, len(text) - start), 0, -1):
-        if any(m.startswith(text[len(text) - k:]) for m in markers):
-            return k
-    return 0
 
 
 class HarmonyParser:
@@ -164,7 +156,7 @@ class HarmonyParser:
             self.pos = at + len(marker) if marker not in _HEADER_STARTS else at
             self._close(out)
             return True
-        upto = len(text) if final else len(text) - _held(text, self.pos, _BODY_ENDS)
+        upto = len(text) if final else len(text) - held_prefix(text, self.pos, list(_BODY_ENDS))
         self._emit(out, text[self.pos:upto])
         self.pos = upto
         return False

@@ -41,7 +41,7 @@ class ReasoningDelta:
     content: str = ""
 
 
-def _held_prefix(text: str, start: int, markers: list[str]) -> int:
+def held_prefix(text: str, start: int, markers: list[str]) -> int:
     """How many characters at the end of text[start:] may begin one of `markers`."""
     longest = 0
     for marker in markers:
@@ -101,7 +101,7 @@ class ReasoningParser:
             ends = [m for m in (THINK_END, self.interrupt) if m]
             found = [(text.find(m, self.pos), m) for m in ends if text.find(m, self.pos) >= 0]
             if not found:
-                upto = len(text) if final else len(text) - _held_prefix(text, self.pos, ends)
+                upto = len(text) if final else len(text) - held_prefix(text, self.pos, ends)
                 self._reason(out, text[self.pos:upto])
                 self.pos = upto
                 return

@@ -4,8 +4,8 @@ HTTP server and the offline `LLM` hold this object and reach nothing below it.""
 from __future__ import annotations
 
 import asyncio
-import logging
 import dataclasses
+import logging
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
