@@ -8,7 +8,7 @@ import torch
 from minisgl.kernels import cpu_kernels
 from minisgl.attention.torch_backend import TorchBackend
 from minisgl.core import Batch
-from minisgl.kvcache import KVPool
+from minisgl.kvcache import KVLayout, KVPool
 
 
 def float64_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -47,7 +47,7 @@ def test_kernel_matches_float64_decode(dtype: torch.dtype, tolerance: float, hea
         pytest.skip("no C++ compiler here: the kernel falls back to torch ops")
     gen = torch.Generator().manual_seed(0)
     batch, context, locations = 7, 80, 600
-    pool = KVPool(1, num_pages=locations, page_size=1, num_kv_heads=kv_heads, head_dim=dim,
+    pool = KVPool(KVLayout.uniform(1, kv_heads, dim), num_pages=locations, page_size=1,
                   dtype=dtype, device=torch.device("cpu"))
     pool.buffer[:, :, :, :locations].copy_(
         torch.randn(2, 1, kv_heads, locations, dim, generator=gen))
@@ -106,7 +106,7 @@ def test_store_kv_kernel_matches_pool_store(tokens: int) -> None:
         pytest.skip("no C++ compiler here: the pool's index_copy_ stores K and V")
     gen = torch.Generator().manual_seed(0)
     kv_heads, dim = 3, 64
-    pools = [KVPool(2, num_pages=1000, page_size=1, num_kv_heads=kv_heads, head_dim=dim,
+    pools = [KVPool(KVLayout.uniform(2, kv_heads, dim), num_pages=1000, page_size=1,
                     dtype=torch.bfloat16, device=torch.device("cpu")) for _ in range(2)]
     for pool in pools:
         pool.buffer.zero_()
@@ -130,7 +130,7 @@ def test_kernel_prefill_and_mixed_batch_match_float64(dtype: torch.dtype,
         pytest.skip("no C++ compiler here: SDPA runs prefill")
     gen = torch.Generator().manual_seed(1)
     heads, kv_heads, dim, locations = 9, 3, 64, 900
-    pool = KVPool(1, num_pages=locations, page_size=1, num_kv_heads=kv_heads, head_dim=dim,
+    pool = KVPool(KVLayout.uniform(1, kv_heads, dim), num_pages=locations, page_size=1,
                   dtype=dtype, device=torch.device("cpu"))
     pool.buffer[:, :, :, :locations].copy_(
         torch.randn(2, 1, kv_heads, locations, dim, generator=gen))

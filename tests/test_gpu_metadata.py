@@ -235,7 +235,7 @@ def test_flashinfer_backend_says_how_to_install() -> None:
     except ImportError:
         pass
     from minisgl.attention import create_attention_backend
-    from minisgl.kvcache import KVPool
-    pool = KVPool(1, 4, 1, 1, 8, torch.float32, torch.device("cpu"))
+    from minisgl.kvcache import KVLayout, KVPool
+    pool = KVPool(KVLayout.uniform(1, 1, 8), 4, 1, torch.float32, torch.device("cpu"))
     with pytest.raises(ImportError, match=r"pip install minisgl\[gpu\]"):
         create_attention_backend("flashinfer", pool, torch.zeros(2, 4, dtype=torch.int32), 1.0)

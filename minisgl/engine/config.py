@@ -81,7 +81,7 @@ def resolve(config: EngineConfig, device: torch.device, arch: ModelArch) -> Engi
         max_mamba_cache_size=state_rows(config, arch, max_running),
         mem_fraction_static=default("mem_fraction_static"),
         attention_backend=config.attention_backend or default_attention_backend(
-            device, dtype, arch.head_dim, arch.attention_sinks),
+            device, dtype, arch.largest_head_dim, arch.attention_sinks),
         speculative_num_draft_tokens=(None if config.speculative_algorithm is None
                                       else default("speculative_num_draft_tokens")),
         speculative_draft_model_quantization=(

@@ -34,7 +34,7 @@ from minisgl.engine.forward import ForwardInput, ForwardOutput, InputLogprobs, V
 from minisgl.engine.graph import GraphRunner, supports_graphs
 from minisgl.engine.lora import LoraModules, lora_settings
 from minisgl.engine.memory import allocate_kv_pool, allocate_state_pool, release_cuda_memory
-from minisgl.engine.model_loading import attention_for, draft_arch, kv_heads, load_model
+from minisgl.engine.model_loading import attention_for, draft_arch, kv_layout, load_model
 from minisgl.engine.placement import check_hybrid, check_tp_size, resolve_device
 from minisgl.engine.pooling import last_token_embeddings
 from minisgl.engine.quantization import check_int8_activations
@@ -154,10 +154,10 @@ class Engine:
             if self.states is not None:
                 self.model.bind_states(self.states)
             self.kv_pool = allocate_kv_pool(
-                config, self.arch, kv_heads(self.model), self.page_size, self.dtype,
+                config, kv_layout(self.model, self.arch), self.page_size, self.dtype,
                 self.device, self.tp.size,
-                draft_bytes_per_token=0 if draft is None else KVPool.bytes_per_token(
-                    draft[1].num_layers, kv_heads(draft[0]), draft[1].head_dim, self.dtype))
+                draft_bytes_per_token=0 if draft is None else kv_layout(
+                    *draft).bytes_per_token(self.dtype))
         self.config = config = dataclasses.replace(
             config, max_total_tokens=self.kv_pool.num_pages * self.page_size)
         rows = self.max_running + 1  # the request rows, then the dummy row
@@ -224,8 +224,8 @@ class Engine:
 
     def _draft_runner(self, model: torch.nn.Module, arch: ModelArch) -> DraftModel:
         """The draft model with a KV pool laid out as the target's (same pages, same table)."""
-        pool = KVPool(arch.num_layers, self.kv_pool.num_pages, self.page_size, kv_heads(model),
-                      arch.head_dim, self.dtype, self.device)
+        pool = KVPool(kv_layout(model, arch), self.kv_pool.num_pages, self.page_size,
+                      self.dtype, self.device)
         backend = attention_for(self.config.attention_backend, arch, model, pool,
                                 self.page_table, self.device, self.dtype)
         assert self.speculation is not None
@@ -393,11 +393,12 @@ class Engine:
             kv = getattr(self, "kv_pool", None)
             release_cuda_memory(self.device, [getattr(self, "page_table", None),
                                               getattr(self, "token_pool", None),
-                                              kv.buffer if kv is not None else None],
+                                              *(kv.buffers.values() if kv is not None else ())],
                                 getattr(self, "model", None))
             draft = self.draft_model
             if draft is not None:
-                release_cuda_memory(self.device, [draft.backend.kv_pool.buffer], draft.model)
+                release_cuda_memory(self.device, [*draft.backend.kv_pool.buffers.values()],
+                                    draft.model)
 
     def _restore_threads(self) -> None:
         if self._saved_threads is not None:

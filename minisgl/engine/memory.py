@@ -10,14 +10,14 @@ import torch
 from minisgl.distributed.context import all_reduce_min
 from minisgl.engine.config import EngineConfig
 from minisgl.env import return_freed_heap
-from minisgl.kvcache import KVPool
+from minisgl.kvcache import KVLayout, KVPool
 from minisgl.kvcache.state_pool import StatePool
 from minisgl.models import ModelArch
 
 logger = logging.getLogger(__name__)
 
 
-def allocate_kv_pool(config: EngineConfig, arch: ModelArch, kv_heads: int, page_size: int,
+def allocate_kv_pool(config: EngineConfig, layout: KVLayout, page_size: int,
                      dtype: torch.dtype, device: torch.device, tp_size: int,
                      draft_bytes_per_token: int = 0) -> KVPool:
     """`--max-total-tokens`, else what the memory fraction leaves (after the weights are
@@ -25,7 +25,7 @@ def allocate_kv_pool(config: EngineConfig, arch: ModelArch, kv_heads: int, page_
     takes the smallest count, so a page id means one slot everywhere."""
     if device.type == "cpu":
         return_freed_heap()
-    per_token = KVPool.bytes_per_token(arch.kv_layers, kv_heads, arch.head_dim, dtype)
+    per_token = layout.bytes_per_token(dtype)
     tokens = config.max_total_tokens
     fraction = config.mem_fraction_static
     if tokens is None:
@@ -42,7 +42,7 @@ def allocate_kv_pool(config: EngineConfig, arch: ModelArch, kv_heads: int, page_
                          "bytes); lower --mem-fraction-static or the model size")
     logger.info("KV pool: %d tokens in %d pages of %d (%.2f GiB)", num_pages * page_size,
                 num_pages, page_size, num_pages * page_size * per_token / 2**30)
-    return KVPool(arch.kv_layers, num_pages, page_size, kv_heads, arch.head_dim, dtype, device)
+    return KVPool(layout, num_pages, page_size, dtype, device)
 
 
 def allocate_state_pool(arch: ModelArch, tp_size: int, rows: int, snapshots: int,

@@ -11,7 +11,7 @@ import torch
 from minisgl.attention import create_attention_backend, default_attention_backend
 from minisgl.attention.base import AttentionBackend
 from minisgl.engine.config import EngineConfig
-from minisgl.kvcache import KVPool
+from minisgl.kvcache import KVLayout, KVPool
 from minisgl.layers.linear import can_prepack
 from minisgl.layers.quant import activation_terms
 from minisgl.models import (
@@ -54,9 +54,14 @@ def first_attention(model: torch.nn.Module) -> torch.nn.Module:
     return next(layer.self_attn for layer in model.layers if hasattr(layer, "self_attn"))
 
 
-def kv_heads(model: torch.nn.Module) -> int:
-    """KV heads per rank."""
-    return first_attention(model).qkv_proj.num_kv_heads
+def kv_layout(model: torch.nn.Module, arch: ModelArch) -> KVLayout:
+    """The KV pool's layer shapes on this rank: the model's own where its layers differ
+    (Gemma 4), else every KV layer with the first attention's KV heads and the head size."""
+    own = getattr(model, "kv_layout", None)
+    if own is not None:
+        return own()
+    heads = first_attention(model).qkv_proj.num_kv_heads
+    return KVLayout.uniform(arch.kv_layers, heads, arch.head_dim)
 
 
 def attention_for(name: str | None, arch: ModelArch, model: torch.nn.Module, pool: KVPool,
@@ -68,8 +73,14 @@ def attention_for(name: str | None, arch: ModelArch, model: torch.nn.Module, poo
     if name == "flashinfer" and arch.attention_sinks:
         raise ValueError("--attention-backend flashinfer: this model's attention sinks are not "
                          "in minisgl's FlashInfer path; use --attention-backend torch")
+    mixed_shapes = len(pool.buffers) > 1
+    if name == "flashinfer" and mixed_shapes:
+        raise ValueError("--attention-backend flashinfer: this model's layers differ in head "
+                         "size, which minisgl's FlashInfer path does not plan; use "
+                         "--attention-backend torch")
     return create_attention_backend(
-        name or default_attention_backend(device, dtype, arch.head_dim, arch.attention_sinks),
+        name or ("torch" if mixed_shapes else default_attention_backend(
+            device, dtype, arch.largest_head_dim, arch.attention_sinks)),
         pool, page_table, arch.head_dim ** -0.5, windows, softcap,
         num_qo_heads=first_attention(model).qkv_proj.num_heads)  # flashinfer only
 

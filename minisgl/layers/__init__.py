@@ -7,6 +7,7 @@ from minisgl.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
+    ReplicatedLinear,
     RowParallelLinear,
 )
 from minisgl.layers.norm import RMSNorm
@@ -15,6 +16,6 @@ from minisgl.layers.rotary import NoRotary, RotaryEmbedding
 __all__ = [
     "GeluTanhAndMul",
     "ColumnParallelLinear", "Layer", "MergedColumnParallelLinear", "NoRotary", "ParallelLMHead",
-    "QKVParallelLinear", "RMSNorm", "RotaryEmbedding", "RowParallelLinear", "SiluAndMul",
+    "QKVParallelLinear", "RMSNorm", "ReplicatedLinear", "RotaryEmbedding", "RowParallelLinear", "SiluAndMul",
     "VocabParallelEmbedding",
 ]

@@ -152,6 +152,10 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, 64)  # 64: the batch to tune for
 
 
+class ReplicatedLinear(_Linear):
+    """A linear every rank holds whole (a small projection beside the sharded ones)."""
+
+
 class ColumnParallelLinear(_Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         tp = get_tp_info()
@@ -229,8 +233,9 @@ class QKVParallelLinear(_Linear):
     heads than ranks, each KV head is replicated on the ranks whose query heads use it."""
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool = False) -> None:
+                 bias: bool = False, values: bool = True) -> None:
         tp = get_tp_info()
+        self.values = values  # False: no v rows, the keys serve as values (split gives k twice)
         self.head_dim = head_dim
         self.num_heads = divide(num_heads, tp.size, "attention heads")
         if num_kv_heads >= tp.size:
@@ -242,7 +247,7 @@ class QKVParallelLinear(_Linear):
             self.kv_head_start = tp.rank * num_kv_heads // tp.size
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
-        super().__init__(hidden, self.q_size + 2 * self.kv_size, bias)
+        super().__init__(hidden, self.q_size + (2 if values else 1) * self.kv_size, bias)
 
     def load(self, name: str, source: Any, shard_id: str) -> None:
         offset, start, size = self.output_rows(shard_id)
@@ -256,6 +261,9 @@ class QKVParallelLinear(_Linear):
         return offset, self.kv_head_start * self.head_dim, self.kv_size
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not self.values:
+            q, k = qkv.split([self.q_size, self.kv_size], dim=-1)
+            return q, k, k
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
 
 

@@ -40,10 +40,16 @@ def _inverse_frequencies(head_dim: int, rope: dict[str, Any], positions: int
         return torch.where(medium, blended, scaled), 1.0
     if kind == "linear":
         return inv_freq / rope["factor"], 1.0
+    if kind == "proportional":
+        # Gemma 4's global layers: the frequencies of the whole head, of which only the first
+        # partial_rotary_factor share turn; the others are 0, so those pairs pass unrotated
+        turning = int(rope.get("partial_rotary_factor", 1.0) * head_dim // 2)
+        inv_freq[turning:] = 0.0
+        return inv_freq / rope.get("factor", 1.0), 1.0
     if kind == "yarn":
         return _yarn(inv_freq, head_dim, theta, rope, max_positions)
     raise ValueError(f"unsupported RoPE scaling type {kind!r} (supported: default, linear, "
-                     "llama3, yarn, longrope, dynamic)")
+                     "llama3, yarn, longrope, dynamic, proportional)")
 
 
 def _longrope(exponents: torch.Tensor, theta: float, rope: dict[str, Any], positions: int,

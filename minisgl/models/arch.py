@@ -27,7 +27,8 @@ COMPUTED_VALUES: dict[str, tuple[Any, ...]] = {
     "hidden_act": ("silu", "swish"),
     "mlp_bias": (False,),
     "hidden_activation": ("gelu_pytorch_tanh",),  # Gemma's GeGLU
-    "use_bidirectional_attention": (False,),
+    # Gemma 4's "vision": image tokens see each other both ways; text stays causal
+    "use_bidirectional_attention": (False, "vision"),
 }
 
 
@@ -107,12 +108,12 @@ class MoEShape:
             return None
         # NOTE: Mixtral's, Qwen3.5's and gpt-oss's routers always renormalise; the others say so
         always = config.get("model_type") in ("mixtral", "qwen3_5_moe", "qwen3_5_moe_text",
-                                              "granitemoehybrid", "gpt_oss")
+                                              "granitemoehybrid", "gpt_oss", "gemma4_text")
         step = config.get("decoder_sparse_step") or 1
         dense = set(config.get("mlp_only_layers") or ())
         return cls(
             num_experts=experts,
-            top_k=config.get("num_experts_per_tok", 2),
+            top_k=config.get("num_experts_per_tok") or config.get("top_k_experts") or 2,
             intermediate_size=config.get("moe_intermediate_size") or config["intermediate_size"],
             renormalize=always or bool(config.get("norm_topk_prob", False)),
             sparse_layers=tuple(i for i in range(config["num_hidden_layers"])
@@ -378,9 +379,20 @@ class ModelArch:
 
     @property
     def kv_layers(self) -> int:
-        """Layers whose K and V the KV pool holds."""
+        """Layers whose K and V the KV pool holds (not those that attend to an earlier
+        layer's: Gemma 4's num_kv_shared_layers)."""
         stateless = sum(kind in STATELESS_TYPES for kind in self.layer_types)
-        return self.num_layers - self.linear_layers - stateless
+        shared = self.config.get("num_kv_shared_layers") or 0
+        return self.num_layers - self.linear_layers - stateless - shared
+
+    @property
+    def largest_head_dim(self) -> int:
+        """The largest head size of any layer (Gemma 4's global layers have one of their
+        own: `global_head_dim`, or transformers 5's `per_layer_config`)."""
+        per_layer = ({} if "global_head_dim" in self.config
+                     else self.config.get("per_layer_config") or {}).values()
+        return max(self.head_dim, self.config.get("global_head_dim") or 0,
+                   *(layer.get("head_dim") or 0 for layer in per_layer))
 
     @property
     def sliding_window(self) -> int | None:

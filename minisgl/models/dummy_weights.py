@@ -5,8 +5,8 @@ naming of the Llama family: Llama, Mistral, Qwen2, Qwen3, and Phi-3 and Gemma 3 
 unfused parts, Qwen3-MoE and Mixtral with Qwen3-MoE's per-expert names, the hybrids Qwen3-Next
 and Qwen3.5 with their Gated DeltaNet layers and shared experts) is drawn whole from a
 generator seeded by its name and `--seed`, then handed to `model.load_weight` like a real
-checkpoint tensor, so each rank keeps exactly its shard of the same model. Norm weights are 1,
-everything else N(0, 0.02); with `int4` (`--quantization gguf`), the layers' linear weights
+checkpoint tensor, so each rank keeps exactly its shard of the same model. Norm weights (and
+Gemma 4's layer scalars) are 1, everything else N(0, 0.02); with `int4` (`--quantization gguf`), the layers' linear weights
 (not the experts') are random 4-bit blocks instead, of about the same spread (codes uniform in
 0..15, scale 0.02 / 4.6, zero 0), never dense; with `int4_groups` (`--quantization awq`,
 `gptq` or `compressed-tensors` on CUDA), int4 groups of 128 of that spread (zero point 8) in
@@ -142,7 +142,7 @@ def load_dummy(model: nn.Module, arch: Any, seed: int, device: torch.device,
     for name, shape in shapes.items():
         gen = torch.Generator(device=device)
         gen.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        if name.endswith("norm.weight"):
+        if name.endswith(("norm.weight", "layer_scalar")):
             full = torch.ones(shape, dtype=dtype, device=device)
         elif int4 and is_layer_linear(name):
             codes = torch.randint(0, 16, shape, generator=gen, dtype=torch.uint8, device=device)

@@ -8,6 +8,7 @@ from torch import nn
 
 from minisgl.models.arch import ModelArch
 from minisgl.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from minisgl.models.gemma4 import Gemma4ForCausalLM
 from minisgl.models.gpt_oss import GptOssForCausalLM
 from minisgl.models.granite_hybrid import GraniteMoeHybridForCausalLM
 from minisgl.models.llama import LlamaForCausalLM
@@ -20,6 +21,7 @@ from minisgl.models.smollm3 import SmolLM3ForCausalLM
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma4ForCausalLM": Gemma4ForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,

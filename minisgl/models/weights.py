@@ -165,6 +165,7 @@ def generation_eos_ids(path: Path) -> tuple[int, ...]:
 
 # multimodal architecture -> the text model we serve of it (its vision tower is not loaded)
 TEXT_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
+               "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM",
                "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
                "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM"}
 
