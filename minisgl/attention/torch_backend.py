@@ -174,7 +174,10 @@ class TorchBackend(AttentionBackend):
         meta, window = batch.attn_metadata, self.window(layer_id)
         if isinstance(meta, KernelMetadata):
             k_cache, v_cache = self.kv_pool.layer(layer_id)
-            self.kernels.store_kv_(k_cache, v_cache, batch.out_loc, k, v)
+            if self.kv_pool.layout.latent:  # the values are in the keys' rows
+                self.kernels.store_kv_(k_cache, k_cache, batch.out_loc, k, k)
+            else:
+                self.kernels.store_kv_(k_cache, v_cache, batch.out_loc, k, v)
             locations, lens, rows = meta.view(window, self.page_table)
             out = self.kernels.decode_attention(q.contiguous(), k_cache, v_cache, locations,
                                                 lens, self.scale, rows, self.softcap, sinks)
@@ -195,13 +198,13 @@ class TorchBackend(AttentionBackend):
         if meta.locations is None:
             meta.materialize(self.page_table, self.kv_pool.dummy_loc)
         bs, max_len = meta.locations.shape
-        num_heads, head_dim = q.shape[1], q.shape[2]
+        num_heads, head_dim, value_dim = q.shape[1], q.shape[2], v_cache.shape[2]
         num_kv = k_cache.shape[0]
         group = num_heads // num_kv
         flat = meta.locations.view(-1)
         # [kv, bs * max_len, d] -> [kv * bs, max_len, d]: contiguous, no transpose copies
         keys = k_cache.index_select(1, flat).view(num_kv * bs, max_len, head_dim)
-        values = v_cache.index_select(1, flat).view(num_kv * bs, max_len, head_dim)
+        values = v_cache.index_select(1, flat).view(num_kv * bs, max_len, value_dim)
         q = (q * self.scale).view(bs, num_kv, group, head_dim).transpose(0, 1)
         scores = self._capped(torch.bmm(q.reshape(num_kv * bs, group, head_dim),
                                         keys.transpose(1, 2)))
@@ -210,13 +213,13 @@ class TorchBackend(AttentionBackend):
         per_head = None if sinks is None else sinks.view(num_kv, 1, group, 1)
         probs = softmax_with_sinks(scores, per_head).to(q.dtype)
         out = torch.bmm(probs.view(num_kv * bs, group, max_len), values)
-        return out.view(num_kv, bs, group, head_dim).transpose(0, 1).reshape(bs, -1)
+        return out.view(num_kv, bs, group, value_dim).transpose(0, 1).reshape(bs, -1)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, segments: list[PrefillSegment], window: int,
                  sinks: torch.Tensor | None) -> torch.Tensor:
-        out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
-        heads, dim = q.shape[1], q.shape[2]
+        heads, dim, value_dim = q.shape[1], q.shape[2], v.shape[2]
+        out = torch.empty(q.shape[0], heads * value_dim, dtype=q.dtype, device=q.device)
         scored = bool(self.softcap) or sinks is not None  # the scores in full, not SDPA
         for seg in segments:
             if seg.length == 0:
@@ -225,7 +228,7 @@ class TorchBackend(AttentionBackend):
             qs = q[seg.start:seg.end].view(n, new, heads, dim).transpose(1, 2)
             if seg.locations is None:  # [n, kv_heads, new, dim]
                 ks = k[seg.start:seg.end].view(n, new, -1, dim).transpose(1, 2)
-                vs = v[seg.start:seg.end].view(n, new, -1, dim).transpose(1, 2)
+                vs = v[seg.start:seg.end].view(n, new, -1, value_dim).transpose(1, 2)
             else:
                 ks = k_cache.index_select(1, seg.locations)[None]
                 vs = v_cache.index_select(1, seg.locations)[None]
@@ -234,7 +237,7 @@ class TorchBackend(AttentionBackend):
                                                        q.device, scored)
             mask = seg.masks[window, scored]
             o = self._attend(qs, ks, vs, mask, sinks)  # [n, heads, new, dim]
-            out[seg.start:seg.end] = o.transpose(1, 2).reshape(n * new, heads * dim)
+            out[seg.start:seg.end] = o.transpose(1, 2).reshape(n * new, heads * value_dim)
         return out
 
     def _mask(self, new: int, cached_len: int, window: int, dtype: torch.dtype,
@@ -262,7 +265,7 @@ class TorchBackend(AttentionBackend):
         limits them."""
         if self.softcap or sinks is not None:
             return self._attend_scores(q, k, v, mask, sinks)
-        if self._flash is None:
+        if self._flash is None or v.shape[-1] != q.shape[-1]:  # the fused kernel: one size
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                                   scale=self.scale, enable_gqa=True)
         # NOTE: SDPA's dispatcher sends GQA / bf16 on CPU to its unfused math path; its fused

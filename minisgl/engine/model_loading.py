@@ -73,16 +73,17 @@ def attention_for(name: str | None, arch: ModelArch, model: torch.nn.Module, poo
     if name == "flashinfer" and arch.attention_sinks:
         raise ValueError("--attention-backend flashinfer: this model's attention sinks are not "
                          "in minisgl's FlashInfer path; use --attention-backend torch")
-    mixed_shapes = len(pool.buffers) > 1
-    if name == "flashinfer" and mixed_shapes:
-        raise ValueError("--attention-backend flashinfer: this model's layers differ in head "
-                         "size, which minisgl's FlashInfer path does not plan; use "
-                         "--attention-backend torch")
-    return create_attention_backend(
-        name or ("torch" if mixed_shapes else default_attention_backend(
-            device, dtype, arch.largest_head_dim, arch.attention_sinks)),
-        pool, page_table, arch.head_dim ** -0.5, windows, softcap,
-        num_qo_heads=first_attention(model).qkv_proj.num_heads)  # flashinfer only
+    own_layout = len(pool.buffers) > 1 or pool.layout.latent > 0
+    if name == "flashinfer" and own_layout:
+        raise ValueError("--attention-backend flashinfer: this model's KV layout (head sizes "
+                         "that differ by layer, or latent attention) is not in minisgl's "
+                         "FlashInfer path; use --attention-backend torch")
+    name = name or ("torch" if own_layout else default_attention_backend(
+        device, dtype, arch.largest_head_dim, arch.attention_sinks))
+    options = ({"num_qo_heads": first_attention(model).qkv_proj.num_heads}
+               if name == "flashinfer" else {})
+    return create_attention_backend(name, pool, page_table, arch.head_dim ** -0.5, windows,
+                                    softcap, **options)
 
 
 def draft_arch(config: EngineConfig, target: ModelArch, context_len: int

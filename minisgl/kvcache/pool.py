@@ -5,7 +5,9 @@ Layout: [K/V, layer, kv_head, location, head_dim] ("head-major"): gathering one 
 positions yields a contiguous [kv_heads, len, head_dim] block per head, which both the batched
 decode matmuls and SDPA consume without a transpose copy. Layers of one shape share one such
 buffer; a model whose layers differ in KV heads or head size (Gemma 4's global layers) gets a
-buffer per shape (`KVLayout`), the same locations in each.
+buffer per shape (`KVLayout`), the same locations in each. Latent attention (DeepSeek's MLA)
+keeps one compressed row per token and layer, whose first `latent` dims serve as its values:
+its buffer holds no V half.
 The last page is the dummy page: padded requests write there and masked reads point there,
 so it is never handed out and always holds finite values.
 """
@@ -20,8 +22,9 @@ import torch
 @dataclass(frozen=True)
 class KVLayout:
     """Per KV layer (the layers that keep K and V, in order), its (kv_heads, head_dim) on this
-    rank."""
+    rank; `latent` > 0: the values are the keys' first `latent` dims, not stored apart."""
     shapes: tuple[tuple[int, int], ...]
+    latent: int = 0
 
     @classmethod
     def uniform(cls, num_layers: int, num_kv_heads: int, head_dim: int) -> KVLayout:
@@ -31,8 +34,13 @@ class KVLayout:
     def num_layers(self) -> int:
         return len(self.shapes)
 
+    @property
+    def halves(self) -> int:
+        """K and V, or K alone (latent)."""
+        return 1 if self.latent else 2
+
     def bytes_per_token(self, dtype: torch.dtype) -> int:
-        return 2 * sum(heads * dim for heads, dim in self.shapes) * dtype.itemsize
+        return self.halves * sum(heads * dim for heads, dim in self.shapes) * dtype.itemsize
 
 
 class KVPool:
@@ -50,7 +58,8 @@ class KVPool:
             # NOTE: torch.empty leaves untouched memory unmapped on CPU; only the dummy page
             # needs defined values (it is read under a mask, and NaN * 0 would leak through
             # softmax).
-            buffer = torch.empty((2, count, heads, locations, dim), dtype=dtype, device=device)
+            buffer = torch.empty((layout.halves, count, heads, locations, dim), dtype=dtype,
+                                 device=device)
             buffer[:, :, :, self.dummy_loc:].zero_()
             self.buffers[heads, dim] = buffer
         # per layer: its buffer and its index there
@@ -65,8 +74,11 @@ class KVPool:
         return next(iter(self.buffers.values()))
 
     def layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one layer, each [kv_heads, locations, head_dim]."""
+        """K and V of one layer, each [kv_heads, locations, head_dim] (latent: V a view of
+        K's first dims)."""
         buffer, index = self._where[layer_id]
+        if self.layout.latent:
+            return buffer[0, index], buffer[0, index, ..., :self.layout.latent]
         return buffer[0, index], buffer[1, index]
 
     def store(self, layer_id: int, locations: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -75,7 +87,8 @@ class KVPool:
         layer's K and V."""
         k_cache, v_cache = self.layer(layer_id)
         k_cache.index_copy_(1, locations, k.transpose(0, 1))
-        v_cache.index_copy_(1, locations, v.transpose(0, 1))
+        if not self.layout.latent:
+            v_cache.index_copy_(1, locations, v.transpose(0, 1))
         return k_cache, v_cache
 
     @property

@@ -110,6 +110,11 @@ def long_rope_switch(rope: dict[str, Any], positions: int) -> LongRopeSwitch | N
     return LongRopeSwitch(original, positions) if positions > original else None
 
 
+def yarn_mscale(scale: float, weight: float = 1.0) -> float:
+    """YaRN's magnitude factor for a context `scale` times the original."""
+    return 1.0 if scale <= 1 else 0.1 * weight * math.log(scale) + 1.0
+
+
 def _yarn(inv_freq: torch.Tensor, head_dim: int, theta: float, rope: dict[str, Any],
           max_positions: int) -> tuple[torch.Tensor, float]:
     """YaRN (arXiv 2309.00071): dimensions that turn fewer than `beta_slow` times over the
@@ -118,15 +123,11 @@ def _yarn(inv_freq: torch.Tensor, head_dim: int, theta: float, rope: dict[str, A
     attention factor (0.1 ln(factor) + 1 unless the config gives it)."""
     old_ctx = rope.get("original_max_position_embeddings") or max_positions
     factor = rope.get("factor") or max_positions / old_ctx
-
-    def mscale(scale: float, weight: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * weight * math.log(scale) + 1.0
-
     attention = rope.get("attention_factor")
     if attention is None:
         weight, weight_all = rope.get("mscale"), rope.get("mscale_all_dim")
-        attention = (mscale(factor, weight) / mscale(factor, weight_all)
-                     if weight and weight_all else mscale(factor))
+        attention = (yarn_mscale(factor, weight) / yarn_mscale(factor, weight_all)
+                     if weight and weight_all else yarn_mscale(factor))
 
     def dimension(rotations: float) -> float:  # the dimension that turns `rotations` times
         return head_dim * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(theta))
@@ -194,6 +195,13 @@ class RotaryEmbedding(Layer):
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def rotate_queries(self, positions: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """q alone, for a layer that attends to keys another layer rotated."""
+        if q.device.type == "cpu":  # the kernel rotates in place; no keys: zero heads of them
+            return self(positions, q, q[:, :0])[0]
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        return self._rotate(q, cos, self.sin[positions].unsqueeze(1).to(q.dtype))
 
 
 class NoRotary:

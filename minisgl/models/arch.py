@@ -387,11 +387,14 @@ class ModelArch:
 
     @property
     def largest_head_dim(self) -> int:
-        """The largest head size of any layer (Gemma 4's global layers have one of their
-        own: `global_head_dim`, or transformers 5's `per_layer_config`)."""
-        per_layer = ({} if "global_head_dim" in self.config
-                     else self.config.get("per_layer_config") or {}).values()
-        return max(self.head_dim, self.config.get("global_head_dim") or 0,
+        """The largest head size attention runs at in any layer (Gemma 4's global layers have
+        one of their own: `global_head_dim`, or transformers 5's `per_layer_config`; latent
+        attention runs at the compressed row's, kv_lora_rank + qk_rope_head_dim)."""
+        config = self.config
+        per_layer = ({} if "global_head_dim" in config
+                     else config.get("per_layer_config") or {}).values()
+        latent = (config.get("kv_lora_rank") or 0) + (config.get("qk_rope_head_dim") or 0)
+        return max(self.head_dim, config.get("global_head_dim") or 0, latent,
                    *(layer.get("head_dim") or 0 for layer in per_layer))
 
     @property

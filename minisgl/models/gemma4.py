@@ -154,7 +154,7 @@ class Gemma4Attention(Layer):
         else:
             q = self.q_norm.forward_plain(self.q_proj(x).view(tokens, -1, d))
             k, v = shared_kv[self.kind]
-            q, _ = self.rotary(positions, q, q[:, :0])  # the producer's keys are rotated
+            q = self.rotary.rotate_queries(positions, q)
         q = q * self.query_scale
         return self.o_proj(backend.forward(q, k, v, self.kv_index, batch))
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from torch import nn
 
 from minisgl.models.arch import ModelArch
+from minisgl.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from minisgl.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from minisgl.models.gemma4 import Gemma4ForCausalLM
 from minisgl.models.gpt_oss import GptOssForCausalLM
@@ -19,6 +20,8 @@ from minisgl.models.qwen3_next import Qwen3NextForCausalLM
 from minisgl.models.smollm3 import SmolLM3ForCausalLM
 
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma4ForCausalLM": Gemma4ForCausalLM,

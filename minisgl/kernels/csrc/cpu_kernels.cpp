@@ -73,10 +73,11 @@ template <typename T>
 void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* locations,
             const int64_t* seq_lens, const int64_t* token_rows, T* out, int64_t batch,
             int64_t heads, int64_t kv_heads, int64_t pool, int64_t dim, int64_t max_len,
-            float scale, float softcap, const float* sinks) {
+            float scale, float softcap, const float* sinks, int64_t vdim, int64_t v_row,
+            int64_t v_head) {
   const int64_t group = heads / kv_heads;
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * dim), probs(group * max_len), acc(group * dim);
+    std::vector<float> qf(group * dim), probs(group * max_len), acc(group * vdim);
     std::vector<float> maxs(group), sums(group);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = balanced_token(task / kv_heads, batch), h = task % kv_heads;
@@ -114,20 +115,20 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* locat
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < len; ++t) {
-        const T* v = v_cache + (h * pool + loc[t]) * dim;
+        const T* v = v_cache + h * v_head + loc[t] * v_row;
         if (t + kPrefetch < len)
-          prefetch_row(v_cache + (h * pool + loc[t + kPrefetch]) * dim, dim);
+          prefetch_row(v_cache + h * v_head + loc[t + kPrefetch] * v_row, vdim);
         for (int64_t g = 0; g < group; ++g) {
           const float p = probs[g * max_len + t];
-          float* ag = acc.data() + g * dim;
+          float* ag = acc.data() + g * vdim;
 #pragma omp simd
-          for (int64_t d = 0; d < dim; ++d) ag[d] += p * load(v, d);
+          for (int64_t d = 0; d < vdim; ++d) ag[d] += p * load(v, d);
         }
       }
-      T* oh = out + (b * heads + h * group) * dim;
+      T* oh = out + (b * heads + h * group) * vdim;
       for (int64_t g = 0; g < group; ++g)
-        for (int64_t d = 0; d < dim; ++d)
-          store(oh, g * dim + d, acc[g * dim + d] / sums[g]);
+        for (int64_t d = 0; d < vdim; ++d)
+          store(oh, g * vdim + d, acc[g * vdim + d] / sums[g]);
     }
   });
 }
@@ -345,12 +346,15 @@ bool decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
 // + 1 as its length, so causality comes from the lengths). softcap > 0: each score s becomes
 // softcap * tanh(s / softcap) (Gemma 2's attention logit soft-capping). sinks: [heads] float32,
 // a logit per query head that joins the softmax's denominator and adds nothing to the output
-// (gpt-oss's attention sinks).
+// (gpt-oss's attention sinks). v_cache may be a view of rows of its own pitch and size
+// ([kv_heads, pool, vdim], unit stride in the last dimension): latent attention's values are
+// the first dims of its keys, read in place; the output is then [tokens, heads, vdim].
 at::Tensor decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                             at::Tensor locations, at::Tensor seq_lens, double scale,
                             c10::optional<at::Tensor> token_rows, double softcap,
                             c10::optional<at::Tensor> sinks) {
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.stride(2) == 1 &&
+              v_cache.size(1) == k_cache.size(1) && v_cache.size(0) == k_cache.size(0));
   TORCH_CHECK(locations.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong);
   TORCH_CHECK(seq_lens.numel() == q.size(0));
   const auto where = locations.contiguous(), lens = seq_lens.contiguous();
@@ -361,8 +365,8 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache
   const auto sink = sinks.has_value() ? sinks->to(at::kFloat).contiguous() : at::Tensor();
   TORCH_CHECK(!sink.defined() || sink.numel() == q.size(1), "one sink logit per query head");
   const float* sink_of = sink.defined() ? sink.data_ptr<float>() : nullptr;
-  auto out = at::empty_like(q);
-  if (softcap <= 0 &&
+  auto out = at::empty({q.size(0), q.size(1), v_cache.size(2)}, q.options());
+  if (softcap <= 0 && v_cache.is_contiguous() && v_cache.size(2) == q.size(2) &&
       decode_attention_bf16(q, k_cache, v_cache, where, lens, row_of, out, scale, sink_of))
     return out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention",
@@ -371,7 +375,8 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache
                      v_cache.data_ptr<scalar_t>(), where.data_ptr<int64_t>(),
                      lens.data_ptr<int64_t>(), row_of, out.data_ptr<scalar_t>(), q.size(0),
                      q.size(1), k_cache.size(0), k_cache.size(1), q.size(2), where.size(1),
-                     static_cast<float>(scale), static_cast<float>(softcap), sink_of);
+                     static_cast<float>(scale), static_cast<float>(softcap), sink_of,
+                     v_cache.size(2), v_cache.stride(1), v_cache.stride(0));
   });
   return out;
 }
