@@ -3,7 +3,8 @@ llama.cpp's converter lays it out (its tensor names, experts stacked per layer, 
 keys its loader reads) with the bundled SmolLM2 file's tokenizer: the GGUF route of a new
 family without a download: Qwen3-MoE (llama.cpp's `qwen3moe`), Granite 4.0-H
 (`granitehybrid`, with what llama.cpp's converter changes in a Mamba2 layer's tensors), the
-Qwen hybrids and Nemotron-H (`nemotron_h`, `nemotron_h_moe`)."""
+Qwen hybrids and Nemotron-H (`nemotron_h`, `nemotron_h_moe`), SmolLM3, gpt-oss and DeepSeek
+(`deepseek2`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import numpy as np
 import torch
 from gguf import (
     MODEL_ARCH,
+    ExpertGatingFuncType,
     GGMLQuantizationType,
     GGUFReader,
     GGUFValueType,
@@ -483,5 +485,90 @@ def write_gpt_oss_gguf(folder: Path, path: Path,
     for name, value in state.items():
         base, _, suffix = name.rpartition(".")
         add(writer, f"{names.get_name(base)}.{suffix}", np.ascontiguousarray(value), None)
+    finish(writer)
+    return path
+
+
+def write_deepseek2_gguf(folder: Path, path: Path,
+                         linears: GGMLQuantizationType | None = None) -> Path:
+    """The checkpoint saved in `folder` (transformers' DeepseekV2/V3ForCausalLM, SmolLM2's
+    vocabulary; its config.json's scoring_func as the Hub's configs carry it) as llama.cpp's
+    converter writes it (`deepseek2`): one KV head (MLA as MQA), the per-head sizes under
+    *_mla, kv_b_proj split into k_b (transposed) and v_b, each layer's experts stacked (saved
+    per expert, the Hub's names), the correction bias
+    as exp_probs_b, YaRN's mscale_all_dim as 0.1 x it; the rope rows as they are (adjacent
+    pairs). F32, or with `linears` for the linear weights and experts (k_b / v_b stay F32,
+    as the converter's own type choice keeps them small)."""
+    import json
+
+    from safetensors.numpy import load_file
+    config = json.loads((folder / "config.json").read_text())
+    layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
+    latent, rope_dim = config["kv_lora_rank"], config["qk_rope_head_dim"]
+    nope, value = config["qk_nope_head_dim"], config["v_head_dim"]
+    writer = GGUFWriter(str(path), "deepseek2")
+    writer.add_name("tiny-deepseek2")
+    writer.add_block_count(layers)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(1)
+    rope = config.get("rope_parameters") or {}
+    if rope.get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+        writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+    writer.add_rope_freq_base(rope.get("rope_theta", 10000.0))
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_expert_count(config["n_routed_experts"])
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    if config.get("n_group") is not None:
+        writer.add_expert_group_count(config["n_group"])
+        writer.add_expert_group_used_count(config["topk_group"])
+    if config.get("scoring_func") == "sigmoid":
+        writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+    elif config.get("scoring_func") == "softmax":
+        writer.add_expert_gating_func(ExpertGatingFuncType.SOFTMAX)
+    writer.add_leading_dense_block_count(config["first_k_dense_replace"])
+    writer.add_vocab_size(config["vocab_size"])
+    if config.get("q_lora_rank"):
+        writer.add_q_lora_rank(config["q_lora_rank"])
+    writer.add_kv_lora_rank(latent)
+    writer.add_key_length(latent + rope_dim)
+    writer.add_value_length(latent)
+    writer.add_key_length_mla(nope + rope_dim)
+    writer.add_value_length_mla(value)
+    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    writer.add_expert_shared_count(config["n_shared_experts"])
+    writer.add_expert_weights_scale(config["routed_scaling_factor"])
+    if config.get("norm_topk_prob"):
+        writer.add_expert_weights_norm(True)
+    writer.add_rope_dimension_count(rope_dim)
+    copy_tokenizer(writer)
+    names = get_tensor_name_map(MODEL_ARCH.DEEPSEEK2, layers)
+    state = load_file(folder / "model.safetensors")
+    for layer in range(layers):
+        prefix = f"model.layers.{layer}."
+        kv_b = state.pop(prefix + "self_attn.kv_b_proj.weight").reshape(heads, nope + value,
+                                                                        latent)
+        add(writer, f"blk.{layer}.attn_k_b.weight",
+            np.ascontiguousarray(kv_b[:, :nope].transpose(0, 2, 1)), None)
+        add(writer, f"blk.{layer}.attn_v_b.weight", np.ascontiguousarray(kv_b[:, nope:]), None)
+        if layer >= config["first_k_dense_replace"]:  # the experts, as the Hub names them
+            for part in ("gate", "up", "down"):
+                stacked = np.stack([state.pop(f"{prefix}mlp.experts.{e}.{part}_proj.weight")
+                                    for e in range(config["n_routed_experts"])])
+                add(writer, f"blk.{layer}.ffn_{part}_exps.weight", stacked, linears)
+        bias = state.pop(prefix + "mlp.gate.e_score_correction_bias", None)
+        if bias is not None:
+            add(writer, f"blk.{layer}.exp_probs_b.bias", bias, None)
+    for name, tensor in state.items():
+        base, _, suffix = name.rpartition(".")
+        kind = linears if name.endswith("proj.weight") or "proj_with_mqa" in name else None
+        add(writer, f"{names.get_name(base)}.{suffix}", np.ascontiguousarray(tensor), kind)
     finish(writer)
     return path

@@ -37,11 +37,12 @@ VARIANTS = {
 }
 
 
-def save_deepseek(path, variant: str) -> torch.nn.Module:
+def save_deepseek(path, variant: str, **overrides) -> torch.nn.Module:
     import transformers
     family, fields = VARIANTS[variant]
     torch.manual_seed(0)
-    config = getattr(transformers, f"{family}Config")(**{**TINY, **COMMON, **fields})
+    config = getattr(transformers, f"{family}Config")(**{**TINY, **COMMON, **fields,
+                                                          **overrides})
     model = getattr(transformers, f"{family}ForCausalLM")(config).eval()
     with torch.no_grad():
         for name, tensor in model.state_dict().items():
@@ -125,3 +126,64 @@ def test_the_shipped_deepseek_shapes_build_from_dummy_weights_and_decode(shape: 
         outs = llm.generate(input_ids=random_prompts((12, 30)), sampling_params=params)
         llm.check_integrity()
     assert all(len(r["output_ids"]) == 6 for r in outs)
+
+
+GGUF_VOCAB = 49152  # the bundled tokenizer's, which the file carries
+
+
+def save_for_gguf(path, variant: str, **overrides) -> torch.nn.Module:
+    """The checkpoint, its config.json with the scoring_func the Hub's configs carry (from
+    which llama.cpp's converter writes the gating function)."""
+    model = save_deepseek(path, variant, vocab_size=GGUF_VOCAB, **overrides)
+    config = json.loads((path / "config.json").read_text())
+    config["scoring_func"] = "sigmoid" if VARIANTS[variant][0] == "DeepseekV3" else "softmax"
+    (path / "config.json").write_text(json.dumps(config))
+    return model
+
+
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 0.8, "mscale_all_dim": 0.8}
+
+
+@pytest.mark.parametrize("variant, overrides", [("v3", {"rope_parameters": YARN}),
+                                                ("v2 lite", {})])
+def test_a_deepseek2_gguf_file_serves_transformers_logits(tmp_path, variant: str,
+                                                          overrides: dict) -> None:
+    """llama.cpp's `deepseek2` file (F32): the config from its metadata (V3 by its sigmoid
+    gating, YaRN's mscale from the log multiplier), kv_b_proj from k_b and v_b, the rope rows
+    from adjacent pairs to halves as they are read."""
+    from tests.gguf_families import write_deepseek2_gguf
+    model = save_for_gguf(tmp_path / "hf", variant, **overrides)
+    gguf = write_deepseek2_gguf(tmp_path / "hf", tmp_path / "tiny.gguf")
+    family = VARIANTS[variant][0]
+
+    def check(engine: Engine) -> None:
+        assert engine.arch.architecture == f"{family}ForCausalLM"
+        caches_latent_rows(engine)
+
+    assert_logits_match(model, str(gguf), STEPS["chunked prefill"], seed=8, vocab=GGUF_VOCAB,
+                        check=check)
+
+
+def test_a_deepseek2_q8_0_file_keeps_its_linears_and_experts_as_blocks(tmp_path) -> None:
+    """--quantization gguf: q's, the compressed row's and the output projections, the dense
+    MLP and the experts hold blocks (the rope rows reordered as blocks), with the logits of
+    the same file dequantized (bfloat16 both; bound BF16_REL_BOUND)."""
+    from gguf import GGMLQuantizationType
+
+    from tests.gguf_families import write_deepseek2_gguf
+    from tests.test_hybrid_gguf import assert_blocks_give_the_dequantized_logits
+    save_for_gguf(tmp_path / "hf", "v3", q_lora_rank=32, v_head_dim=16)  # inputs by 32
+    gguf = write_deepseek2_gguf(tmp_path / "hf", tmp_path / "tiny.Q8_0.gguf",
+                                GGMLQuantizationType.Q8_0)
+
+    def check(engine: Engine, blocks: bool) -> None:
+        dense, sparse = engine.model.layers[0], engine.model.layers[1]
+        attention = sparse.self_attn
+        linears = (attention.q_a_proj, attention.q_b_proj, attention.kv_a_proj_with_mqa,
+                   attention.o_proj, dense.mlp.gate_up_proj, dense.mlp.down_proj)
+        assert [isinstance(m.weight, torch.nn.Parameter) for m in linears] == [not blocks] * 6
+        assert (sparse.mlp.experts.quantized is not None) == blocks
+
+    assert_blocks_give_the_dequantized_logits(gguf, check)

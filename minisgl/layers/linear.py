@@ -155,6 +155,12 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 class ReplicatedLinear(_Linear):
     """A linear every rank holds whole (a small projection beside the sharded ones)."""
 
+    def load(self, name: str, source: Any, shard_id: Any = None) -> None:
+        copy_into(getattr(self, name).data, read_rows(source, 0, self.out_features), name)
+
+    def output_rows(self, shard_id: Any) -> tuple[int, int, int]:
+        return 0, 0, self.out_features
+
 
 class ColumnParallelLinear(_Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:

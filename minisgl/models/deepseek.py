@@ -85,19 +85,42 @@ def interleaved_to_halves(dims: int) -> torch.Tensor:
     return torch.cat((torch.arange(0, dims, 2), torch.arange(1, dims, 2)))
 
 
+def rope_rows(shape: MLAShape, compressed: bool) -> torch.Tensor:
+    """The rows of q's projection (every head: its nope rows, then its rope rows), or of the
+    compressed row's (`compressed`: the latent, then the rope rows), with the rope rows'
+    adjacent pairs reordered into halves."""
+    order = interleaved_to_halves(shape.rope)
+    if compressed:
+        return torch.cat((torch.arange(shape.kv_lora_rank), shape.kv_lora_rank + order))
+    per_head = torch.cat((torch.arange(shape.nope), shape.nope + order))
+    return (torch.arange(shape.heads)[:, None] * (shape.nope + shape.rope) + per_head).flatten()
+
+
 class HeadRows(Layer):
     """kv_b_proj's weight, kept dense for the absorbed products: this rank's heads' rows,
-    [heads / tp * (nope + value), kv_lora_rank]."""
+    [heads / tp, nope + value, kv_lora_rank] flattened. It loads whole, or as the two parts a
+    llama.cpp file keeps: `k_b` [heads, kv_lora_rank, nope] (transposed) and `v_b`
+    [heads, value, kv_lora_rank]."""
 
-    def __init__(self, heads: int, rows_per_head: int, columns: int) -> None:
+    def __init__(self, heads: int, nope: int, value: int, columns: int) -> None:
         super().__init__()
-        self.rows = divide(heads, get_tp_info().size, "attention heads") * rows_per_head
+        self.heads = divide(heads, get_tp_info().size, "attention heads")
+        self.nope, self.rows = nope, self.heads * (nope + value)
         self.weight = nn.Parameter(torch.empty(self.rows, columns), requires_grad=False)
 
     def load(self, name: str, source: Any, shard_id: Any = None) -> None:
         from minisgl.layers.shard import copy_into
-        copy_into(self.weight.data, read_rows(source, get_tp_info().rank * self.rows, self.rows),
-                  name)
+        first = get_tp_info().rank * self.heads
+        if name == "weight":
+            copy_into(self.weight.data, read_rows(source, first * (self.rows // self.heads),
+                                                  self.rows), name)
+            return
+        part = read_rows(source, first, self.heads)
+        per_head = self.weight.data.view(self.heads, -1, self.weight.shape[1])
+        if name == "k_b":
+            copy_into(per_head[:, :self.nope], part.transpose(1, 2), name)
+        else:
+            copy_into(per_head[:, self.nope:], part, name)
 
 
 class LatentAttention(Layer):
@@ -115,7 +138,7 @@ class LatentAttention(Layer):
             self.q_proj = ColumnParallelLinear(hidden, s.heads * qk)
         self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, s.latent_dim, bias)
         self.kv_a_layernorm = RMSNorm(s.kv_lora_rank, arch.rms_norm_eps)
-        self.kv_b_proj = HeadRows(s.heads, s.nope + s.value, s.kv_lora_rank)
+        self.kv_b_proj = HeadRows(s.heads, s.nope, s.value, s.kv_lora_rank)
         self.o_proj = RowParallelLinear(s.heads * s.value, hidden, bias)
         rope = arch.rope
         scale = qk ** -0.5
@@ -242,27 +265,18 @@ class DeepseekV2ForCausalLM(MoEForCausalLM):
 
     @property
     def interleaved(self) -> bool:
-        return self.arch.architecture != "DeepseekV3ForCausalLM" or self.arch.config.get(
-            "rope_interleave", True)
+        """Whether the checkpoint's rope rows hold adjacent pairs (V2's always; V3's by
+        rope_interleave; a converted GGUF file says false: reordered as it is read)."""
+        return self.arch.config.get("rope_interleave", True)
 
     def load_weight(self, name: str, source: Any) -> bool:
-        rope_rows = (".self_attn.q_proj.", ".self_attn.q_b_proj.",
-                     ".self_attn.kv_a_proj_with_mqa.")
-        if self.interleaved and any(part in name for part in rope_rows) and not self.skips(name):
-            source = self.rope_halves(name, read_all(source))
+        rope_parts = (".self_attn.q_proj.", ".self_attn.q_b_proj.",
+                      ".self_attn.kv_a_proj_with_mqa.")
+        if self.interleaved and any(part in name for part in rope_parts) and not self.skips(name):
+            rows = rope_rows(MLAShape.from_config(self.arch.config),
+                             ".kv_a_proj_with_mqa." in name)
+            source = read_all(source).index_select(0, rows)
         return super().load_weight(name, source)
-
-    def rope_halves(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """A projection's rope rows (each head's last qk_rope_head_dim of q; the last of the
-        compressed row) reordered from adjacent pairs to halves."""
-        s = MLAShape.from_config(self.arch.config)
-        order = interleaved_to_halves(s.rope)
-        if ".kv_a_proj_with_mqa." in name:
-            rows = torch.cat((torch.arange(s.kv_lora_rank), s.kv_lora_rank + order))
-        else:
-            per_head = torch.cat((torch.arange(s.nope), s.nope + order))
-            rows = (torch.arange(s.heads)[:, None] * (s.nope + s.rope) + per_head).flatten()
-        return tensor.index_select(0, rows)
 
 
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:

@@ -1,8 +1,10 @@
 """GGUF files of the families transformers' GGUF reader does not take (or, for gpt-oss, fails
-on): the hybrids, SmolLM3 and gpt-oss: llama.cpp's `granitehybrid` (Granite 4.0-H), `qwen35`
-and `qwen35moe` (Qwen3.5), `qwen3next`, `nemotron_h` / `nemotron_h_moe` (Nemotron-H, a block's
-mixer kind told by its tensors), `smollm3` (Llama's layout, every fourth layer without RoPE)
-and `gpt-oss` (its experts' gate and up apart, every other layer windowed). The config comes
+on): the hybrids, SmolLM3, gpt-oss and DeepSeek: llama.cpp's `granitehybrid` (Granite 4.0-H),
+`qwen35` and `qwen35moe` (Qwen3.5), `qwen3next`, `nemotron_h` / `nemotron_h_moe` (Nemotron-H, a
+block's mixer kind told by its tensors), `smollm3` (Llama's layout, every fourth layer without
+RoPE), `gpt-oss` (its experts' gate and up apart, every other layer windowed) and `deepseek2`
+(DeepSeek-V2 and V3: kv_b_proj as llama.cpp splits it, k_b transposed and v_b; the rope rows
+in the checkpoint's adjacent pairs, reordered into halves as read). The config comes
 from the file's metadata; every tensor is renamed to the checkpoint name our model loads, with
 what llama.cpp's converter changed undone:
   - the hybrids: A stored as -exp(A_log), the convolution's weight squeezed to [channels, K];
@@ -377,6 +379,81 @@ def _gpt_oss_tensor(kind: str, suffix: str, value: torch.Tensor, config: Config
     return [(f"{names[kind]}.{suffix}", value)] if kind in names else []
 
 
+def _deepseek2_config(meta: Metadata, shapes: Shapes) -> Config:
+    layers = int(meta["block_count"]) - int(meta.get("nextn_predict_layers", 0))
+    heads, rope_dim = int(meta["attention.head_count"]), int(meta["rope.dimension_count"])
+    latent = int(meta["attention.kv_lora_rank"])
+    # NOTE: files written since MLA's absorbed form keep the per-head sizes under *_mla
+    key = int(meta.get("attention.key_length_mla", meta["attention.key_length"]))
+    value = int(meta.get("attention.value_length_mla", meta["attention.value_length"]))
+    sigmoid = int(meta.get("expert_gating_func", 1)) == SIGMOID_GATING  # absent: softmax
+    groups = int(meta.get("expert_group_count", 1))
+    rope: Config = {"rope_type": "default", "rope_theta": float(meta.get("rope.freq_base",
+                                                                          10000.0))}
+    if meta.get("rope.scaling.type", "none") not in ("none", "yarn"):
+        raise ValueError(f"deepseek2: rope.scaling.type {meta['rope.scaling.type']!r}")
+    if meta.get("rope.scaling.type") == "yarn":
+        # NOTE: the file keeps 0.1 * mscale_all_dim; DeepSeek's checkpoints set mscale equal
+        mscale = float(meta.get("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1
+        rope.update(rope_type="yarn", factor=float(meta["rope.scaling.factor"]),
+                    original_max_position_embeddings=int(
+                        meta["rope.scaling.original_context_length"]),
+                    beta_fast=float(meta.get("rope.scaling.yarn_beta_fast", 32.0)),
+                    beta_slow=float(meta.get("rope.scaling.yarn_beta_slow", 1.0)),
+                    mscale=mscale, mscale_all_dim=mscale)
+    config: Config = {
+        "architectures": ["DeepseekV3ForCausalLM" if sigmoid else "DeepseekV2ForCausalLM"],
+        "model_type": "deepseek_v3" if sigmoid else "deepseek_v2",
+        "vocab_size": shapes["token_embd.weight"][0],
+        "hidden_size": int(meta["embedding_length"]), "num_hidden_layers": layers,
+        "intermediate_size": int(meta["feed_forward_length"]),
+        "num_attention_heads": heads, "num_key_value_heads": heads,
+        "q_lora_rank": int(meta["attention.q_lora_rank"]) if "attention.q_lora_rank" in meta
+        else None,
+        "kv_lora_rank": latent, "qk_rope_head_dim": rope_dim, "qk_nope_head_dim": key - rope_dim,
+        "v_head_dim": value, "rms_norm_eps": float(meta["attention.layer_norm_rms_epsilon"]),
+        "max_position_embeddings": int(meta["context_length"]), "rope_parameters": rope,
+        "rope_interleave": False,  # the rope rows are reordered as they are read (_mla_rows)
+        "first_k_dense_replace": int(meta.get("leading_dense_block_count", 0)),
+        "tie_word_embeddings": "output.weight" not in shapes,
+    }
+    if "expert_count" in meta:
+        config.update(
+            n_routed_experts=int(meta["expert_count"]),
+            num_experts_per_tok=int(meta["expert_used_count"]),
+            moe_intermediate_size=int(meta["expert_feed_forward_length"]),
+            n_shared_experts=int(meta.get("expert_shared_count", 0)),
+            routed_scaling_factor=float(meta.get("expert_weights_scale", 1.0)),
+            norm_topk_prob=bool(meta.get("expert_weights_norm", False)),
+            n_group=groups, topk_group=int(meta.get("expert_group_used_count", groups)),
+            scoring_func="sigmoid" if sigmoid else "softmax",
+            topk_method=("noaux_tc" if sigmoid else
+                         "group_limited_greedy" if groups > 1 else "greedy"))
+    return config
+
+
+def _mla_rows(kind: str, config: Config) -> torch.Tensor | None:
+    """q's and the compressed row's rope rows from adjacent pairs to halves (llama.cpp keeps
+    the checkpoint's pairs and rotates them so)."""
+    from minisgl.models.deepseek import MLAShape, rope_rows
+    if kind not in ("attn_q", "attn_q_b", "attn_kv_a_mqa"):
+        return None
+    return rope_rows(MLAShape.from_config(config), kind == "attn_kv_a_mqa")
+
+
+def _deepseek2_tensor(kind: str, suffix: str, value: torch.Tensor, config: Config
+                      ) -> list[tuple[str, torch.Tensor]]:
+    names = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+             "attn_q_a_norm": "self_attn.q_a_layernorm",
+             "attn_kv_a_norm": "self_attn.kv_a_layernorm", "ffn_gate_inp": "mlp.gate"}
+    if kind == "exp_probs_b":
+        return [("mlp.gate.e_score_correction_bias", value)]
+    if kind in ("attn_k_b", "attn_v_b", "attn_kv_b"):  # kept dense: the absorbed products
+        return [("self_attn.kv_b_proj." + {"attn_k_b": "k_b", "attn_v_b": "v_b",
+                                            "attn_kv_b": "weight"}[kind], value)]
+    return [(f"{names[kind]}.{suffix}", value)] if kind in names else []
+
+
 def _llama_rows(kind: str, config: Config) -> torch.Tensor | None:
     heads = {"attn_q": "num_attention_heads", "attn_k": "num_key_value_heads"}.get(kind)
     return None if heads is None else llama_rows(config[heads] * config["head_dim"],
@@ -473,9 +550,25 @@ GPT_OSS = GgufFamily(
      "expert_used_count", "expert_feed_forward_length", "vocab_size"},
     {**ATTENTION, **{f"ffn_{p}_exps": f"mlp.experts.{p}_proj" for p in ("gate", "up", "down")}},
     lambda kind, config: None, _gpt_oss_tensor)
+DEEPSEEK2 = GgufFamily(
+    _deepseek2_config,
+    COMMON_KEYS | {"attention.key_length", "attention.value_length",
+                   "attention.key_length_mla", "attention.value_length_mla",
+                   "attention.q_lora_rank", "attention.kv_lora_rank", "leading_dense_block_count",
+                   "expert_feed_forward_length", "expert_shared_count", "expert_weights_scale",
+                   "expert_weights_norm", "expert_gating_func", "expert_group_count",
+                   "expert_group_used_count", "rope.scaling.type", "rope.scaling.factor",
+                   "rope.scaling.original_context_length", "rope.scaling.yarn_log_multiplier",
+                   "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow",
+                   "nextn_predict_layers"},
+    {"attn_q": "self_attn.q_proj", "attn_q_a": "self_attn.q_a_proj",
+     "attn_q_b": "self_attn.q_b_proj", "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+     "attn_output": "self_attn.o_proj", **MLP, **EXPERTS,
+     **_shared("mlp.shared_experts", "_shexp")},
+    _mla_rows, _deepseek2_tensor)
 FAMILIES = {"granitehybrid": GRANITE, **{a: _qwen(a) for a in QWEN_ARCHITECTURES},
             **{a: NEMOTRON for a in NEMOTRON_ARCHITECTURES}, "smollm3": SMOLLM3,
-            "gpt-oss": GPT_OSS}
+            "gpt-oss": GPT_OSS, "deepseek2": DEEPSEEK2}
 
 
 def family_linears(architecture: str) -> dict[str, str]:
