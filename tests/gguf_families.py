@@ -572,3 +572,87 @@ def write_deepseek2_gguf(folder: Path, path: Path,
         add(writer, f"{names.get_name(base)}.{suffix}", np.ascontiguousarray(tensor), kind)
     finish(writer)
     return path
+
+
+def write_gemma4_gguf(folder: Path, path: Path,
+                      linears: GGMLQuantizationType | None = None) -> Path:
+    """The checkpoint saved in `folder` (transformers' Gemma4ForCausalLM, SmolLM2's
+    vocabulary) as llama.cpp's converter writes it (`gemma4`): the global layers' head size
+    under key_length and the sliding ones' under *_swa, KV heads per layer where the global
+    ones differ, the MLP widths per layer with the double-wide MLP, the layer types as a
+    sliding-window pattern, proportional RoPE as a full rotation with frequency factors
+    (rope_freqs: 1 for the pairs that turn, 1e30 for the rest), the router's scales under
+    ffn_gate_inp.scale and ffn_down_exps.scale, the norms as they are. F32, or with `linears`
+    for the linear weights and experts."""
+    import json
+
+    from safetensors.numpy import load_file
+    config = json.loads((folder / "config.json").read_text())
+    layers, types = config["num_hidden_layers"], config["layer_types"]
+    sliding = [t == "sliding_attention" for t in types]
+    full = types.index("full_attention")
+    overrides = {int(k): v for k, v in config.get("per_layer_config", {}).items()}[full]
+    head_full = overrides.get("head_dim", config["head_dim"])
+    writer = GGUFWriter(str(path), "gemma4")
+    writer.add_name("tiny-gemma4")
+    writer.add_block_count(layers)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    shared = config.get("num_kv_shared_layers") or 0
+    width = config["intermediate_size"]
+    if config.get("use_double_wide_mlp"):
+        writer.add_feed_forward_length([width if i < layers - shared else 2 * width
+                                        for i in range(layers)])
+    else:
+        writer.add_feed_forward_length(width)
+    writer.add_head_count(config["num_attention_heads"])
+    full_kv = overrides.get("num_key_value_heads")
+    writer.add_head_count_kv([config["num_key_value_heads"] if s else full_kv for s in sliding]
+                             if full_kv is not None else config["num_key_value_heads"])
+    ropes = config["rope_parameters"]
+    writer.add_rope_freq_base(ropes["full_attention"]["rope_theta"])
+    writer.add_rope_freq_base_swa(ropes["sliding_attention"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_key_length(head_full)
+    writer.add_value_length(head_full)
+    writer.add_key_length_swa(config["head_dim"])
+    writer.add_value_length_swa(config["head_dim"])
+    if config.get("final_logit_softcapping"):
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+    writer.add_sliding_window(config["sliding_window"])
+    writer.add_shared_kv_layers(shared)
+    writer.add_embedding_length_per_layer_input(config.get("hidden_size_per_layer_input") or 0)
+    writer.add_sliding_window_pattern(sliding)
+    if config.get("enable_moe_block"):
+        writer.add_expert_count(config["num_experts"])
+        writer.add_expert_used_count(config["top_k_experts"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    writer.add_rope_dimension_count(head_full)
+    writer.add_rope_dimension_count_swa(config["head_dim"])
+    copy_tokenizer(writer)
+    turning = int(head_full * ropes["full_attention"]["partial_rotary_factor"] / 2)
+    writer.add_tensor("rope_freqs.weight", np.array(
+        [1.0] * turning + [1e30] * (head_full // 2 - turning), dtype=np.float32))
+    names = get_tensor_name_map(MODEL_ARCH.GEMMA4, layers)
+    state = load_file(folder / "model.safetensors")
+    for layer in range(layers):
+        prefix = f"model.layers.{layer}."
+        for part in ("gate_up", "down"):
+            stacked = state.pop(f"{prefix}experts.{part}_proj", None)
+            if stacked is not None:
+                add(writer, f"blk.{layer}.ffn_{part}_exps.weight", stacked, linears)
+        if prefix + "router.scale" in state:
+            add(writer, f"blk.{layer}.ffn_gate_inp.scale", state.pop(prefix + "router.scale"),
+                None)
+            add(writer, f"blk.{layer}.ffn_down_exps.scale",
+                state.pop(prefix + "router.per_expert_scale"), None)
+        add(writer, f"blk.{layer}.layer_output_scale.weight", state.pop(prefix + "layer_scalar"),
+            None)
+    for name, tensor in state.items():
+        base, _, suffix = name.rpartition(".")
+        quantized = name.startswith("model.layers.") and "router" not in name and name.endswith(
+            ("proj.weight", "input_gate.weight", "per_layer_projection.weight"))
+        kind = linears if quantized else None
+        add(writer, f"{names.get_name(base)}.{suffix}", np.ascontiguousarray(tensor), kind)
+    finish(writer)
+    return path

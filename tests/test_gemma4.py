@@ -28,7 +28,8 @@ VARIANTS = {
                                         num_kv_shared_layers=3, use_double_wide_mlp=True),
     # 26B-A4B's kind: keys serve as values in the global layers, which have one KV head;
     # experts beside the MLP
-    "k = v, experts": dict(attention_k_eq_v=True, num_global_key_value_heads=1,
+    "k = v, experts": dict(hidden_size_per_layer_input=0, attention_k_eq_v=True,
+                           num_global_key_value_heads=1,
                            enable_moe_block=True, num_experts=4, top_k_experts=2,
                            moe_intermediate_size=32),
 }
@@ -37,8 +38,9 @@ POOL_SHAPES = {"per-layer inputs, shared KV": ((2, 16), (2, 32), (2, 16)),
                "k = v, experts": ((2, 16), (1, 32), (2, 16), (2, 16), (1, 32), (1, 32))}
 
 
-def save_gemma4(path, variant: str) -> torch.nn.Module:
-    model = save_tiny("Gemma4ForCausalLM", "Gemma4TextConfig", path, **BASE, **VARIANTS[variant])
+def save_gemma4(path, variant: str, **overrides) -> torch.nn.Module:
+    model = save_tiny("Gemma4ForCausalLM", "Gemma4TextConfig", path,
+                      **{**BASE, **VARIANTS[variant], **overrides})
     with torch.no_grad():  # norms, scales and layer scalars start at one: give them values
         for name, tensor in model.state_dict().items():
             if name.endswith(("norm.weight", "scale", "layer_scalar")):
@@ -143,3 +145,46 @@ def test_the_shipped_gemma4_shapes_build_from_dummy_weights_and_decode(shape: st
         outs = llm.generate(input_ids=random_prompts((12, 30)), sampling_params=params)
         llm.check_integrity()
     assert all(len(r["output_ids"]) == 6 for r in outs)
+
+
+GGUF_VOCAB = 49152  # the bundled tokenizer's, which the file carries
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_gemma4_gguf_file_serves_transformers_logits(tmp_path, variant: str) -> None:
+    """llama.cpp's `gemma4` file (F32): the layer types from its sliding-window pattern, the
+    head sizes and KV heads per kind, keys as values where the global layers have no v,
+    the double-wide MLP from the per-layer widths, proportional RoPE's share from rope_freqs,
+    the router's scales, the layer scalars."""
+    from tests.gguf_families import write_gemma4_gguf
+    model = save_gemma4(tmp_path / "hf", variant, vocab_size=GGUF_VOCAB,
+                        vocab_size_per_layer_input=GGUF_VOCAB)
+    gguf = write_gemma4_gguf(tmp_path / "hf", tmp_path / "tiny.gguf")
+    assert_logits_match(model, str(gguf), STEPS["chunked prefill"], seed=8, vocab=GGUF_VOCAB,
+                        check=pool_holds(variant))
+
+
+INT8_ACTIVATIONS_BOUND = 1e-3  # relative L2 error of logits: two int8 activation terms
+
+
+def test_a_gemma4_q8_0_file_keeps_its_linears_and_experts_as_blocks(tmp_path) -> None:
+    """--quantization gguf: attention, the MLP and the experts hold blocks, with the logits of
+    the same file dequantized, float32 both (bfloat16 alone moves this tiny model's logits by
+    ~10%: unscaled scores of normed 16-dim heads), within INT8_ACTIVATIONS_BOUND."""
+    from gguf import GGMLQuantizationType
+
+    from tests.gguf_families import write_gemma4_gguf
+    from tests.test_hybrid_gguf import assert_blocks_give_the_dequantized_logits
+    # every token takes every expert: no near-tie in the routing flips between the roundings
+    save_gemma4(tmp_path / "hf", "k = v, experts", vocab_size=GGUF_VOCAB, top_k_experts=4)
+    gguf = write_gemma4_gguf(tmp_path / "hf", tmp_path / "tiny.Q8_0.gguf",
+                             GGMLQuantizationType.Q8_0)
+
+    def check(engine: Engine, blocks: bool) -> None:
+        layer = engine.model.layers[1]
+        linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                   layer.mlp.down_proj)
+        assert [isinstance(m.weight, torch.nn.Parameter) for m in linears] == [not blocks] * 4
+        assert (layer.experts.quantized is not None) == blocks
+
+    assert_blocks_give_the_dequantized_logits(gguf, check, "float32", INT8_ACTIVATIONS_BOUND)

@@ -85,18 +85,19 @@ def test_a_qwen3_5_q8_0_file_keeps_its_tiled_projections_as_blocks(tmp_path) -> 
     assert_blocks_give_the_dequantized_logits(gguf, check)
 
 
-def assert_blocks_give_the_dequantized_logits(gguf: Path, check) -> None:
-    """The file's logits with --quantization gguf and none (bfloat16 both) within
-    BF16_REL_BOUND; `check(engine, blocks)` looks at each engine's layers."""
+def assert_blocks_give_the_dequantized_logits(gguf: Path, check, dtype: str = "bfloat16",
+                                              bound: float = BF16_REL_BOUND) -> None:
+    """The file's logits with --quantization gguf and none (`dtype` both) within `bound`
+    (relative L2); `check(engine, blocks)` looks at each engine's layers."""
     ids = random_prompts((40,))[0]
     logits = {}
     for method in ("gguf", "none"):
-        engine = Engine(EngineConfig(model_path=str(gguf), dtype="bfloat16", quantization=method,
+        engine = Engine(EngineConfig(model_path=str(gguf), dtype=dtype, quantization=method,
                                      max_total_tokens=256))
         check(engine, method == "gguf")
         logits[method] = prefill_logits(engine, ids).float()
         engine.shutdown()
-    assert relative_error(logits["gguf"], logits["none"]) < BF16_REL_BOUND
+    assert relative_error(logits["gguf"], logits["none"]) < bound
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

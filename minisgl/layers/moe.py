@@ -146,7 +146,12 @@ class Experts(Layer):
                     else read_rows(blocks, rank_start, self.shard))
 
         if self.blocks is not None:
-            if isinstance(source, list):  # a GGUF file's stacked blocks, one per expert
+            if isinstance(source, list) and part == "gate_up":  # gate's rows, then up's
+                for e, blocks in enumerate(source):
+                    self.blocks["gate"][e] = read_rows(blocks, rank_start, self.shard)
+                    self.blocks["up"][e] = read_rows(blocks, self.intermediate_size + rank_start,
+                                                     self.shard)
+            elif isinstance(source, list):  # a GGUF file's stacked blocks, one per expert
                 for e, blocks in enumerate(source):
                     self.blocks[part][e] = shard(blocks)
             elif isinstance(source, (GgufBlocks, Fp8Blocks)) and expert is not None:

@@ -48,7 +48,6 @@ from minisgl.layers import (
     VocabParallelEmbedding,
 )
 from minisgl.layers.moe import Experts
-from minisgl.layers.shard import read_all
 from minisgl.models.arch import ModelArch
 from minisgl.models.gemma import layer_ropes
 from minisgl.models.llama import LAYER_INDEX, MLP, LlamaForCausalLM
@@ -58,7 +57,8 @@ TOWER_PREFIXES = ("model.vision_tower.", "model.audio_tower.", "model.embed_visi
                   "model.embed_audio.", "vision_tower.", "audio_tower.", "embed_vision.",
                   "embed_audio.")
 TEXT_PREFIX = "model.language_model."
-EXPERT_TENSOR = re.compile(r"^(?P<experts>.*\.experts)\.(?P<part>gate_up|down)_proj$")
+# the checkpoint's stacked experts (a GGUF file's with a .weight suffix)
+EXPERT_TENSOR = re.compile(r"^(?P<experts>.*\.experts)\.(?P<part>gate_up|down)_proj(\.weight)?$")
 # a KV-sharing layer's tensors that the checkpoints carry and nothing reads
 UNREAD_SHARED = ("k_proj", "v_proj", "k_norm", "v_norm")
 
@@ -322,7 +322,7 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
             return True
         target = self.weight_target(name)
         if target is not None and isinstance(target[0], Experts):
-            target[0].load(None, target[1], read_all(source))
+            target[0].load(None, target[1], source)
             return True
         return super().load_weight(name, source)
 

@@ -39,7 +39,13 @@ Metadata = dict[str, Any]  # the family's keys, without the "<architecture>." pr
 Shapes = dict[str, tuple[int, ...]]  # tensor name -> numpy shape (rows first)
 Config = dict[str, Any]
 TABLES = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight",
-          "output_norm.weight": "model.norm.weight"}
+          "output_norm.weight": "model.norm.weight",
+          # Gemma 4's per-layer inputs
+          "per_layer_token_embd.weight": "model.embed_tokens_per_layer.weight",
+          "per_layer_model_proj.weight": "model.per_layer_model_projection.weight",
+          "per_layer_proj_norm.weight": "model.per_layer_projection_norm.weight"}
+# read into the config (Gemma 4's proportional RoPE: its rotated share), not a weight
+CONFIG_TENSORS = ("rope_freqs.weight",)
 
 
 def llama_rows(rows: int, heads: int) -> torch.Tensor:
@@ -454,6 +460,84 @@ def _deepseek2_tensor(kind: str, suffix: str, value: torch.Tensor, config: Confi
     return [(f"{names[kind]}.{suffix}", value)] if kind in names else []
 
 
+def _per_layer(value: Any, layers: int) -> list[Any]:
+    return list(value)[:layers] if isinstance(value, (list, tuple)) else [value] * layers
+
+
+def _gemma4_config(meta: Metadata, shapes: Shapes) -> Config:
+    layers = int(meta["block_count"])
+    sliding = [bool(s) for s in _per_layer(meta["attention.sliding_window_pattern"], layers)]
+    types = ["sliding_attention" if s else "full_attention" for s in sliding]
+    full = types.index("full_attention")
+    kv = [int(k) for k in _per_layer(meta["attention.head_count_kv"], layers)]
+    widths = [int(f) for f in _per_layer(meta["feed_forward_length"], layers)]
+    shared = int(meta.get("attention.shared_kv_layers", 0))
+    first_shared = layers - shared
+    double = any(w != widths[0] for w in widths)
+    if double and widths != [widths[0]] * first_shared + [2 * widths[0]] * shared:
+        raise ValueError(f"gemma4: MLP widths {sorted(set(widths))} that are not the "
+                         "double-wide pattern (twice as wide in the KV-sharing layers)")
+    head_full = int(meta["attention.key_length"])
+    head_swa = int(meta.get("attention.key_length_swa", head_full))
+    if int(meta.get("rope.dimension_count", head_full)) != head_full:
+        raise ValueError("gemma4: the global layers rotate part of each head other than by "
+                         "proportional RoPE's frequency factors")
+    # rope_freqs: a factor per rotary pair of a global head, 1 for the pairs that turn and a
+    # huge one (a frequency of ~0) for the rest: proportional RoPE's partial_rotary_factor
+    factors = meta.get("rope_freqs")
+    turning = sum(1 for f in factors if f == 1.0) if factors is not None else head_full // 2
+    k_eq_v = f"blk.{full}.attn_v.weight" not in shapes
+    config: Config = {
+        "architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text",
+        "vocab_size": shapes["token_embd.weight"][0],
+        "hidden_size": int(meta["embedding_length"]), "num_hidden_layers": layers,
+        "intermediate_size": widths[0], "use_double_wide_mlp": double,
+        "num_attention_heads": int(meta["attention.head_count"]),
+        "num_key_value_heads": kv[sliding.index(True)] if any(sliding) else kv[full],
+        "head_dim": head_swa, "global_head_dim": head_full,
+        "attention_k_eq_v": k_eq_v, "num_global_key_value_heads": kv[full] if k_eq_v else None,
+        "num_kv_shared_layers": shared, "layer_types": types,
+        "sliding_window": int(meta.get("attention.sliding_window", 0)) or None,
+        "rms_norm_eps": float(meta["attention.layer_norm_rms_epsilon"]),
+        "max_position_embeddings": int(meta["context_length"]),
+        "final_logit_softcapping": meta.get("final_logit_softcapping"),
+        "hidden_size_per_layer_input": int(meta.get("embedding_length_per_layer_input", 0)),
+        "rope_parameters": {
+            "full_attention": {"rope_type": "proportional",
+                               "partial_rotary_factor": 2 * turning / head_full,
+                               "rope_theta": float(meta.get("rope.freq_base", 1_000_000.0))},
+            "sliding_attention": {"rope_type": "default",
+                                  "rope_theta": float(meta.get("rope.freq_base_swa", 10_000.0))}},
+        "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": "output.weight" not in
+        shapes,
+    }
+    if "per_layer_token_embd.weight" in shapes:
+        config["vocab_size_per_layer_input"] = shapes["per_layer_token_embd.weight"][0]
+    if "expert_count" in meta:
+        config.update(enable_moe_block=True, num_experts=int(meta["expert_count"]),
+                      top_k_experts=int(meta["expert_used_count"]),
+                      moe_intermediate_size=int(meta["expert_feed_forward_length"]))
+    return config
+
+
+def _gemma4_tensor(kind: str, suffix: str, value: torch.Tensor, config: Config
+                   ) -> list[tuple[str, torch.Tensor]]:
+    names = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+             "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+             "pre_ffw_norm_2": "pre_feedforward_layernorm_2",
+             "post_ffw_norm_1": "post_feedforward_layernorm_1",
+             "post_ffw_norm_2": "post_feedforward_layernorm_2",
+             "post_norm": "post_per_layer_input_norm", "attn_q_norm": "self_attn.q_norm",
+             "attn_k_norm": "self_attn.k_norm", "ffn_gate_inp": "router.proj"}
+    if kind == "layer_output_scale":
+        return [("layer_scalar", value.flatten())]
+    if (kind, suffix) == ("ffn_gate_inp", "scale"):
+        return [("router.scale", value)]
+    if (kind, suffix) == ("ffn_down_exps", "scale"):
+        return [("router.per_expert_scale", value)]
+    return [(f"{names[kind]}.{suffix}", value)] if kind in names else []
+
+
 def _llama_rows(kind: str, config: Config) -> torch.Tensor | None:
     heads = {"attn_q": "num_attention_heads", "attn_k": "num_key_value_heads"}.get(kind)
     return None if heads is None else llama_rows(config[heads] * config["head_dim"],
@@ -566,9 +650,22 @@ DEEPSEEK2 = GgufFamily(
      "attn_output": "self_attn.o_proj", **MLP, **EXPERTS,
      **_shared("mlp.shared_experts", "_shexp")},
     _mla_rows, _deepseek2_tensor)
+GEMMA4 = GgufFamily(
+    _gemma4_config,
+    COMMON_KEYS | {"attention.key_length", "attention.value_length", "attention.key_length_swa",
+                   "attention.value_length_swa", "attention.sliding_window",
+                   "attention.sliding_window_pattern", "attention.shared_kv_layers",
+                   "embedding_length_per_layer_input", "final_logit_softcapping",
+                   "rope.dimension_count_swa", "rope.freq_base_swa",
+                   "expert_feed_forward_length"},
+    # NOTE: q / k rows as the checkpoint's (the converter does not permute Gemma's)
+    {**ATTENTION, **MLP, "ffn_gate_up_exps": "experts.gate_up_proj",
+     "ffn_down_exps": "experts.down_proj", "inp_gate": "per_layer_input_gate",
+     "proj": "per_layer_projection"},
+    lambda kind, config: None, _gemma4_tensor)
 FAMILIES = {"granitehybrid": GRANITE, **{a: _qwen(a) for a in QWEN_ARCHITECTURES},
             **{a: NEMOTRON for a in NEMOTRON_ARCHITECTURES}, "smollm3": SMOLLM3,
-            "gpt-oss": GPT_OSS, "deepseek2": DEEPSEEK2}
+            "gpt-oss": GPT_OSS, "deepseek2": DEEPSEEK2, "gemma4": GEMMA4}
 
 
 def family_linears(architecture: str) -> dict[str, str]:
@@ -623,7 +720,7 @@ def _hf_tensors(reader: Any, family: GgufFamily, config: Config, architecture: s
                 ) -> Iterator[tuple[str, torch.Tensor]]:
     layers = config["num_hidden_layers"]
     for tensor in reader.tensors:
-        if in_file_name(tensor, architecture) is not None:
+        if in_file_name(tensor, architecture) is not None or tensor.name in CONFIG_TENSORS:
             continue
         value = dense_value(tensor)
         if tensor.name in TABLES:
@@ -635,7 +732,7 @@ def _hf_tensors(reader: Any, family: GgufFamily, config: Config, architecture: s
         if int(layer) >= layers:
             continue  # a multi-token-prediction block
         suffix, prefix = ".".join(rest), f"model.layers.{layer}."
-        if kind in family.linears:
+        if kind in family.linears and suffix in ("weight", "bias"):
             order = family.rows(kind, config)
             yield f"{prefix}{family.linears[kind]}.{suffix}", (
                 value if order is None else value[order])
@@ -667,6 +764,8 @@ def convert_hybrid_gguf(gguf: Path, staging: Path) -> bool:
         raise ValueError(f"{gguf.name}: {architecture} metadata minisgl does not read: "
                          f"{', '.join(unknown)}")
     shapes = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
+    meta.update({t.name.removesuffix(".weight"): dense_value(t).flatten().tolist()
+                 for t in reader.tensors if t.name in CONFIG_TENSORS})
     config = family.config(meta, shapes)
     tokens = reader.fields
     for key, field in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
