@@ -64,9 +64,10 @@ class ServerArgs:
         "hermes", "How tool calls are read from a chat answer under tool_choice auto: hermes "
         "or qwen25 (<tool_call>{...}</tool_call>, Qwen2.5/3 style), llama3 (a JSON object), "
         "mistral ([TOOL_CALLS] and a JSON array of calls) or pythonic (a Python list of calls, "
-        "[f(a=1), g(b=\"x\")]) or gpt-oss (harmony's commentary channel; with the reasoning "
-        "parser gpt-oss, the default for gpt-oss models).",
-        choices=["hermes", "qwen25", "llama3", "mistral", "pythonic", "gpt-oss"])
+        "[f(a=1), g(b=\"x\")]) or gemma4 (Gemma 4's <|tool_call>call:f{a:1}<tool_call|>) or "
+        "gpt-oss (harmony's commentary channel; with the reasoning parser gpt-oss, the default "
+        "for gpt-oss models).",
+        choices=["hermes", "qwen25", "llama3", "mistral", "pythonic", "gemma4", "gpt-oss"])
     reasoning_parser: str | None = _flag(
         None, "Return a chat answer's thinking (<think>...</think>) as reasoning_content apart "
         "from content: qwen3 (Qwen3's templates, enable_thinking) or deepseek-r1 (the answer "

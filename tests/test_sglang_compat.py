@@ -124,6 +124,26 @@ def test_native_details_as_sglang(minisgl_server):
     assert ids["prompt_token_ids"] == [1, 2, 3]
 
 
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_the_stop_token_that_ends_a_request_is_trimmed_from_its_text(minisgl_server,
+                                                                      skip_special_tokens):
+    """As SGLang: the stop token (here the greedy answer's second token, made one by
+    stop_token_ids) stays in output_ids, and its text leaves the text unless no_stop_trim;
+    with skip_special_tokens false an end-of-turn token would show otherwise."""
+    first = generate(minisgl_server, {"text": PROMPT, "sampling_params": {
+        "temperature": 0, "max_new_tokens": 2}})
+    token = first["output_ids"][1]
+    params = {"temperature": 0, "max_new_tokens": 8, "stop_token_ids": [token],
+              "skip_special_tokens": skip_special_tokens}
+    trimmed = generate(minisgl_server, {"text": PROMPT, "sampling_params": params})
+    kept = generate(minisgl_server, {"text": PROMPT, "sampling_params": {
+        **params, "no_stop_trim": True}})
+    assert trimmed["output_ids"] == kept["output_ids"] == first["output_ids"]
+    assert trimmed["meta_info"]["finish_reason"] == {"type": "stop", "matched": token}
+    assert kept["text"] == first["text"] and kept["text"].startswith(trimmed["text"])
+    assert len(trimmed["text"]) < len(kept["text"])
+
+
 def test_max_new_tokens_null_fills_the_context(minisgl_server_factory):
     server = minisgl_server_factory(*SHALLOW, "--context-length", "48")
     out = generate(server, {"input_ids": list(range(10, 30)), "sampling_params": {

@@ -9,12 +9,14 @@ import functools
 import json
 import operator
 import random
+import re
 from typing import Any
 
 import jsonschema
 import openai
 import pytest
 
+from minisgl.protocol.openai_gemma4 import Gemma4CallParser
 from minisgl.protocol.openai_pythonic import PythonicCallParser
 from minisgl.protocol.openai_tool_parser import ToolCallParser
 from minisgl.protocol.openai_tools import ToolUse
@@ -407,3 +409,76 @@ def test_pythonic_random_texts_stream_as_they_parse():
         assert [(c["function"]["name"], c["function"]["arguments"]) for c in whole[1]] == calls
         expected = (whole[0] or "", calls)
         assert run(pythonic(), [text[:i] for i in range(len(text) + 1)]) == expected
+
+
+def gemma4(one_call: bool = False) -> Gemma4CallParser:
+    return Gemma4CallParser(NAMES, one_call)
+
+
+Q = '<|"|>'  # Gemma 4's string quote
+
+
+def test_gemma4():
+    """`--tool-call-parser gemma4`: `<|tool_call>call:NAME{...}<tool_call|>` blocks anywhere
+    in the text, Gemma's values (strings between its quote markers, bare keys, nested lists
+    and objects) as JSON; what does not read as a call of a known function is content."""
+    weather = f"<|tool_call>call:get_weather{{city:{Q}Rome, Italy{Q},days:3,metric:true}}<tool_call|>"
+    time = "<|tool_call>call:get_time{}<tool_call|>"
+    calls = [("get_weather", '{"city": "Rome, Italy", "days": 3, "metric": true}'),
+             ("get_time", "{}")]
+    check(gemma4, weather + time, None, calls)
+    check(lambda: gemma4(one_call=True), weather + "\n" + time, None, calls[:1])
+    check(gemma4, f"Checking. {time} Done.", "Checking. Done.", [("get_time", "{}")])
+    check(gemma4, f"<|tool_call>call:get_weather{{city:{Q}a}}<tool_call|>b{Q},at:null,"
+          f"hours:[1, -2.5e1],where:{{lat:1.5,\"the name\":{Q}x{Q}}}}}<tool_call|>", None,
+          [("get_weather", '{"city": "a}<tool_call|>b", "at": null, "hours": [1, -25.0], '
+            '"where": {"lat": 1.5, "the name": "x"}}')])
+    for text in ["<|tool_call>call:other{a:1}<tool_call|>", "<|tool_call>get_time{}<tool_call|>",
+                 f"<|tool_call>call:get_time{{zone:{Q}UT", "plain text", "<|tool_ca",
+                 "<|tool_call>call:get_time{zone:now()}<tool_call|>",
+                 "<|tool_call>call:get_time{zone:1} x<tool_call|>",
+                 "<|tool_call>call:get_time<tool_call|>"]:
+        check(gemma4, text, text, [])
+
+
+def test_gemma4_random_texts_stream_as_they_parse():
+    """Content and calls mixed at random, fed at every split: the same content and calls as
+    parsing the whole text."""
+    rng = random.Random(11)
+    for _ in range(40):
+        pieces, calls = [], []
+        for _ in range(rng.randint(1, 4)):
+            if rng.random() < 0.5:
+                pieces.append(rng.choice(["Sure.", "a <b> c", "{x:1}", "ok"]))
+            else:
+                city = rng.choice(["Rome", "New York", "a,b", "{x}:", "<|tool_call>"])
+                pieces.append(f"<|tool_call>call:get_weather{{city:{Q}{city}{Q}}}<tool_call|>")
+                calls.append(("get_weather", json.dumps({"city": city})))
+        text = " ".join(pieces)
+        whole = gemma4().parse(text)
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in whole[1]] == calls
+        expected = (whole[0] or "", calls)
+        assert run(gemma4(), [text[:i] for i in range(len(text) + 1)]) == expected
+
+
+def test_a_gemma4_server_reads_its_calls_streamed_and_whole(minisgl_server_factory):
+    """A server with --tool-call-parser gemma4: an `auto` answer (here held to one call by a
+    regex, the bundled model knowing nothing of Gemma's format) comes back as that call,
+    streamed and whole alike, with finish_reason tool_calls; the text keeps the special tokens
+    the format's markers are (skip_special_tokens off for such a request)."""
+    pytest.importorskip("xgrammar")
+    server = minisgl_server_factory("--tool-call-parser", "gemma4")
+    gemma = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=180)
+    call = f'Let me look.<|tool_call>call:get_weather{{city:{Q}Paris, France{Q},days:2}}<tool_call|>'
+    ask = dict(tools=[WEATHER, TIME], tool_choice="auto",
+               extra_body={"regex": re.escape(call)})
+    whole = chat(gemma, "Weather in Paris?", **ask)
+    message = whole.choices[0].message
+    assert message.content == "Let me look."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
+        ("get_weather", {"city": "Paris, France", "days": 2})]
+    assert whole.choices[0].finish_reason == "tool_calls"
+    content, calls, _ = reassemble(list(chat(gemma, "Weather in Paris?", stream=True, **ask)))
+    assert content == message.content
+    assert [(c["name"], c["arguments"]) for c in calls] == [
+        (c.function.name, c.function.arguments) for c in message.tool_calls]

@@ -18,7 +18,8 @@ from minisgl.protocol.openai_fields import (CHAT_FIELDS, COMPLETION_FIELDS, MAX_
 from minisgl.protocol.harmony import (harmony_grammar, harmony_messages, harmony_params,
                                       harmony_reasoning, reasoning_effort)
 from minisgl.protocol.openai_models import OpenAIModel
-from minisgl.protocol.openai_tools import ToolUse, parse_tool_use, render_tools
+from minisgl.protocol.openai_tools import (PARSER_STYLES, SPECIAL_TOKEN_STYLES, ToolUse,
+                                          parse_tool_use, render_tools)
 from minisgl.protocol.reasoning import THINK_END, Reasoning, request_reasoning
 from minisgl.runtime import ChatPrompt, Prompt
 from minisgl.scheduler import expand_samples
@@ -159,6 +160,9 @@ def parse_chat(body: dict[str, Any], model: OpenAIModel, template_takes_tools: b
         setattr(params, *grammar)
     if model.harmony:
         harmony_params(params)
+    elif tools is not None and tools.choice == "auto" and \
+            PARSER_STYLES[model.tool_call_parser] in SPECIAL_TOKEN_STYLES:
+        params.skip_special_tokens = params.spaces_between_special_tokens = False
     if thinking and params.grammar is not None:
         params.grammar_after = THINK_END  # NOTE: the reasoning is free text, the answer is not
     chat = ChatPrompt(messages, template_kwargs, prefix)

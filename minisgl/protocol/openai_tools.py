@@ -21,13 +21,18 @@ from typing import Any
 
 from minisgl.errors import InvalidRequest
 from minisgl.protocol.fields import check_bool, none_as
+from minisgl.protocol.openai_gemma4 import Gemma4CallParser
 from minisgl.protocol.openai_pythonic import PythonicCallParser
 from minisgl.protocol.openai_tool_parser import ToolCallParser
+
+AutoParser = ToolCallParser | PythonicCallParser | Gemma4CallParser
 
 # --tool-call-parser's names (SGLang's) -> the parser style that reads them; Qwen2.5's calls are
 # hermes-style <tool_call> blocks
 PARSER_STYLES = {"hermes": "hermes", "qwen25": "hermes", "llama3": "llama3",
-                 "mistral": "mistral", "pythonic": "pythonic"}
+                 "mistral": "mistral", "pythonic": "pythonic", "gemma4": "gemma4"}
+# the styles whose calls are markers of special tokens the answer's text must keep
+SPECIAL_TOKEN_STYLES = ("gemma4",)
 # parser style -> (trigger, begin with the function's JSON name, end) of a call the strict
 # tools' grammar constrains (the forms the parsers read)
 STRICT_CALL_FORMATS = {
@@ -85,9 +90,9 @@ class ToolUse:
         call_format = STRICT_CALL_FORMATS.get(PARSER_STYLES[parser])
         if call_format is None:
             raise InvalidRequest(f"strict function tools under tool_choice auto need calls "
-                                 f"written as JSON; --tool-call-parser {parser} reads Python "
-                                 "calls (set strict false, or serve with hermes, qwen25, "
-                                 "llama3 or mistral)")
+                                 f"written as JSON; --tool-call-parser {parser} reads calls "
+                                 "of another syntax (set strict false, or serve with hermes, "
+                                 "qwen25, llama3 or mistral)")
         trigger, begin, end = call_format
         tags = [{"type": "tag", "begin": begin.format(name=json.dumps(name)),
                  "content": {"type": "json_schema", "json_schema": schema}, "end": end}
@@ -107,7 +112,7 @@ class ToolUse:
                                  "JSON schema)")
         return "structural_tag", json.dumps({"type": "structural_tag", "format": form})
 
-    def parser(self, parser: str) -> ToolCallParser | PythonicCallParser:
+    def parser(self, parser: str) -> AutoParser:
         """A fresh parser for one choice: `parser` (--tool-call-parser) reads `auto` text."""
         names = set(self.names)
         if self.choice == "auto":
@@ -123,11 +128,12 @@ def parse_calls(text: str, parser: str, names: set[str]
     return auto_parser(parser, names).parse(text)
 
 
-def auto_parser(parser: str, names: set[str], one_call: bool = False
-                ) -> ToolCallParser | PythonicCallParser:
+def auto_parser(parser: str, names: set[str], one_call: bool = False) -> AutoParser:
     """The parser of `auto` answers that --tool-call-parser `parser` names."""
     if PARSER_STYLES[parser] == "pythonic":
         return PythonicCallParser(names, one_call)
+    if PARSER_STYLES[parser] == "gemma4":
+        return Gemma4CallParser(names, one_call)
     return ToolCallParser(PARSER_STYLES[parser], names, one_call=one_call)
 
 

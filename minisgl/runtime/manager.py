@@ -26,6 +26,11 @@ from minisgl.scheduler import Queued, ReqEvent, RequestSpec, Scheduler
 logger = logging.getLogger(__name__)
 
 
+def stop_token(reason: dict[str, Any] | None) -> str | bool:
+    """"stop" for a request a stop token ended (its text is trimmed), else True: it ended."""
+    return "stop" if reason is not None and isinstance(reason.get("matched"), int) else True
+
+
 @dataclass(frozen=True)
 class ChatPrompt:
     """Messages for the chat template (with its keyword arguments), then `prefix`: the start
@@ -253,6 +258,8 @@ class RequestManager:
             self._apply(events)
 
     def _apply(self, events: list[ReqEvent]) -> None:
+        """One batch of events: metrics, logprobs, text (IncrementalDetokenizer.step; the
+        third value of each update says the request ends at a stop token, `stop_token`)."""
         now = time.perf_counter()
         updates = []
         for event in events:
@@ -282,7 +289,8 @@ class RequestManager:
             updates.append((handle, event))
         if self.detokenizer is not None:
             stopped = self.detokenizer.step(
-                [(h.detok, e.token, e.finished) for h, e in updates])
+                [(h.detok, e.token, e.finished and stop_token(e.finish_reason))
+                 for h, e in updates])
             for state in stopped:
                 handle = next(h for h, _ in updates if h.detok is state)
                 reason = state.finish_reason

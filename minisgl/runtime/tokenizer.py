@@ -231,14 +231,24 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
 
     def step(self, updates: list[tuple[DecodeState, int | None, bool]]) -> list[DecodeState]:
-        """Apply one step's new token (or None) to each state; `finished` flushes held-back
-        text. Returns the states that a stop string or regex finished in this step."""
+        """Apply one step's new token (or None) to each state; `finished` (truthy) flushes
+        held-back text, and "stop" says the token is the stop token that ends the request:
+        its text is left out of the text, as SGLang trims it, unless no_stop_trim (with
+        skip_special_tokens false, an end-of-turn token would otherwise show). Returns the
+        states that a stop string or regex finished in this step."""
         pending: dict[int, DecodeState] = {}
-        for state, token, _ in updates:
+        trimmed: list[tuple[DecodeState, int]] = []
+        for state, token, finished in updates:
             if token is not None and state.finish_reason is None:
+                if finished == "stop" and not state.params.no_stop_trim:
+                    trimmed.append((state, token))
+                    continue
                 state.output_ids.append(token)
                 pending[id(state)] = state  # NOTE: once, though coalesced steps repeat it
         self._decode(list(pending.values()))
+        for state, token in trimmed:
+            state.output_ids.append(token)
+            state.surr_offset = state.read_offset = state.num_tokens
         stopped = []
         for state, _, finished in updates:
             if state.finish_reason is None and self._match_stop(state):
