@@ -422,7 +422,8 @@ def test_gemma4():
     """`--tool-call-parser gemma4`: `<|tool_call>call:NAME{...}<tool_call|>` blocks anywhere
     in the text, Gemma's values (strings between its quote markers, bare keys, nested lists
     and objects) as JSON; what does not read as a call of a known function is content."""
-    weather = f"<|tool_call>call:get_weather{{city:{Q}Rome, Italy{Q},days:3,metric:true}}<tool_call|>"
+    weather = (f"<|tool_call>call:get_weather{{city:{Q}Rome, Italy{Q},days:3,metric:true}}"
+               "<tool_call|>")
     time = "<|tool_call>call:get_time{}<tool_call|>"
     calls = [("get_weather", '{"city": "Rome, Italy", "days": 3, "metric": true}'),
              ("get_time", "{}")]
@@ -469,7 +470,8 @@ def test_a_gemma4_server_reads_its_calls_streamed_and_whole(minisgl_server_facto
     pytest.importorskip("xgrammar")
     server = minisgl_server_factory("--tool-call-parser", "gemma4")
     gemma = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=180)
-    call = f'Let me look.<|tool_call>call:get_weather{{city:{Q}Paris, France{Q},days:2}}<tool_call|>'
+    call = (f"Let me look.<|tool_call>call:get_weather{{city:{Q}Paris, France{Q},days:2}}"
+            "<tool_call|>")
     ask = dict(tools=[WEATHER, TIME], tool_choice="auto",
                extra_body={"regex": re.escape(call)})
     whole = chat(gemma, "Weather in Paris?", **ask)
