@@ -71,9 +71,10 @@ class ServerArgs:
     reasoning_parser: str | None = _flag(
         None, "Return a chat answer's thinking (<think>...</think>) as reasoning_content apart "
         "from content: qwen3 (Qwen3's templates, enable_thinking) or deepseek-r1 (the answer "
-        "always starts inside the thinking); gpt-oss: harmony's analysis channel (with the "
-        "tool-call parser gpt-oss, the default for gpt-oss models).",
-        choices=["qwen3", "deepseek-r1", "gpt-oss"])
+        "always starts inside the thinking); gemma4 (Gemma 4's <|channel>thought ... "
+        "<channel|>); gpt-oss: harmony's analysis channel (with the tool-call parser gpt-oss, "
+        "the default for gpt-oss models).",
+        choices=["qwen3", "deepseek-r1", "gemma4", "gpt-oss"])
     sampling_defaults: str = _flag(
         "model", "model: chat requests that leave temperature, top_p, top_k, min_p or "
         "repetition_penalty out take them from the model's generation_config.json; openai: "

@@ -22,7 +22,7 @@ import requests
 from minisgl.core import SamplingParams
 from minisgl.errors import InvalidRequest
 from minisgl.grammar.matcher import ReasonerMatcher
-from minisgl.protocol.reasoning import (ReasoningParser, TemplateThinking,
+from minisgl.protocol.reasoning import (ReasoningParser, TemplateThinking, markers,
                                         starts_in_reasoning)
 from tests.conftest import start_minisgl_server
 
@@ -130,6 +130,42 @@ def test_qwen3_start(template, kwargs, prefix, inside):
 def test_qwen3_start_follows_a_switch_in_the_system_message(system, inside):
     template = thinking(SYSTEM_SWITCH_TEMPLATE, system)
     assert starts_in_reasoning("qwen3", template, {}, "") is inside
+
+
+GEMMA4 = {"marks": markers("gemma4"), "in_reasoning": False}
+
+
+def test_gemma4_thought_channel_splits_alike_at_every_cut():
+    """Gemma 4 opens its thought channel itself: `<|channel>thought` and a newline, the
+    thinking, `<channel|>`; without it the answer is content."""
+    check("<|channel>thought\nI add.<channel|>4", "I add.", "4", **GEMMA4)
+    check("4, as <|channel>thought\nx<channel|>", None, "4, as <|channel>thought\nx<channel|>",
+          **GEMMA4)
+    check("<|channel>thought\nStill thinking<chan", "Still thinking<chan", "", **GEMMA4)
+    check("<|channel>though", None, "<|channel>though", **GEMMA4)
+    check("Sure.</think>", None, "Sure.</think>", **GEMMA4)
+
+
+GEMMA4_TEMPLATE = (
+    "{%- for m in messages %}{{ '<|turn>' + m['role'] + '\\n' + m['content'] + '<turn|>\\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{ '<|turn>model\\n' }}"
+    "{%- if enable_thinking is defined and not enable_thinking %}"
+    "{{ '<|channel>thought\\n<channel|>' }}"
+    "{%- elif enable_thinking is defined %}{{ '<|channel>thought\\n' }}{%- endif %}{%- endif %}")
+
+
+@pytest.mark.parametrize("kwargs, prefix, inside", [
+    ({}, "", False),  # the model opens the channel when it thinks
+    ({"enable_thinking": False}, "", False),  # an empty thought in the prompt
+    ({"enable_thinking": True}, "", True),  # a template that opens the channel
+    ({}, "<|channel>thought\nSo", True),  # a continued message inside the channel
+    ({}, "<|channel>thought\nSo.<channel|>", False),
+])
+def test_gemma4_start(kwargs, prefix, inside):
+    template = jinja2.Environment().from_string(GEMMA4_TEMPLATE)
+    probed = TemplateThinking.probe(lambda m, kw: template.render(messages=m, **kw),
+                                    marks=markers("gemma4"))
+    assert starts_in_reasoning("gemma4", probed, kwargs, prefix) is inside
 
 
 def test_deepseek_r1_always_starts_inside_unless_continued_past_it():

@@ -462,25 +462,32 @@ def test_gemma4_random_texts_stream_as_they_parse():
         assert run(gemma4(), [text[:i] for i in range(len(text) + 1)]) == expected
 
 
-def test_a_gemma4_server_reads_its_calls_streamed_and_whole(minisgl_server_factory):
-    """A server with --tool-call-parser gemma4: an `auto` answer (here held to one call by a
-    regex, the bundled model knowing nothing of Gemma's format) comes back as that call,
-    streamed and whole alike, with finish_reason tool_calls; the text keeps the special tokens
-    the format's markers are (skip_special_tokens off for such a request)."""
+def test_a_gemma4_server_reads_its_thoughts_and_calls_streamed_and_whole(
+        minisgl_server_factory):
+    """A server with --reasoning-parser gemma4 --tool-call-parser gemma4: an `auto` answer
+    (here held by a regex to a thought and one call, the bundled model knowing nothing of
+    Gemma's format) comes back as reasoning_content, content and that call, streamed and whole
+    alike, with finish_reason tool_calls; the text keeps the special tokens the markers are
+    (skip_special_tokens off for such a request)."""
     pytest.importorskip("xgrammar")
-    server = minisgl_server_factory("--tool-call-parser", "gemma4")
+    server = minisgl_server_factory("--tool-call-parser", "gemma4", "--reasoning-parser",
+                                    "gemma4")
     gemma = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=180)
-    call = (f"Let me look.<|tool_call>call:get_weather{{city:{Q}Paris, France{Q},days:2}}"
-            "<tool_call|>")
+    answer = (f"<|channel>thought\nThe tool knows.<channel|>Let me look.<|tool_call>"
+              f"call:get_weather{{city:{Q}Paris, France{Q},days:2}}<tool_call|>")
     ask = dict(tools=[WEATHER, TIME], tool_choice="auto",
-               extra_body={"regex": re.escape(call)})
+               extra_body={"regex": re.escape(answer)})
     whole = chat(gemma, "Weather in Paris?", **ask)
     message = whole.choices[0].message
+    assert message.reasoning_content == "The tool knows."
     assert message.content == "Let me look."
     assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
         ("get_weather", {"city": "Paris, France", "days": 2})]
     assert whole.choices[0].finish_reason == "tool_calls"
-    content, calls, _ = reassemble(list(chat(gemma, "Weather in Paris?", stream=True, **ask)))
+    chunks = list(chat(gemma, "Weather in Paris?", stream=True, **ask))
+    content, calls, _ = reassemble(chunks)
     assert content == message.content
+    assert "".join(getattr(c.choices[0].delta, "reasoning_content", None) or ""
+                   for c in chunks if c.choices) == message.reasoning_content
     assert [(c["name"], c["arguments"]) for c in calls] == [
         (c.function.name, c.function.arguments) for c in message.tool_calls]

@@ -13,7 +13,7 @@ from typing import Any, Callable
 from minisgl.errors import InvalidRequest
 from minisgl.flag_checks import HARMONY_PARSER
 from minisgl.models import generation_defaults
-from minisgl.protocol.reasoning import TemplateThinking
+from minisgl.protocol.reasoning import TemplateThinking, markers
 from minisgl.runtime import Runtime
 
 logger = logging.getLogger(__name__)
@@ -61,7 +61,8 @@ class OpenAIModel:
                    *([args.model_path] if args.model_path else [])}
         tokenizer = runtime.tokenizer
         thinking = (functools.lru_cache(maxsize=SYSTEM_MESSAGES_PROBED)(
-            functools.partial(TemplateThinking.probe, tokenizer.chat_prompt))
+            functools.partial(TemplateThinking.probe, tokenizer.chat_prompt,
+                              marks=markers(args.reasoning_parser)))
             if args.reasoning_parser not in (None, HARMONY_PARSER) and tokenizer is not None
             else lambda system: TemplateThinking())
         return cls(list(runtime.served_names), aliases, args.strict_model_name,

@@ -20,7 +20,8 @@ from minisgl.protocol.harmony import (harmony_grammar, harmony_messages, harmony
 from minisgl.protocol.openai_models import OpenAIModel
 from minisgl.protocol.openai_tools import (PARSER_STYLES, SPECIAL_TOKEN_STYLES, ToolUse,
                                           parse_tool_use, render_tools)
-from minisgl.protocol.reasoning import THINK_END, Reasoning, request_reasoning
+from minisgl.protocol.reasoning import (SPECIAL_TOKEN_PARSERS, Reasoning, markers,
+                                        request_reasoning)
 from minisgl.runtime import ChatPrompt, Prompt
 from minisgl.scheduler import expand_samples
 
@@ -160,11 +161,13 @@ def parse_chat(body: dict[str, Any], model: OpenAIModel, template_takes_tools: b
         setattr(params, *grammar)
     if model.harmony:
         harmony_params(params)
-    elif tools is not None and tools.choice == "auto" and \
-            PARSER_STYLES[model.tool_call_parser] in SPECIAL_TOKEN_STYLES:
+    elif (tools is not None and tools.choice == "auto"
+          and PARSER_STYLES[model.tool_call_parser] in SPECIAL_TOKEN_STYLES) or (
+            reasoning is not None and reasoning.parser in SPECIAL_TOKEN_PARSERS):
         params.skip_special_tokens = params.spaces_between_special_tokens = False
     if thinking and params.grammar is not None:
-        params.grammar_after = THINK_END  # NOTE: the reasoning is free text, the answer is not
+        # NOTE: the reasoning is free text, the answer is not
+        params.grammar_after = markers(model.reasoning_parser)[1]
     chat = ChatPrompt(messages, template_kwargs, prefix)
     prompt = Prompt([], params, logprob_num=(top or 0) if logprobs else -1,
                     priority=check_priority(body.get("priority")), chat=chat, lora=adapter)

@@ -1,6 +1,7 @@
-"""Reasoning output (`--reasoning-parser`, SGLang's names `qwen3` and `deepseek-r1`): a chat
-answer's thinking, written between `<think>` and `</think>`, is returned as
-`reasoning_content` apart from `content`.
+"""Reasoning output (`--reasoning-parser`, SGLang's names `qwen3`, `deepseek-r1` and
+`gemma4`): a chat answer's thinking, written between `<think>` and `</think>` (Gemma 4's:
+`<|channel>thought` and a newline, then `<channel|>`, special tokens its requests keep in the
+text), is returned as `reasoning_content` apart from `content`.
 
 Where the answer starts (SGLang's rules, parser/reasoning_parser.py and
 entrypoints/openai/serving_chat.py):
@@ -10,6 +11,8 @@ entrypoints/openai/serving_chat.py):
   `enable_thinking: false`, SmolLM3's `/no_think`); otherwise inside unless
   `chat_template_kwargs.enable_thinking` is false (a template without a thinking switch), or
   the template has a switch that is off by default and the request does not turn it on.
+- gemma4: as qwen3 where the generation prompt says; otherwise outside (the model opens its
+  thought channel itself, which the leading-marker rule below reads).
 - A continued final assistant message (continue_final_message) moves it: its last marker
   wins, `<think>` opens the reasoning, `</think>` closes it.
 Inside, the reasoning runs to the first `</think>` (for qwen3 also to a `<tool_call>`, which
@@ -29,7 +32,17 @@ from minisgl.protocol.fields import check_bool, none_as
 
 THINK_START, THINK_END = "<think>", "</think>"
 # --reasoning-parser -> a text that also ends the reasoning (it stays in the content)
-REASONING_PARSERS: dict[str, str | None] = {"qwen3": "<tool_call>", "deepseek-r1": None}
+REASONING_PARSERS: dict[str, str | None] = {"qwen3": "<tool_call>", "deepseek-r1": None,
+                                            "gemma4": None}
+# --reasoning-parser -> its thinking's (start, end) markers where they are not <think>'s
+MARKERS = {"gemma4": ("<|channel>thought\n", "<channel|>")}
+# the parsers whose markers are special tokens: their requests' text keeps them
+SPECIAL_TOKEN_PARSERS = ("gemma4",)
+
+
+def markers(parser: str | None) -> tuple[str, str]:
+    """The (start, end) markers of `parser`'s thinking."""
+    return MARKERS.get(parser or "", (THINK_START, THINK_END))
 THINKING_SWITCH = "enable_thinking"  # the chat template variable Qwen3's templates read
 
 
@@ -58,8 +71,10 @@ class ReasoningParser:
     back until it is known)."""
 
     def __init__(self, in_reasoning: bool, interrupt: str | None = None,
-                 stream_reasoning: bool = True) -> None:
+                 stream_reasoning: bool = True,
+                 marks: tuple[str, str] = (THINK_START, THINK_END)) -> None:
         self.forced, self.interrupt = in_reasoning, interrupt
+        self.start, self.end = marks
         self.stream_reasoning = stream_reasoning
         self.text, self.pos = "", 0
         self.phase = "lead"  # lead (a leading <think> may still come), reasoning, content
@@ -90,15 +105,15 @@ class ReasoningParser:
     def _advance(self, out: ReasoningDelta, final: bool) -> None:
         text = self.text
         if self.phase == "lead":
-            while text.startswith(THINK_START, self.pos):
-                self.pos += len(THINK_START)
+            while text.startswith(self.start, self.pos):
+                self.pos += len(self.start)
                 self.opened = True
             rest = text[self.pos:]
-            if not final and (not rest or THINK_START.startswith(rest)):
+            if not final and (not rest or self.start.startswith(rest)):
                 return  # NOTE: may still become a leading <think>
             self.phase = "reasoning" if self.forced or self.opened else "content"
         if self.phase == "reasoning":
-            ends = [m for m in (THINK_END, self.interrupt) if m]
+            ends = [m for m in (self.end, self.interrupt) if m]
             found = [(text.find(m, self.pos), m) for m in ends if text.find(m, self.pos) >= 0]
             if not found:
                 upto = len(text) if final else len(text) - held_prefix(text, self.pos, ends)
@@ -109,7 +124,7 @@ class ReasoningParser:
             self._reason(out, text[self.pos:at])
             out.reasoning += self.held
             self.held = ""
-            self.pos = at + len(marker) if marker == THINK_END else at
+            self.pos = at + len(marker) if marker == self.end else at
             self.phase = "content"
         out.content += text[self.pos:]
         self.content += text[self.pos:]
@@ -125,9 +140,10 @@ class ReasoningParser:
 
 # ---- where a request's answer starts ---------------------------------------------------------
 
-def _think_state(text: str) -> str:
-    """"open" if `text` leaves a <think> open, "closed" if its last marker is </think>, ""."""
-    start, end = text.rfind(THINK_START), text.rfind(THINK_END)
+def _think_state(text: str, marks: tuple[str, str] = (THINK_START, THINK_END)) -> str:
+    """"open" if `text` leaves a <think> (marks' start) open, "closed" if its last marker is
+    </think> (marks' end), ""."""
+    start, end = text.rfind(marks[0]), text.rfind(marks[1])
     if start > end:
         return "open"
     return "closed" if end >= 0 else ""
@@ -145,7 +161,8 @@ class TemplateThinking:
 
     @classmethod
     def probe(cls, chat_prompt: Callable[[list[dict[str, Any]], dict[str, Any]], str],
-              system: str | None = None) -> TemplateThinking:
+              system: str | None = None, marks: tuple[str, str] = (THINK_START, THINK_END)
+              ) -> TemplateThinking:
         """Render one user turn (after the system message `system`, where a template may
         read a switch: SmolLM3's `/think` and `/no_think`) with and without the generation
         prompt, for each value of the switch; a template that cannot render it tells
@@ -164,7 +181,8 @@ class TemplateThinking:
         except Exception:
             return cls()
         default, on, off = prompts
-        return cls(_think_state(default), _think_state(on), _think_state(off),
+        return cls(_think_state(default, marks), _think_state(on, marks),
+                   _think_state(off, marks),
                    switch_off_by_default=on != off and default == off)
 
 
@@ -177,26 +195,30 @@ class Reasoning:
     stream: bool = True  # stream_reasoning
 
     def new_parser(self) -> ReasoningParser:
-        return ReasoningParser(self.in_reasoning, REASONING_PARSERS[self.parser], self.stream)
+        return ReasoningParser(self.in_reasoning, REASONING_PARSERS[self.parser], self.stream,
+                               markers(self.parser))
 
 
 def starts_in_reasoning(parser: str, template: TemplateThinking,
                         template_kwargs: dict[str, Any], prefix: str) -> bool:
     """Whether the answer (after `prefix`, a continued assistant message) starts inside the
     reasoning; see the module's docstring."""
-    inside = True
-    if parser == "qwen3":
+    inside, marks = parser != "gemma4", markers(parser)
+    if parser in ("qwen3", "gemma4"):
         switch = template_kwargs.get(THINKING_SWITCH)
         state = ("" if template_kwargs.get("add_generation_prompt") is False
                  else template.default if THINKING_SWITCH not in template_kwargs
                  else template.on if switch else template.off)
         if state:
             inside = state == "open"
+        elif parser == "gemma4":
+            inside = False
         elif THINKING_SWITCH not in template_kwargs:
             inside = not template.switch_off_by_default
         else:
             inside = switch is not False
-    return _think_state(prefix) == "open" if _think_state(prefix) else inside
+    continued = _think_state(prefix, marks)
+    return continued == "open" if continued else inside
 
 
 def request_reasoning(body: dict[str, Any], parser: str | None, template: TemplateThinking,
