@@ -53,7 +53,7 @@ from minisgl.layers.rotary import yarn_mscale
 from minisgl.layers.shard import read_all, read_rows
 from minisgl.models.arch import ModelArch
 from minisgl.models.dummy_weights import mlp_shapes
-from minisgl.models.llama import MLP
+from minisgl.models.llama import MLP, DecoderLayer
 from minisgl.models.moe import MoEForCausalLM
 
 V2_ROUTINGS = ("greedy", "group_limited_greedy")
@@ -231,32 +231,18 @@ class DeepseekMoE(Layer):
         return self.shared_experts(x) + all_reduce(out)
 
 
-class DeepseekDecoderLayer(Layer):
-    def __init__(self, arch: ModelArch, layer_id: int, rotary: RotaryEmbedding) -> None:
-        super().__init__()
-        self.self_attn = LatentAttention(arch, layer_id, rotary)
-        dense = layer_id < (arch.config.get("first_k_dense_replace") or 0)
-        self.mlp = MLP(arch) if dense or not arch.config.get("n_routed_experts") \
-            else DeepseekMoE(arch)
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                batch: Batch, backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
-        x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, positions, batch, backend)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
-
-
 class DeepseekV2ForCausalLM(MoEForCausalLM):
     STACKED = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def decoder_layers(self, arch: ModelArch) -> nn.ModuleList:
         s = MLAShape.from_config(arch.config)
         rotary = RotaryEmbedding(s.rope, arch.rope_positions, arch.rope)
-        return nn.ModuleList(DeepseekDecoderLayer(arch, i, rotary)
-                             for i in range(arch.num_layers))
+        dense = arch.config.get("first_k_dense_replace") or 0
+        return nn.ModuleList(
+            DecoderLayer(arch, i, rotary, attention=LatentAttention(arch, i, rotary),
+                         mlp=MLP(arch) if i < dense or not arch.config.get("n_routed_experts")
+                         else DeepseekMoE(arch))
+            for i in range(arch.num_layers))
 
     def kv_layout(self) -> KVLayout:
         """One compressed row per token and layer, whole on every rank."""

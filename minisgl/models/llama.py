@@ -85,10 +85,12 @@ class MLP(Layer):
 
 
 class DecoderLayer(Layer):
+    """`mlp` and `attention` stand in for the Llama MLP and attention where given."""
+
     def __init__(self, arch: ModelArch, layer_id: int, rotary: RotaryEmbedding,
-                 mlp: Layer | None = None) -> None:
+                 mlp: Layer | None = None, attention: Layer | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(arch, layer_id, rotary)
+        self.self_attn = attention if attention is not None else Attention(arch, layer_id, rotary)
         self.mlp = mlp if mlp is not None else MLP(arch)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)

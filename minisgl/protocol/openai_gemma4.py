@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from typing import Any
 
-from minisgl.protocol.openai_tool_parser import ContentStream, ToolDelta
+from minisgl.protocol.openai_tool_parser import ToolDelta, WholeCallParser
 from minisgl.protocol.openai_tool_scan import WS
 
 CALL_OPEN, CALL_CLOSE, QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
@@ -146,75 +145,19 @@ def block_end(text: str, start: int) -> int | None:
         pos = end + len(QUOTE)
 
 
-class Gemma4CallParser(ContentStream):
-    def __init__(self, names: set[str], one_call: bool = False) -> None:
-        self.names, self.one_call = names, one_call
-        self.text = ""
-        self.pos = self.sent = 0  # scanned up to / content sent up to
-        self.candidate: int | None = None  # where an open block begins
-        self.strip_lead = False  # drop the whitespace that follows a call
-        self.gap = ""  # the whitespace before the last call
-        self.pending: list[tuple[int, str]] = []  # arguments to send with the next feed
-        self.content = ""
-        self.calls: list[dict[str, Any]] = []
-
-    def feed(self, text: str) -> ToolDelta:
-        self.text, out = text, ToolDelta()
-        self._flush(out)
-        while self._step(out, final=False):
-            pass
-        return out
-
-    def finish(self) -> ToolDelta:
-        out = ToolDelta()
-        self._flush(out)
-        while self._step(out, final=True):
-            pass
-        self._flush(out)
-        self._content(out, len(self.text))
-        return out
-
-    def finish_reason(self, reason: str | None) -> str | None:
-        return "tool_calls" if self.calls and reason == "stop" else reason
-
+class Gemma4CallParser(WholeCallParser):
     def _step(self, out: ToolDelta, final: bool) -> bool:
         """One move; False when it waits for more text (or, final, is done)."""
         text = self.text
-        if self.candidate is None:
-            found = text.find(CALL_OPEN, self.pos)
-            if found < 0:
-                safe = len(text) if final else self._safe_end(CALL_OPEN, self.pos)
-                self._content(out, safe)
-                self.pos = max(self.pos, safe)
-                return False
-            self.candidate = end = found
-            while end > self.sent and text[end - 1] in WS:
-                end -= 1
-            self._content(out, end)
-            self.gap = text[end:found]
+        if self.candidate is None and not self._open(out, text.find(CALL_OPEN, self.pos),
+                                                     CALL_OPEN, final):
+            return False
         body = self.candidate + len(CALL_OPEN)
         close = block_end(text, body)
-        if close is None:
-            if final:  # a block that never closed: content
-                self.pos, self.candidate = self.candidate + 1, None
-                return True
+        if close is None and not final:
             return False
-        call = read_call(text[body:close], self.names)
-        if call is None:
-            self.pos, self.candidate = self.candidate + 1, None
+        call = None if close is None else read_call(text[body:close], self.names)
+        if call is None:  # not a call, or a block that never closed: content
+            self._not_calls()
             return True
-        if not (self.one_call and self.calls):
-            index = len(self.calls)
-            call_id = f"call_{uuid.uuid4().hex[:24]}"
-            self.calls.append({"id": call_id, "type": "function",
-                               "function": {"name": call[0], "arguments": call[1]}})
-            out.header(index, call_id, call[0])
-            self.pending.append((index, call[1]))
-        self.pos = self.sent = close + len(CALL_CLOSE)
-        self.candidate, self.strip_lead = None, True
-        return final  # a call's header goes out alone: its arguments with the next feed
-
-    def _flush(self, out: ToolDelta) -> None:
-        for index, arguments in self.pending:
-            out.arguments(index, arguments)
-        self.pending.clear()
+        return self._emit(out, [call], close + len(CALL_CLOSE), final)

@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import ast
 import json
-import uuid
-from typing import Any
 
-from minisgl.protocol.openai_tool_parser import ContentStream, ToolDelta
+from minisgl.protocol.openai_tool_parser import ToolDelta, WholeCallParser
 from minisgl.protocol.openai_tool_scan import WS
 
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
@@ -74,54 +72,15 @@ def read_calls(source: str, names: set[str]) -> list[tuple[str, str]] | None:
     return calls
 
 
-class PythonicCallParser(ContentStream):
-    def __init__(self, names: set[str], one_call: bool = False) -> None:
-        self.names, self.one_call = names, one_call
-        self.text = ""
-        self.pos = self.sent = 0  # scanned up to / content sent up to
-        self.candidate: int | None = None  # where an open list (or its start tag) begins
-        self.strip_lead = False  # drop the whitespace that follows a call list
-        self.gap = ""  # the whitespace before the last call list
-        self.pending: list[tuple[int, str]] = []  # arguments to send with the next feed
-        self.content = ""
-        self.calls: list[dict[str, Any]] = []
-
-    def feed(self, text: str) -> ToolDelta:
-        self.text, out = text, ToolDelta()
-        self._flush(out)
-        while self._step(out, final=False):
-            pass
-        return out
-
-    def finish(self) -> ToolDelta:
-        out = ToolDelta()
-        self._flush(out)
-        while self._step(out, final=True):
-            pass
-        self._flush(out)
-        self._content(out, len(self.text))
-        return out
-
-    def finish_reason(self, reason: str | None) -> str | None:
-        return "tool_calls" if self.calls and reason == "stop" else reason
-
+class PythonicCallParser(WholeCallParser):
     def _step(self, out: ToolDelta, final: bool) -> bool:
         """One move; False when it waits for more text (or, final, is done)."""
         text = self.text
         if self.candidate is None:
             found = [i for i in (text.find("[", self.pos), text.find(PYTHON_START, self.pos))
                      if i >= 0]
-            if not found:
-                safe = len(text) if final else self._safe_end(PYTHON_START, self.pos)
-                self._content(out, safe)
-                self.pos = max(self.pos, safe)
+            if not self._open(out, min(found, default=-1), PYTHON_START, final):
                 return False
-            self.candidate = min(found)
-            end = self.candidate
-            while end > self.sent and text[end - 1] in WS:
-                end -= 1
-            self._content(out, end)
-            self.gap = text[end:self.candidate]
         start = self.candidate
         opening = start + len(PYTHON_START) if text.startswith(PYTHON_START, start) else start
         while opening < len(text) and text[opening] in WS:
@@ -143,30 +102,10 @@ class PythonicCallParser(ContentStream):
                 return False  # its end tag may still be coming
             if text.startswith(PYTHON_END, after):
                 end = after + len(PYTHON_END)
-        if self.one_call:  # parallel_tool_calls false: only the first call counts
-            calls = [] if self.calls else calls[:1]
-        for name, arguments in calls:
-            index = len(self.calls)
-            call_id = f"call_{uuid.uuid4().hex[:24]}"
-            self.calls.append({"id": call_id, "type": "function",
-                               "function": {"name": name, "arguments": arguments}})
-            out.header(index, call_id, name)
-            self.pending.append((index, arguments))
-        self.pos = self.sent = end
-        self.candidate, self.strip_lead = None, True
-        return final  # a call's header goes out alone: its arguments with the next feed
+        return self._emit(out, calls, end, final)
 
     def _undecided(self, final: bool) -> bool:
         if final:  # a list that never closed: content
             self._not_calls()
             return True
         return False
-
-    def _not_calls(self) -> None:
-        """The candidate's first character is content; scanning goes on past it."""
-        self.pos, self.candidate = self.candidate + 1, None
-
-    def _flush(self, out: ToolDelta) -> None:
-        for index, arguments in self.pending:
-            out.arguments(index, arguments)
-        self.pending.clear()

@@ -136,6 +136,89 @@ class ContentStream:
         return safe
 
 
+class WholeCallParser(ContentStream):
+    """Calls that go out whole once their text closes (a pythonic list, a Gemma 4 block):
+    each call's header alone, its arguments with the next feed (or the finish). A subclass
+    moves through the text with `_step`, which `_emit`s the calls of a closed candidate."""
+
+    def __init__(self, names: set[str], one_call: bool = False) -> None:
+        self.names, self.one_call = names, one_call
+        self.text = ""
+        self.pos = self.sent = 0  # scanned up to / content sent up to
+        self.candidate: int | None = None  # where an open candidate begins
+        self.strip_lead = False  # drop the whitespace that follows a call
+        self.gap = ""  # the whitespace before the last call
+        self.pending: list[tuple[int, str]] = []  # arguments to send with the next feed
+        self.content = ""
+        self.calls: list[dict[str, Any]] = []
+
+    def feed(self, text: str) -> ToolDelta:
+        self.text, out = text, ToolDelta()
+        self._flush(out)
+        while self._step(out, final=False):
+            pass
+        return out
+
+    def finish(self) -> ToolDelta:
+        out = ToolDelta()
+        self._flush(out)
+        while self._step(out, final=True):
+            pass
+        self._flush(out)
+        self._content(out, len(self.text))
+        return out
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        return "tool_calls" if self.calls and reason == "stop" else reason
+
+    def _step(self, out: ToolDelta, final: bool) -> bool:
+        """One move; False when it waits for more text (or, final, is done)."""
+        raise NotImplementedError
+
+    def _open(self, out: ToolDelta, found: int, tag: str, final: bool) -> bool:
+        """With no candidate open: with none `found` (-1), send the content that cannot begin
+        `tag` (all of it when final) and answer False; else open the one at `found` (the
+        content before it goes out, the whitespace just before it kept as the gap)."""
+        text = self.text
+        if found < 0:
+            safe = len(text) if final else self._safe_end(tag, self.pos)
+            self._content(out, safe)
+            self.pos = max(self.pos, safe)
+            return False
+        self.candidate = end = found
+        while end > self.sent and text[end - 1] in WS:
+            end -= 1
+        self._content(out, end)
+        self.gap = text[end:found]
+        return True
+
+    def _emit(self, out: ToolDelta, calls: list[tuple[str, str]], end: int, final: bool
+              ) -> bool:
+        """The calls (name, JSON arguments) of the candidate that ends at `end` (one_call:
+        the first of the answer alone); `_step`'s answer after them."""
+        if self.one_call:
+            calls = [] if self.calls else calls[:1]
+        for name, arguments in calls:
+            index = len(self.calls)
+            call_id = f"call_{uuid.uuid4().hex[:24]}"
+            self.calls.append({"id": call_id, "type": "function",
+                               "function": {"name": name, "arguments": arguments}})
+            out.header(index, call_id, name)
+            self.pending.append((index, arguments))
+        self.pos = self.sent = end
+        self.candidate, self.strip_lead = None, True
+        return final  # a call's header goes out alone: its arguments with the next feed
+
+    def _not_calls(self) -> None:
+        """The candidate's first character is content; scanning goes on past it."""
+        self.pos, self.candidate = self.candidate + 1, None
+
+    def _flush(self, out: ToolDelta) -> None:
+        for index, arguments in self.pending:
+            out.arguments(index, arguments)
+        self.pending.clear()
+
+
 class ToolCallParser(ContentStream):
     """The calls in one choice's text (see the module's docstring)."""
 
