@@ -39,6 +39,16 @@ VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_towe
 TEXT_PREFIXES = ("language_model.", "model.language_model.")
 
 
+def text_model_name(name: str) -> str:
+    """A multimodal checkpoint's text tensor (`language_model.*`) under the text model's
+    name (`model.*`, `lm_head.*`); any other name as it is."""
+    for prefix in TEXT_PREFIXES:
+        if name.startswith(prefix):
+            name = name.removeprefix(prefix)
+            return name if name.startswith(("model.", "lm_head.")) else f"model.{name}"
+    return name
+
+
 def layer_ropes(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The RoPE of each layer type ("full_attention", "sliding_attention"), from either
     spelling of the config."""
@@ -93,11 +103,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def load_weight(self, name: str, source: Any) -> bool:
         if name.startswith(VISION_PREFIXES):
             return True  # a multimodal checkpoint, served text-only (models.weights.TEXT_MODELS)
-        for prefix in TEXT_PREFIXES:
-            if name.startswith(prefix):
-                name = name.removeprefix(prefix)
-                name = name if name.startswith(("model.", "lm_head.")) else f"model.{name}"
-                break
+        name = text_model_name(name)
         if name.endswith("norm.weight") and not self.skips(name):
             source = read_all(source).float() + 1.0  # (1 + w), see the module's docstring
         return super().load_weight(name, source)

@@ -49,14 +49,13 @@ from minisgl.layers import (
 )
 from minisgl.layers.moe import Experts
 from minisgl.models.arch import ModelArch
-from minisgl.models.gemma import layer_ropes
+from minisgl.models.gemma import layer_ropes, text_model_name
 from minisgl.models.llama import LAYER_INDEX, MLP, LlamaForCausalLM
 
-# a multimodal checkpoint's towers, and its text model's prefix
+# a multimodal checkpoint's towers
 TOWER_PREFIXES = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.",
                   "model.embed_audio.", "vision_tower.", "audio_tower.", "embed_vision.",
                   "embed_audio.")
-TEXT_PREFIX = "model.language_model."
 # the checkpoint's stacked experts (a GGUF file's with a .weight suffix)
 EXPERT_TENSOR = re.compile(r"^(?P<experts>.*\.experts)\.(?P<part>gate_up|down)_proj(\.weight)?$")
 # a KV-sharing layer's tensors that the checkpoints carry and nothing reads
@@ -287,11 +286,6 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
         x = self.norm.forward_plain(h)
         return x if rows is None else x.index_select(0, rows)
 
-    def text_name(self, name: str) -> str:
-        """A multimodal checkpoint's text tensor under the text model's name."""
-        return "model." + name.removeprefix(TEXT_PREFIX) if name.startswith(TEXT_PREFIX) \
-            else name
-
     def skips(self, name: str) -> bool:
         layer = LAYER_INDEX.search(name)
         if (layer is not None and int(layer[1]) < self.arch.num_layers
@@ -301,7 +295,7 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
         return name.startswith(TOWER_PREFIXES) or super().skips(name)
 
     def weight_target(self, name: str) -> tuple[nn.Module, str, Any] | None:
-        name = self.text_name(name)
+        name = text_model_name(name)
         experts = EXPERT_TENSOR.match(name)
         if experts is not None:
             try:
@@ -317,7 +311,7 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
         return super().weight_target(name)
 
     def load_weight(self, name: str, source: Any) -> bool:
-        name = self.text_name(name)
+        name = text_model_name(name)
         if self.skips(name):
             return True
         target = self.weight_target(name)
