@@ -50,7 +50,7 @@ from minisgl.layers import (
 from minisgl.layers.linear import divide
 from minisgl.layers.moe import Experts
 from minisgl.layers.rotary import yarn_mscale
-from minisgl.layers.shard import read_all, read_rows
+from minisgl.layers.shard import copy_into, read_all, read_rows
 from minisgl.models.arch import ModelArch
 from minisgl.models.dummy_weights import mlp_shapes
 from minisgl.models.llama import MLP, DecoderLayer
@@ -109,7 +109,6 @@ class HeadRows(Layer):
         self.weight = nn.Parameter(torch.empty(self.rows, columns), requires_grad=False)
 
     def load(self, name: str, source: Any, shard_id: Any = None) -> None:
-        from minisgl.layers.shard import copy_into
         first = get_tp_info().rank * self.heads
         if name == "weight":
             copy_into(self.weight.data, read_rows(source, first * (self.rows // self.heads),
