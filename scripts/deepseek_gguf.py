@@ -13,21 +13,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 import transformers
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from minisgl.models.weights import bundled_gguf  # noqa: E402
-
-LLAMA_CPP = Path.home() / ".cache" / "minisgl" / "llama.cpp"
+from llama_cpp_files import ROOT, write_with_llama_cpp  # noqa: E402
 
 
 def main() -> None:
@@ -45,22 +39,9 @@ def main() -> None:
                  eos_token_id=2, q_lora_rank=1536, rope_parameters=rope)
     torch.manual_seed(0)
     model = transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(**shape))
-    with tempfile.TemporaryDirectory() as folder:
-        hf = Path(folder) / "hf"
-        model.to(torch.bfloat16).save_pretrained(hf)
-        config = json.loads((hf / "config.json").read_text())
-        config["scoring_func"] = "softmax"  # as the Hub's config says; the converter reads it
-        (hf / "config.json").write_text(json.dumps(config))
-        gguf = bundled_gguf()
-        transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name
-                                                   ).save_pretrained(hf)
-        dense = Path(folder) / "bf16.gguf"
-        src = LLAMA_CPP / "src"
-        subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(hf), "--outfile",
-                        str(dense), "--outtype", "bf16"], check=True,
-                       env={**os.environ, "PYTHONPATH": str(src / "gguf-py")})
-        subprocess.run([str(LLAMA_CPP / "build/bin/llama-quantize"), str(dense), str(args.out),
-                        args.type], check=True)
+    write_with_llama_cpp(model, args.out, args.type,
+                         # as the Hub's config says; the converter reads it
+                         edit_config=lambda config: config.update(scoring_func="softmax"))
 
 
 if __name__ == "__main__":
