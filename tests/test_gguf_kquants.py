@@ -16,7 +16,8 @@ from gguf import GGMLQuantizationType as Kind
 from gguf import quants
 
 from minisgl import LLM
-from minisgl.layers.gguf_weight import GgufWeight, StackedWeight, block_kernels
+from minisgl.layers.gguf_weight import (GgufWeight, GroupedGgufWeights, StackedWeight,
+                                        block_kernels)
 from minisgl.models.gguf_decode import BLOCK_BYTES, read_gguf_blocks
 from tests import reference as ref
 from tests.gguf_requant import encode, requant_gguf
@@ -103,7 +104,7 @@ def test_kernel_against_float64(kind: str):
 
 @pytest.mark.parametrize("kind", sorted(BLOCK_BYTES))
 def test_a_rows_product_does_not_depend_on_its_batch(kind: str):
-    """The kernel tiles a batch by its size (1-4 rows; with one int8 term, from 16 rows, spans
+    """The kernel tiles a batch by its size (1-4 rows; with one int8 term, from 5 rows, spans
     decoded once and tiles of 8 rows; past 256 KB of activations, blocks of rows), but a row's
     result stays the same to the bit: a verify step's rows and a batch's rows decode as the
     row would alone."""
@@ -125,6 +126,43 @@ def test_a_rows_product_does_not_depend_on_its_batch(kind: str):
             assert torch.equal(batch, in_twenties), (terms, dtype)
             in_fives = torch.cat([product(x[i:i + 5]) for i in range(0, 100, 5)])
             assert torch.equal(batch[:100], in_fives), (terms, dtype)
+
+
+@pytest.mark.parametrize("kind", sorted(BLOCK_BYTES))
+def test_experts_in_one_call_equal_one_call_per_expert(kind: str):
+    """A mixture's rows grouped by expert, every group in one kernel call (GroupedGgufWeights):
+    each group's rows equal to the bit to their expert's own call, for groups of none, one, a
+    tile's worth, past the decoded spans' threshold and past a block of rows."""
+    out, in_features = 40, 768
+    weights = [GgufWeight(read_gguf_blocks(kind, random_blocks(kind, out, in_features, seed=e),
+                                           out, in_features)) for e in range(6)]
+    counts = [3, 0, 1, 17, 400, 8]
+    x = torch.randn(sum(counts), in_features, generator=torch.Generator().manual_seed(4))
+    grouped = GroupedGgufWeights.of(weights)
+    kernels = weights[0].kernels
+    for terms in (1, 2) if kernels.block_kernel_vnni() else (2,):
+        for dtype in (torch.float32, torch.bfloat16):
+            rows = x.to(dtype)
+            got = kernels.block_matmul_grouped(rows, grouped.codes, grouped.scales, grouped.subs,
+                                               grouped.bits, grouped.mode, terms, counts)
+            start = 0
+            for weight, count in zip(weights, counts):
+                alone = kernels.block_matmul(rows[start:start + count].contiguous(), weight.codes,
+                                             weight.scales, weight.subs, weight.bits, weight.mode,
+                                             terms)
+                assert torch.equal(got[start:start + count], alone), (terms, dtype, count)
+                start += count
+
+
+def test_experts_of_other_forms_are_not_grouped():
+    kind, out, in_features = "Q4_K", 40, 768
+    one = GgufWeight(read_gguf_blocks(kind, random_blocks(kind, out, in_features), out,
+                                      in_features))
+    other = GgufWeight(read_gguf_blocks("Q6_K", random_blocks("Q6_K", out, in_features), out,
+                                        in_features))
+    assert GroupedGgufWeights.of([one, one]) is not None
+    assert GroupedGgufWeights.of([one, other]) is None
+    assert GroupedGgufWeights.of([one, StackedWeight([one])]) is None
 
 
 def test_a_shard_must_cut_whole_blocks():

@@ -189,6 +189,42 @@ class GgufWeight:
                                              self.mode, picked)
 
 
+class GroupedGgufWeights:
+    """Experts' weights of one part (gate/up or down), all GgufWeight of one type and shape:
+    rows grouped by expert run as one kernel call (block_matmul_grouped), equal to the bit to
+    one call per expert."""
+
+    def __init__(self, weights: list[GgufWeight]) -> None:
+        first = weights[0]
+        self.codes = [w.codes for w in weights]
+        self.scales = [w.scales for w in weights]
+        self.subs = [w.subs for w in weights]
+        self.bits, self.mode, self.terms = first.bits, first.mode, first.terms
+        self.kernel_max_rows, self.kernels = first.kernel_max_rows, first.kernels
+
+    @classmethod
+    def of(cls, weights: list) -> GroupedGgufWeights | None:
+        """None where some weight is not a GgufWeight like the first (another form, a stacked
+        one, another type or shape) or the kernels are not built."""
+        first = weights[0]
+        if not isinstance(first, GgufWeight) or first.kernels is None:
+            return None
+        same = all(type(w) is GgufWeight and (w.kind, w.out_features, w.in_features, w.terms)
+                   == (first.kind, first.out_features, first.in_features, first.terms)
+                   for w in weights)
+        return cls(weights) if same else None
+
+    def matmul(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
+        """x's rows (group e: counts[e] rows, in order) times their experts' weights; None
+        where a group is past the rows the kernel takes (the caller runs those as GgufWeight
+        does)."""
+        if max(counts) > self.kernel_max_rows:
+            return None
+        return self.kernels.block_matmul_grouped(x.contiguous(), self.codes, self.scales,
+                                                 self.subs, self.bits, self.mode, self.terms,
+                                                 counts)
+
+
 def _lanes_last(per_row: torch.Tensor, blocks: int) -> torch.Tensor:
     """[out, n, 2] -> [out / 8, n, 2, 8]."""
     out, n, two = per_row.shape

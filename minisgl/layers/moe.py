@@ -21,7 +21,7 @@ from minisgl.kernels import cpu_kernels
 from minisgl.layers.activation import SiluAndMul
 from minisgl.layers.base import Layer
 from minisgl.layers.fp8 import Fp8ChannelWeight
-from minisgl.layers.gguf_weight import BlockSlots, GgufBlocks
+from minisgl.layers.gguf_weight import BlockSlots, GgufBlocks, GroupedGgufWeights
 from minisgl.layers.gpu_blocks import Fp8Blocks, finished_weight
 from minisgl.layers.linear import divide
 from minisgl.layers.lora import ExpertLora, LoraStep
@@ -93,6 +93,9 @@ class QuantizedExperts:
 
     def __init__(self, parts: list[tuple[Any, Any]]) -> None:
         self.parts = parts
+        # each part's experts as one kernel call, where their forms allow (GGUF blocks)
+        self.grouped = {name: GroupedGgufWeights.of([p[i] for p in parts])
+                        for i, name in enumerate(("gate_up", "down"))}
 
     @property
     def nbytes(self) -> int:
@@ -283,8 +286,14 @@ class Experts(Layer):
         return out if step is None else self.lora.add(part, x, out, step)
 
     def _per_expert(self, grouped: torch.Tensor, counts: list[int], part: str) -> torch.Tensor:
-        """One grouped matmul (`part` gate_up or down) as one matmul per expert that has rows
-        (quantized weights, or a device without a grouped matmul)."""
+        """One grouped matmul (`part` gate_up or down) of quantized weights, or on a device
+        without a grouped matmul: GGUF blocks as one kernel call for every expert
+        (GroupedGgufWeights), the others as one matmul per expert that has rows."""
+        grouped_weights = self.quantized.grouped[part] if self.quantized is not None else None
+        if grouped_weights is not None:
+            out = grouped_weights.matmul(grouped, counts)
+            if out is not None:
+                return out
         width = self.gate_up_width if part == "gate_up" else self.hidden_size
         out = grouped.new_empty(grouped.shape[0], width)
         start = 0

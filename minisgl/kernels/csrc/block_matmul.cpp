@@ -49,7 +49,7 @@ constexpr int kMaxTileRows = 4;
 // VNNI, one term: from kDecodedMinRows rows a span's codes are decoded once (DecodedSpan), its
 // tiles kSpanTileRows rows. (With two terms the dot products, not the decode, are the bound.)
 constexpr int kSpanTileRows = 8;
-constexpr int64_t kDecodedMinRows = 16;
+constexpr int64_t kDecodedMinRows = 5;
 constexpr int64_t kActivationBlockBytes = 256 << 10;  // a block of rows' int8 activations
 enum Mode : int64_t { kFlat = 0, kMins = 1, kSixBit = 2, kSymmetric = 3, kLut = 4 };
 
@@ -933,6 +933,104 @@ at::Tensor block_matmul(at::Tensor x, at::Tensor codes, at::Tensor scales,
   return result.view(sizes);
 #else
   TORCH_CHECK(false, "block_matmul needs AVX2, FMA and F16C (built with -march=native)");
+#endif
+}
+
+// Rows grouped by expert times each expert's weight, one call for every group (a mixture's
+// experts, all of one block type and shape): x [rows, k] float32 or bfloat16, group e its
+// counts[e] rows in order; codes / scales / subs: each expert's, as block_matmul's. The
+// activations are quantized once for all rows, and one parallel loop runs every (group, row
+// block, span) as block_matmul runs a group alone, so each row's output is that call's to the
+// bit; a decode step's few rows per expert no longer cost a thread team's start-up each.
+// Returns [rows, n] in x's dtype.
+at::Tensor block_matmul_grouped(at::Tensor x, std::vector<at::Tensor> codes,
+                                std::vector<at::Tensor> scales, std::vector<at::Tensor> subs,
+                                int64_t bits, int64_t mode, int64_t terms,
+                                std::vector<int64_t> counts) {
+#ifdef MINISGL_AVX2
+  TORCH_CHECK(x.is_contiguous() && x.dim() == 2 && (x.scalar_type() == at::kFloat ||
+                                                    x.scalar_type() == at::kBFloat16));
+  TORCH_CHECK(terms == 2 || (terms == 1 && block_kernel_vnni()),
+              "block_matmul_grouped: one-term activations need AVX-512 VNNI");
+  const size_t experts = counts.size();
+  TORCH_CHECK(codes.size() == experts && scales.size() == experts && subs.size() == experts,
+              "one weight per group");
+  std::vector<Weight> weights;
+  for (size_t e = 0; e < experts; ++e) {
+    weights.push_back(weight_of(codes[e], scales[e], subs[e], bits, mode));
+    TORCH_CHECK(weights[e].blocks == weights[0].blocks && weights[e].groups == weights[0].groups,
+                "every expert's weight has one shape");
+  }
+  const int64_t k = x.size(1), rows = x.size(0);
+  TORCH_CHECK(experts > 0 && k == weights[0].groups * kGroup,
+              "activations do not match the weights' input features");
+  const int64_t blocks = weights[0].blocks, n = blocks * kLanes;
+  // (expert, first row, last row, spans of it): a group's rows in block_matmul's row blocks
+  struct Task {
+    int64_t expert, first, last, per_span, spans;
+    bool decoded;
+  };
+  std::vector<Task> tasks;
+  bool any_decoded = false, any_tiled = false;
+  int64_t start = 0;
+  for (size_t e = 0; e < experts; ++e) {
+    const int64_t count = counts[e];
+    TORCH_CHECK(count >= 0 && start + count <= rows, "counts must cover the rows");
+    if (count == 0) continue;
+    const bool decoded = decodes_spans(weights[e], count, terms);
+    (decoded ? any_decoded : any_tiled) = true;
+    const int64_t per_span = count == 1 ? 1 : kTileBlocks;
+    const int64_t row_block = decoded ? std::max<int64_t>(
+        kSpanTileRows, kActivationBlockBytes / k / kSpanTileRows * kSpanTileRows) : count;
+    for (int64_t first = start; first < start + count; first += row_block)
+      tasks.push_back({static_cast<int64_t>(e), first, std::min(start + count, first + row_block),
+                       per_span, (blocks + per_span - 1) / per_span, decoded});
+    start += count;
+  }
+  TORCH_CHECK(start == rows, "counts must cover the rows");
+  auto result = at::empty({rows, n}, x.options());
+  if (tasks.empty()) return result;
+  const bool folds = terms == 1 && code_offset(bits, mode) >= 0;
+  const Reads reads{!folds || any_tiled, !folds, folds && any_tiled && code_offset(bits, mode) > 0,
+                    folds && any_decoded};
+  static thread_local Activations mine;  // reused: see grow
+  // NOTE: the workers read this thread's buffers: a thread_local named in the loop's lambda
+  // would be each worker's own
+  Activations& a = mine;
+  if (x.scalar_type() == at::kFloat)
+    quantize_activations(x.data_ptr<float>(), rows, k, terms, reads, a);
+  else
+    quantize_activations(x.data_ptr<at::BFloat16>(), rows, k, terms, reads, a);
+  std::vector<int64_t> item_ends;  // each task's items end here in the flat loop
+  int64_t items = 0;
+  for (const Task& t : tasks) item_ends.push_back(items += t.spans);
+  auto run = [&](auto* out) {
+    at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+#ifdef MINISGL_BLOCK_VNNI
+      static thread_local DecodedSpan span_codes;
+#endif
+      size_t t = std::upper_bound(item_ends.begin(), item_ends.end(), begin) - item_ends.begin();
+      for (int64_t item = begin; item < end; ++item) {
+        while (item >= item_ends[t]) ++t;
+        const Task& task = tasks[t];
+        const Weight& w = weights[task.expert];
+        const int64_t b = (item - (item_ends[t] - task.spans)) * task.per_span;
+        const int width = static_cast<int>(std::min<int64_t>(task.per_span, blocks - b));
+#ifdef MINISGL_BLOCK_VNNI
+        if (task.decoded) {
+          decoded_span_rows(a, w, span_codes, b, width, task.first, task.last, out, n);
+          continue;
+        }
+#endif
+        tiled_span_rows(a, w, terms, b, width, task.first, task.last, out, n);
+      }
+    });
+  };
+  if (x.scalar_type() == at::kFloat) run(result.data_ptr<float>());
+  else run(result.data_ptr<at::BFloat16>());
+  return result;
+#else
+  TORCH_CHECK(false, "block_matmul_grouped needs AVX2, FMA and F16C (built with -march=native)");
 #endif
 }
 

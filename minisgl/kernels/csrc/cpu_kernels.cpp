@@ -399,6 +399,10 @@ bool block_kernel_available();
 bool block_kernel_vnni();
 at::Tensor block_matmul(at::Tensor x, at::Tensor codes, at::Tensor scales,
                         at::Tensor subs, int64_t bits, int64_t mode, int64_t terms);
+at::Tensor block_matmul_grouped(at::Tensor x, std::vector<at::Tensor> codes,
+                                std::vector<at::Tensor> scales, std::vector<at::Tensor> subs,
+                                int64_t bits, int64_t mode, int64_t terms,
+                                std::vector<int64_t> counts);
 at::Tensor block_dequantize(at::Tensor codes, at::Tensor scales, at::Tensor subs,
                             int64_t bits, int64_t mode, at::Tensor rows);
 at::Tensor block_dequantize_t(at::Tensor codes, at::Tensor scales, at::Tensor subs,
@@ -435,6 +439,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_kernel_vnni", &block_kernel_vnni,
         "whether block_matmul's dot products run on AVX-512 VNNI (else AVX2's int16 ones)");
   m.def("block_matmul", &block_matmul, "GGUF block weights of any type x activations (AVX2)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("block_matmul_grouped", &block_matmul_grouped,
+        "rows grouped by expert x each expert's GGUF block weight, one call (AVX2)",
         py::call_guard<py::gil_scoped_release>());
   m.def("block_dequantize", &block_dequantize, "rows of a block_matmul weight as float32",
         py::call_guard<py::gil_scoped_release>());
