@@ -128,10 +128,10 @@ class ServerArgs:
         None, "Waiting requests at most; beyond it new ones get HTTP 503.")
     chunked_prefill_size: int | None = _flag(
         None, "Most prompt tokens in one prefill batch; longer prompts are chunked (default "
-        f"{DEFAULT_CHUNK}; on CPU at most what keeps one layer's gate/up output under 32 MiB, "
-        f"e.g. 4096 for the bundled model in bf16, and {CPU_MIXED_CHUNK} with "
-        "--enable-mixed-chunk, where the chunk bounds the running streams' inter-token "
-        "stall).")
+        f"{DEFAULT_CHUNK}; on CPU at most what keeps one layer's widest activation (a gate/up "
+        "output, a mixture's k rows per token) under 32 MiB, e.g. 4096 for the bundled model "
+        f"in bf16, and {CPU_MIXED_CHUNK} with --enable-mixed-chunk, where the chunk bounds the "
+        "running streams' inter-token stall).")
     page_size: int | None = _flag(
         None, "Tokens per KV page (default: "
         f"{DEVICE_DEFAULTS['page_size']['cuda']} on GPU; {DEVICE_DEFAULTS['page_size']['cpu']} "

@@ -301,6 +301,23 @@ def test_default_chunk_keeps_cpu_activations_under_the_allocator_limit() -> None
         assert llm.runtime.scheduler.config.chunked_prefill_size == 4096
 
 
+def test_the_widest_activation_counts_a_linear_mixers_projection_and_a_mixtures_rows() -> None:
+    """A hybrid's input projection can be wider than its gate/up, and a mixture holds k rows per
+    token: either, not the dense gate/up alone, sets the CPU chunk."""
+    from torch import nn
+
+    from minisgl.engine.chunking import widest_row_width
+    from minisgl.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear
+    from minisgl.layers.moe import Experts
+
+    gate_up = MergedColumnParallelLinear(64, [96, 96])
+    assert widest_row_width(nn.ModuleList([gate_up]), 1) == 192
+    in_proj = ColumnParallelLinear(64, 400)
+    assert widest_row_width(nn.ModuleList([gate_up, in_proj]), 1) == 400
+    experts = Experts(4, 64, 32)  # gated: gate/up 64 wide, as wide as the hidden state
+    assert widest_row_width(nn.ModuleList([gate_up, experts]), 6) == 6 * 64
+
+
 def test_integrity_check_finds_a_repeated_page_and_runs_idle_on_pools_it_can_afford(
         monkeypatch) -> None:
     """A free list holding one page twice (and so missing another) fails the check; the check

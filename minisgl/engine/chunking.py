@@ -3,18 +3,38 @@
 
 from __future__ import annotations
 
+from torch import nn
+
 from minisgl.args import CPU_MIXED_CHUNK, DEFAULT_CHUNK
+from minisgl.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear,
+                                   QKVParallelLinear)
+from minisgl.layers.moe import Experts
 
 # NOTE: glibc serves an allocation above 32 MiB (its largest mmap threshold) with a fresh
 # mapping, so a prefill step whose activations are wider page-faults them in anew at every
 # layer, which costs more per row than a narrower step (BENCHMARKS.md). On CPU the default
-# chunk keeps the widest activation, the merged gate/up output, under that size.
+# chunk keeps the widest activation (a gate/up output, a linear mixer's input projection, a
+# mixture's rows: k per token) under that size.
 CPU_ALLOCATION_LIMIT = 32 << 20
 CPU_SMALLEST_CHUNK = 1024
 
 
+def widest_row_width(model: nn.Module, top_k: int) -> int:
+    """Per prompt token, the most values one of `model`'s activations holds on this rank: a
+    column-parallel linear's output (this rank's features), or a mixture's rows grouped by
+    expert (`top_k` per token, each as wide as the hidden state or the experts' gate/up)."""
+    widths = [0]
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, MergedColumnParallelLinear,
+                               QKVParallelLinear)):
+            widths.append(module.out_features)
+        elif isinstance(module, Experts):
+            widths.append(top_k * max(module.hidden_size, module.gate_up_width))
+    return max(widths)
+
+
 def default_chunk(device_type: str, mixed: bool, widest_row_bytes: int) -> int:
-    """`widest_row_bytes`: one token's widest activation (gate/up output) on this rank.
+    """`widest_row_bytes`: one token's widest activation on this rank (widest_row_width).
 
     On CPU with mixed chunks a step costs about as much as its prefill chunk, so the small
     CPU_MIXED_CHUNK bounds the running streams' inter-token stall; unmixed, prefill runs first

@@ -26,7 +26,7 @@ from minisgl.core import Batch
 from minisgl.distributed.context import TPInfo, bind_thread, broadcast, create_group, tp_context
 from minisgl.distributed.shm_queue import QueueClosed
 from minisgl.distributed.worker import GLOO_TIMEOUT_S, TPWorkers, cpu_threads
-from minisgl.engine.chunking import default_chunk
+from minisgl.engine.chunking import default_chunk, widest_row_width
 from minisgl.engine.config import EngineConfig, resolve
 from minisgl.engine.draft_model import DraftModel
 from minisgl.engine.failure import FailureWatch
@@ -257,10 +257,10 @@ class Engine:
 
     def default_chunked_prefill_size(self, mixed: bool) -> int:
         """Prompt tokens per prefill step when --chunked-prefill-size is not given; `mixed`:
-        with --enable-mixed-chunk. On CPU it keeps one layer's gate/up output (this rank's
+        with --enable-mixed-chunk. On CPU it keeps one layer's widest activation (this rank's
         share) within what the allocator serves without fresh mappings."""
-        widest_row_bytes = (2 * self.arch.intermediate_size // self.tp.size
-                            * self.dtype.itemsize)
+        top_k = self.arch.moe.top_k if self.arch.moe is not None else 1
+        widest_row_bytes = widest_row_width(self.model, top_k) * self.dtype.itemsize
         return default_chunk(self.device.type, mixed, widest_row_bytes)
 
     @property
