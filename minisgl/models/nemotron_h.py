@@ -62,7 +62,9 @@ def refused_fields(config: dict[str, Any]) -> list[str]:
 
 class ReluSquared(Layer):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.relu(x).square()
+        """In place: x is a projection's fresh output (a prefill chunk's new tensors each cost
+        their page faults on CPU)."""
+        return F.relu(x, inplace=True).square_()
 
 
 class Relu2MLP(Layer):
