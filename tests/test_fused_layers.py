@@ -1,8 +1,9 @@
 """The decoder layers as one C++ call (models.fused_layers): the same kernels in the same order
 as the modules, so a served run with it equals one without it to the bit, over decode,
 prefill, mixed and prefix-cached batches, for Llama layers (SmolLM3's with and without RoPE),
-Granite 4.0-H's (Mamba2 and attention layers, its multipliers) and dense Qwen3.5's (Gated
-DeltaNet and gated attention layers); and it stays out of what it cannot run. (Against
+Granite 4.0-H's (Mamba2 and attention layers, its multipliers), dense Qwen3.5's (Gated
+DeltaNet and gated attention layers) and Nemotron-H's blocks (its experts too); and it stays
+out of what it cannot run. (Against
 transformers: tests.test_gguf_kquants serves the same Q4_K_M-style file, fused;
 tests.test_hybrid_gguf a Granite hybrid file.)"""
 
@@ -129,6 +130,28 @@ def test_fused_smollm3_layers_serve_the_modules_outputs_to_the_bit(tmp_path):
     gguf = str(write_smollm3_gguf(model, tmp_path / "tiny.Q8_0.gguf",
                                   GGMLQuantizationType.Q8_0))
     assert_same_outputs(served(fused=True, path=gguf), served(fused=False, path=gguf))
+
+
+@pytest.mark.parametrize("int8_activations", [
+    False, pytest.param(True, marks=pytest.mark.skipif(
+        not block_kernels() or not block_kernels().block_kernel_vnni(), reason="needs VNNI"))])
+def test_fused_nemotron_h_blocks_serve_the_modules_outputs_to_the_bit(int8_activations,
+                                                                      tmp_path):
+    """A Q8_0 Nemotron-H file with a block of each kind: Mamba2, experts (grouped routing with
+    a correction bias, scaled weights, a shared expert), attention without RoPE, a relu² MLP."""
+    from gguf import GGMLQuantizationType
+
+    from tests.gguf_families import write_nemotron_h_gguf
+    from tests.test_hybrid_gguf import VOCAB
+    from tests.test_nemotron_h import save_nemotron
+
+    # rows by 8 (Mamba2's in_proj: 2 x 128 + 64 + 8), inputs by 32 (the shared expert's down)
+    save_nemotron(tmp_path / "hf", "moe", vocab_size=VOCAB, mamba_num_heads=8,
+                  moe_shared_expert_intermediate_size=64)
+    gguf = str(write_nemotron_h_gguf(tmp_path / "hf", tmp_path / "tiny.Q8_0.gguf",
+                                     GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q8_0))
+    assert_same_outputs(served(fused=True, int8_activations=int8_activations, path=gguf),
+                        served(fused=False, int8_activations=int8_activations, path=gguf))
 
 
 @pytest.mark.parametrize("flags", [{"quantization": "none"}, {"tp_size": 3},

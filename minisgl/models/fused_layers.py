@@ -1,8 +1,10 @@
 """A decoder's layers as one C++ call a step on CPU, when every linear is in GGUF blocks
 (layers.gguf_weight): kernels/csrc/fused_layers.cpp calls the kernels the modules call, in the
 same order, so the outputs are equal to the bit. It knows plain Llama layers, Granite 4.0-H's
-(Mamba2 or attention without RoPE, a shared MLP, the residual multiplier) and dense Qwen3.5's
-(Gated DeltaNet or gated attention with QK-norm and partial RoPE).
+(Mamba2 or attention without RoPE, a shared MLP, the residual multiplier), dense Qwen3.5's
+(Gated DeltaNet or gated attention with QK-norm and partial RoPE) and Nemotron-H's blocks
+(Mamba2, attention without RoPE, a relu² MLP, or its mixture of experts: a block is one norm
+and one of these).
 
 Why: between two block-kernel calls, each streaming its weight through the caches, the
 interpreter's working set falls out of them, and each of a layer's many Python-level calls
@@ -21,9 +23,11 @@ from minisgl.attention import AttentionBackend
 from minisgl.attention.torch_backend import KernelMetadata, TorchBackend
 from minisgl.core import Batch
 from minisgl.layers import NoRotary, SiluAndMul
-from minisgl.layers.gguf_weight import GgufWeight, StackedWeight
+from minisgl.layers.gguf_weight import GgufWeight, GroupedGgufWeights, StackedWeight
+from minisgl.layers.norm import RMSNorm
 from minisgl.models.granite_hybrid import GraniteHybridLayer, Mamba2Mixer
 from minisgl.models.llama import MLP, Attention, DecoderLayer
+from minisgl.models.nemotron_h import NemotronHBlock, NemotronHMoE, Relu2MLP
 from minisgl.models.qwen3_next import (GatedAttention, GatedDeltaNet, HybridDecoderLayer,
                                        state_step_kernels)
 
@@ -57,21 +61,36 @@ Mixer = Attention | GatedAttention | Mamba2Mixer | GatedDeltaNet
 
 @dataclass
 class LayerParts:
-    """A layer the program knows: its two norms, its mixer, its four linears (the mixer's in
-    and out, the MLP's gate/up and down; each one linear or several whose outputs the program
-    concatenates), and the factor on each sublayer's output."""
+    """A layer the program knows: its norms, its mixer, its linears (the mixer's in and out,
+    then the MLP's gate/up and down, or none where the mixer stands alone (a Nemotron-H block,
+    post_norm None); each one linear or several whose outputs the program concatenates), and
+    the factor on each sublayer's output."""
 
-    input_norm: torch.Tensor
-    post_norm: torch.Tensor
+    input_norm: RMSNorm
+    post_norm: RMSNorm | None
     mixer: Mixer
     linears: tuple[tuple[Any, ...], ...]
     residual_multiplier: float = 1.0
 
 
+@dataclass
+class MlpParts:
+    """A Nemotron-H block of an MLP (relu² of up, then down) or of its mixture of experts
+    (`moe`: the router and experts; `linears`, the shared expert's up and down)."""
+
+    norm: RMSNorm
+    linears: tuple[tuple[Any, ...], ...]
+    moe: NemotronHMoE | None = None
+    residual_multiplier: float = 1.0
+
+
+Parts = LayerParts | MlpParts
+
+
 def fuse_layers(model: Any, backend: AttentionBackend, tp_size: int) -> FusedLayers | None:
     """The fused call for `model`'s layers, or None where some layer is not one the program
-    knows (biases, a Llama layer's QK-norm, LoRA, windows, soft-capping, experts, other layer
-    types), a linear is not in GGUF blocks, there is more than one rank, or not on CPU."""
+    knows (biases, a Llama layer's QK-norm, LoRA, windows, soft-capping, other experts, other
+    layer types), a linear is not in GGUF blocks, there is more than one rank, or not on CPU."""
     layers = getattr(model, "layers", None)
     if (not layers or not isinstance(backend, TorchBackend) or backend.kernels is None
             or backend.softcap > 0 or any(backend.window(i) for i in range(len(layers)))
@@ -81,15 +100,20 @@ def fuse_layers(model: Any, backend: AttentionBackend, tp_size: int) -> FusedLay
     if any(p is None for p in parts):
         return None
     blocks = [[_blocks(*linears) for linears in p.linears] for p in parts]
-    if any(b is None for linears in blocks for b in linears):
+    experts = [_expert_blocks(p.moe) for p in parts if isinstance(p, MlpParts) and p.moe]
+    if any(b is None for linears in blocks + [experts] for b in linears):
         return None
-    attention = [p.mixer for p in parts if isinstance(p.mixer, (Attention, GatedAttention))]
+    attention = [p.mixer for p in parts
+                 if isinstance(p, LayerParts) and isinstance(p.mixer, (Attention, GatedAttention))]
     rotaries = {id(a.rotary): a.rotary for a in attention if not isinstance(a.rotary, NoRotary)}
     shared = {(_query_scale(a), type(a)) for a in attention}
     multipliers = {p.residual_multiplier for p in parts}
-    eps = layers[0].input_layernorm.eps
-    if (not attention or len(shared) > 1 or len(rotaries) > 1 or len(multipliers) > 1
-            or any(a.q_norm is not None and a.q_norm.eps != eps for a in attention)):
+    norms = [n for p in parts for n in ((p.input_norm, p.post_norm) if isinstance(p, LayerParts)
+                                        else (p.norm,)) if n is not None]
+    norms += [a.q_norm for a in attention if a.q_norm is not None]
+    eps = {n.eps for n in norms}
+    if not attention or len(shared) > 1 or len(rotaries) > 1 or len(multipliers) > 1 or len(
+            eps) > 1:
         return None
     first = attention[0]
     cos = sin = None  # NoPE in every layer
@@ -101,32 +125,46 @@ def fuse_layers(model: Any, backend: AttentionBackend, tp_size: int) -> FusedLay
     gated = isinstance(first, GatedAttention)
     qkv = first.qkv_proj
     program = backend.kernels.FusedLayers(
-        qkv.num_heads // 2 if gated else qkv.num_heads, qkv.num_kv_heads, qkv.head_dim, eps,
-        backend.scale, cos, sin, _query_scale(first), multipliers.pop())
+        qkv.num_heads // 2 if gated else qkv.num_heads, qkv.num_kv_heads, qkv.head_dim,
+        eps.pop(), backend.scale, cos, sin, _query_scale(first), multipliers.pop())
+    experts_of = iter(experts)
     for p, linears in zip(parts, blocks):
         weights = [w for w, _, _ in linears]
         kinds = [k for _, k, _ in linears]
+        if isinstance(p, MlpParts):
+            norm = _weight(p.norm)
+            if p.moe is None:
+                program.add_mlp(norm, weights, kinds, True)
+                continue
+            router = p.moe.gate
+            program.add_moe(norm, router.weight.detach(),
+                            router.e_score_correction_bias.detach(), router.top_k,
+                            router.groups, router.top_groups, router.renormalize, router.scale,
+                            *next(experts_of)[:2], weights, kinds)
+            continue
         m = p.mixer
+        norms = (_weight(p.input_norm),
+                 _weight(p.post_norm) if p.post_norm is not None else _weight(p.input_norm))
         if isinstance(m, (Attention, GatedAttention)):
             layer_id = m.kv_index if gated else m.layer_id
-            norms = ((m.q_norm.weight.detach(), m.k_norm.weight.detach())
-                     if m.q_norm is not None else (None, None))
-            program.add_layer(p.input_norm, p.post_norm, weights, kinds,
-                              *backend.kv_pool.layer(layer_id), *norms, gated,
-                              not isinstance(m.rotary, NoRotary))
+            qk_norms = ((m.q_norm.weight.detach(), m.k_norm.weight.detach())
+                        if m.q_norm is not None else (None, None))
+            program.add_layer(*norms, weights, kinds, *backend.kv_pool.layer(layer_id),
+                              *qk_norms, gated, not isinstance(m.rotary, NoRotary))
         elif isinstance(m, GatedDeltaNet):
-            program.add_delta_layer(p.input_norm, p.post_norm, weights, kinds,
-                                    m.conv1d.weight.detach(), *m.states.layer(m.linear_id),
-                                    *m.per_head(), m.norm.weight.detach(), m.shape.num_k_heads,
-                                    m.norm.eps, m.shape.tiled)
+            program.add_delta_layer(*norms, weights, kinds, m.conv1d.weight.detach(),
+                                    *m.states.layer(m.linear_id), *m.per_head(),
+                                    m.norm.weight.detach(), m.shape.num_k_heads, m.norm.eps,
+                                    m.shape.tiled)
         else:
             conv_states, ssm_states = m.states.layer(m.linear_id)
-            program.add_mamba2_layer(p.input_norm, p.post_norm, weights, kinds,
-                                     m.conv1d.weight.detach(), _detached(m.conv1d.bias),
-                                     conv_states, ssm_states, *m.per_head(),
-                                     m.norm.weight.detach(), m.shape.groups, *m.shape.dt_limit,
-                                     m.eps)
-    return FusedLayers(program, min(rows for linears in blocks for _, _, rows in linears))
+            program.add_mamba2_layer(*norms, weights, kinds, m.conv1d.weight.detach(),
+                                     _detached(m.conv1d.bias), conv_states, ssm_states,
+                                     *m.per_head(), m.norm.weight.detach(), m.shape.groups,
+                                     *m.shape.dt_limit, m.eps)
+    max_rows = min([rows for linears in blocks for _, _, rows in linears]
+                   + [rows for _, _, rows in experts])
+    return FusedLayers(program, max_rows)
 
 
 def _query_scale(attention: Attention | GatedAttention) -> float:
@@ -137,6 +175,10 @@ def _detached(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return None if tensor is None else tensor.detach()
 
 
+def _weight(norm: RMSNorm) -> torch.Tensor:
+    return norm.weight.detach()
+
+
 def _plain_mlp(mlp: Any) -> bool:
     return type(mlp) is MLP and type(mlp.act) is SiluAndMul
 
@@ -145,11 +187,12 @@ def _plain_attention(attn: Any) -> bool:
     return type(attn) is Attention and attn.q_norm is None and attn.sinks is None
 
 
-def _layer_parts(layer: Any) -> LayerParts | None:
+def _layer_parts(layer: Any) -> Parts | None:
+    if type(layer) is NemotronHBlock:
+        return _nemotron_parts(layer)
     if type(layer) not in (DecoderLayer, GraniteHybridLayer, HybridDecoderLayer):
         return None
-    norms = (layer.input_layernorm.weight.detach(),
-             layer.post_attention_layernorm.weight.detach())
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
     if type(layer) is DecoderLayer:
         attn, mlp = layer.self_attn, layer.mlp
         if not _plain_attention(attn) or attn.query_scale != 1.0 or not _plain_mlp(mlp):
@@ -162,8 +205,7 @@ def _layer_parts(layer: Any) -> LayerParts | None:
         mlp = layer.shared_mlp
         mixer = layer.mamba if layer.is_linear else layer.self_attn
         if type(mixer) is Mamba2Mixer:
-            conv_states, _ = mixer.states.layer(mixer.linear_id)
-            if state_step_kernels(conv_states, mixer.conv1d.weight, mixer.conv1d.bias) is None:
+            if not _mamba2_kernels(mixer):
                 return None
             ends = (mixer.in_proj, mixer.out_proj)
         elif _plain_attention(mixer):
@@ -175,7 +217,7 @@ def _layer_parts(layer: Any) -> LayerParts | None:
     return None
 
 
-def _qwen3_5_parts(layer: HybridDecoderLayer, norms: tuple[torch.Tensor, torch.Tensor]
+def _qwen3_5_parts(layer: HybridDecoderLayer, norms: tuple[RMSNorm, RMSNorm]
                    ) -> LayerParts | None:
     """A dense Qwen3.5 layer (its q/k/v, z, b and a projections apart, not Qwen3-Next's
     grouped ones; no experts)."""
@@ -195,6 +237,50 @@ def _qwen3_5_parts(layer: HybridDecoderLayer, norms: tuple[torch.Tensor, torch.T
     return LayerParts(*norms, delta, ((delta.in_proj_qkv, delta.in_proj_z, delta.in_proj_b,
                                        delta.in_proj_a), (delta.out_proj,),
                                       (mlp.gate_up_proj,), (mlp.down_proj,)))
+
+
+def _mamba2_kernels(mixer: Mamba2Mixer) -> bool:
+    conv_states, _ = mixer.states.layer(mixer.linear_id)
+    return state_step_kernels(conv_states, mixer.conv1d.weight, mixer.conv1d.bias) is not None
+
+
+def _nemotron_parts(block: NemotronHBlock) -> Parts | None:
+    """A block's one norm and its mixer alone (post_norm None), its relu² MLP, or its mixture
+    of experts (relu² experts, the grouped sigmoid router, a relu² shared expert)."""
+    if block.is_linear:
+        mixer = block.mixer
+        if type(mixer) is not Mamba2Mixer or not _mamba2_kernels(mixer):
+            return None
+        return LayerParts(block.norm, None, mixer, ((mixer.in_proj,), (mixer.out_proj,)))
+    if block.kind == "full_attention":
+        attn = block.self_attn
+        if not _plain_attention(attn) or attn.query_scale != 1.0:
+            return None
+        return LayerParts(block.norm, None, attn, ((attn.qkv_proj,), (attn.o_proj,)))
+    mixer = block.mixer
+    mlp = mixer.shared_experts if type(mixer) is NemotronHMoE else mixer
+    if type(mlp) is not Relu2MLP:
+        return None
+    linears = ((mlp.up_proj,), (mlp.down_proj,))
+    return MlpParts(block.norm, linears, mixer if type(mixer) is NemotronHMoE else None)
+
+
+def _expert_blocks(moe: NemotronHMoE
+                   ) -> tuple[list[list[torch.Tensor]], list[list[int]], int] | None:
+    """The experts' up and down as the program's (each expert's tensors, the part's kind) and
+    the most rows they run the block kernel at; None unless both parts are GGUF blocks of one
+    type (GroupedGgufWeights) with no biases or LoRA."""
+    experts = moe.experts
+    quantized = experts.quantized
+    if (quantized is None or experts.lora is not None or experts.gate_up_bias is not None
+            or experts.down_bias is not None):
+        return None
+    parts = [quantized.grouped[part] for part in ("gate_up", "down")]
+    if any(p is None for p in parts):
+        return None
+    return ([[t for e in zip(p.codes, p.scales, p.subs) for t in e] for p in parts],
+            [[p.bits, p.mode, p.terms] for p in parts],
+            min(p.kernel_max_rows for p in parts))
 
 
 def _blocks(*linears: Any) -> tuple[list[torch.Tensor], list[int], int] | None:

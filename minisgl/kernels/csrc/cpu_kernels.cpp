@@ -469,5 +469,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &FusedLayers::add_layer)
       .def("add_mamba2_layer", &FusedLayers::add_mamba2_layer)
       .def("add_delta_layer", &FusedLayers::add_delta_layer)
+      .def("add_mlp", &FusedLayers::add_mlp)
+      .def("add_moe", &FusedLayers::add_moe)
       .def("run", &FusedLayers::run, py::call_guard<py::gil_scoped_release>());
 }

@@ -1,8 +1,15 @@
 #include "fused_layers.h"
 #include "hybrid_state.h"
 
+#include <ATen/ops/argsort.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/linear.h>
 #include <ATen/ops/rms_norm.h>
+#include <ATen/ops/sigmoid.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
+
+#include <limits>
 
 // cpu_kernels.cpp
 std::vector<at::Tensor> rms_norm(at::Tensor x, c10::optional<at::Tensor> residual,
@@ -19,6 +26,10 @@ at::Tensor silu_and_mul(at::Tensor x);
 // block_matmul.cpp
 at::Tensor block_matmul(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor subs,
                         int64_t bits, int64_t mode, int64_t terms);
+at::Tensor block_matmul_grouped(at::Tensor x, std::vector<at::Tensor> codes,
+                                std::vector<at::Tensor> scales, std::vector<at::Tensor> subs,
+                                int64_t bits, int64_t mode, int64_t terms,
+                                std::vector<int64_t> counts);
 
 FusedLayers::FusedLayers(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps,
                          double scale, c10::optional<at::Tensor> cos,
@@ -33,9 +44,10 @@ FusedLayers::FusedLayers(int64_t heads, int64_t kv_heads, int64_t head_dim, doub
 std::vector<FusedLayers::Linear> FusedLayers::parsed(
     const std::vector<std::vector<at::Tensor>>& linears,
     const std::vector<std::vector<int64_t>>& kinds) {
-  TORCH_CHECK(linears.size() == 4 && kinds.size() == 4, "four linears a layer");
-  std::vector<Linear> out(4);
-  for (size_t i = 0; i < 4; ++i) {
+  TORCH_CHECK((linears.size() == 4 || linears.size() == 2) && kinds.size() == linears.size(),
+              "four linears a layer, or a mixer's two");
+  std::vector<Linear> out(linears.size());
+  for (size_t i = 0; i < linears.size(); ++i) {
     TORCH_CHECK(!linears[i].empty() && linears[i].size() % 3 == 0 &&
                 kinds[i].size() == linears[i].size(), "three tensors and three kinds a part");
     for (size_t p = 0; p < linears[i].size() / 3; ++p)
@@ -45,13 +57,30 @@ std::vector<FusedLayers::Linear> FusedLayers::parsed(
   return out;
 }
 
-FusedLayers::Layer FusedLayers::new_layer(at::Tensor input_norm, at::Tensor post_norm,
-                                          const std::vector<std::vector<at::Tensor>>& linears,
-                                          const std::vector<std::vector<int64_t>>& kinds,
-                                          Mixer mixer) {
-  auto parts = parsed(linears, kinds);
-  return {std::move(input_norm), std::move(post_norm), std::move(parts[0]), std::move(parts[1]),
-          std::move(parts[2]),   std::move(parts[3]),  mixer};
+FusedLayers::Grouped FusedLayers::grouped(const std::vector<at::Tensor>& tensors,
+                                          const std::vector<int64_t>& kinds) {
+  TORCH_CHECK(!tensors.empty() && tensors.size() % 3 == 0 && kinds.size() == 3,
+              "each expert's three tensors, one kind for them all");
+  Grouped g{{}, {}, {}, kinds[0], kinds[1], kinds[2]};
+  for (size_t e = 0; e < tensors.size(); e += 3) {
+    g.codes.push_back(tensors[e]);
+    g.scales.push_back(tensors[e + 1]);
+    g.subs.push_back(tensors[e + 2]);
+  }
+  return g;
+}
+
+void FusedLayers::add_mixer(Sublayer mixer, at::Tensor post_norm, std::vector<Linear> linears) {
+  mixer.in = std::move(linears[0]);
+  mixer.out = std::move(linears[1]);
+  sublayers_.push_back(std::move(mixer));
+  if (linears.size() == 2) return;
+  Sublayer mlp;
+  mlp.norm = std::move(post_norm);
+  mlp.kind = Kind::mlp;
+  mlp.in = std::move(linears[2]);
+  mlp.out = std::move(linears[3]);
+  sublayers_.push_back(std::move(mlp));
 }
 
 void FusedLayers::add_layer(at::Tensor input_norm, at::Tensor post_norm,
@@ -60,15 +89,16 @@ void FusedLayers::add_layer(at::Tensor input_norm, at::Tensor post_norm,
                             at::Tensor v_cache, c10::optional<at::Tensor> q_norm,
                             c10::optional<at::Tensor> k_norm, bool gated, bool rotary) {
   TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "both QK-norm weights or neither");
-  Layer layer = new_layer(std::move(input_norm), std::move(post_norm), linears, kinds,
-                          Mixer::attention);
+  Sublayer layer;
+  layer.norm = std::move(input_norm);
+  layer.kind = Kind::attention;
   layer.k_cache = std::move(k_cache);
   layer.v_cache = std::move(v_cache);
   layer.q_norm = std::move(q_norm);
   layer.k_norm = std::move(k_norm);
   layer.gated = gated;
   layer.rotary = rotary;
-  layers_.push_back(std::move(layer));
+  add_mixer(std::move(layer), std::move(post_norm), parsed(linears, kinds));
 }
 
 void FusedLayers::add_mamba2_layer(at::Tensor input_norm, at::Tensor post_norm,
@@ -79,13 +109,14 @@ void FusedLayers::add_mamba2_layer(at::Tensor input_norm, at::Tensor post_norm,
                                    at::Tensor dt_bias, at::Tensor log_a, at::Tensor D,
                                    at::Tensor norm_weight, int64_t groups, double dt_min,
                                    double dt_max, double norm_eps) {
-  Layer layer = new_layer(std::move(input_norm), std::move(post_norm), linears, kinds,
-                          Mixer::mamba2);
+  Sublayer layer;
+  layer.norm = std::move(input_norm);
+  layer.kind = Kind::mamba2;
   layer.mamba2 = {std::move(conv_weight), std::move(conv_states), std::move(ssm_states),
                   std::move(dt_bias),     std::move(log_a),       std::move(D),
                   std::move(norm_weight), std::move(conv_bias),   groups,
                   dt_min,                 dt_max,                 norm_eps};
-  layers_.push_back(std::move(layer));
+  add_mixer(std::move(layer), std::move(post_norm), parsed(linears, kinds));
 }
 
 void FusedLayers::add_delta_layer(at::Tensor input_norm, at::Tensor post_norm,
@@ -95,12 +126,50 @@ void FusedLayers::add_delta_layer(at::Tensor input_norm, at::Tensor post_norm,
                                   at::Tensor ssm_states, at::Tensor dt_bias, at::Tensor log_a,
                                   at::Tensor norm_weight, int64_t num_k_heads, double norm_eps,
                                   bool tiled) {
-  Layer layer = new_layer(std::move(input_norm), std::move(post_norm), linears, kinds,
-                          Mixer::delta);
+  Sublayer layer;
+  layer.norm = std::move(input_norm);
+  layer.kind = Kind::delta;
   layer.delta = {std::move(conv_weight), std::move(conv_states), std::move(ssm_states),
                  std::move(dt_bias),     std::move(log_a),       std::move(norm_weight),
                  num_k_heads,            norm_eps,               tiled};
-  layers_.push_back(std::move(layer));
+  add_mixer(std::move(layer), std::move(post_norm), parsed(linears, kinds));
+}
+
+void FusedLayers::add_mlp(at::Tensor norm, std::vector<std::vector<at::Tensor>> linears,
+                          std::vector<std::vector<int64_t>> kinds, bool relu2) {
+  TORCH_CHECK(linears.size() == 2, "an MLP's two linears");
+  auto parts = parsed(linears, kinds);
+  Sublayer layer;
+  layer.norm = std::move(norm);
+  layer.kind = Kind::mlp;
+  layer.in = std::move(parts[0]);
+  layer.out = std::move(parts[1]);
+  layer.relu2 = relu2;
+  sublayers_.push_back(std::move(layer));
+}
+
+void FusedLayers::add_moe(at::Tensor norm, at::Tensor router_weight, at::Tensor correction_bias,
+                          int64_t top_k, int64_t groups, int64_t top_groups, bool renormalize,
+                          double scale, std::vector<std::vector<at::Tensor>> experts,
+                          std::vector<std::vector<int64_t>> expert_kinds,
+                          std::vector<std::vector<at::Tensor>> shared,
+                          std::vector<std::vector<int64_t>> shared_kinds) {
+  TORCH_CHECK(experts.size() == 2 && expert_kinds.size() == 2, "the experts' up and down");
+  TORCH_CHECK(router_weight.scalar_type() == at::kFloat && router_weight.dim() == 2 &&
+              experts[0].size() == 3 * static_cast<size_t>(router_weight.size(0)),
+              "a float32 router weight, a row per expert");
+  auto parts = parsed(shared, shared_kinds);
+  TORCH_CHECK(parts.size() == 2, "the shared expert's up and down");
+  Sublayer layer;
+  layer.norm = std::move(norm);
+  layer.kind = Kind::moe;
+  layer.in = std::move(parts[0]);
+  layer.out = std::move(parts[1]);
+  layer.relu2 = true;
+  layer.moe = {std::move(router_weight), std::move(correction_bias), top_k, groups, top_groups,
+               renormalize, scale, grouped(experts[0], expert_kinds[0]),
+               grouped(experts[1], expert_kinds[1])};
+  sublayers_.push_back(std::move(layer));
 }
 
 at::Tensor FusedLayers::matmul(const at::Tensor& x, const Linear& linear) {
@@ -122,13 +191,13 @@ at::Tensor FusedLayers::scaled(at::Tensor x) const {
   return residual_multiplier_ == 1.0 ? x : x.mul(residual_multiplier_);
 }
 
-at::Tensor FusedLayers::attention(const Layer& layer, const at::Tensor& x,
+at::Tensor FusedLayers::attention(const Sublayer& layer, const at::Tensor& x,
                                   const at::Tensor& positions, const at::Tensor& out_loc,
                                   const at::Tensor& locations, const at::Tensor& lens,
                                   const at::Tensor& rows) const {
   const int64_t tokens = x.size(0), d = head_dim_, q_width = (layer.gated ? 2 : 1) * heads_ * d,
                 kv_size = kv_heads_ * d;
-  const auto qkv = matmul(x, layer.mix_in);
+  const auto qkv = matmul(x, layer.in);
   auto q = qkv.narrow(-1, 0, q_width).view({tokens, heads_, q_width / heads_});
   at::Tensor gate;
   if (layer.gated) {
@@ -148,24 +217,68 @@ at::Tensor FusedLayers::attention(const Layer& layer, const at::Tensor& x,
                                    lens, scale_, rows, 0.0, c10::nullopt)
                       .view({tokens, -1});
   if (layer.gated) attended = attended.mul(gate.reshape({tokens, -1}).sigmoid());
-  return matmul(attended, layer.mix_out);
+  return matmul(attended, layer.out);
 }
 
 // in_proj's parts give q/k/v (the convolution's input), z, b and a.
-at::Tensor FusedLayers::delta_net(const Layer& layer, const at::Tensor& x,
+at::Tensor FusedLayers::delta_net(const Sublayer& layer, const at::Tensor& x,
                                   const at::Tensor& state_rows,
                                   const at::Tensor& state_counts) const {
   const Delta& m = layer.delta;
   const int64_t nk = m.num_k_heads, nv = m.ssm_states.size(1), dk = m.ssm_states.size(2),
                 dv = m.ssm_states.size(3), conv_dim = 2 * nk * dk + nv * dv;
-  const auto proj = matmul(x, layer.mix_in);
+  const auto proj = matmul(x, layer.in);
   TORCH_CHECK(proj.size(1) == conv_dim + nv * dv + 2 * nv, "in_proj: q/k/v, z, b, a");
   return matmul(gated_delta_layer(proj.narrow(1, 0, conv_dim), proj.narrow(1, conv_dim, nv * dv),
                                   proj.narrow(1, conv_dim + nv * dv, nv),
                                   proj.narrow(1, conv_dim + nv * dv + nv, nv), m.conv_weight,
                                   m.conv_states, m.ssm_states, state_rows, state_counts,
                                   m.dt_bias, m.log_a, m.norm_weight, m.eps, nk, m.tiled),
-                layer.mix_out);
+                layer.out);
+}
+
+// relu² in place, as models.nemotron_h.ReluSquared
+static at::Tensor relu_squared(at::Tensor x) { return x.relu_().square_(); }
+
+at::Tensor FusedLayers::mlp(const Sublayer& layer, const at::Tensor& x) {
+  const auto up = matmul(x, layer.in);
+  return matmul(layer.relu2 ? relu_squared(up) : silu_and_mul(up), layer.out);
+}
+
+// NemotronHMoE's forward: GroupedSigmoidRouter's choices, Experts' grouped rows (one
+// block_matmul_grouped per part), the shared expert added.
+at::Tensor FusedLayers::experts(const Sublayer& layer, const at::Tensor& x) {
+  const Moe& m = layer.moe;
+  const int64_t tokens = x.size(0), num_experts = m.router_weight.size(0);
+  const auto scores = at::sigmoid(at::linear(x.to(at::kFloat), m.router_weight));
+  auto biased = scores.add(m.correction_bias);
+  if (m.top_groups < m.groups) {
+    const auto by_group = biased.view({tokens, m.groups, -1});
+    const auto best = std::get<0>(by_group.topk(2, -1)).sum(-1);
+    const auto kept = at::zeros_like(best, best.options().dtype(at::kBool))
+                          .scatter_(1, std::get<1>(best.topk(m.top_groups, -1)), true);
+    biased = by_group.masked_fill(kept.unsqueeze(2).logical_not(),
+                                  -std::numeric_limits<float>::infinity())
+                 .view({tokens, -1});
+  }
+  const auto ids = std::get<1>(biased.topk(m.top_k, -1));
+  auto weights = scores.gather(1, ids);
+  if (m.renormalize) weights = weights.div(weights.sum(-1, true).add(1e-20));
+  weights = weights.mul(m.scale).to(x.scalar_type());
+  const auto choices = ids.flatten();
+  const auto order = at::argsort(choices, /*stable=*/true);
+  std::vector<int64_t> counts(num_experts, 0);
+  const auto host_choices = choices.contiguous();
+  const int64_t* choice = host_choices.data_ptr<int64_t>();
+  for (int64_t i = 0; i < choices.numel(); ++i) ++counts[choice[i]];
+  const auto rows = order.div(m.top_k, "floor");
+  const auto rows_in = x.index_select(0, rows).contiguous();
+  const auto up = block_matmul_grouped(rows_in, m.up.codes, m.up.scales, m.up.subs, m.up.bits,
+                                       m.up.mode, m.up.terms, counts);
+  auto out = block_matmul_grouped(relu_squared(up), m.down.codes, m.down.scales, m.down.subs,
+                                  m.down.bits, m.down.mode, m.down.terms, counts);
+  out = out.mul(weights.flatten().index_select(0, order).unsqueeze(1));
+  return at::zeros_like(x).index_add_(0, rows, out).add(mlp(layer, x));
 }
 
 std::vector<at::Tensor> FusedLayers::run(at::Tensor x, at::Tensor positions,
@@ -173,25 +286,34 @@ std::vector<at::Tensor> FusedLayers::run(at::Tensor x, at::Tensor positions,
                                          at::Tensor lens, at::Tensor rows,
                                          at::Tensor state_rows, at::Tensor state_counts) const {
   c10::optional<at::Tensor> residual;
-  for (const Layer& layer : layers_) {
-    auto normed = rms_norm(x, residual, layer.input_norm, eps_);
+  for (const Sublayer& layer : sublayers_) {
+    const auto normed = rms_norm(x, residual, layer.norm, eps_);
     residual = normed[1];
-    at::Tensor mixed;
-    if (layer.mixer == Mixer::mamba2) {
-      const Mamba2& m = layer.mamba2;
-      mixed = matmul(
-          mamba2_spans(matmul(normed[0], layer.mix_in), m.conv_weight, m.conv_bias,
-                       m.conv_states, m.ssm_states, state_rows, state_counts, m.dt_bias,
-                       m.log_a, m.D, m.norm_weight, m.groups, m.dt_min, m.dt_max, m.eps),
-          layer.mix_out);
-    } else if (layer.mixer == Mixer::delta) {
-      mixed = delta_net(layer, normed[0], state_rows, state_counts);
-    } else {
-      mixed = attention(layer, normed[0], positions, out_loc, locations, lens, rows);
+    at::Tensor out;
+    switch (layer.kind) {
+      case Kind::mamba2: {
+        const Mamba2& m = layer.mamba2;
+        out = matmul(mamba2_spans(matmul(normed[0], layer.in), m.conv_weight, m.conv_bias,
+                                  m.conv_states, m.ssm_states, state_rows, state_counts,
+                                  m.dt_bias, m.log_a, m.D, m.norm_weight, m.groups, m.dt_min,
+                                  m.dt_max, m.eps),
+                     layer.out);
+        break;
+      }
+      case Kind::delta:
+        out = delta_net(layer, normed[0], state_rows, state_counts);
+        break;
+      case Kind::attention:
+        out = attention(layer, normed[0], positions, out_loc, locations, lens, rows);
+        break;
+      case Kind::mlp:
+        out = mlp(layer, normed[0]);
+        break;
+      case Kind::moe:
+        out = experts(layer, normed[0]);
+        break;
     }
-    normed = rms_norm(scaled(mixed), residual, layer.post_norm, eps_);
-    residual = normed[1];
-    x = scaled(matmul(silu_and_mul(matmul(normed[0], layer.gate_up)), layer.down));
+    x = scaled(out);
   }
   return {x, *residual};
 }

@@ -1,10 +1,13 @@
 // A decoder's layers, every linear in GGUF blocks (block_matmul.cpp), run as one call over a
 // batch: the same kernels, in the same order, as the Python modules call them one by one
-// (models.fused_layers), so the result is the same to the bit. A layer mixes tokens with
-// attention (Llama's, Granite's without RoPE, or Qwen3.5's with QK-norm and an output gate)
-// or with a linear layer over the state pool (hybrid_state.cpp's spans: Mamba2, Gated
-// DeltaNet), then runs its MLP; Granite scales each sublayer's output by the residual
-// multiplier.
+// (models.fused_layers), so the result is the same to the bit. The program is a list of
+// sublayers, each an RMSNorm with the residual add and then one operation whose output (times
+// the residual multiplier) feeds the next: a token mixer (attention: Llama's, Granite's and
+// Nemotron-H's without RoPE, Qwen3.5's with QK-norm and an output gate; or a linear layer over
+// the state pool, hybrid_state.cpp's spans: Mamba2, Gated DeltaNet), an MLP (silu(gate) * up,
+// or Nemotron-H's relu² of up), or Nemotron-H's mixture of experts (its grouped sigmoid router,
+// relu² experts in one grouped call per part, a shared expert). A Llama layer is a mixer and an
+// MLP; a Nemotron-H block is one sublayer.
 #pragma once
 
 #include "aten.h"
@@ -24,7 +27,8 @@ class FusedLayers {
   // head-major pool; q_norm / k_norm: per-head RMSNorm weights (QK-norm), or none; gated:
   // q/k/v's q holds each head's query then its gate, and the attention's output is scaled by
   // sigmoid(gate) before o; rotary: whether the RoPE tables apply to this layer (false: a NoPE
-  // layer among rotary ones, SmolLM3's).
+  // layer among rotary ones, SmolLM3's). Each add_*_layer takes two linears alone (no
+  // gate/up, down; post_norm ignored) for a mixer without an MLP after it (a Nemotron-H block).
   void add_layer(at::Tensor input_norm, at::Tensor post_norm,
                  std::vector<std::vector<at::Tensor>> linears,
                  std::vector<std::vector<int64_t>> kinds, at::Tensor k_cache,
@@ -50,6 +54,21 @@ class FusedLayers {
                        at::Tensor log_a, at::Tensor norm_weight, int64_t num_k_heads,
                        double norm_eps, bool tiled);
 
+  // An MLP alone: linears up (relu2) or gate/up, and down, as add_layer's.
+  void add_mlp(at::Tensor norm, std::vector<std::vector<at::Tensor>> linears,
+               std::vector<std::vector<int64_t>> kinds, bool relu2);
+
+  // Nemotron-H's mixture of experts, as models.nemotron_h.NemotronHMoE runs it: the router's
+  // float32 weight [E, hidden] and correction bias, its top_k, groups kept, renormalisation
+  // and scale; each expert's up and down (codes, scales, subs) with their (bits, mode, terms),
+  // one type and shape per part; the shared expert's up and down as add_layer's linears.
+  void add_moe(at::Tensor norm, at::Tensor router_weight, at::Tensor correction_bias,
+               int64_t top_k, int64_t groups, int64_t top_groups, bool renormalize,
+               double scale, std::vector<std::vector<at::Tensor>> experts,
+               std::vector<std::vector<int64_t>> expert_kinds,
+               std::vector<std::vector<at::Tensor>> shared,
+               std::vector<std::vector<int64_t>> shared_kinds);
+
   // x: [tokens, hidden], the embeddings; locations / lens / rows: decode_attention's;
   // state_rows / state_counts: the batch's spans for the linear layers (the span kernels'; any
   // where there are none). Returns the last layer's (output, residual), as the modules do.
@@ -63,6 +82,11 @@ class FusedLayers {
     int64_t bits, mode, terms;
   };
   using Linear = std::vector<Part>;
+  // one part of every expert (block_matmul_grouped's operands)
+  struct Grouped {
+    std::vector<at::Tensor> codes, scales, subs;
+    int64_t bits, mode, terms;
+  };
   struct Mamba2 {
     at::Tensor conv_weight, conv_states, ssm_states, dt_bias, log_a, D, norm_weight;
     c10::optional<at::Tensor> conv_bias;
@@ -75,35 +99,47 @@ class FusedLayers {
     double eps;
     bool tiled;
   };
-  enum class Mixer { attention, mamba2, delta };
-  struct Layer {
-    at::Tensor input_norm, post_norm;
-    // attention: qkv, o; a linear layer: in_proj, out_proj
-    Linear mix_in, mix_out, gate_up, down;
-    Mixer mixer;
+  struct Moe {
+    at::Tensor router_weight, correction_bias;
+    int64_t top_k, groups, top_groups;
+    bool renormalize;
+    double scale;
+    Grouped up, down;
+  };
+  enum class Kind { attention, mamba2, delta, mlp, moe };
+  struct Sublayer {
+    at::Tensor norm;
+    Kind kind;
+    // attention: qkv, o; a linear layer: in_proj, out_proj; an MLP: (gate/)up, down; the
+    // mixture's shared expert: up, down
+    Linear in, out;
     at::Tensor k_cache, v_cache;
     c10::optional<at::Tensor> q_norm, k_norm;
-    bool gated = false, rotary = true;
+    bool gated = false, rotary = true, relu2 = false;
     Mamba2 mamba2;
     Delta delta;
+    Moe moe;
   };
 
   static at::Tensor matmul(const at::Tensor& x, const Linear& linear);
-  // A layer's norms, linears and mixer kind; the caller fills in the mixer's own fields.
-  static Layer new_layer(at::Tensor input_norm, at::Tensor post_norm,
-                         const std::vector<std::vector<at::Tensor>>& linears,
-                         const std::vector<std::vector<int64_t>>& kinds, Mixer mixer);
   static std::vector<Linear> parsed(const std::vector<std::vector<at::Tensor>>& linears,
                                     const std::vector<std::vector<int64_t>>& kinds);
-  at::Tensor attention(const Layer& layer, const at::Tensor& x, const at::Tensor& positions,
+  static Grouped grouped(const std::vector<at::Tensor>& tensors,
+                         const std::vector<int64_t>& kinds);
+  // A mixer's sublayer from add_*_layer's linears (the caller fills in its own fields), and
+  // the MLP after it where they give one.
+  void add_mixer(Sublayer mixer, at::Tensor post_norm, std::vector<Linear> linears);
+  at::Tensor attention(const Sublayer& layer, const at::Tensor& x, const at::Tensor& positions,
                        const at::Tensor& out_loc, const at::Tensor& locations,
                        const at::Tensor& lens, const at::Tensor& rows) const;
-  at::Tensor delta_net(const Layer& layer, const at::Tensor& x, const at::Tensor& state_rows,
+  at::Tensor delta_net(const Sublayer& layer, const at::Tensor& x, const at::Tensor& state_rows,
                        const at::Tensor& state_counts) const;
+  static at::Tensor mlp(const Sublayer& layer, const at::Tensor& x);
+  static at::Tensor experts(const Sublayer& layer, const at::Tensor& x);
   at::Tensor scaled(at::Tensor x) const;
 
   int64_t heads_, kv_heads_, head_dim_;
   double eps_, scale_, query_scale_, residual_multiplier_;
   c10::optional<at::Tensor> cos_, sin_;
-  std::vector<Layer> layers_;
+  std::vector<Sublayer> sublayers_;
 };
