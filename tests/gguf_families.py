@@ -291,6 +291,8 @@ def write_qwen_hybrid_gguf(folder: Path, path: Path,
             value = value + 1.0
         elif name.endswith("in_proj_qkv.weight"):
             value = np.concatenate([value[:2 * keys * dk], head_rows(value[2 * keys * dk:], dv)])
+        elif name.endswith("shared_expert_gate.weight"):
+            value = value.reshape(-1)  # llama.cpp's shape for it, {n_embd}
         elif name.endswith("in_proj_z.weight"):
             value = head_rows(value, dv)
         elif name.endswith(("in_proj_a.weight", "in_proj_b.weight")):

@@ -201,8 +201,9 @@ def _qwen_tensor(kind: str, suffix: str, value: torch.Tensor, config: Config
         return [("linear_attn.conv1d.weight", value.unsqueeze(1))]
     if kind == "ssm_norm":
         return [("linear_attn.norm.weight", value)]
-    names = {"ffn_gate_inp": "mlp.gate", "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
-    return [(f"{names[kind]}.{suffix}", value)] if kind in names else []
+    if kind == "ffn_gate_inp_shexp":  # llama.cpp's {n_embd} (llama-quantize drops a unit dim)
+        return [(f"mlp.shared_expert_gate.{suffix}", value.reshape(1, -1))]
+    return [(f"mlp.gate.{suffix}", value)] if kind == "ffn_gate_inp" else []
 
 
 def _qwen_rows(kind: str, config: Config) -> torch.Tensor | None:

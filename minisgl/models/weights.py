@@ -98,9 +98,15 @@ def gguf_config_gaps(gguf: Path) -> dict[str, object]:
             if f"{architecture}.{key}" in fields}
 
 
+# NOTE: raised whenever a conversion's output changes, so that a folder an older minisgl
+# converted is not read as this one's
+CONVERSION_FORMAT = 2
+
+
 def convert_gguf(gguf: Path) -> Path:
     stat = gguf.stat()
-    target = cache_root() / "models" / f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+    target = cache_root() / "models" / (f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+                                        f"-v{CONVERSION_FORMAT}")
     if (target / "config.json").is_file():
         return target
     logger.warning("converting %s to safetensors (once; cached in %s)", gguf.name, target)
