@@ -1,9 +1,9 @@
 """The decoder layers as one C++ call (models.fused_layers): the same kernels in the same order
 as the modules, so a served run with it equals one without it to the bit, over decode,
 prefill, mixed and prefix-cached batches, for Llama layers (SmolLM3's with and without RoPE),
-Granite 4.0-H's (Mamba2 and attention layers, its multipliers), dense Qwen3.5's (Gated
-DeltaNet and gated attention layers) and Nemotron-H's blocks (its experts too); and it stays
-out of what it cannot run. (Against
+Granite 4.0-H's (Mamba2 and attention layers, its multipliers, experts), Qwen3.5's (Gated
+DeltaNet and gated attention layers, experts) and Nemotron-H's blocks (its experts too); and it
+stays out of what it cannot run. (Against
 transformers: tests.test_gguf_kquants serves the same Q4_K_M-style file, fused;
 tests.test_hybrid_gguf a Granite hybrid file.)"""
 
@@ -86,34 +86,39 @@ def test_fused_layers_serve_the_modules_outputs_to_the_bit(int8_activations: boo
                         served(fused=False, int8_activations=int8_activations))
 
 
-@pytest.mark.parametrize("variant", ["nope", "rope"])
+@pytest.mark.parametrize("variant", ["nope", "rope", "experts"])
 def test_fused_granite_hybrid_layers_serve_the_modules_outputs_to_the_bit(variant, tmp_path):
     """A Q8_0 Granite 4.0-H file (Mamba2 and attention layers, a shared MLP; its embedding,
-    attention and residual multipliers), without and with RoPE."""
+    attention and residual multipliers), without and with RoPE, and with experts beside the
+    shared MLP."""
     from gguf import GGMLQuantizationType
 
     from tests.gguf_families import write_granite_hybrid_gguf
     from tests.test_hybrid_gguf import save_granite
 
     # blocks of 32 along every input, rows by 8 (the Mamba2 projection's: 2 x 128 + 64 + 8)
-    save_granite(tmp_path / "hf", num_local_experts=0, shared_intermediate_size=64,
-                 mamba_n_heads=8, mamba_d_head=16,
+    save_granite(tmp_path / "hf", num_local_experts=4 if variant == "experts" else 0,
+                 shared_intermediate_size=64, mamba_n_heads=8, mamba_d_head=16,
                  **({"position_embedding_type": "rope"} if variant == "rope" else {}))
     gguf = str(write_granite_hybrid_gguf(tmp_path / "hf", tmp_path / "tiny.Q8_0.gguf",
                                          GGMLQuantizationType.Q8_0))
     assert_same_outputs(served(fused=True, path=gguf), served(fused=False, path=gguf))
 
 
-def test_fused_qwen3_5_layers_serve_the_modules_outputs_to_the_bit(tmp_path):
-    """A Q8_0 dense Qwen3.5 file (Gated DeltaNet layers with 8 value heads tiled over 2 key
-    heads; gated attention with QK-norm and a quarter of each head rotating)."""
+@pytest.mark.parametrize("family", ["qwen3.5", "qwen3.5-moe"])
+def test_fused_qwen3_5_layers_serve_the_modules_outputs_to_the_bit(family, tmp_path):
+    """A Q8_0 Qwen3.5 file (Gated DeltaNet layers with 8 value heads tiled over 2 key heads;
+    gated attention with QK-norm and a quarter of each head rotating), dense or with experts
+    and a gated shared expert."""
     from gguf import GGMLQuantizationType
 
     from tests.gguf_families import write_qwen_hybrid_gguf
     from tests.test_hybrid_gguf import save_qwen
 
-    # rows by 8: in_proj_a / in_proj_b hold one per value head
-    save_qwen("qwen3.5", tmp_path / "hf", linear_num_value_heads=8)
+    # rows by 8: in_proj_a / in_proj_b hold one per value head; the shared expert's down
+    # takes blocks of 32
+    save_qwen(family, tmp_path / "hf", linear_num_value_heads=8,
+              **({"shared_expert_intermediate_size": 64} if family.endswith("moe") else {}))
     gguf = str(write_qwen_hybrid_gguf(tmp_path / "hf", tmp_path / "tiny.Q8_0.gguf",
                                       GGMLQuantizationType.Q8_0, gate_blocks=True))
     assert_same_outputs(served(fused=True, path=gguf), served(fused=False, path=gguf))

@@ -14,6 +14,7 @@ call also releases the GIL once a step, where the modules released and retook it
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,9 +28,11 @@ from minisgl.layers.gguf_weight import GgufWeight, GroupedGgufWeights, StackedWe
 from minisgl.layers.norm import RMSNorm
 from minisgl.models.granite_hybrid import GraniteHybridLayer, Mamba2Mixer
 from minisgl.models.llama import MLP, Attention, DecoderLayer
-from minisgl.models.nemotron_h import NemotronHBlock, NemotronHMoE, Relu2MLP
+from minisgl.layers.moe import SparseMoE
+from minisgl.models.nemotron_h import (GroupedSigmoidRouter, NemotronHBlock, NemotronHMoE,
+                                        Relu2MLP)
 from minisgl.models.qwen3_next import (GatedAttention, GatedDeltaNet, HybridDecoderLayer,
-                                       state_step_kernels)
+                                       SharedExpertMoE, state_step_kernels)
 
 NO_SPANS = torch.zeros(0, dtype=torch.long)
 
@@ -75,12 +78,15 @@ class LayerParts:
 
 @dataclass
 class MlpParts:
-    """A Nemotron-H block of an MLP (relu² of up, then down) or of its mixture of experts
-    (`moe`: the router and experts; `linears`, the shared expert's up and down)."""
+    """An MLP alone (a Nemotron-H block: relu² of up, then down), or a mixture of experts
+    (`moe`: its router and experts; `linears`: its shared expert's, or none; `shared_gate`:
+    the shared expert's sigmoid gate weight, or None) after a mixer or alone."""
 
     norm: RMSNorm
     linears: tuple[tuple[Any, ...], ...]
-    moe: NemotronHMoE | None = None
+    moe: Any = None  # a SparseMoE or NemotronHMoE
+    relu2: bool = False
+    shared_gate: torch.Tensor | None = None
     residual_multiplier: float = 1.0
 
 
@@ -96,9 +102,10 @@ def fuse_layers(model: Any, backend: AttentionBackend, tp_size: int) -> FusedLay
             or backend.softcap > 0 or any(backend.window(i) for i in range(len(layers)))
             or tp_size > 1):
         return None
-    parts = [_layer_parts(layer) for layer in layers]
-    if any(p is None for p in parts):
+    per_layer = [_layer_parts(layer) for layer in layers]
+    if any(p is None for p in per_layer):
         return None
+    parts = [p for layer_parts in per_layer for p in layer_parts]
     blocks = [[_blocks(*linears) for linears in p.linears] for p in parts]
     experts = [_expert_blocks(p.moe) for p in parts if isinstance(p, MlpParts) and p.moe]
     if any(b is None for linears in blocks + [experts] for b in linears):
@@ -134,13 +141,16 @@ def fuse_layers(model: Any, backend: AttentionBackend, tp_size: int) -> FusedLay
         if isinstance(p, MlpParts):
             norm = _weight(p.norm)
             if p.moe is None:
-                program.add_mlp(norm, weights, kinds, True)
+                program.add_mlp(norm, weights, kinds, p.relu2)
                 continue
             router = p.moe.gate
-            program.add_moe(norm, router.weight.detach(),
-                            router.e_score_correction_bias.detach(), router.top_k,
-                            router.groups, router.top_groups, router.renormalize, router.scale,
-                            *next(experts_of)[:2], weights, kinds)
+            grouped_sigmoid = isinstance(router, GroupedSigmoidRouter)
+            bias = router.e_score_correction_bias if grouped_sigmoid else router.bias
+            program.add_moe(norm, router.weight.detach(), _detached(bias),
+                            not grouped_sigmoid, router.top_k,
+                            *((router.groups, router.top_groups) if grouped_sigmoid else (1, 1)),
+                            router.renormalize, router.scale if grouped_sigmoid else 1.0,
+                            *next(experts_of)[:2], p.relu2, weights, kinds, p.shared_gate)
             continue
         m = p.mixer
         norms = (_weight(p.input_norm),
@@ -187,56 +197,65 @@ def _plain_attention(attn: Any) -> bool:
     return type(attn) is Attention and attn.q_norm is None and attn.sinks is None
 
 
-def _layer_parts(layer: Any) -> Parts | None:
+def _layer_parts(layer: Any) -> list[Parts] | None:
+    """A layer's sublayers: its mixer and its MLP or mixture (a Nemotron-H block: one)."""
     if type(layer) is NemotronHBlock:
-        return _nemotron_parts(layer)
+        part = _nemotron_parts(layer)
+        return None if part is None else [part]
     if type(layer) not in (DecoderLayer, GraniteHybridLayer, HybridDecoderLayer):
         return None
-    norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    if type(layer) is DecoderLayer:
-        attn, mlp = layer.self_attn, layer.mlp
-        if not _plain_attention(attn) or attn.query_scale != 1.0 or not _plain_mlp(mlp):
+    multiplier = getattr(layer, "residual_multiplier", 1.0)
+    mixer = _mixer_parts(layer)
+    mlp = _mlp_parts(layer, layer.post_attention_layernorm)
+    if mixer is None or mlp is None:
+        return None
+    return [LayerParts(layer.input_layernorm, None, *mixer, multiplier),
+            dataclasses.replace(mlp, residual_multiplier=multiplier)]
+
+
+def _mixer_parts(layer: Any) -> tuple[Mixer, tuple[tuple[Any, ...], ...]] | None:
+    """A layer's token mixer and its in and out linears."""
+    if type(layer) is HybridDecoderLayer and layer.is_linear:
+        delta = layer.linear_attn
+        conv_states, _ = delta.states.layer(delta.linear_id)
+        if delta.shape.grouped or state_step_kernels(conv_states, delta.conv1d.weight) is None:
+            return None  # NOTE: Qwen3.5's q/k/v, z, b and a apart, not Qwen3-Next's grouped
+        return delta, ((delta.in_proj_qkv, delta.in_proj_z, delta.in_proj_b, delta.in_proj_a),
+                       (delta.out_proj,))
+    if type(layer) is GraniteHybridLayer and layer.is_linear:
+        mamba = layer.mamba
+        if type(mamba) is not Mamba2Mixer or not _mamba2_kernels(mamba):
             return None
-        return LayerParts(*norms, attn, ((attn.qkv_proj,), (attn.o_proj,), (mlp.gate_up_proj,),
-                                         (mlp.down_proj,)))
+        return mamba, ((mamba.in_proj,), (mamba.out_proj,))
+    attn = layer.self_attn
     if type(layer) is HybridDecoderLayer:
-        return _qwen3_5_parts(layer, norms)
-    if type(layer) is GraniteHybridLayer and layer.mlp is None and _plain_mlp(layer.shared_mlp):
-        mlp = layer.shared_mlp
-        mixer = layer.mamba if layer.is_linear else layer.self_attn
-        if type(mixer) is Mamba2Mixer:
-            if not _mamba2_kernels(mixer):
-                return None
-            ends = (mixer.in_proj, mixer.out_proj)
-        elif _plain_attention(mixer):
-            ends = (mixer.qkv_proj, mixer.o_proj)
-        else:
+        return ((attn, ((attn.qkv_proj,), (attn.o_proj,))) if type(attn) is GatedAttention
+                else None)
+    if not _plain_attention(attn) or (type(layer) is DecoderLayer and attn.query_scale != 1.0):
+        return None  # NOTE: Granite's query multiplier is the program's query_scale
+    return attn, ((attn.qkv_proj,), (attn.o_proj,))
+
+
+def _mlp_parts(layer: Any, norm: RMSNorm) -> MlpParts | None:
+    """A layer's plain MLP, or its mixture of experts with its shared expert (Granite's shared
+    MLP, Qwen3.5's gated shared expert) or none."""
+    if type(layer) is GraniteHybridLayer:
+        if not _plain_mlp(layer.shared_mlp):
             return None
-        return LayerParts(*norms, mixer, ((ends[0],), (ends[1],), (mlp.gate_up_proj,),
-                                          (mlp.down_proj,)), layer.residual_multiplier)
-    return None
-
-
-def _qwen3_5_parts(layer: HybridDecoderLayer, norms: tuple[RMSNorm, RMSNorm]
-                   ) -> LayerParts | None:
-    """A dense Qwen3.5 layer (its q/k/v, z, b and a projections apart, not Qwen3-Next's
-    grouped ones; no experts)."""
+        shared = ((layer.shared_mlp.gate_up_proj,), (layer.shared_mlp.down_proj,))
+        if layer.mlp is None:
+            return MlpParts(norm, shared)
+        return MlpParts(norm, shared, layer.mlp) if type(layer.mlp) is SparseMoE else None
     mlp = layer.mlp
-    if not _plain_mlp(mlp):
-        return None
-    if not layer.is_linear:
-        attn = layer.self_attn
-        if type(attn) is not GatedAttention:
-            return None
-        return LayerParts(*norms, attn, ((attn.qkv_proj,), (attn.o_proj,),
-                                         (mlp.gate_up_proj,), (mlp.down_proj,)))
-    delta = layer.linear_attn
-    conv_states, _ = delta.states.layer(delta.linear_id)
-    if delta.shape.grouped or state_step_kernels(conv_states, delta.conv1d.weight) is None:
-        return None
-    return LayerParts(*norms, delta, ((delta.in_proj_qkv, delta.in_proj_z, delta.in_proj_b,
-                                       delta.in_proj_a), (delta.out_proj,),
-                                      (mlp.gate_up_proj,), (mlp.down_proj,)))
+    if _plain_mlp(mlp):
+        return MlpParts(norm, ((mlp.gate_up_proj,), (mlp.down_proj,)))
+    if type(mlp) is SparseMoE:
+        return MlpParts(norm, (), mlp)
+    if type(mlp) is SharedExpertMoE and _plain_mlp(mlp.shared_expert):
+        shared = mlp.shared_expert
+        return MlpParts(norm, ((shared.gate_up_proj,), (shared.down_proj,)), mlp,
+                        shared_gate=mlp.shared_expert_gate.weight.detach())
+    return None
 
 
 def _mamba2_kernels(mixer: Mamba2Mixer) -> bool:
@@ -262,10 +281,11 @@ def _nemotron_parts(block: NemotronHBlock) -> Parts | None:
     if type(mlp) is not Relu2MLP:
         return None
     linears = ((mlp.up_proj,), (mlp.down_proj,))
-    return MlpParts(block.norm, linears, mixer if type(mixer) is NemotronHMoE else None)
+    return MlpParts(block.norm, linears, mixer if type(mixer) is NemotronHMoE else None,
+                    relu2=True)
 
 
-def _expert_blocks(moe: NemotronHMoE
+def _expert_blocks(moe: SparseMoE | NemotronHMoE
                    ) -> tuple[list[list[torch.Tensor]], list[list[int]], int] | None:
     """The experts' up and down as the program's (each expert's tensors, the part's kind) and
     the most rows they run the block kernel at; None unless both parts are GGUF blocks of one

@@ -6,6 +6,7 @@
 #include <ATen/ops/linear.h>
 #include <ATen/ops/rms_norm.h>
 #include <ATen/ops/sigmoid.h>
+#include <ATen/ops/softmax.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
 
@@ -148,27 +149,34 @@ void FusedLayers::add_mlp(at::Tensor norm, std::vector<std::vector<at::Tensor>> 
   sublayers_.push_back(std::move(layer));
 }
 
-void FusedLayers::add_moe(at::Tensor norm, at::Tensor router_weight, at::Tensor correction_bias,
-                          int64_t top_k, int64_t groups, int64_t top_groups, bool renormalize,
-                          double scale, std::vector<std::vector<at::Tensor>> experts,
-                          std::vector<std::vector<int64_t>> expert_kinds,
+void FusedLayers::add_moe(at::Tensor norm, at::Tensor router_weight,
+                          c10::optional<at::Tensor> router_bias, bool softmax, int64_t top_k,
+                          int64_t groups, int64_t top_groups, bool renormalize, double scale,
+                          std::vector<std::vector<at::Tensor>> experts,
+                          std::vector<std::vector<int64_t>> expert_kinds, bool relu2,
                           std::vector<std::vector<at::Tensor>> shared,
-                          std::vector<std::vector<int64_t>> shared_kinds) {
+                          std::vector<std::vector<int64_t>> shared_kinds,
+                          c10::optional<at::Tensor> shared_gate) {
   TORCH_CHECK(experts.size() == 2 && expert_kinds.size() == 2, "the experts' up and down");
-  TORCH_CHECK(router_weight.scalar_type() == at::kFloat && router_weight.dim() == 2 &&
+  TORCH_CHECK(router_weight.dim() == 2 &&
               experts[0].size() == 3 * static_cast<size_t>(router_weight.size(0)),
-              "a float32 router weight, a row per expert");
-  auto parts = parsed(shared, shared_kinds);
-  TORCH_CHECK(parts.size() == 2, "the shared expert's up and down");
+              "a router weight with a row per expert");
+  TORCH_CHECK(softmax || (router_weight.scalar_type() == at::kFloat && router_bias.has_value()),
+              "a grouped sigmoid router: a float32 weight and a correction bias");
   Sublayer layer;
   layer.norm = std::move(norm);
   layer.kind = Kind::moe;
-  layer.in = std::move(parts[0]);
-  layer.out = std::move(parts[1]);
-  layer.relu2 = true;
-  layer.moe = {std::move(router_weight), std::move(correction_bias), top_k, groups, top_groups,
-               renormalize, scale, grouped(experts[0], expert_kinds[0]),
-               grouped(experts[1], expert_kinds[1])};
+  layer.relu2 = relu2;
+  if (!shared.empty()) {
+    auto parts = parsed(shared, shared_kinds);
+    TORCH_CHECK(parts.size() == 2, "the shared expert's two linears");
+    layer.in = std::move(parts[0]);
+    layer.out = std::move(parts[1]);
+  }
+  layer.moe = {std::move(router_weight), std::move(router_bias), std::move(shared_gate),
+               softmax, top_k, groups, top_groups, renormalize, scale,
+               grouped(experts[0], expert_kinds[0]), grouped(experts[1], expert_kinds[1]),
+               !shared.empty()};
   sublayers_.push_back(std::move(layer));
 }
 
@@ -245,13 +253,18 @@ at::Tensor FusedLayers::mlp(const Sublayer& layer, const at::Tensor& x) {
   return matmul(layer.relu2 ? relu_squared(up) : silu_and_mul(up), layer.out);
 }
 
-// NemotronHMoE's forward: GroupedSigmoidRouter's choices, Experts' grouped rows (one
-// block_matmul_grouped per part), the shared expert added.
-at::Tensor FusedLayers::experts(const Sublayer& layer, const at::Tensor& x) {
-  const Moe& m = layer.moe;
-  const int64_t tokens = x.size(0), num_experts = m.router_weight.size(0);
+// TopKRouter's or GroupedSigmoidRouter's forward.
+std::pair<at::Tensor, at::Tensor> FusedLayers::route(const Moe& m, const at::Tensor& x) {
+  if (m.softmax) {
+    const auto probs = at::softmax(at::linear(x, m.router_weight, m.router_bias).to(at::kFloat),
+                                   -1);
+    auto [weights, ids] = probs.topk(m.top_k, -1);
+    if (m.renormalize) weights = weights.div(weights.sum(-1, true));
+    return {weights.to(x.scalar_type()), ids};
+  }
+  const int64_t tokens = x.size(0);
   const auto scores = at::sigmoid(at::linear(x.to(at::kFloat), m.router_weight));
-  auto biased = scores.add(m.correction_bias);
+  auto biased = scores.add(*m.router_bias);
   if (m.top_groups < m.groups) {
     const auto by_group = biased.view({tokens, m.groups, -1});
     const auto best = std::get<0>(by_group.topk(2, -1)).sum(-1);
@@ -264,10 +277,17 @@ at::Tensor FusedLayers::experts(const Sublayer& layer, const at::Tensor& x) {
   const auto ids = std::get<1>(biased.topk(m.top_k, -1));
   auto weights = scores.gather(1, ids);
   if (m.renormalize) weights = weights.div(weights.sum(-1, true).add(1e-20));
-  weights = weights.mul(m.scale).to(x.scalar_type());
+  return {weights.mul(m.scale).to(x.scalar_type()), ids};
+}
+
+// SparseMoE's forward (Experts': the rows grouped by expert, one block_matmul_grouped per
+// part, weighted and summed back per token), plus the shared expert (times its gate).
+at::Tensor FusedLayers::experts(const Sublayer& layer, const at::Tensor& x) {
+  const Moe& m = layer.moe;
+  const auto [weights, ids] = route(m, x);
   const auto choices = ids.flatten();
   const auto order = at::argsort(choices, /*stable=*/true);
-  std::vector<int64_t> counts(num_experts, 0);
+  std::vector<int64_t> counts(m.router_weight.size(0), 0);
   const auto host_choices = choices.contiguous();
   const int64_t* choice = host_choices.data_ptr<int64_t>();
   for (int64_t i = 0; i < choices.numel(); ++i) ++counts[choice[i]];
@@ -275,10 +295,16 @@ at::Tensor FusedLayers::experts(const Sublayer& layer, const at::Tensor& x) {
   const auto rows_in = x.index_select(0, rows).contiguous();
   const auto up = block_matmul_grouped(rows_in, m.up.codes, m.up.scales, m.up.subs, m.up.bits,
                                        m.up.mode, m.up.terms, counts);
-  auto out = block_matmul_grouped(relu_squared(up), m.down.codes, m.down.scales, m.down.subs,
-                                  m.down.bits, m.down.mode, m.down.terms, counts);
+  auto out = block_matmul_grouped(layer.relu2 ? relu_squared(up) : silu_and_mul(up),
+                                  m.down.codes, m.down.scales, m.down.subs, m.down.bits,
+                                  m.down.mode, m.down.terms, counts);
   out = out.mul(weights.flatten().index_select(0, order).unsqueeze(1));
-  return at::zeros_like(x).index_add_(0, rows, out).add(mlp(layer, x));
+  const auto routed = at::zeros_like(x).index_add_(0, rows, out);
+  if (!m.shared) return routed;
+  auto shared = mlp(layer, x);
+  if (m.shared_gate.has_value())
+    shared = shared.mul(at::sigmoid(at::linear(x, *m.shared_gate)));
+  return routed.add(shared);
 }
 
 std::vector<at::Tensor> FusedLayers::run(at::Tensor x, at::Tensor positions,

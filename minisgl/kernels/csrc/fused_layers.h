@@ -5,9 +5,9 @@
 // the residual multiplier) feeds the next: a token mixer (attention: Llama's, Granite's and
 // Nemotron-H's without RoPE, Qwen3.5's with QK-norm and an output gate; or a linear layer over
 // the state pool, hybrid_state.cpp's spans: Mamba2, Gated DeltaNet), an MLP (silu(gate) * up,
-// or Nemotron-H's relu² of up), or Nemotron-H's mixture of experts (its grouped sigmoid router,
-// relu² experts in one grouped call per part, a shared expert). A Llama layer is a mixer and an
-// MLP; a Nemotron-H block is one sublayer.
+// or Nemotron-H's relu² of up), or a mixture of experts (a softmax or grouped sigmoid router,
+// the experts in one grouped call per part, a shared expert or none). A Llama layer is a mixer
+// and an MLP or a mixture; a Nemotron-H block is one sublayer.
 #pragma once
 
 #include "aten.h"
@@ -58,16 +58,21 @@ class FusedLayers {
   void add_mlp(at::Tensor norm, std::vector<std::vector<at::Tensor>> linears,
                std::vector<std::vector<int64_t>> kinds, bool relu2);
 
-  // Nemotron-H's mixture of experts, as models.nemotron_h.NemotronHMoE runs it: the router's
-  // float32 weight [E, hidden] and correction bias, its top_k, groups kept, renormalisation
-  // and scale; each expert's up and down (codes, scales, subs) with their (bits, mode, terms),
-  // one type and shape per part; the shared expert's up and down as add_layer's linears.
-  void add_moe(at::Tensor norm, at::Tensor router_weight, at::Tensor correction_bias,
-               int64_t top_k, int64_t groups, int64_t top_groups, bool renormalize,
-               double scale, std::vector<std::vector<at::Tensor>> experts,
-               std::vector<std::vector<int64_t>> expert_kinds,
+  // A mixture of experts, as layers.moe.SparseMoE and its kin run it. The router: softmax
+  // (TopKRouter: its weight in the activations' dtype, a bias or none; the top k, renormalised
+  // or not) or grouped sigmoid (Nemotron-H's GroupedSigmoidRouter: a float32 weight and its
+  // correction bias as router_bias, the best top_groups of groups kept, scaled by `scale`).
+  // experts: each expert's (gate/)up and down (codes, scales, subs), one type and shape per
+  // part, with their (bits, mode, terms); relu2: relu² of up (else silu(gate) * up) in the
+  // experts and the shared expert. shared: the shared expert's two linears, as add_layer's, or
+  // none; shared_gate: its sigmoid gate's weight [1, hidden] (Qwen3.5's), or none.
+  void add_moe(at::Tensor norm, at::Tensor router_weight, c10::optional<at::Tensor> router_bias,
+               bool softmax, int64_t top_k, int64_t groups, int64_t top_groups,
+               bool renormalize, double scale, std::vector<std::vector<at::Tensor>> experts,
+               std::vector<std::vector<int64_t>> expert_kinds, bool relu2,
                std::vector<std::vector<at::Tensor>> shared,
-               std::vector<std::vector<int64_t>> shared_kinds);
+               std::vector<std::vector<int64_t>> shared_kinds,
+               c10::optional<at::Tensor> shared_gate);
 
   // x: [tokens, hidden], the embeddings; locations / lens / rows: decode_attention's;
   // state_rows / state_counts: the batch's spans for the linear layers (the span kernels'; any
@@ -100,18 +105,21 @@ class FusedLayers {
     bool tiled;
   };
   struct Moe {
-    at::Tensor router_weight, correction_bias;
+    at::Tensor router_weight;
+    c10::optional<at::Tensor> router_bias, shared_gate;
+    bool softmax;
     int64_t top_k, groups, top_groups;
     bool renormalize;
     double scale;
     Grouped up, down;
+    bool shared;
   };
   enum class Kind { attention, mamba2, delta, mlp, moe };
   struct Sublayer {
     at::Tensor norm;
     Kind kind;
     // attention: qkv, o; a linear layer: in_proj, out_proj; an MLP: (gate/)up, down; the
-    // mixture's shared expert: up, down
+    // mixture's shared expert: (gate/)up, down
     Linear in, out;
     at::Tensor k_cache, v_cache;
     c10::optional<at::Tensor> q_norm, k_norm;
@@ -135,6 +143,8 @@ class FusedLayers {
   at::Tensor delta_net(const Sublayer& layer, const at::Tensor& x, const at::Tensor& state_rows,
                        const at::Tensor& state_counts) const;
   static at::Tensor mlp(const Sublayer& layer, const at::Tensor& x);
+  // (weights in x's dtype, expert ids), [tokens, top_k] each
+  static std::pair<at::Tensor, at::Tensor> route(const Moe& m, const at::Tensor& x);
   static at::Tensor experts(const Sublayer& layer, const at::Tensor& x);
   at::Tensor scaled(at::Tensor x) const;
 
