@@ -1,11 +1,16 @@
 """A random hybrid GGUF file for minisgl and llama.cpp side by side (nothing downloaded): the
 small shapes BENCHMARKS.md's hybrid tables measure, random weights, SmolLM2's vocabulary,
-written by llama.cpp's converter and quantized by its `llama-quantize`.
+written by llama.cpp's converter (Qwen3.5's converter does not know SmolLM2's pre-tokenizer:
+those by tests/gguf_families.py's writer, in F32, which writes the converter's tensors) and
+quantized by its `llama-quantize`.
 
 - `granite`: Granite 4.0-H, 350M-class (32 layers, 28 Mamba2 and 4 attention without RoPE,
   hidden 768, 48 Mamba2 heads of 32 in one group, a shared MLP of 2048);
 - `qwen3.5`: dense Qwen3.5, 0.5B-class (24 layers, three Gated DeltaNet to one gated attention,
   hidden 1024, 16 key and 16 value heads of 128, MLP 3584);
+- `qwen3.5-moe`: Qwen3.5-35B-A3B's kind cut to ~1B (16 layers, three Gated DeltaNet to one
+  gated attention, hidden 1024, 16 key and 16 value heads of 128; 64 experts of 256, top 8, a
+  gated shared expert of 256);
 - `nemotron-h`: Nemotron 3 Nano-like, 0.4B (16 layers `MEMEM*EMEMEM*EME`: 7 Mamba2, 7 of
   experts, 2 attention; hidden 1024, 32 Mamba2 heads of 64 in 8 groups, 32 relu² experts of
   512, top 6, a shared expert of 1024, 16 query and 2 KV heads of 64).
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -24,7 +30,7 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from llama_cpp_files import write_with_llama_cpp  # noqa: E402
+from llama_cpp_files import quantize, write_with_llama_cpp  # noqa: E402
 
 VOCAB = dict(vocab_size=49152, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 NEMOTRON_LAYERS = {"M": "mamba", "E": "moe", "*": "attention"}
@@ -51,6 +57,18 @@ def qwen3_5() -> torch.nn.Module:
     return transformers.Qwen3_5ForCausalLM(config)
 
 
+def qwen3_5_moe() -> torch.nn.Module:
+    config = transformers.Qwen3_5MoeTextConfig(
+        **VOCAB, hidden_size=1024, num_hidden_layers=16,
+        layer_types=["full_attention" if i % 4 == 3 else "linear_attention" for i in range(16)],
+        num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+        linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
+        num_experts=64, num_experts_per_tok=8, moe_intermediate_size=256,
+        shared_expert_intermediate_size=256, tie_word_embeddings=True,
+        intermediate_size=256)  # NOTE: not the model's; the writer puts it in the file
+    return transformers.Qwen3_5MoeForCausalLM(config)
+
+
 def nemotron_h() -> torch.nn.Module:
     config = transformers.NemotronHConfig(
         **VOCAB, hidden_size=1024,
@@ -62,7 +80,8 @@ def nemotron_h() -> torch.nn.Module:
     return transformers.NemotronHForCausalLM(config)
 
 
-FAMILIES = {"granite": granite, "qwen3.5": qwen3_5, "nemotron-h": nemotron_h}
+FAMILIES = {"granite": granite, "qwen3.5": qwen3_5, "qwen3.5-moe": qwen3_5_moe,
+            "nemotron-h": nemotron_h}
 
 
 def main() -> None:
@@ -73,8 +92,14 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     model = FAMILIES[args.family]()
-    flags = ("--no-mtp",) if args.family == "qwen3.5" else ()
-    write_with_llama_cpp(model, args.out, args.type, convert_flags=flags)
+    if not args.family.startswith("qwen3.5"):
+        write_with_llama_cpp(model, args.out, args.type)
+        return
+    from tests.gguf_families import write_qwen_hybrid_gguf
+    with tempfile.TemporaryDirectory() as folder:
+        model.save_pretrained(Path(folder) / "hf")
+        dense = write_qwen_hybrid_gguf(Path(folder) / "hf", Path(folder) / "f32.gguf")
+        quantize(dense, args.out, args.type)
 
 
 if __name__ == "__main__":

@@ -45,5 +45,9 @@ def write_with_llama_cpp(model: torch.nn.Module, out: Path, quant_type: str,
         subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(hf), "--outfile",
                         str(dense), "--outtype", "bf16", *convert_flags], check=True,
                        env={**os.environ, "PYTHONPATH": str(src / "gguf-py")})
-        subprocess.run([str(LLAMA_CPP / "build/bin/llama-quantize"), str(dense), str(out),
-                        quant_type], check=True)
+        quantize(dense, out, quant_type)
+
+
+def quantize(source: Path, out: Path, quant_type: str) -> None:
+    subprocess.run([str(LLAMA_CPP / "build/bin/llama-quantize"), str(source), str(out),
+                    quant_type], check=True)
