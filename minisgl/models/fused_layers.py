@@ -24,7 +24,7 @@ from minisgl.attention import AttentionBackend
 from minisgl.attention.torch_backend import KernelMetadata, TorchBackend
 from minisgl.core import Batch
 from minisgl.layers import NoRotary, SiluAndMul
-from minisgl.layers.gguf_weight import GgufWeight, GroupedGgufWeights, StackedWeight
+from minisgl.layers.gguf_weight import GgufWeight, StackedWeight
 from minisgl.layers.norm import RMSNorm
 from minisgl.models.granite_hybrid import GraniteHybridLayer, Mamba2Mixer
 from minisgl.models.llama import MLP, Attention, DecoderLayer
