@@ -47,24 +47,26 @@ def granite() -> torch.nn.Module:
     return transformers.GraniteMoeHybridForCausalLM(config)
 
 
+def qwen3_5_shape(layers: int) -> dict:
+    """What the dense and the MoE Qwen3.5 shapes share: hidden 1024, three Gated DeltaNet
+    layers to one gated attention."""
+    return dict(**VOCAB, hidden_size=1024, num_hidden_layers=layers,
+                layer_types=["full_attention" if i % 4 == 3 else "linear_attention"
+                             for i in range(layers)],
+                num_attention_heads=8, num_key_value_heads=2, head_dim=256,
+                linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+                linear_value_head_dim=128, tie_word_embeddings=True)
+
+
 def qwen3_5() -> torch.nn.Module:
-    config = transformers.Qwen3_5TextConfig(
-        **VOCAB, hidden_size=1024, num_hidden_layers=24, intermediate_size=3584,
-        layer_types=["full_attention" if i % 4 == 3 else "linear_attention" for i in range(24)],
-        num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
-        linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
-        tie_word_embeddings=True)
+    config = transformers.Qwen3_5TextConfig(**qwen3_5_shape(24), intermediate_size=3584)
     return transformers.Qwen3_5ForCausalLM(config)
 
 
 def qwen3_5_moe() -> torch.nn.Module:
     config = transformers.Qwen3_5MoeTextConfig(
-        **VOCAB, hidden_size=1024, num_hidden_layers=16,
-        layer_types=["full_attention" if i % 4 == 3 else "linear_attention" for i in range(16)],
-        num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
-        linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
-        num_experts=64, num_experts_per_tok=8, moe_intermediate_size=256,
-        shared_expert_intermediate_size=256, tie_word_embeddings=True,
+        **qwen3_5_shape(16), num_experts=64, num_experts_per_tok=8, moe_intermediate_size=256,
+        shared_expert_intermediate_size=256,
         intermediate_size=256)  # NOTE: not the model's; the writer puts it in the file
     return transformers.Qwen3_5MoeForCausalLM(config)
 
