@@ -100,3 +100,26 @@ def assert_within_margin_of_merged(base: Path, adapters: dict[str, Path],
             logits = model(torch.tensor([ids])).logits[0, len(prompt) - 1:-1].float()
         chosen = logits[torch.arange(len(out["output_ids"])), torch.tensor(out["output_ids"])]
         assert (logits.max(dim=-1).values - chosen).max() <= margin, name
+
+
+def assert_adapter_and_base_rows_match_peft(base: Path, adapter: Path, targets: list[str],
+                                            prompts: list[list[int]], new_tokens: int = 8
+                                            ) -> None:
+    """Each prompt served twice in one batch, with the adapter and without, greedy: each row
+    equal to PEFT's merged model (or its base) within assert_lora_greedy's margin, and the
+    adapter changes the outputs."""
+    from minisgl.llm import LLM
+    names = [name for _ in prompts for name in ("adapter", None)]
+    rows = [prompt for prompt in prompts for _ in range(2)]
+    params = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
+    with LLM(model=str(base), dtype="float32", max_total_tokens=2048,
+             lora_paths=[f"adapter={adapter}"], lora_target_modules=targets) as llm:
+        outs = [r["output_ids"] for r in llm.generate(input_ids=rows, sampling_params=params,
+                                                      lora_path=names)]
+        llm.check_integrity()
+    refs = {name: merged_greedy(base, None if name is None else adapter, prompts, new_tokens)
+            for name in ("adapter", None)}
+    for i, (name, prompt, ours) in enumerate(zip(names, rows, outs)):
+        assert_lora_greedy(base, None if name is None else adapter, prompt, ours,
+                           refs[name][i // 2])
+    assert refs["adapter"] != refs[None]

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from minisgl.engine import Engine
+from minisgl.llm import LLM
 from tests.test_model import TINY
 from tests.test_model_configs import (STEPS, assert_greedy_matches_transformers,
                                       assert_logits_match, tiny_engine)
@@ -187,3 +188,20 @@ def test_a_deepseek2_q8_0_file_keeps_its_linears_and_experts_as_blocks(tmp_path)
         assert (sparse.mlp.experts.quantized is not None) == blocks
 
     assert_blocks_give_the_dequantized_logits(gguf, check)
+
+
+def test_lora_adapters_match_peft_and_the_latent_projections_are_refused(tmp_path) -> None:
+    """An adapter on q_b_proj, o_proj and the dense layer's MLP matches PEFT; one on the
+    latent projections (their weights are absorbed into the attention) is refused at start."""
+    from tests.lora_fixtures import assert_adapter_and_base_rows_match_peft, save_adapter
+    save_deepseek(tmp_path / "base", "v3")
+    targets = ["q_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    adapter = save_adapter(tmp_path / "base", tmp_path / "adapter", seed=3, b_scale=1.0,
+                           targets=targets)
+    assert_adapter_and_base_rows_match_peft(tmp_path / "base", adapter, targets,
+                                            [[5, 17, 33, 9, 81, 12, 40, 7] * 3])
+    with pytest.raises(ValueError, match="no LoRA-capable kv_a_proj_with_mqa, kv_b_proj"):
+        LLM(model=str(tmp_path / "base"), dtype="float32", max_total_tokens=256,
+            enable_lora=True, max_lora_rank=8,
+            lora_target_modules=["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"])
+

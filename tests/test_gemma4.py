@@ -188,3 +188,16 @@ def test_a_gemma4_q8_0_file_keeps_its_linears_and_experts_as_blocks(tmp_path) ->
         assert (layer.experts.quantized is not None) == blocks
 
     assert_blocks_give_the_dequantized_logits(gguf, check, "float32", INT8_ACTIVATIONS_BOUND)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_lora_adapters_on_attention_and_mlp_match_peft(tmp_path, variant: str) -> None:
+    """A PEFT adapter on every attention and MLP projection (the k = v layers have no v_proj;
+    the sharing layers' k_proj / v_proj exist but feed nothing)."""
+    from tests.lora_fixtures import (ALL_TARGETS, assert_adapter_and_base_rows_match_peft,
+                                     save_adapter)
+    save_gemma4(tmp_path / "base", variant)
+    adapter = save_adapter(tmp_path / "base", tmp_path / "adapter", seed=3, b_scale=1.0)
+    assert_adapter_and_base_rows_match_peft(tmp_path / "base", adapter, ALL_TARGETS,
+                                            [[5, 17, 33, 9, 81, 12, 40, 7] * 3])
+
