@@ -213,23 +213,24 @@ def test_an_architecture_we_do_not_serve_names_those_we_do(tmp_path) -> None:
 
 
 def test_a_multimodal_checkpoint_we_do_not_serve_is_refused_in_one_line(tmp_path) -> None:
-    """Qwen2.5-VL (like Llama 4 and Mistral 3) nests its text model's numbers under
-    `text_config`: the refusal names its architecture and those we serve, in one line."""
+    """Mistral 3 (like Llama 4) nests its text model's numbers under `text_config`: the
+    refusal names its architecture and those we serve, in one line."""
     import transformers
     text = {k: v for k, v in TINY.items() if k != "max_position_embeddings"}
-    config = transformers.Qwen2_5_VLConfig(
-        text_config={**text, "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3]}},
-        vision_config={"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
-                       "out_hidden_size": 64, "fullatt_block_indexes": [0]})
+    config = transformers.Mistral3Config(
+        text_config=text,
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                       "num_attention_heads": 2, "head_dim": 16, "image_size": 64,
+                       "patch_size": 16})
     torch.manual_seed(0)
-    transformers.Qwen2_5_VLForConditionalGeneration(config).save_pretrained(tmp_path)
+    transformers.Mistral3ForConditionalGeneration(config).save_pretrained(tmp_path)
     assert "num_attention_heads" not in json.loads((tmp_path / "config.json").read_text())
     out = subprocess.run([sys.executable, "-m", "minisgl", "generate", "--prompt", "x",
                           "--model", str(tmp_path), "--dtype", "float32"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr
     assert out.stderr.strip().count("\n") == 0 and "Traceback" not in out.stderr, out.stderr
-    assert ("unsupported architecture 'Qwen2_5_VLForConditionalGeneration'" in out.stderr
+    assert ("unsupported architecture 'Mistral3ForConditionalGeneration'" in out.stderr
             and "LlamaForCausalLM" in out.stderr), out.stderr
 
 

@@ -12,6 +12,7 @@ from minisgl.layers.rotary import LongRopeSwitch, long_rope_switch
 # a family by its model_type or by its architectures entry.
 FAMILY_TRAITS: dict[tuple[str, str], dict[str, bool]] = {
     ("qwen2", "Qwen2ForCausalLM"): {"attention_bias": True},  # a bias on the q/k/v projections
+    ("qwen2_5_vl_text", "Qwen2_5_VLForCausalLM"): {"attention_bias": True},
     # a per-head RMSNorm on queries and keys before RoPE
     ("qwen3", "Qwen3ForCausalLM"): {"qk_norm": True},
     ("gemma3_text", "Gemma3ForCausalLM"): {"qk_norm": True},
@@ -60,7 +61,8 @@ def softcap(config: dict[str, Any], name: str) -> float:
 WINDOWED_FAMILIES = ("mistral", "mixtral", "phi3")
 # model types that window the layers from max_window_layers on, where use_sliding_window says
 # so (with no max_window_layers split: every layer)
-SWITCHED_FAMILIES = {"qwen2": True, "qwen3": True, "qwen2_moe": True, "qwen3_moe": False}
+SWITCHED_FAMILIES = {"qwen2": True, "qwen3": True, "qwen2_moe": True, "qwen3_moe": False,
+                     "qwen2_5_vl_text": True}
 
 
 def layer_windows(config: dict[str, Any]) -> tuple[int, ...]:

@@ -17,6 +17,7 @@ from minisgl.models.moe import MoEForCausalLM
 from minisgl.models.nemotron_h import NemotronHForCausalLM
 from minisgl.models.phi3 import Phi3ForCausalLM
 from minisgl.models.qwen3_next import Qwen3NextForCausalLM
+from minisgl.models.qwen2_5_vl import Qwen2_5_VLForCausalLM
 from minisgl.models.smollm3 import SmolLM3ForCausalLM
 
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
@@ -33,6 +34,7 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "NemotronHForCausalLM": NemotronHForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen2_5_VLForCausalLM": Qwen2_5_VLForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": MoEForCausalLM,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,

@@ -172,6 +172,7 @@ def generation_eos_ids(path: Path) -> tuple[int, ...]:
 # multimodal architecture -> the text model we serve of it (its vision tower is not loaded)
 TEXT_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
                "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM",
+               "Qwen2_5_VLForConditionalGeneration": "Qwen2_5_VLForCausalLM",
                "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
                "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM"}
 
@@ -184,12 +185,18 @@ def text_model_config(config: dict) -> dict:
     """A multimodal checkpoint's text model: its `text_config`, with the defaults transformers'
     config class fills in (Hub configs leave them out), under the text-only architecture."""
     architecture = (config.get("architectures") or [""])[0]
-    if architecture not in TEXT_MODELS or "text_config" not in config:
+    if architecture not in TEXT_MODELS:
         return config
     from transformers import CONFIG_MAPPING
+    if "text_config" not in config:  # an older flat spelling (Qwen2.5-VL's Hub configs)
+        if config.get("model_type") not in CONFIG_MAPPING:
+            return config
+        config = CONFIG_MAPPING[config["model_type"]](**config).to_dict()
     text = dict(config["text_config"])
     text = CONFIG_MAPPING[text.get("model_type", "gemma3_text")](**text).to_dict()
     text["architectures"] = [TEXT_MODELS[architecture]]
+    if text.get("tie_word_embeddings") is None:  # Qwen2.5-VL's is the outer config's
+        text["tie_word_embeddings"] = config.get("tie_word_embeddings")
     logger.info("serving the text model of %s (%s), without its vision tower", architecture,
                 text["architectures"][0])
     return text
