@@ -63,14 +63,12 @@ Mixer = Attention | GatedAttention | Mamba2Mixer | GatedDeltaNet
 
 
 @dataclass
-class LayerParts:
-    """A layer the program knows: its norms, its mixer, its linears (the mixer's in and out,
-    then the MLP's gate/up and down, or none where the mixer stands alone (a Nemotron-H block,
-    post_norm None); each one linear or several whose outputs the program concatenates), and
-    the factor on each sublayer's output."""
+class MixerParts:
+    """A token mixer the program knows: its norm, the mixer, its in and out linears (each one
+    linear or several whose outputs the program concatenates), and the factor on its
+    output."""
 
-    input_norm: RMSNorm
-    post_norm: RMSNorm | None
+    norm: RMSNorm
     mixer: Mixer
     linears: tuple[tuple[Any, ...], ...]
     residual_multiplier: float = 1.0
@@ -90,7 +88,7 @@ class MlpParts:
     residual_multiplier: float = 1.0
 
 
-Parts = LayerParts | MlpParts
+Parts = MixerParts | MlpParts
 
 
 def fuse_layers(model: Any, backend: AttentionBackend, tp_size: int) -> FusedLayers | None:
@@ -111,14 +109,11 @@ def fuse_layers(model: Any, backend: AttentionBackend, tp_size: int) -> FusedLay
     if any(b is None for linears in blocks + [experts] for b in linears):
         return None
     attention = [p.mixer for p in parts
-                 if isinstance(p, LayerParts) and isinstance(p.mixer, (Attention, GatedAttention))]
+                 if isinstance(p, MixerParts) and isinstance(p.mixer, (Attention, GatedAttention))]
     rotaries = {id(a.rotary): a.rotary for a in attention if not isinstance(a.rotary, NoRotary)}
     shared = {(_query_scale(a), type(a)) for a in attention}
     multipliers = {p.residual_multiplier for p in parts}
-    norms = [n for p in parts for n in ((p.input_norm, p.post_norm) if isinstance(p, LayerParts)
-                                        else (p.norm,)) if n is not None]
-    norms += [a.q_norm for a in attention if a.q_norm is not None]
-    eps = {n.eps for n in norms}
+    eps = {p.norm.eps for p in parts} | {a.q_norm.eps for a in attention if a.q_norm is not None}
     if not attention or len(shared) > 1 or len(rotaries) > 1 or len(multipliers) > 1 or len(
             eps) > 1:
         return None
@@ -138,8 +133,8 @@ def fuse_layers(model: Any, backend: AttentionBackend, tp_size: int) -> FusedLay
     for p, linears in zip(parts, blocks):
         weights = [w for w, _, _ in linears]
         kinds = [k for _, k, _ in linears]
+        norm = _weight(p.norm)
         if isinstance(p, MlpParts):
-            norm = _weight(p.norm)
             if p.moe is None:
                 program.add_mlp(norm, weights, kinds, p.relu2)
                 continue
@@ -153,22 +148,20 @@ def fuse_layers(model: Any, backend: AttentionBackend, tp_size: int) -> FusedLay
                             *next(experts_of)[:2], p.relu2, weights, kinds, p.shared_gate)
             continue
         m = p.mixer
-        norms = (_weight(p.input_norm),
-                 _weight(p.post_norm) if p.post_norm is not None else _weight(p.input_norm))
         if isinstance(m, (Attention, GatedAttention)):
             layer_id = m.kv_index if gated else m.layer_id
             qk_norms = ((m.q_norm.weight.detach(), m.k_norm.weight.detach())
                         if m.q_norm is not None else (None, None))
-            program.add_layer(*norms, weights, kinds, *backend.kv_pool.layer(layer_id),
+            program.add_attention(norm, weights, kinds, *backend.kv_pool.layer(layer_id),
                               *qk_norms, gated, not isinstance(m.rotary, NoRotary))
         elif isinstance(m, GatedDeltaNet):
-            program.add_delta_layer(*norms, weights, kinds, m.conv1d.weight.detach(),
+            program.add_delta_net(norm, weights, kinds, m.conv1d.weight.detach(),
                                     *m.states.layer(m.linear_id), *m.per_head(),
                                     m.norm.weight.detach(), m.shape.num_k_heads, m.norm.eps,
                                     m.shape.tiled)
         else:
             conv_states, ssm_states = m.states.layer(m.linear_id)
-            program.add_mamba2_layer(*norms, weights, kinds, m.conv1d.weight.detach(),
+            program.add_mamba2(norm, weights, kinds, m.conv1d.weight.detach(),
                                      _detached(m.conv1d.bias), conv_states, ssm_states,
                                      *m.per_head(), m.norm.weight.detach(), m.shape.groups,
                                      *m.shape.dt_limit, m.eps)
@@ -209,7 +202,7 @@ def _layer_parts(layer: Any) -> list[Parts] | None:
     mlp = _mlp_parts(layer, layer.post_attention_layernorm)
     if mixer is None or mlp is None:
         return None
-    return [LayerParts(layer.input_layernorm, None, *mixer, multiplier),
+    return [MixerParts(layer.input_layernorm, *mixer, multiplier),
             dataclasses.replace(mlp, residual_multiplier=multiplier)]
 
 
@@ -264,18 +257,18 @@ def _mamba2_kernels(mixer: Mamba2Mixer) -> bool:
 
 
 def _nemotron_parts(block: NemotronHBlock) -> Parts | None:
-    """A block's one norm and its mixer alone (post_norm None), its relu² MLP, or its mixture
-    of experts (relu² experts, the grouped sigmoid router, a relu² shared expert)."""
+    """A block's one norm and its mixer, its relu² MLP, or its mixture of experts (relu²
+    experts, the grouped sigmoid router, a relu² shared expert)."""
     if block.is_linear:
         mixer = block.mixer
         if type(mixer) is not Mamba2Mixer or not _mamba2_kernels(mixer):
             return None
-        return LayerParts(block.norm, None, mixer, ((mixer.in_proj,), (mixer.out_proj,)))
+        return MixerParts(block.norm, mixer, ((mixer.in_proj,), (mixer.out_proj,)))
     if block.kind == "full_attention":
         attn = block.self_attn
         if not _plain_attention(attn) or attn.query_scale != 1.0:
             return None
-        return LayerParts(block.norm, None, attn, ((attn.qkv_proj,), (attn.o_proj,)))
+        return MixerParts(block.norm, attn, ((attn.qkv_proj,), (attn.o_proj,)))
     mixer = block.mixer
     mlp = mixer.shared_experts if type(mixer) is NemotronHMoE else mixer
     if type(mlp) is not Relu2MLP:

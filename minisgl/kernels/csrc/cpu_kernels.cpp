@@ -466,9 +466,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<FusedLayers>(m, "FusedLayers", "a decoder's GGUF-block layers as one call (CPU)")
       .def(py::init<int64_t, int64_t, int64_t, double, double, c10::optional<at::Tensor>,
                     c10::optional<at::Tensor>, double, double>())
-      .def("add_layer", &FusedLayers::add_layer)
-      .def("add_mamba2_layer", &FusedLayers::add_mamba2_layer)
-      .def("add_delta_layer", &FusedLayers::add_delta_layer)
+      .def("add_attention", &FusedLayers::add_attention)
+      .def("add_mamba2", &FusedLayers::add_mamba2)
+      .def("add_delta_net", &FusedLayers::add_delta_net)
       .def("add_mlp", &FusedLayers::add_mlp)
       .def("add_moe", &FusedLayers::add_moe)
       .def("run", &FusedLayers::run, py::call_guard<py::gil_scoped_release>());

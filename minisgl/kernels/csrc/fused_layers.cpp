@@ -45,8 +45,7 @@ FusedLayers::FusedLayers(int64_t heads, int64_t kv_heads, int64_t head_dim, doub
 std::vector<FusedLayers::Linear> FusedLayers::parsed(
     const std::vector<std::vector<at::Tensor>>& linears,
     const std::vector<std::vector<int64_t>>& kinds) {
-  TORCH_CHECK((linears.size() == 4 || linears.size() == 2) && kinds.size() == linears.size(),
-              "four linears a layer, or a mixer's two");
+  TORCH_CHECK(kinds.size() == linears.size(), "a kind per linear");
   std::vector<Linear> out(linears.size());
   for (size_t i = 0; i < linears.size(); ++i) {
     TORCH_CHECK(!linears[i].empty() && linears[i].size() % 3 == 0 &&
@@ -71,80 +70,64 @@ FusedLayers::Grouped FusedLayers::grouped(const std::vector<at::Tensor>& tensors
   return g;
 }
 
-void FusedLayers::add_mixer(Sublayer mixer, at::Tensor post_norm, std::vector<Linear> linears) {
-  mixer.in = std::move(linears[0]);
-  mixer.out = std::move(linears[1]);
-  sublayers_.push_back(std::move(mixer));
-  if (linears.size() == 2) return;
-  Sublayer mlp;
-  mlp.norm = std::move(post_norm);
-  mlp.kind = Kind::mlp;
-  mlp.in = std::move(linears[2]);
-  mlp.out = std::move(linears[3]);
-  sublayers_.push_back(std::move(mlp));
+FusedLayers::Sublayer FusedLayers::sublayer(Kind kind, at::Tensor norm,
+                                            const std::vector<std::vector<at::Tensor>>& linears,
+                                            const std::vector<std::vector<int64_t>>& kinds) {
+  auto parts = parsed(linears, kinds);
+  TORCH_CHECK(parts.size() == 2, "a sublayer's two linears");
+  Sublayer layer;
+  layer.norm = std::move(norm);
+  layer.kind = kind;
+  layer.in = std::move(parts[0]);
+  layer.out = std::move(parts[1]);
+  return layer;
 }
 
-void FusedLayers::add_layer(at::Tensor input_norm, at::Tensor post_norm,
-                            std::vector<std::vector<at::Tensor>> linears,
-                            std::vector<std::vector<int64_t>> kinds, at::Tensor k_cache,
-                            at::Tensor v_cache, c10::optional<at::Tensor> q_norm,
-                            c10::optional<at::Tensor> k_norm, bool gated, bool rotary) {
+void FusedLayers::add_attention(at::Tensor norm, std::vector<std::vector<at::Tensor>> linears,
+                                std::vector<std::vector<int64_t>> kinds, at::Tensor k_cache,
+                                at::Tensor v_cache, c10::optional<at::Tensor> q_norm,
+                                c10::optional<at::Tensor> k_norm, bool gated, bool rotary) {
   TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "both QK-norm weights or neither");
-  Sublayer layer;
-  layer.norm = std::move(input_norm);
-  layer.kind = Kind::attention;
+  Sublayer layer = sublayer(Kind::attention, std::move(norm), linears, kinds);
   layer.k_cache = std::move(k_cache);
   layer.v_cache = std::move(v_cache);
   layer.q_norm = std::move(q_norm);
   layer.k_norm = std::move(k_norm);
   layer.gated = gated;
   layer.rotary = rotary;
-  add_mixer(std::move(layer), std::move(post_norm), parsed(linears, kinds));
+  sublayers_.push_back(std::move(layer));
 }
 
-void FusedLayers::add_mamba2_layer(at::Tensor input_norm, at::Tensor post_norm,
-                                   std::vector<std::vector<at::Tensor>> linears,
-                                   std::vector<std::vector<int64_t>> kinds,
-                                   at::Tensor conv_weight, c10::optional<at::Tensor> conv_bias,
-                                   at::Tensor conv_states, at::Tensor ssm_states,
-                                   at::Tensor dt_bias, at::Tensor log_a, at::Tensor D,
-                                   at::Tensor norm_weight, int64_t groups, double dt_min,
-                                   double dt_max, double norm_eps) {
-  Sublayer layer;
-  layer.norm = std::move(input_norm);
-  layer.kind = Kind::mamba2;
+void FusedLayers::add_mamba2(at::Tensor norm, std::vector<std::vector<at::Tensor>> linears,
+                             std::vector<std::vector<int64_t>> kinds, at::Tensor conv_weight,
+                             c10::optional<at::Tensor> conv_bias, at::Tensor conv_states,
+                             at::Tensor ssm_states, at::Tensor dt_bias, at::Tensor log_a,
+                             at::Tensor D, at::Tensor norm_weight, int64_t groups,
+                             double dt_min, double dt_max, double norm_eps) {
+  Sublayer layer = sublayer(Kind::mamba2, std::move(norm), linears, kinds);
   layer.mamba2 = {std::move(conv_weight), std::move(conv_states), std::move(ssm_states),
                   std::move(dt_bias),     std::move(log_a),       std::move(D),
                   std::move(norm_weight), std::move(conv_bias),   groups,
                   dt_min,                 dt_max,                 norm_eps};
-  add_mixer(std::move(layer), std::move(post_norm), parsed(linears, kinds));
+  sublayers_.push_back(std::move(layer));
 }
 
-void FusedLayers::add_delta_layer(at::Tensor input_norm, at::Tensor post_norm,
-                                  std::vector<std::vector<at::Tensor>> linears,
-                                  std::vector<std::vector<int64_t>> kinds,
-                                  at::Tensor conv_weight, at::Tensor conv_states,
-                                  at::Tensor ssm_states, at::Tensor dt_bias, at::Tensor log_a,
-                                  at::Tensor norm_weight, int64_t num_k_heads, double norm_eps,
-                                  bool tiled) {
-  Sublayer layer;
-  layer.norm = std::move(input_norm);
-  layer.kind = Kind::delta;
+void FusedLayers::add_delta_net(at::Tensor norm, std::vector<std::vector<at::Tensor>> linears,
+                                std::vector<std::vector<int64_t>> kinds,
+                                at::Tensor conv_weight, at::Tensor conv_states,
+                                at::Tensor ssm_states, at::Tensor dt_bias, at::Tensor log_a,
+                                at::Tensor norm_weight, int64_t num_k_heads, double norm_eps,
+                                bool tiled) {
+  Sublayer layer = sublayer(Kind::delta, std::move(norm), linears, kinds);
   layer.delta = {std::move(conv_weight), std::move(conv_states), std::move(ssm_states),
                  std::move(dt_bias),     std::move(log_a),       std::move(norm_weight),
                  num_k_heads,            norm_eps,               tiled};
-  add_mixer(std::move(layer), std::move(post_norm), parsed(linears, kinds));
+  sublayers_.push_back(std::move(layer));
 }
 
 void FusedLayers::add_mlp(at::Tensor norm, std::vector<std::vector<at::Tensor>> linears,
                           std::vector<std::vector<int64_t>> kinds, bool relu2) {
-  TORCH_CHECK(linears.size() == 2, "an MLP's two linears");
-  auto parts = parsed(linears, kinds);
-  Sublayer layer;
-  layer.norm = std::move(norm);
-  layer.kind = Kind::mlp;
-  layer.in = std::move(parts[0]);
-  layer.out = std::move(parts[1]);
+  Sublayer layer = sublayer(Kind::mlp, std::move(norm), linears, kinds);
   layer.relu2 = relu2;
   sublayers_.push_back(std::move(layer));
 }
@@ -164,15 +147,13 @@ void FusedLayers::add_moe(at::Tensor norm, at::Tensor router_weight,
   TORCH_CHECK(softmax || (router_weight.scalar_type() == at::kFloat && router_bias.has_value()),
               "a grouped sigmoid router: a float32 weight and a correction bias");
   Sublayer layer;
-  layer.norm = std::move(norm);
-  layer.kind = Kind::moe;
-  layer.relu2 = relu2;
-  if (!shared.empty()) {
-    auto parts = parsed(shared, shared_kinds);
-    TORCH_CHECK(parts.size() == 2, "the shared expert's two linears");
-    layer.in = std::move(parts[0]);
-    layer.out = std::move(parts[1]);
+  if (shared.empty()) {
+    layer.norm = std::move(norm);
+    layer.kind = Kind::moe;
+  } else {
+    layer = sublayer(Kind::moe, std::move(norm), shared, shared_kinds);
   }
+  layer.relu2 = relu2;
   layer.moe = {std::move(router_weight), std::move(router_bias), std::move(shared_gate),
                softmax, top_k, groups, top_groups, renormalize, scale,
                grouped(experts[0], expert_kinds[0]), grouped(experts[1], expert_kinds[1]),

@@ -22,39 +22,38 @@ class FusedLayers {
               c10::optional<at::Tensor> cos, c10::optional<at::Tensor> sin, double query_scale,
               double residual_multiplier);
 
-  // linears: q/k/v, o, gate/up, down, each as its parts' (codes, scales, subs) in row order;
-  // kinds: each part's (bits, mode, activation terms); caches: the layer's K and V in the
-  // head-major pool; q_norm / k_norm: per-head RMSNorm weights (QK-norm), or none; gated:
-  // q/k/v's q holds each head's query then its gate, and the attention's output is scaled by
-  // sigmoid(gate) before o; rotary: whether the RoPE tables apply to this layer (false: a NoPE
-  // layer among rotary ones, SmolLM3's). Each add_*_layer takes two linears alone (no
-  // gate/up, down; post_norm ignored) for a mixer without an MLP after it (a Nemotron-H block).
-  void add_layer(at::Tensor input_norm, at::Tensor post_norm,
-                 std::vector<std::vector<at::Tensor>> linears,
-                 std::vector<std::vector<int64_t>> kinds, at::Tensor k_cache,
-                 at::Tensor v_cache, c10::optional<at::Tensor> q_norm,
-                 c10::optional<at::Tensor> k_norm, bool gated, bool rotary);
+  // Each add_* appends one sublayer: `norm` (its RMSNorm's weight), then its operation.
+  // linears: the operation's two, each as its parts' (codes, scales, subs) in row order (their
+  // outputs concatenated); kinds: each part's (bits, mode, activation terms).
+  //
+  // Attention: linears q/k/v and o; caches: the layer's K and V in the head-major pool;
+  // q_norm / k_norm: per-head RMSNorm weights (QK-norm), or none; gated: q/k/v's q holds each
+  // head's query then its gate, and the attention's output is scaled by sigmoid(gate) before
+  // o; rotary: whether the RoPE tables apply to this layer (false: a NoPE layer among rotary
+  // ones, SmolLM3's).
+  void add_attention(at::Tensor norm, std::vector<std::vector<at::Tensor>> linears,
+                     std::vector<std::vector<int64_t>> kinds, at::Tensor k_cache,
+                     at::Tensor v_cache, c10::optional<at::Tensor> q_norm,
+                     c10::optional<at::Tensor> k_norm, bool gated, bool rotary);
 
-  // A Mamba2 layer: linears in_proj, out_proj, gate/up, down as add_layer's; the rest as
-  // mamba2_spans takes them (conv_states / ssm_states: the layer's in the state pool).
-  void add_mamba2_layer(at::Tensor input_norm, at::Tensor post_norm,
-                        std::vector<std::vector<at::Tensor>> linears,
-                        std::vector<std::vector<int64_t>> kinds, at::Tensor conv_weight,
-                        c10::optional<at::Tensor> conv_bias, at::Tensor conv_states,
-                        at::Tensor ssm_states, at::Tensor dt_bias, at::Tensor log_a,
-                        at::Tensor D, at::Tensor norm_weight, int64_t groups, double dt_min,
-                        double dt_max, double norm_eps);
+  // A Mamba2 layer: linears in_proj, out_proj; the rest as mamba2_spans takes them
+  // (conv_states / ssm_states: the layer's in the state pool).
+  void add_mamba2(at::Tensor norm, std::vector<std::vector<at::Tensor>> linears,
+                  std::vector<std::vector<int64_t>> kinds, at::Tensor conv_weight,
+                  c10::optional<at::Tensor> conv_bias, at::Tensor conv_states,
+                  at::Tensor ssm_states, at::Tensor dt_bias, at::Tensor log_a, at::Tensor D,
+                  at::Tensor norm_weight, int64_t groups, double dt_min, double dt_max,
+                  double norm_eps);
 
-  // A Gated DeltaNet layer (Qwen3.5's): linears in_proj (q/k/v, z, b, a as one linear's parts),
-  // out_proj, gate/up, down; the rest as gated_delta_layer takes them.
-  void add_delta_layer(at::Tensor input_norm, at::Tensor post_norm,
-                       std::vector<std::vector<at::Tensor>> linears,
-                       std::vector<std::vector<int64_t>> kinds, at::Tensor conv_weight,
-                       at::Tensor conv_states, at::Tensor ssm_states, at::Tensor dt_bias,
-                       at::Tensor log_a, at::Tensor norm_weight, int64_t num_k_heads,
-                       double norm_eps, bool tiled);
+  // A Gated DeltaNet layer (Qwen3.5's): linears in_proj (q/k/v, z, b, a as one linear's
+  // parts), out_proj; the rest as gated_delta_layer takes them.
+  void add_delta_net(at::Tensor norm, std::vector<std::vector<at::Tensor>> linears,
+                     std::vector<std::vector<int64_t>> kinds, at::Tensor conv_weight,
+                     at::Tensor conv_states, at::Tensor ssm_states, at::Tensor dt_bias,
+                     at::Tensor log_a, at::Tensor norm_weight, int64_t num_k_heads,
+                     double norm_eps, bool tiled);
 
-  // An MLP alone: linears up (relu2) or gate/up, and down, as add_layer's.
+  // An MLP: linears (gate/)up and down; relu2: relu² of up, else silu(gate) * up.
   void add_mlp(at::Tensor norm, std::vector<std::vector<at::Tensor>> linears,
                std::vector<std::vector<int64_t>> kinds, bool relu2);
 
@@ -64,7 +63,7 @@ class FusedLayers {
   // correction bias as router_bias, the best top_groups of groups kept, scaled by `scale`).
   // experts: each expert's (gate/)up and down (codes, scales, subs), one type and shape per
   // part, with their (bits, mode, terms); relu2: relu² of up (else silu(gate) * up) in the
-  // experts and the shared expert. shared: the shared expert's two linears, as add_layer's, or
+  // experts and the shared expert. shared: the shared expert's two linears, or
   // none; shared_gate: its sigmoid gate's weight [1, hidden] (Qwen3.5's), or none.
   void add_moe(at::Tensor norm, at::Tensor router_weight, c10::optional<at::Tensor> router_bias,
                bool softmax, int64_t top_k, int64_t groups, int64_t top_groups,
@@ -134,9 +133,10 @@ class FusedLayers {
                                     const std::vector<std::vector<int64_t>>& kinds);
   static Grouped grouped(const std::vector<at::Tensor>& tensors,
                          const std::vector<int64_t>& kinds);
-  // A mixer's sublayer from add_*_layer's linears (the caller fills in its own fields), and
-  // the MLP after it where they give one.
-  void add_mixer(Sublayer mixer, at::Tensor post_norm, std::vector<Linear> linears);
+  // A sublayer of `kind` with its norm and two linears; the caller fills in the rest.
+  static Sublayer sublayer(Kind kind, at::Tensor norm,
+                           const std::vector<std::vector<at::Tensor>>& linears,
+                           const std::vector<std::vector<int64_t>>& kinds);
   at::Tensor attention(const Sublayer& layer, const at::Tensor& x, const at::Tensor& positions,
                        const at::Tensor& out_loc, const at::Tensor& locations,
                        const at::Tensor& lens, const at::Tensor& rows) const;
