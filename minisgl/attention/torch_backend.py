@@ -192,6 +192,19 @@ class TorchBackend(AttentionBackend):
                                         meta.prefill, window, sinks),
                           self._decode(q[split:], k_cache, v_cache, meta.decode, window, sinks)))
 
+    def attend_rows(self, q: torch.Tensor, layer_id: int, batch: Batch, rows: torch.Tensor
+                    ) -> torch.Tensor:
+        """The queries of the batch's token `rows` alone over layer `layer_id`'s K/V as already
+        stored (a KV-sharing layer's), through the CPU kernel (KernelMetadata batches)."""
+        meta = batch.attn_metadata
+        assert isinstance(meta, KernelMetadata) and self.kernels is not None
+        k_cache, v_cache = self.kv_pool.layer(layer_id)
+        locations, lens, token_rows = meta.view(self.window(layer_id), self.page_table)
+        out = self.kernels.decode_attention(q.contiguous(), k_cache, v_cache, locations,
+                                            lens.index_select(0, rows), self.scale,
+                                            token_rows.index_select(0, rows), self.softcap, None)
+        return out.view(q.shape[0], -1)
+
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: DecodeMetadata, window: int, sinks: torch.Tensor | None
                 ) -> torch.Tensor:

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.attention import AttentionBackend
+from minisgl.attention.torch_backend import KernelMetadata, TorchBackend
 from minisgl.core import Batch
 from minisgl.distributed import all_reduce
 from minisgl.kvcache import KVLayout
@@ -102,6 +103,20 @@ class Gemma4Layout:
     def shares(self, layer_id: int) -> bool:
         return self.sources[layer_id] != layer_id
 
+    @property
+    def first_shared(self) -> int:
+        """The first layer that shares an earlier one's K/V (the layer count: none)."""
+        return next((i for i in range(len(self.types)) if self.shares(i)), len(self.types))
+
+
+def attends_rows(backend: AttentionBackend, batch: Batch) -> bool:
+    """Whether some token rows of `batch` can run alone: `backend` attends them so (the CPU
+    kernel's), and no row takes a LoRA adapter (a step's adapter layout covers every row)."""
+    slots = batch.lora_slots
+    return (isinstance(backend, TorchBackend) and backend.kernels is not None
+            and isinstance(batch.attn_metadata, KernelMetadata)
+            and (slots is None or max(slots[:batch.size], default=-1) < 0))
+
 
 def mlp_width(arch: ModelArch, layout: Gemma4Layout, layer_id: int) -> int:
     """The dense MLP's width: twice the config's in a KV-sharing layer where
@@ -140,8 +155,9 @@ class Gemma4Attention(Layer):
         self.query_scale = arch.head_dim ** 0.5
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: Batch,
-                backend: AttentionBackend, shared_kv: dict[str, tuple[torch.Tensor, torch.Tensor]]
-                ) -> torch.Tensor:
+                backend: AttentionBackend, shared_kv: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                query_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """`query_rows`: x holds only these token rows of the batch (a sharing layer's)."""
         tokens, d = x.shape[0], self.head_dim
         if self.qkv_proj is not None:
             q, k, v = self.qkv_proj.split(self.qkv_proj(x))
@@ -155,6 +171,8 @@ class Gemma4Attention(Layer):
             k, v = shared_kv[self.kind]
             q = self.rotary.rotate_queries(positions, q)
         q = q * self.query_scale
+        if query_rows is not None:  # the producer stored these K/V already
+            return self.o_proj(backend.attend_rows(q, self.kv_index, batch, query_rows))
         return self.o_proj(backend.forward(q, k, v, self.kv_index, batch))
 
 
@@ -207,9 +225,10 @@ class Gemma4DecoderLayer(Layer):
 
     def forward(self, h: torch.Tensor, per_layer_input: torch.Tensor | None,
                 positions: torch.Tensor, batch: Batch, backend: AttentionBackend,
-                shared_kv: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+                shared_kv: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                query_rows: torch.Tensor | None = None) -> torch.Tensor:
         x = self.self_attn(self.input_layernorm.forward_plain(h), positions, batch, backend,
-                           shared_kv)
+                           shared_kv, query_rows)
         x, h = self.pre_feedforward_layernorm(self.post_attention_layernorm.forward_plain(x), h)
         y = self.mlp(x)
         if self.router is not None:
@@ -280,11 +299,18 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
         h = self.embed(input_ids)
         per_layer = self.per_layer_inputs(input_ids, h)
         shared_kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        query_rows = None
         for i, layer in enumerate(self.layers):
+            if i == self.layout.first_shared and rows is not None and rows.numel() < h.shape[0] \
+                    and attends_rows(backend, batch):
+                # NOTE: from here on no layer writes K/V: only the rows read out need the rest
+                query_rows = rows
+                h, positions = h.index_select(0, rows), positions.index_select(0, rows)
+                per_layer = None if per_layer is None else per_layer.index_select(0, rows)
             h = layer(h, None if per_layer is None else per_layer[:, i], positions, batch,
-                      backend, shared_kv)
+                      backend, shared_kv, query_rows)
         x = self.norm.forward_plain(h)
-        return x if rows is None else x.index_select(0, rows)
+        return x if rows is None or query_rows is not None else x.index_select(0, rows)
 
     def skips(self, name: str) -> bool:
         layer = LAYER_INDEX.search(name)
