@@ -208,25 +208,32 @@ def _layer_parts(layer: Any) -> list[Parts] | None:
 
 def _mixer_parts(layer: Any) -> tuple[Mixer, tuple[tuple[Any, ...], ...]] | None:
     """A layer's token mixer and its in and out linears."""
-    if type(layer) is HybridDecoderLayer and layer.is_linear:
-        delta = layer.linear_attn
-        conv_states, _ = delta.states.layer(delta.linear_id)
-        if delta.shape.grouped or state_step_kernels(conv_states, delta.conv1d.weight) is None:
-            return None  # NOTE: Qwen3.5's q/k/v, z, b and a apart, not Qwen3-Next's grouped
-        return delta, ((delta.in_proj_qkv, delta.in_proj_z, delta.in_proj_b, delta.in_proj_a),
-                       (delta.out_proj,))
-    if type(layer) is GraniteHybridLayer and layer.is_linear:
-        mamba = layer.mamba
-        if type(mamba) is not Mamba2Mixer or not _mamba2_kernels(mamba):
-            return None
-        return mamba, ((mamba.in_proj,), (mamba.out_proj,))
-    attn = layer.self_attn
-    if type(layer) is HybridDecoderLayer:
-        return ((attn, ((attn.qkv_proj,), (attn.o_proj,))) if type(attn) is GatedAttention
-                else None)
-    if not _plain_attention(attn) or (type(layer) is DecoderLayer and attn.query_scale != 1.0):
+    mixer = (layer.linear_attn if type(layer) is HybridDecoderLayer and layer.is_linear
+             else layer.mamba if type(layer) is GraniteHybridLayer and layer.is_linear
+             else layer.self_attn)
+    if type(layer) is DecoderLayer and _query_scale(mixer) != 1.0:
         return None  # NOTE: Granite's query multiplier is the program's query_scale
-    return attn, ((attn.qkv_proj,), (attn.o_proj,))
+    linears = _mixer_linears(mixer)
+    return None if linears is None else (mixer, linears)
+
+
+def _mixer_linears(mixer: Any) -> tuple[tuple[Any, ...], ...] | None:
+    """A mixer the program knows: its in and out linears (Qwen3.5's Gated DeltaNet takes its
+    q/k/v, z, b and a apart, not Qwen3-Next's grouped ones)."""
+    if type(mixer) is GatedDeltaNet:
+        conv_states, _ = mixer.states.layer(mixer.linear_id)
+        if mixer.shape.grouped or state_step_kernels(conv_states, mixer.conv1d.weight) is None:
+            return None
+        return ((mixer.in_proj_qkv, mixer.in_proj_z, mixer.in_proj_b, mixer.in_proj_a),
+                (mixer.out_proj,))
+    if type(mixer) is Mamba2Mixer:
+        conv_states, _ = mixer.states.layer(mixer.linear_id)
+        if state_step_kernels(conv_states, mixer.conv1d.weight, mixer.conv1d.bias) is None:
+            return None
+        return (mixer.in_proj,), (mixer.out_proj,)
+    if type(mixer) is GatedAttention or _plain_attention(mixer):
+        return (mixer.qkv_proj,), (mixer.o_proj,)
+    return None
 
 
 def _mlp_parts(layer: Any, norm: RMSNorm) -> MlpParts | None:
@@ -251,24 +258,15 @@ def _mlp_parts(layer: Any, norm: RMSNorm) -> MlpParts | None:
     return None
 
 
-def _mamba2_kernels(mixer: Mamba2Mixer) -> bool:
-    conv_states, _ = mixer.states.layer(mixer.linear_id)
-    return state_step_kernels(conv_states, mixer.conv1d.weight, mixer.conv1d.bias) is not None
-
-
 def _nemotron_parts(block: NemotronHBlock) -> Parts | None:
     """A block's one norm and its mixer, its relu² MLP, or its mixture of experts (relu²
     experts, the grouped sigmoid router, a relu² shared expert)."""
-    if block.is_linear:
-        mixer = block.mixer
-        if type(mixer) is not Mamba2Mixer or not _mamba2_kernels(mixer):
+    if block.kind in ("linear_attention", "full_attention"):
+        mixer = block.mixer if block.is_linear else block.self_attn
+        linears = _mixer_linears(mixer)
+        if linears is None or _query_scale(mixer) != 1.0:
             return None
-        return MixerParts(block.norm, mixer, ((mixer.in_proj,), (mixer.out_proj,)))
-    if block.kind == "full_attention":
-        attn = block.self_attn
-        if not _plain_attention(attn) or attn.query_scale != 1.0:
-            return None
-        return MixerParts(block.norm, attn, ((attn.qkv_proj,), (attn.o_proj,)))
+        return MixerParts(block.norm, mixer, linears)
     mixer = block.mixer
     mlp = mixer.shared_experts if type(mixer) is NemotronHMoE else mixer
     if type(mlp) is not Relu2MLP:

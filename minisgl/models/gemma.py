@@ -31,22 +31,12 @@ from minisgl.layers import GeluTanhAndMul, Layer, RMSNorm, RotaryEmbedding
 from minisgl.layers.shard import read_all
 from minisgl.models.arch import ModelArch
 from minisgl.models.llama import MLP, Attention, LlamaForCausalLM
+from minisgl.models.weights import text_model_name
 
 
-# a multimodal checkpoint's tensors: its vision side, and its text model's prefixes
+# a multimodal checkpoint's vision side (its text model's: models.weights.text_model_name)
 VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
                    "model.multi_modal_projector.")
-TEXT_PREFIXES = ("language_model.", "model.language_model.")
-
-
-def text_model_name(name: str) -> str:
-    """A multimodal checkpoint's text tensor (`language_model.*`) under the text model's
-    name (`model.*`, `lm_head.*`); any other name as it is."""
-    for prefix in TEXT_PREFIXES:
-        if name.startswith(prefix):
-            name = name.removeprefix(prefix)
-            return name if name.startswith(("model.", "lm_head.")) else f"model.{name}"
-    return name
 
 
 def layer_ropes(config: dict[str, Any]) -> dict[str, dict[str, Any]]:

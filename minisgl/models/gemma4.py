@@ -50,8 +50,9 @@ from minisgl.layers import (
 )
 from minisgl.layers.moe import Experts
 from minisgl.models.arch import ModelArch
-from minisgl.models.gemma import layer_ropes, text_model_name
+from minisgl.models.gemma import layer_ropes
 from minisgl.models.llama import LAYER_INDEX, MLP, LlamaForCausalLM
+from minisgl.models.weights import text_model_name
 
 # a multimodal checkpoint's towers
 TOWER_PREFIXES = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.",

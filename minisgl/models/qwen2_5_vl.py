@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from minisgl.models.gemma import text_model_name
 from minisgl.models.llama import LlamaForCausalLM
+from minisgl.models.weights import text_model_name
 
 VISION_PREFIXES = ("visual.", "model.visual.")
 

@@ -39,12 +39,11 @@ from minisgl.layers.shard import load_head_rows, read_all
 from minisgl.models.arch import LinearAttnShape, ModelArch
 from minisgl.models.llama import MLP
 from minisgl.models.moe import MoEForCausalLM
+from minisgl.models.weights import text_model_name
 
 
-# A Qwen3.5 multimodal checkpoint (served as its text model, models.weights.TEXT_MODELS) keeps
-# the text model under TEXT_PREFIX; its vision tower and its multi-token-prediction head are
-# not served.
-TEXT_PREFIX = "model.language_model."
+# A Qwen3.5 multimodal checkpoint (served as its text model, models.weights.TEXT_MODELS):
+# its vision tower and its multi-token-prediction head are not served.
 SKIPPED_PREFIXES = ("model.visual.", "mtp.")
 
 
@@ -505,8 +504,7 @@ class Qwen3NextForCausalLM(HybridStack, MoEForCausalLM):
     def load_weight(self, name: str, source: Any) -> bool:
         if name.startswith(SKIPPED_PREFIXES):
             return True  # a multimodal checkpoint's vision tower; the multi-token predictor
-        if name.startswith(TEXT_PREFIX):
-            name = "model." + name.removeprefix(TEXT_PREFIX)
+        name = text_model_name(name)
         if (name.endswith("norm.weight") and ".linear_attn.norm." not in name
                 and not self.skips(name)):
             source = read_all(source).float() + 1.0  # (1 + w), see the module's docstring

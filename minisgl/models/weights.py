@@ -169,6 +169,20 @@ def generation_eos_ids(path: Path) -> tuple[int, ...]:
     return tuple(t for t in ids if isinstance(t, int))
 
 
+# a multimodal checkpoint's text model's tensors, under one of these prefixes
+TEXT_PREFIXES = ("language_model.", "model.language_model.")
+
+
+def text_model_name(name: str) -> str:
+    """A multimodal checkpoint's text tensor (`language_model.*`) under the text model's
+    name (`model.*`, `lm_head.*`); any other name as it is."""
+    for prefix in TEXT_PREFIXES:
+        if name.startswith(prefix):
+            name = name.removeprefix(prefix)
+            return name if name.startswith(("model.", "lm_head.")) else f"model.{name}"
+    return name
+
+
 # multimodal architecture -> the text model we serve of it (its vision tower is not loaded)
 TEXT_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
                "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM",

@@ -847,36 +847,73 @@ bool decodes_spans(const Weight& w, int64_t rows, int64_t terms) {
 #endif
 }
 
+#ifndef MINISGL_BLOCK_VNNI
+struct DecodedSpan {};  // spans are decoded with VNNI only
+#endif
+
+// What a call's tiles read besides the int8 terms and their scales; `tiled` / `decoded`:
+// whether some of its rows run 4-row tiles over the codes / decoded spans.
+Reads reads_for(int64_t bits, int64_t mode, int64_t terms, bool tiled, bool decoded) {
+  const bool folds = terms == 1 && code_offset(bits, mode) >= 0;
+  return {!folds || tiled, !folds, folds && tiled && code_offset(bits, mode) > 0,
+          folds && decoded};
+}
+
+// x's rows into `a`, as `reads` says.
+void quantize_input(const at::Tensor& x, int64_t rows, int64_t k, int64_t terms, Reads reads,
+                    Activations& a) {
+  if (x.scalar_type() == at::kFloat)
+    quantize_activations(x.data_ptr<float>(), rows, k, terms, reads, a);
+  else
+    quantize_activations(x.data_ptr<at::BFloat16>(), rows, k, terms, reads, a);
+}
+
+// Blocks of output features per span of a call of `rows` rows. NOTE: one row reads each block
+// once whatever the tile: tiles of one block stream the weight best.
+int64_t blocks_per_span(int64_t rows) { return rows == 1 ? 1 : kTileBlocks; }
+
+// Rows per block of rows of a call of `rows` rows. NOTE: past a few hundred rows, rows in
+// blocks whose activations stay in L2 while every span passes over them (each span decoded
+// once per block).
+int64_t rows_per_block(bool decoded, int64_t rows, int64_t k) {
+  return decoded ? std::max<int64_t>(kSpanTileRows,
+                                     kActivationBlockBytes / k / kSpanTileRows * kSpanTileRows)
+                 : rows;
+}
+
+// Rows first .. last - 1 of the span of `width` blocks from block b: decoded once (`decoded`,
+// into `codes`) or in 4-row tiles over the codes.
+template <typename T>
+void span_rows(const Activations& a, const Weight& w, int64_t terms, bool decoded,
+               DecodedSpan& codes, int64_t b, int width, int64_t first, int64_t last, T* out,
+               int64_t n) {
+#ifdef MINISGL_BLOCK_VNNI
+  if (decoded) {
+    decoded_span_rows(a, w, codes, b, width, first, last, out, n);
+    return;
+  }
+#endif
+  tiled_span_rows(a, w, terms, b, width, first, last, out, n);
+}
+
 // Every tile of out = activations x weight ([rows, n]), written in out's dtype.
 // `decoded`: decodes_spans's answer for this call.
 template <typename T>
 void run_tiles(const Activations& a, const Weight& w, int64_t terms, bool decoded, T* out) {
   const int64_t rows = a.rows, blocks = w.blocks;
   const int64_t n = blocks * kLanes;
-  // NOTE: blocks outer, rows inner: a block's codes stay in L1 while every tile passes over them.
-  // One row reads each block once whatever the tile: tiles of one block stream the weight best.
-  const int64_t per_span = rows == 1 ? 1 : kTileBlocks;
+  // NOTE: blocks outer, rows inner: a block's codes stay in L1 while every tile passes over them
+  const int64_t per_span = blocks_per_span(rows);
   const int64_t spans = (blocks + per_span - 1) / per_span;
-  // NOTE: past a few hundred rows, rows in blocks whose activations stay in L2 while every
-  // span passes over them (each span decoded once per block).
-  const int64_t row_block = decoded ? std::max<int64_t>(
-      kSpanTileRows, kActivationBlockBytes / a.k / kSpanTileRows * kSpanTileRows) : rows;
+  const int64_t row_block = rows_per_block(decoded, rows, a.k);
   for (int64_t first = 0; first < rows; first += row_block) {
     const int64_t last = std::min(rows, first + row_block);
     at::parallel_for(0, spans, 1, [&](int64_t begin, int64_t end) {
-#ifdef MINISGL_BLOCK_VNNI
       static thread_local DecodedSpan codes;
-#endif
       for (int64_t span = begin; span < end; ++span) {
         const int64_t b = span * per_span;
-        const int width = static_cast<int>(std::min<int64_t>(per_span, blocks - b));
-#ifdef MINISGL_BLOCK_VNNI
-        if (decoded) {
-          decoded_span_rows(a, w, codes, b, width, first, last, out, n);
-          continue;
-        }
-#endif
-        tiled_span_rows(a, w, terms, b, width, first, last, out, n);
+        span_rows(a, w, terms, decoded, codes, b,
+                  static_cast<int>(std::min<int64_t>(per_span, blocks - b)), first, last, out, n);
       }
     });
   }
@@ -918,13 +955,7 @@ at::Tensor block_matmul(at::Tensor x, at::Tensor codes, at::Tensor scales,
   const int64_t n = blocks * kLanes;
   static thread_local Activations a;  // reused: see grow
   const bool decoded = decodes_spans(w, rows, terms);
-  const bool folds = terms == 1 && code_offset(bits, mode) >= 0;
-  const Reads reads{!(folds && decoded), !folds, folds && !decoded && code_offset(bits, mode) > 0,
-                    folds && decoded};
-  if (x.scalar_type() == at::kFloat)
-    quantize_activations(x.data_ptr<float>(), rows, k, terms, reads, a);
-  else
-    quantize_activations(x.data_ptr<at::BFloat16>(), rows, k, terms, reads, a);
+  quantize_input(x, rows, k, terms, reads_for(bits, mode, terms, !decoded, decoded), a);
   auto result = at::empty({rows, n}, x.options());
   if (x.scalar_type() == at::kFloat) run_tiles(a, w, terms, decoded, result.data_ptr<float>());
   else run_tiles(a, w, terms, decoded, result.data_ptr<at::BFloat16>());
@@ -979,9 +1010,7 @@ at::Tensor block_matmul_grouped(at::Tensor x, std::vector<at::Tensor> codes,
     if (count == 0) continue;
     const bool decoded = decodes_spans(weights[e], count, terms);
     (decoded ? any_decoded : any_tiled) = true;
-    const int64_t per_span = count == 1 ? 1 : kTileBlocks;
-    const int64_t row_block = decoded ? std::max<int64_t>(
-        kSpanTileRows, kActivationBlockBytes / k / kSpanTileRows * kSpanTileRows) : count;
+    const int64_t per_span = blocks_per_span(count), row_block = rows_per_block(decoded, count, k);
     for (int64_t first = start; first < start + count; first += row_block)
       tasks.push_back({static_cast<int64_t>(e), first, std::min(start + count, first + row_block),
                        per_span, (blocks + per_span - 1) / per_span, decoded});
@@ -990,39 +1019,25 @@ at::Tensor block_matmul_grouped(at::Tensor x, std::vector<at::Tensor> codes,
   TORCH_CHECK(start == rows, "counts must cover the rows");
   auto result = at::empty({rows, n}, x.options());
   if (tasks.empty()) return result;
-  const bool folds = terms == 1 && code_offset(bits, mode) >= 0;
-  const Reads reads{!folds || any_tiled, !folds, folds && any_tiled && code_offset(bits, mode) > 0,
-                    folds && any_decoded};
   static thread_local Activations mine;  // reused: see grow
   // NOTE: the workers read this thread's buffers: a thread_local named in the loop's lambda
   // would be each worker's own
   Activations& a = mine;
-  if (x.scalar_type() == at::kFloat)
-    quantize_activations(x.data_ptr<float>(), rows, k, terms, reads, a);
-  else
-    quantize_activations(x.data_ptr<at::BFloat16>(), rows, k, terms, reads, a);
+  quantize_input(x, rows, k, terms, reads_for(bits, mode, terms, any_tiled, any_decoded), a);
   std::vector<int64_t> item_ends;  // each task's items end here in the flat loop
   int64_t items = 0;
   for (const Task& t : tasks) item_ends.push_back(items += t.spans);
   auto run = [&](auto* out) {
     at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-#ifdef MINISGL_BLOCK_VNNI
-      static thread_local DecodedSpan span_codes;
-#endif
+      static thread_local DecodedSpan codes;
       size_t t = std::upper_bound(item_ends.begin(), item_ends.end(), begin) - item_ends.begin();
       for (int64_t item = begin; item < end; ++item) {
         while (item >= item_ends[t]) ++t;
         const Task& task = tasks[t];
-        const Weight& w = weights[task.expert];
         const int64_t b = (item - (item_ends[t] - task.spans)) * task.per_span;
-        const int width = static_cast<int>(std::min<int64_t>(task.per_span, blocks - b));
-#ifdef MINISGL_BLOCK_VNNI
-        if (task.decoded) {
-          decoded_span_rows(a, w, span_codes, b, width, task.first, task.last, out, n);
-          continue;
-        }
-#endif
-        tiled_span_rows(a, w, terms, b, width, task.first, task.last, out, n);
+        span_rows(a, weights[task.expert], terms, task.decoded, codes, b,
+                  static_cast<int>(std::min<int64_t>(task.per_span, blocks - b)), task.first,
+                  task.last, out, n);
       }
     });
   };
