@@ -111,6 +111,16 @@ class ServerArgs:
         1024, "Sequences one request may ask for (prompts x n).")
     max_stop_strings: int = _flag(64, "Stop strings one request may give.")
     max_stop_string_length: int = _flag(1024, "Characters in one stop string at most.")
+    max_images_per_request: int = _flag(16, "Images one prompt may hold.")
+    max_image_bytes: int = _flag(
+        20 * 2**20, "Largest image file (fetched, base64 or read), in bytes.")
+    max_image_pixels: int = _flag(
+        64 * 2**20, "Largest image, in decoded pixels (width x height) before the model's "
+        "processor resizes it.")
+    image_fetch_timeout: float = _flag(10.0, "Seconds to fetch an http(s) image URL.")
+    allowed_local_media_path: str | None = _flag(
+        None, "A folder whose image files requests may name by path (file:// or a plain "
+        "path); default: none (the offline LLM: any).")
     tp_size: int = _flag(1, "Tensor-parallel ranks.", "--tp")
     context_length: int | None = _flag(
         None, "Longest sequence (prompt + output); default: the model's.")
@@ -263,6 +273,7 @@ class ServerArgs:
 
         for name in ("tp_size", "chunked_prefill_size", "cuda_graph_max_bs", "max_request_bytes",
                      "max_sequences_per_request", "max_stop_strings", "max_stop_string_length",
+                     "max_images_per_request", "max_image_bytes", "max_image_pixels",
                      "max_running_requests", "max_total_tokens", "context_length",
                      "max_queued_requests", "page_size", "max_mamba_cache_size"):
             value = getattr(self, name)
@@ -274,6 +285,8 @@ class ServerArgs:
                              f">= 0, got {threshold!r}")
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port!r}")
+        if not self.image_fetch_timeout > 0:
+            raise ValueError(f"--image-fetch-timeout must be > 0, got {self.image_fetch_timeout}")
         fraction = self.mem_fraction_static
         if fraction is not None and not 0 < fraction <= 1:
             raise ValueError(f"--mem-fraction-static must be in (0, 1], got {fraction}")
@@ -338,7 +351,8 @@ class ServerArgs:
             if f.type == "bool":
                 parser.add_argument(*names, action="store_true", **kwargs)
                 continue
-            kind = {"int": int, "int | None": int, "float | None": float}.get(str(f.type), str)
+            kind = {"int": int, "int | None": int, "float": float,
+                    "float | None": float}.get(str(f.type), str)
             if f.metadata.get("nargs"):
                 kwargs["nargs"] = f.metadata["nargs"]
             parser.add_argument(*names, type=kind, choices=f.metadata.get("choices"), **kwargs)

@@ -229,6 +229,53 @@ class LogprobState:
     input_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
 
 
+@dataclass(eq=False)
+class ImageInput:
+    """One image as its model's processor made it: `tokens` placeholder positions of the
+    prompt take the encoder's output for `pixels` (one embedding each)."""
+
+    key: int  # a hash of the processed pixels: the placeholders' prefix-cache key
+    tokens: int
+    pixels: torch.Tensor  # the processor's patches, as the model's encoder takes them
+    grid: tuple[int, int, int]  # (t, h, w) in patches
+    # NOTE: set on the engine thread by the first forward that reads the image, dropped by the
+    # one that reads its last placeholder; a forward finding None encodes it (again)
+    embeddings: torch.Tensor | None = None
+
+
+@dataclass
+class PromptImages:
+    """A prompt's images, and where multimodal RoPE puts its tokens (Qwen-VL: an image's
+    tokens turn by their row and column, not their index)."""
+
+    images: list[ImageInput]
+    offsets: list[int]  # each image's first placeholder position in the prompt
+    rope: torch.Tensor | None = None  # [3, prompt_len] int64: each prompt token's positions
+    rope_delta: int = 0  # a token past the prompt turns at its index plus this
+
+    def overlapping(self, start: int, end: int) -> list[tuple[ImageInput, int, int, int]]:
+        """(image, its first placeholder in the span, how many, where they start in the span)
+        of each image with placeholders in positions [start, end)."""
+        found = []
+        for image, offset in zip(self.images, self.offsets):
+            first, last = max(start, offset), min(end, offset + image.tokens)
+            if first < last:
+                found.append((image, first - offset, last - first, first - start))
+        return found
+
+    def rope_positions(self, start: int, count: int) -> torch.Tensor:
+        """[3, count] positions of tokens [start, start + count)."""
+        index = torch.arange(start, start + count)
+        out = (index + self.rope_delta).expand(3, count).clone()
+        if self.rope is not None:
+            inside = max(0, min(start + count, self.rope.shape[1]) - start)
+            out[:, :inside] = self.rope[:, start:start + inside]
+        return out
+
+
+IMAGE_KEY_SHIFT = 96  # an image placeholder's cache key: past every token id and KV kind
+
+
 class Req:
     """One sequence being scheduled.
 
@@ -245,7 +292,7 @@ class Req:
     __slots__ = ("uid", "rid", "host_ids", "prompt_len", "params", "stop_ids", "table_idx",
                  "kv_len", "device_len", "tail_loc", "cache_handle", "finish_reason",
                  "cached_tokens", "priority", "generator", "matcher", "logprobs", "spec",
-                 "lora_uid", "embed")
+                 "lora_uid", "embed", "images")
 
     def __init__(self, uid: int, rid: str, prompt_ids: list[int], params: SamplingParams,
                  stop_ids: frozenset[int] = frozenset()) -> None:
@@ -271,6 +318,7 @@ class Req:
         self.spec: Any = None  # speculative decoding: its tally (scheduler.speculation)
         self.lora_uid = 0  # its LoRA adapter (scheduler.lora), 0: the base model
         self.embed = False  # --is-embedding: its last prompt token's final hidden state
+        self.images: PromptImages | None = None  # a multimodal prompt's images
 
     def __repr__(self) -> str:
         return (f"Req(uid={self.uid}, rid={self.rid!r}, tokens={len(self.host_ids)}, "
@@ -278,14 +326,21 @@ class Req:
 
     def cache_ids(self, end: int | None = None, long_rope: bool = False) -> list[int]:
         """host_ids[:end] as the prefix cache keys them: offset by the KV's kind (its LoRA
-        adapter; `long_rope`: a LongRoPE prompt rotated by the long factors throughout), so
-        KV computed one way never serves a request that computes it another."""
+        adapter; `long_rope`: a LongRoPE prompt rotated by the long factors throughout), an
+        image's placeholders by the image, so KV computed one way never serves a request that
+        computes it another."""
         ids = self.host_ids[:end]
         kind = self.lora_uid * 2 + long_rope
-        if not kind:
-            return ids
-        offset = kind << 32
-        return [t + offset for t in ids]
+        if kind:
+            offset = kind << 32
+            ids = [t + offset for t in ids]
+        if self.images is not None:  # an image's placeholders are keyed by its content
+            ids = list(ids)
+            for image, offset in zip(self.images.images, self.images.offsets):
+                key = ((kind + 1) << IMAGE_KEY_SHIFT) + image.key
+                span = len(ids[offset:offset + image.tokens])  # `end` may cut the image
+                ids[offset:offset + span] = [key] * span
+        return ids
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -368,8 +423,12 @@ class Batch:
     # --enable-lora: per row the adapter slot it uses (-1: none); None when no row uses one
     lora_slots: list[int] | None = None
     # [num_tokens] each token's row of the RoPE table, where some row is not the token's
-    # position (layers.rotary.LongRopeSwitch); attention reads input_positions
+    # position (layers.rotary.LongRopeSwitch; a multimodal prompt's tokens past its images),
+    # or [3, num_tokens] a multimodal RoPE's (PromptImages); attention reads input_positions
     rope_positions: torch.Tensor | None = None
+    # token rows whose input embedding is replaced, and their values (an image's placeholders:
+    # its encoder's output); set by the engine when the forward runs
+    input_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
     # a verify step laid out for a CUDA graph: every row forwards this many tokens, its own
     # then filler ones (engine.speculation); 0 otherwise
     row_tokens: int = 0

@@ -24,6 +24,8 @@ class LLM:
     interpreter exits is shut down then, quietly."""
 
     def __init__(self, model: str | None = None, dtype: str = "auto", **server_args: Any) -> None:
+        # NOTE: offline, image_data may name any local file
+        server_args.setdefault("allowed_local_media_path", "/")
         self.args = ServerArgs(model_path=model, dtype=dtype, **server_args)
         self.runtime = Runtime(self.args)
         self._loop = asyncio.new_event_loop()

@@ -32,6 +32,7 @@ from minisgl.engine.draft_model import DraftModel
 from minisgl.engine.failure import FailureWatch
 from minisgl.engine.forward import ForwardInput, ForwardOutput, InputLogprobs, VerifyRows, to_host
 from minisgl.engine.graph import GraphRunner, supports_graphs
+from minisgl.engine.images import spliced_embeddings
 from minisgl.engine.lora import LoraModules, lora_settings
 from minisgl.engine.memory import allocate_kv_pool, allocate_state_pool, release_cuda_memory
 from minisgl.engine.model_loading import attention_for, draft_arch, kv_layout, load_model
@@ -133,6 +134,10 @@ class Engine:
         with tp_context(self.tp, self.group):
             self.model = self._load(self.arch, self.model_path, self.quantization,
                                     config.model_path)
+            # rank 0, a model whose prompts may hold images: what makes them its inputs
+            images = getattr(self.model, "image_processor", None)
+            self.image_processor = (images(self.model_path) if images is not None
+                                    and self.tp.rank == 0 else None)
             settings = lora_settings(config.enable_lora, lora_adapters(config.lora_paths),
                                      config.max_loras_per_batch, config.max_lora_rank,
                                      config.lora_target_modules, config.max_loaded_loras)
@@ -348,7 +353,7 @@ class Engine:
             batch, message.load_indices.to(device), message.write_indices.to(device),
             logit_rows=None if message.logit_rows is None else message.logit_rows.to(device),
             sample_args=None, logits_only=message.logits_only, verify_step=message.verify_step,
-            lora_loads=message.lora_loads))
+            lora_loads=message.lora_loads, image_rows=message.image_rows))
 
     # ---- failure and shutdown ----------------------------------------------------------------
 
@@ -487,6 +492,9 @@ class ModelRunner:
         (each None without any)."""
         batch = fwd.batch
         input_ids = self.token_pool.view(-1)[fwd.load_indices]
+        if fwd.image_rows is not None:
+            batch.input_embeds = spliced_embeddings(self.model, fwd.image_rows, fwd.images,
+                                                    self.tp, self.device)
         # NOTE: the model's RoPE reads these rows (attention reads batch.input_positions)
         positions = (batch.input_positions if batch.rope_positions is None
                      else batch.rope_positions)

@@ -12,6 +12,7 @@ from minisgl.core import Batch
 from minisgl.engine.sampler import SamplingArgs
 
 if TYPE_CHECKING:
+    from minisgl.engine.images import ImageSlice
     from minisgl.engine.tp_message import StepMessage
 
 
@@ -107,6 +108,10 @@ class ForwardInput:
     # rank 0, a prefill: the batch rows (int64 on the device) whose last token's final hidden
     # state is an embedding to return (--is-embedding); None when no row wants one
     embed_rows: torch.Tensor | None = None
+    # a step reading image placeholders: their token rows (host, every rank) and, on rank 0,
+    # the images they read (engine.images); None otherwise
+    image_rows: torch.Tensor | None = None
+    images: list[ImageSlice] | None = None
 
     @property
     def num_scored_rows(self) -> int:

@@ -190,6 +190,8 @@ class GraphRunner:
             setattr(batch, name, list(values) + [value] * (bs - len(values)))
         batch.input_positions = _pad_to(batch.input_positions, bs * width, 0)
         batch.out_loc = _pad_to(batch.out_loc, bs * width, self.dummy_loc)
+        if batch.rope_positions is not None:  # a multimodal request's decode positions
+            batch.rope_positions = _pad_to(batch.rope_positions, bs * width, 0)
         return bs - batch.size
 
     def can_run(self, batch: Batch) -> bool:

@@ -40,6 +40,7 @@ class StepMessage:
     lora_slots: list[int] | None = None  # Batch.lora_slots
     lora_loads: list[tuple[int, int, str]] = field(default_factory=list)  # ForwardInput's
     rope_positions: torch.Tensor | None = None  # Batch.rope_positions (not padded)
+    image_rows: torch.Tensor | None = None  # ForwardInput.image_rows
     state_loads: list[tuple[int, int]] | None = None  # Batch's (hybrid models)
     state_saves: list[tuple[int, int, int]] | None = None
 
@@ -47,7 +48,8 @@ class StepMessage:
         tokens, locations = self.token_writes, self.location_writes
         meta = [PHASES.index(self.phase), self.size, int(self.logits_only),
                 int(self.logit_rows is not None), self.decode_rows, int(self.verify_step),
-                self.row_tokens, int(self.rope_positions is not None)]
+                self.row_tokens, -1 if self.rope_positions is None else self.rope_positions.dim(),
+                int(self.image_rows is not None)]
         return [
             _ints(meta), _ints(self.table_rows), _ints(self.cached_lens), _ints(self.seq_lens),
             _ints(self.extend_lens), _ints(self.positions), _ints(self.out_loc),
@@ -66,9 +68,10 @@ class StepMessage:
             _ints([len(path.encode()) for _, _, path in self.lora_loads]),
             np.frombuffer(b"".join(path.encode() for _, _, path in self.lora_loads),
                           dtype=np.uint8).astype(np.int64),
-            _ints(self.rope_positions if self.rope_positions is not None else []),
+            _ints(self.rope_positions.flatten() if self.rope_positions is not None else []),
             _ints([value for load in self.state_loads or () for value in load]),
             _ints([value for save in self.state_saves or () for value in save]),
+            _ints(self.image_rows if self.image_rows is not None else []),
         ]
 
     @classmethod
@@ -76,9 +79,9 @@ class StepMessage:
         (meta, rows, cached, seq_lens, extend, positions, out_loc, load, write, logit_rows,
          token_rows, token_starts, token_lens, token_ids, location_lens, location_idx,
          location_vals, lora_slots, load_slots, load_uids, path_lens, path_bytes,
-         rope_positions, state_loads, state_saves) = arrays
+         rope_positions, state_loads, state_saves, image_rows) = arrays
         (phase, size, logits_only, has_logit_rows, decode_rows, verify_step,
-         row_tokens, has_rope_positions) = meta.tolist()
+         row_tokens, rope_dims, has_image_rows) = meta.tolist()
         tokens, at = [], 0
         for row, start, n in zip(token_rows.tolist(), token_starts.tolist(), token_lens.tolist()):
             tokens.append((row, start, torch.from_numpy(token_ids[at:at + n])))
@@ -100,8 +103,10 @@ class StepMessage:
                    torch.from_numpy(logit_rows) if has_logit_rows else None, bool(logits_only),
                    decode_rows, bool(verify_step), row_tokens, tokens, locations,
                    None if slots == [-2] else slots, loads,
-                   torch.from_numpy(rope_positions) if has_rope_positions else None,
-                   _tuples(state_loads, 2), _tuples(state_saves, 3))
+                   (torch.from_numpy(rope_positions).view(3, -1) if rope_dims == 2
+                    else torch.from_numpy(rope_positions) if rope_dims == 1 else None),
+                   _tuples(state_loads, 2), _tuples(state_saves, 3),
+                   torch.from_numpy(image_rows) if has_image_rows else None)
 
     def resolve(self, batch: Batch, load_indices: torch.Tensor, write_indices: torch.Tensor,
                 logit_rows: torch.Tensor | None,

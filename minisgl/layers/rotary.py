@@ -164,6 +164,13 @@ class RotaryEmbedding(Layer):
         self.register_buffer("cos", freqs.cos() * scale, persistent=False)
         self.register_buffer("sin", freqs.sin() * scale, persistent=False)
         self._cos_sin: torch.Tensor | None = None  # [max_positions, head_dim] (CUDA kernel)
+        # multimodal RoPE (Qwen-VL): which of a token's temporal, height and width positions
+        # turns each rotated pair; None for a 1-D RoPE
+        sections = rope.get("mrope_section")
+        self.axes = (None if sections is None else
+                     mrope_axes(sections, rope.get("mrope_interleaved", False),
+                                self.rotary_dim // 2))
+        self._per_token: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -174,27 +181,51 @@ class RotaryEmbedding(Layer):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 2:  # [3, tokens]: a table of one row per token, in order
+            cos, sin = self.per_token(positions)
+            rows = torch.arange(positions.shape[1], device=positions.device)
+            return self._apply(rows, q, k, cos, sin, torch.cat((cos, sin), dim=-1).float())
+        if self._cos_sin is None or self._cos_sin.device != q.device:
+            # NOTE: made at the first (eager) forward, before any CUDA-graph capture
+            self._cos_sin = torch.cat((self.cos, self.sin), dim=-1).float()
+        return self._apply(positions, q, k, self.cos, self.sin, self._cos_sin)
+
+    def _apply(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+               cos: torch.Tensor, sin: torch.Tensor, cos_sin: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q and k by rows `positions` of the table (cos, sin; cos_sin: both, for the
+        CUDA kernel)."""
         fused = cuda_kernels(q)
         # NOTE: FlashInfer 0.6.1 runs other head sizes through its RoPE-quantize kernel, not
         # verified here: LoRA adapters at head size 16 on an H200 missed the reference there
         if (fused is not None and q.stride(-1) == 1 and k.stride(-1) == 1
                 and self.head_dim in FLASHINFER_HEAD_DIMS):
-            if self._cos_sin is None or self._cos_sin.device != q.device:
-                # NOTE: made at the first (eager) forward, before any CUDA-graph capture
-                self._cos_sin = torch.cat((self.cos, self.sin), dim=-1).float()
             fused.apply_rope_with_cos_sin_cache_inplace(  # float32 math, in place
-                positions, q, k, self.head_dim, self._cos_sin, is_neox=True)
+                positions, q, k, self.head_dim, cos_sin, is_neox=True)
             return q, k
         kernels = cpu_kernels() if q.device.type == "cpu" else None
         if (kernels is not None and _heads_contiguous(q) and _heads_contiguous(k)
-                and positions.dtype == torch.int64 and self.cos.dtype == torch.float32):
-            kernels.rotary_(q, k, positions, self.cos, self.sin)  # float32 math, in place
+                and positions.dtype == torch.int64 and cos.dtype == torch.float32):
+            kernels.rotary_(q, k, positions, cos, sin)  # float32 math, in place
             return q, k
         # NOTE: like the reference implementations, the angles are computed in float32 and
         # applied in the activation dtype.
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        cos_rows = cos[positions].unsqueeze(1).to(q.dtype)
+        sin_rows = sin[positions].unsqueeze(1).to(q.dtype)
+        return self._rotate(q, cos_rows, sin_rows), self._rotate(k, cos_rows, sin_rows)
+
+    def per_token(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Multimodal RoPE's [3, tokens] positions as a (cos, sin) table of one row per token,
+        each rotated pair from its own axis's row; made once per forward (every layer gets
+        the same positions tensor)."""
+        if self._per_token is not None and self._per_token[0] is positions:
+            return self._per_token[1]
+        if self.axes is None:
+            raise ValueError("[3, tokens] positions for a RoPE without a valid mrope_section")
+        axes = self.axes.to(positions.device).view(1, 1, -1).expand(1, positions.shape[1], -1)
+        tables = tuple(table[positions].gather(0, axes)[0] for table in (self.cos, self.sin))
+        self._per_token = (positions, tables)
+        return tables
 
     def rotate_queries(self, positions: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         """q alone, for a layer that attends to keys another layer rotated."""
@@ -202,6 +233,23 @@ class RotaryEmbedding(Layer):
             return self(positions, q, q[:, :0])[0]
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         return self._rotate(q, cos, self.sin[positions].unsqueeze(1).to(q.dtype))
+
+
+def mrope_axes(sections: list[int], interleaved: bool, pairs: int) -> torch.Tensor | None:
+    """[pairs] 0, 1 or 2: the position (temporal, height, width) each rotated pair turns by.
+    In sections: the first sections[0] pairs, then sections[1], then sections[2] (Qwen2-VL,
+    Qwen2.5-VL); interleaved (Qwen3-VL): pairs 1, 4, 7, ... by height and 2, 5, 8, ... by
+    width, each for its section's count, the others temporal. None if the sections do not
+    split the pairs (such a model serves text, where every axis turns alike)."""
+    if len(sections) < 3 or any(sections[3:]) or sum(sections) != pairs:
+        return None
+    sections = list(sections[:3])
+    if not interleaved:
+        return torch.repeat_interleave(torch.arange(3), torch.tensor(sections))
+    axes = torch.zeros(pairs, dtype=torch.int64)
+    for axis in (1, 2):
+        axes[axis:3 * sections[axis]:3] = axis
+    return axes
 
 
 class NoRotary:

@@ -44,7 +44,7 @@ class FusedLayers:
     def runs(self, batch: Batch, positions: torch.Tensor) -> bool:
         """Whether this batch takes the fused call: the kernel's attention metadata, and few
         enough tokens that every linear takes the block kernel (as GgufWeight.matmul picks)."""
-        return (isinstance(batch.attn_metadata, KernelMetadata)
+        return (isinstance(batch.attn_metadata, KernelMetadata) and positions.dim() == 1
                 and positions.shape[0] <= self.max_rows and positions.dtype == torch.int64)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, batch: Batch,

@@ -142,6 +142,9 @@ class LlamaForCausalLM(Layer):
                       backend: AttentionBackend, rows: torch.Tensor | None) -> torch.Tensor:
         """Final hidden states [len(rows), hidden] of the chosen token rows (all when None)."""
         x, residual = self.embed(input_ids), None
+        if batch.input_embeds is not None:  # an image's placeholders
+            image_rows, values = batch.input_embeds
+            x[image_rows] = values
         if self.fused_layers is not None and self.fused_layers.runs(batch, positions):
             x, residual = self.fused_layers(x, positions, batch, backend)
         else:

@@ -70,7 +70,8 @@ def load_weights(model: torch.nn.Module, folder: Path, arch: ModelArch, method: 
                 return_freed_heap()
     for module in model.modules():
         if isinstance(getattr(module, "weight", None), (WeightBlocks, BlockSlots)) or (
-                getattr(module, "blocks", None) is not None):  # a linear's, or experts' blocks
+                getattr(module, "blocks", None) is not None
+                and hasattr(module, "finish_blocks")):  # a linear's, or experts' blocks
             module.finish_blocks(dtype, device)
         elif method == "w8a8_int8" and hasattr(module, "quantize_int8"):
             module.quantize_int8()

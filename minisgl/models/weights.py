@@ -191,6 +191,11 @@ TEXT_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
                "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM"}
 
 
+# a multimodal config's fields its text model keeps: the vision tower's, the image tokens'
+IMAGE_FIELDS = ("vision_config", "image_token_id", "vision_start_token_id",
+                "vision_end_token_id")
+
+
 def load_config(path: Path) -> dict:
     return text_model_config(json.loads((path / "config.json").read_text()))
 
@@ -211,8 +216,10 @@ def text_model_config(config: dict) -> dict:
     text["architectures"] = [TEXT_MODELS[architecture]]
     if text.get("tie_word_embeddings") is None:  # Qwen2.5-VL's is the outer config's
         text["tie_word_embeddings"] = config.get("tie_word_embeddings")
-    logger.info("serving the text model of %s (%s), without its vision tower", architecture,
-                text["architectures"][0])
+    for name in IMAGE_FIELDS:  # the model class decides whether it serves images
+        if config.get(name) is not None:
+            text[name] = config[name]
+    logger.info("serving %s as %s", architecture, text["architectures"][0])
     return text
 
 

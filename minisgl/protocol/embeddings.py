@@ -27,7 +27,9 @@ OPENAI_FIELDS = frozenset({"input", "model", "encoding_format", "dimensions", "u
                            "priority", "lora_path"})
 NATIVE_FIELDS = frozenset({"text", "input_ids", "rid", "priority", "lora_path", "dimensions",
                            "log_metrics"})
-NATIVE_KNOWN_FIELDS = NATIVE_FIELDS | NATIVE_INERT_FIELDS | NATIVE_UNSUPPORTED_FIELDS
+# images are served to generation only
+NATIVE_REFUSED_FIELDS = NATIVE_UNSUPPORTED_FIELDS | {"image_data"}
+NATIVE_KNOWN_FIELDS = NATIVE_FIELDS | NATIVE_INERT_FIELDS | NATIVE_REFUSED_FIELDS
 GENERATION_ONLY = ("this server serves embeddings (started with --is-embedding); restart "
                    "it without --is-embedding to generate text")
 EMBEDDING_ONLY = ("embeddings are served only by a server started with --is-embedding; this "
@@ -89,7 +91,7 @@ def parse_encode(body: dict[str, Any], shape: EmbeddingShape, unknown: UnknownFi
     extra = set(body) - NATIVE_KNOWN_FIELDS
     if extra and unknown is not None:
         unknown.ignore("/encode", extra)
-    refuse_unsupported(body, NATIVE_UNSUPPORTED_FIELDS)
+    refuse_unsupported(body, NATIVE_REFUSED_FIELDS)
     if body.get("text") is not None:  # NOTE: as /generate: text wins when both are given
         single, prompts = _inputs(body["text"], "text", shape, text=True, ids=False)
     elif body.get("input_ids") is not None:

@@ -31,7 +31,7 @@ MAX_TOP_LOGPROBS = 100  # native API; the OpenAI endpoints allow 20, as OpenAI d
 SUPPORTED_FIELDS = frozenset({
     "text", "input_ids", "sampling_params", "rid", "stream", "return_logprob",
     "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs", "log_metrics",
-    "return_prompt_token_ids", "priority", "lora_path"})
+    "return_prompt_token_ids", "priority", "lora_path", "image_data"})
 # Bookkeeping, routing and tracing hints: nothing of the output depends on them.
 INERT_FIELDS = frozenset({
     "no_logs", "conversation_id", "custom_labels", "external_trace_header",
@@ -39,7 +39,7 @@ INERT_FIELDS = frozenset({
 # Features minisgl does not have (multimodal, LoRA, sessions, hidden states, disaggregation,
 # data parallelism, custom logit processors, cache namespaces, extra logprob forms, ...).
 UNSUPPORTED_FIELDS = frozenset({
-    "input_embeds", "image_data", "video_data", "audio_data", "mm_hashes",
+    "input_embeds", "video_data", "audio_data", "mm_hashes",
     "mm_content_hashes", "use_audio_in_video", "video_config", "watermark", "token_ids_logprob",
     "return_sampling_mask", "sampling_logprobs_mode", "return_flat_raw_top_logprobs",
     "return_flat_raw_output_top_logprobs", "return_flat_raw_top_logprobs_b64",
@@ -93,10 +93,11 @@ def parse_generate(body: dict[str, Any], max_sequences: int,
                       lambda v: check_int(none_as(v, -1), "logprob_start_len", -1), single)
     priorities = per_item(body.get("priority"), count, "priority", check_priority, single)
     adapters = per_item(body.get("lora_path"), count, "lora_path", check_adapter_name, single)
-    for p, sp, r, w, k, start, prio, lora in zip(prompts, params, rids, want, tops, starts,
-                                                 priorities, adapters):
+    images = per_item(body.get("image_data"), count, "image_data", image_sources, single)
+    for p, sp, r, w, k, start, prio, lora, image_data in zip(
+            prompts, params, rids, want, tops, starts, priorities, adapters, images):
         p.params, p.rid, p.logprob_num, p.priority = sp, r, (k if w else -1), prio
-        p.lora = lora
+        p.lora, p.image_data = lora, image_data
         p.logprob_start_len = start if w else -1
 
     flag(body, "log_metrics", True)
@@ -120,6 +121,21 @@ def _prompts(text: Any, input_ids: Any) -> tuple[bool, list[Prompt]]:
         raise InvalidRequest("input_ids must be a non-empty list of token ids or a non-empty "
                              "list of such lists")
     return prompts
+
+
+def image_sources(value: Any) -> list[Any] | None:
+    """One prompt's `image_data`: an image (a URL, a data URL, a file path or base64; offline
+    also a PIL image) or a list of them, in the order of the prompt's image placeholders."""
+    if value is None or value == []:
+        return None
+    sources = list(value) if isinstance(value, list) else [value]
+    for i, source in enumerate(sources):
+        if isinstance(source, dict) and isinstance(source.get("url"), str):
+            sources[i] = source = source["url"]
+        if not (isinstance(source, str) and source) and not hasattr(source, "getpixel"):
+            raise InvalidRequest(f"image_data: image {i} must be a non-empty string (a URL, a "
+                                 "data URL, a file path or base64)")
+    return sources
 
 
 def _sampling_params(value: Any) -> SamplingParams:

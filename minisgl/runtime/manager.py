@@ -15,9 +15,10 @@ from typing import Any, AsyncIterator
 
 import torch
 
-from minisgl.core import SamplingParams
+from minisgl.core import PromptImages, SamplingParams
 from minisgl.errors import EngineFailed, InvalidRequest
 from minisgl.grammar import GrammarBackend
+from minisgl.runtime.images import IMAGE_MARKER, ImageLimits, lay_out_images, prepare_images
 from minisgl.runtime.metrics import Metrics
 from minisgl.runtime.request_log import RequestLog
 from minisgl.runtime.tokenizer import DecodeState, IncrementalDetokenizer, Tokenizer
@@ -48,6 +49,9 @@ class Prompt(RequestSpec):
 
     text: str | None = None
     chat: ChatPrompt | None = None
+    # the prompt's images (runtime.images' sources), one per image placeholder, in order; a
+    # chat prompt's are its image parts', marked in its messages by IMAGE_MARKER
+    image_data: list[Any] | None = None
 
 
 @dataclass
@@ -95,8 +99,11 @@ class ReqHandle:
 class RequestManager:
     def __init__(self, scheduler: Scheduler, tokenizer: Tokenizer | None,
                  grammar: GrammarBackend | None = None, metrics: Metrics | None = None,
-                 request_log: RequestLog | None = None) -> None:
+                 request_log: RequestLog | None = None, image_limits: ImageLimits | None = None
+                 ) -> None:
         self.scheduler, self.tokenizer = scheduler, tokenizer
+        self.image_processor = scheduler.engine.image_processor  # None: no images served
+        self.image_limits = image_limits
         self.grammar = grammar or GrammarBackend()
         self.detokenizer = IncrementalDetokenizer(tokenizer.hf) if tokenizer else None
         self.metrics = metrics or Metrics()
@@ -175,7 +182,12 @@ class RequestManager:
     async def submit_prompts(self, prompts: list[Prompt], streaming: bool = False
                              ) -> list[ReqHandle]:
         """Tokenize the text prompts (one batched call) and apply the chat template to chat
-        prompts, compile their grammars, then queue the batch, all or nothing."""
+        prompts, prepare their images, compile their grammars, then queue the batch, all or
+        nothing."""
+        if self.image_processor is None and any(p.image_data for p in prompts):
+            raise InvalidRequest(f"{self.scheduler.engine.arch.architecture} is served without "
+                                 "images (no vision tower in this checkpoint, or the model "
+                                 "takes none)")
         texts = [p for p in prompts if p.text is not None]
         # NOTE: an empty text is not tokenized (that could add a BOS): its empty input_ids are
         # refused by the scheduler's intake, as an empty list of ids is
@@ -189,8 +201,25 @@ class RequestManager:
                 if id(p.chat) not in chats:
                     chats[id(p.chat)] = await self.encode_chat(p.chat)
                 p.input_ids = chats[id(p.chat)]
+        await self.attach_images(prompts)
         await self.attach_grammars(prompts)
         return self.submit(list(prompts), streaming)
+
+    async def attach_images(self, prompts: list[Prompt]) -> None:
+        """Each prompt's images read, processed and laid into its ids (the samples of one
+        prompt share them); raises InvalidRequest naming the image."""
+        laid_out: dict[int, tuple[list[int], PromptImages]] = {}
+        for p in prompts:
+            if not p.image_data:
+                continue
+            assert self.image_processor is not None and self.image_limits is not None
+            key = id(p.image_data)
+            if key not in laid_out:
+                images = await prepare_images(p.image_data, self.image_processor,
+                                              self.image_limits)
+                laid_out[key] = lay_out_images(p.input_ids, images, self.image_processor,
+                                               self.scheduler.context_len)
+            p.input_ids, p.images = laid_out[key]
 
     async def attach_grammars(self, specs: list[RequestSpec]) -> None:
         """Compile each grammar the batch asks for (off the event loop, cached) and give each
@@ -213,7 +242,12 @@ class RequestManager:
     async def encode_chat(self, chat: ChatPrompt) -> list[int]:
         if self.tokenizer is None:
             raise InvalidRequest("this model has no tokenizer, so no chat template")
-        return await self.tokenizer.encode_chat(chat.messages, self.scheduler.context_len,
+        messages = chat.messages
+        if self.image_processor is not None:  # image parts: the model's own placeholder
+            placeholder = self.image_processor.placeholder
+            messages = [{**m, "content": m["content"].replace(IMAGE_MARKER, placeholder)}
+                        if isinstance(m.get("content"), str) else m for m in messages]
+        return await self.tokenizer.encode_chat(messages, self.scheduler.context_len,
                                                 chat.template_kwargs, chat.prefix)
 
     async def updates(self, handle: ReqHandle) -> AsyncIterator[ReqHandle]:

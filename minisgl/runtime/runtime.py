@@ -17,6 +17,7 @@ from minisgl.errors import InvalidRequest
 from minisgl.flag_checks import HARMONY_PARSER
 from minisgl.grammar import create_grammar_backend
 from minisgl.models import model_name
+from minisgl.runtime.images import image_limits
 from minisgl.runtime.manager import RequestManager
 from minisgl.runtime.metrics import Metrics
 from minisgl.runtime.request_log import RequestLog
@@ -55,7 +56,8 @@ class Runtime:
             self.served_names = args.served_model_names or [model_name(args.model_path)]
             self.model_name = self.served_names[0]
             self.requests = RequestManager(self.scheduler, self.tokenizer, grammar,
-                                           Metrics(self.model_name), self._request_log())
+                                           Metrics(self.model_name), self._request_log(),
+                                           image_limits(args))
             for name, path, pinned in args.lora_adapters():
                 try:
                     add_adapter(self.scheduler.adapters, self.engine.lora, name, path, pinned)

@@ -16,6 +16,7 @@ import torch
 from minisgl.core import Batch, Phase, Req, span_indices
 from minisgl.engine import (Engine, ForwardInput, GrammarMask, InputLogprobRows, StepMessage,
                             VerifyRows)
+from minisgl.engine.images import ImageSlice, image_rows
 from minisgl.engine.stream import Completion
 from minisgl.scheduler.lora import AdapterTable
 from minisgl.scheduler.memory import TableManager
@@ -57,6 +58,29 @@ def logprob_nums(reqs: list[Req]) -> list[int] | None:
     if not any(r.logprobs is not None for r in reqs):
         return None
     return [-1 if r.logprobs is None else r.logprobs.num for r in reqs]
+
+
+def image_inputs(reqs: list[Req], starts: list[int], counts: list[int], positions: torch.Tensor,
+                 phase: Phase) -> tuple[torch.Tensor | None, list[ImageSlice]]:
+    """A step with multimodal requests: the RoPE positions, where some row's differ from its
+    tokens' indices ([tokens] in a decode step, else [3, tokens]: PromptImages), and the image
+    placeholders its prompt tokens read."""
+    slices, row = [], 0
+    for req, start, count in zip(reqs, starts, counts):
+        if req.images is not None:
+            slices += [ImageSlice(image, first, n, row + at)
+                       for image, first, n, at in req.images.overlapping(start, start + count)]
+        row += count
+    turned = [r.images is not None and (r.images.rope is not None or r.images.rope_delta != 0)
+              for r in reqs]
+    if not any(turned):
+        return None, slices
+    if phase == "decode":
+        return positions + torch.tensor([r.images.rope_delta if t else 0
+                                         for r, t in zip(reqs, turned)]), slices
+    return torch.cat([req.images.rope_positions(start, count) if t
+                      else torch.arange(start, start + count).expand(3, count)
+                      for req, start, count, t in zip(reqs, starts, counts, turned)], dim=1), slices
 
 
 def embedding_rows(reqs: list[Req], last_chunk: list[bool]) -> list[int]:
@@ -159,6 +183,10 @@ class BatchBuilder:
         if self.long_rope is not None and phase != "decode":
             rope = self.long_rope.table_rows(positions, starts, counts,
                                              [r.prompt_len for r in reqs])
+        images, image_token_rows = None, None
+        if any(r.images is not None for r in reqs):
+            rope, images = image_inputs(reqs, starts, counts, positions, phase)
+            image_token_rows = image_rows(images) if images else None
         batch = Batch(phase, len(reqs), table_rows=rows, cached_lens=starts, seq_lens=ends,
                       extend_lens=counts, input_positions=positions.to(device, non_blocking=True),
                       out_loc=locations.to(device, non_blocking=True), decode_rows=decode_rows,
@@ -194,7 +222,7 @@ class BatchBuilder:
                                   token_writes=tokens,
                                   location_writes=location_writes,
                                   lora_slots=batch.lora_slots, lora_loads=loads,
-                                  rope_positions=rope)
+                                  rope_positions=rope, image_rows=image_token_rows)
         fwd = ForwardInput(batch=batch, load_indices=load.to(device, non_blocking=True),
                            write_indices=write.to(device, non_blocking=True),
                            logit_rows=None if rows_host is None else rows_host.to(
@@ -202,7 +230,8 @@ class BatchBuilder:
                            sample_args=sample_args, message=message, input_logprobs=scored,
                            grammar=self._grammar_rows(reqs, last_chunk), lora_loads=loads,
                            embed_rows=torch.tensor(embed_rows, dtype=torch.int64).to(
-                               device, non_blocking=True) if embed_rows else None)
+                               device, non_blocking=True) if embed_rows else None,
+                           image_rows=image_token_rows, images=images or None)
         return ScheduledBatch(reqs, last_chunk, fwd)
 
     def _adapters_of(self, reqs: list[Req]

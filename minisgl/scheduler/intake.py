@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Callable, TypeVar
 
-from minisgl.core import SamplingParams
+from minisgl.core import PromptImages, SamplingParams
 from minisgl.errors import InvalidRequest, QueueFull
 from minisgl.scheduler.memory import pages_spanned
 from minisgl.stop_regex import compile_stop_regex
@@ -28,6 +28,7 @@ class RequestSpec:
     priority: int | None = None  # used with --enable-priority-scheduling
     lora: str | None = None  # a loaded LoRA adapter's name (--enable-lora), None: the base model
     embed: bool = False  # answer the last prompt token's final hidden state (max_new_tokens 0)
+    images: PromptImages | None = None  # a multimodal prompt's images, processed
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ import torch
 
 from minisgl.core import LogprobState, Req
 from minisgl.engine import Engine, ForwardOutput
-from minisgl.errors import EngineFailed, IntegrityError
+from minisgl.errors import EngineFailed, IntegrityError, InvalidRequest
 from minisgl.kvcache import NaiveCache, PrefixCache, RadixCache, StateRadixCache
 from minisgl.scheduler.batch_builder import BatchBuilder, ScheduledBatch
 from minisgl.scheduler.config import SchedulerConfig
@@ -118,6 +118,9 @@ class Scheduler:
             return rid in self.reqs or (rid_taken is not None and rid_taken(rid))
 
         specs = [fill_max_new_tokens(spec, self.limits) for spec in specs]
+        if self.speculation is not None and any(spec.images for spec in specs):
+            raise InvalidRequest("image inputs are not served with speculative decoding "
+                                 "(--speculative-algorithm)")
         adapters = [self.adapters.uid_of(spec.lora) if spec.lora else 0 for spec in specs]
         waiting = len(self.prefill.waiting) + self._pending_new()
         displaced = self._displaceable(specs, waiting)
@@ -146,7 +149,7 @@ class Scheduler:
                   stop_ids=frozenset(params.stop_token_ids or ()) | (
                       frozenset() if params.ignore_eos else self.eos_ids))
         req.priority, req.lora_uid, req.embed = spec.priority or 0, lora_uid, spec.embed
-        req.matcher = spec.matcher
+        req.matcher, req.images = spec.matcher, spec.images
         if spec.logprob_num >= 0:
             req.logprobs = LogprobState(spec.logprob_num, prompt_len - 1 if start < 0 else start)
         if params.sampling_seed is not None:
