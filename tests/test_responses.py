@@ -163,7 +163,9 @@ def test_previous_response_and_the_store(client, server):
 @pytest.mark.parametrize("body,contains", [
     ({"input": "x", "tools": [{"type": "web_search"}]}, "web_search"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
-     "input_image"),
+     "image_url must be an http(s) or data: URL"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+     "input_file"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "item_reference"),
     ({"input": "x", "background": True}, "background"),
     ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include"),

@@ -34,6 +34,8 @@ SUBCOMMANDS = [
                "speculative decoding (NGRAM, STANDALONE) on vs off"),
     Subcommand("spec-llama-cpp", "spec_llama_cpp", "serving",
                "speculation in minisgl and in llama-server, each on vs off"),
+    Subcommand("images", "images", "serving",
+               "one image's first-token time and encoder, minisgl vs llama-server --mmproj"),
     Subcommand("embeddings", "embeddings", "serving",
                "embedding throughput beside the same model's prefill"),
     Subcommand("dashboard", "dashboard", "serving",

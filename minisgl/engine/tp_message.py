@@ -40,9 +40,9 @@ class StepMessage:
     lora_slots: list[int] | None = None  # Batch.lora_slots
     lora_loads: list[tuple[int, int, str]] = field(default_factory=list)  # ForwardInput's
     rope_positions: torch.Tensor | None = None  # Batch.rope_positions (not padded)
-    image_rows: torch.Tensor | None = None  # ForwardInput.image_rows
     state_loads: list[tuple[int, int]] | None = None  # Batch's (hybrid models)
     state_saves: list[tuple[int, int, int]] | None = None
+    image_rows: torch.Tensor | None = None  # ForwardInput.image_rows
 
     def pack(self) -> list[np.ndarray]:
         tokens, locations = self.token_writes, self.location_writes

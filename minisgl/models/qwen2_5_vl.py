@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -85,31 +85,32 @@ class Qwen2_5VLImages:
         else:
             self.processor = Qwen2VLImageProcessorPil(**own)
 
-    def process(self, image: Any) -> ImageInput:
-        """A PIL image, processed: its patches, grid, token count and content key."""
+    def process(self, image: Any) -> list[ImageInput]:
+        """A PIL image, processed: one unit (its patches, grid, token count, content key)."""
         out = self.processor(images=[image.convert("RGB")], return_tensors="pt")
         pixels = out["pixel_values"].float()
         grid: Grid = tuple(out["image_grid_thw"][0].tolist())  # type: ignore[assignment]
         digest = hashlib.blake2b(pixels.numpy().tobytes(), digest_size=8,
                                  key=repr(grid).encode())
         tokens = grid[0] * grid[1] * grid[2] // self.shape.merge ** 2
-        return ImageInput(int.from_bytes(digest.digest(), "little"), tokens, pixels, grid)
+        return [ImageInput(int.from_bytes(digest.digest(), "little"), tokens, pixels, grid)]
 
-    def layout(self, ids: list[int], images: list[ImageInput]
-               ) -> tuple[list[int], PromptImages]:
+    def layout(self, ids: list[int], images: list[list[ImageInput]],
+               encode: Callable[[str], list[int]]) -> tuple[list[int], PromptImages]:
         """The prompt with each image's placeholder token expanded to its tokens, and where
         they sit. The caller checks that the prompt holds one placeholder per image."""
+        units = [unit for image in images for unit in image]  # one each
         out: list[int] = []
         offsets = []
-        found = iter(images)
+        found = iter(units)
         for token in ids:
             if token == self.token_id:
                 offsets.append(len(out))
                 out += [token] * next(found).tokens
             else:
                 out.append(token)
-        rope = self.rope_positions(len(out), images, offsets)
-        return out, PromptImages(images, offsets, rope, int(rope.max()) + 1 - len(out))
+        rope = self.rope_positions(len(out), units, offsets)
+        return out, PromptImages(units, offsets, rope, int(rope.max()) + 1 - len(out))
 
     def rope_positions(self, length: int, images: list[ImageInput], offsets: list[int]
                        ) -> torch.Tensor:

@@ -19,6 +19,7 @@ from minisgl.models.phi3 import Phi3ForCausalLM
 from minisgl.models.qwen3_next import Qwen3NextForCausalLM
 from minisgl.models.qwen2_5_vl import Qwen2_5_VLForCausalLM
 from minisgl.models.smollm3 import SmolLM3ForCausalLM
+from minisgl.models.smolvlm import SmolVLMForCausalLM
 
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
@@ -35,6 +36,7 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen2_5_VLForCausalLM": Qwen2_5_VLForCausalLM,
+    "SmolVLMForCausalLM": SmolVLMForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": MoEForCausalLM,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,

@@ -170,7 +170,7 @@ def generation_eos_ids(path: Path) -> tuple[int, ...]:
 
 
 # a multimodal checkpoint's text model's tensors, under one of these prefixes
-TEXT_PREFIXES = ("language_model.", "model.language_model.")
+TEXT_PREFIXES = ("language_model.", "model.language_model.", "model.text_model.")
 
 
 def text_model_name(name: str) -> str:
@@ -188,12 +188,14 @@ TEXT_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
                "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM",
                "Qwen2_5_VLForConditionalGeneration": "Qwen2_5_VLForCausalLM",
                "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
-               "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM"}
+               "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
+               "SmolVLMForConditionalGeneration": "SmolVLMForCausalLM",
+               "Idefics3ForConditionalGeneration": "SmolVLMForCausalLM"}
 
 
 # a multimodal config's fields its text model keeps: the vision tower's, the image tokens'
 IMAGE_FIELDS = ("vision_config", "image_token_id", "vision_start_token_id",
-                "vision_end_token_id")
+                "vision_end_token_id", "scale_factor")
 
 
 def load_config(path: Path) -> dict:

@@ -14,6 +14,7 @@ from typing import Any
 from minisgl.core import GRAMMAR_FIELDS, SamplingParams, asks_nothing
 from minisgl.errors import InvalidRequest
 from minisgl.protocol.fields import UnknownFields, check_bool, none_as, refuse_unsupported
+from minisgl.protocol.image_parts import IMAGE_PART_TYPES, image_source, join_parts
 
 MAX_TOP_LOGPROBS = 20
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
@@ -200,8 +201,11 @@ def stream_options(body: dict[str, Any]) -> StreamOptions:
                    "stream_options.continuous_usage_stats"))
 
 
-def normalize_messages(messages: Any) -> list[dict[str, Any]]:
-    """Text content parts joined into one string, which every chat template understands."""
+def normalize_messages(messages: Any, images: list[str] | None = None
+                       ) -> list[dict[str, Any]]:
+    """Text content parts joined into one string, which every chat template understands;
+    image parts (refused unless `images` is given) marked in it, their sources appended to
+    `images`."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("messages must be a non-empty list")
     out = []
@@ -213,13 +217,18 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
                                  f"{', '.join(sorted(CHAT_ROLES))})")
         content = m.get("content")
         if isinstance(content, list):
-            parts = []
+            pieces = []
             for part in content:
-                if not (isinstance(part, dict) and part.get("type") == "text"
-                        and isinstance(part.get("text"), str)):
-                    raise InvalidRequest("only text content parts are supported")
-                parts.append(part["text"])
-            content = "\n".join(parts)
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind in IMAGE_PART_TYPES and images is not None:
+                    images.append(image_source(part, f"messages[{len(out)}]"))
+                    pieces.append((True, ""))
+                elif kind == "text" and isinstance(part.get("text"), str):
+                    pieces.append((False, part["text"]))
+                else:
+                    raise InvalidRequest("content parts must be text or image_url parts, got "
+                                         f"{kind or part!r}")
+            content = join_parts(pieces)
         elif content is None:
             content = ""
         elif not isinstance(content, str):

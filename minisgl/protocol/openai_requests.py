@@ -114,7 +114,9 @@ def parse_chat(body: dict[str, Any], model: OpenAIModel, template_takes_tools: b
         raise InvalidRequest("add_generation_prompt and continue_final_message cannot both "
                              "be true: set add_generation_prompt to false to continue the "
                              "final message")
-    messages, prefix = split_prefill(normalize_messages(body.get("messages")), continue_final)
+    images: list[str] = []
+    messages, prefix = split_prefill(normalize_messages(body.get("messages"), images),
+                                     continue_final)
     template_kwargs = {**chat_template_kwargs(body), "add_generation_prompt": generation_prompt}
     reasoning, thinking = None, False
     if model.harmony:
@@ -170,7 +172,8 @@ def parse_chat(body: dict[str, Any], model: OpenAIModel, template_takes_tools: b
         params.grammar_after = markers(model.reasoning_parser)[1]
     chat = ChatPrompt(messages, template_kwargs, prefix)
     prompt = Prompt([], params, logprob_num=(top or 0) if logprobs else -1,
-                    priority=check_priority(body.get("priority")), chat=chat, lora=adapter)
+                    priority=check_priority(body.get("priority")), chat=chat, lora=adapter,
+                    image_data=images or None)
     rid = _rid(body.get("rid"), "chatcmpl")
     groups = expand_samples([prompt], max_sequences)
     return ChatRequest(name, rid, groups, _name_samples(groups, rid), tools, stream, options,

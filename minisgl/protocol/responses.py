@@ -13,6 +13,7 @@ from typing import Any
 
 from minisgl.errors import InvalidRequest
 from minisgl.protocol.fields import UnknownFields, check_int, flag, refuse_unsupported
+from minisgl.protocol.image_parts import image_source
 from minisgl.protocol.openai_fields import SAMPLING_FIELDS
 from minisgl.protocol.openai_models import OpenAIModel
 from minisgl.protocol.openai_requests import ChatRequest, parse_chat
@@ -53,20 +54,30 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def _text_of(content: Any, where: str) -> str:
-    """A message's text: a string, or its text parts (input_text, output_text) joined."""
+def _text_of(content: Any, where: str, images: bool = False) -> str | list[dict[str, Any]]:
+    """A message's text: a string, or its text parts (input_text, output_text) joined; with
+    `images`, a message with input_image parts is a list of chat parts (text, image_url)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise InvalidRequest(f"{where}.content must be a string or a list of content parts")
-    texts = []
+    texts, parts = [], []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_image" and images:
+            parts.append({"type": "image_url", "image_url": {
+                "url": image_source(part, where), "detail": part.get("detail")}})
+            continue
         if kind not in ("input_text", "output_text", "text") or not isinstance(
                 part.get("text"), str):
-            raise InvalidRequest(f"{where}.content: only text parts (input_text, output_text) "
-                                 f"are supported, got {kind or part!r}")
+            allowed = "input_text, output_text, input_image" if images else \
+                "input_text, output_text"
+            raise InvalidRequest(f"{where}.content: only {allowed} parts are supported, got "
+                                 f"{kind or part!r}")
         texts.append(part["text"])
+        parts.append({"type": "text", "text": part["text"]})
+    if len(parts) > len(texts):
+        return parts
     return "\n".join(texts)
 
 
@@ -129,7 +140,8 @@ def items_to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if role not in ("user", "assistant", "system", "developer"):
                 raise InvalidRequest(f"{where}.role must be user, assistant, system or "
                                      f"developer, got {role!r}")
-            message = {"role": role, "content": _text_of(item.get("content"), where)}
+            message = {"role": role, "content": _text_of(item.get("content"), where,
+                                                         images=role == "user")}
             messages.append(assistant(message) if role == "assistant" else message)
         elif kind == "function_call":
             name, arguments, call_id = (item.get("name"), item.get("arguments"),

@@ -9,11 +9,12 @@ import asyncio
 import base64
 import binascii
 import io
+import itertools
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from minisgl.args import ServerArgs
 from minisgl.core import ImageInput, PromptImages
@@ -123,13 +124,14 @@ def open_image(source: Any, limits: ImageLimits) -> Any:
 
 
 async def prepare_images(sources: list[Any], processor: Any, limits: ImageLimits
-                         ) -> list[ImageInput]:
-    """Each source read, decoded and processed, concurrently and off the event loop."""
+                         ) -> list[list[ImageInput]]:
+    """Each source read, decoded and processed (into the units the model's encoder takes),
+    concurrently and off the event loop."""
     if len(sources) > limits.max_per_request:
         raise InvalidRequest(f"{len(sources)} images in one prompt; at most "
                              f"{limits.max_per_request} (--max-images-per-request)")
 
-    def prepare(index: int, source: Any) -> ImageInput:
+    def prepare(index: int, source: Any) -> list[ImageInput]:
         try:
             image = open_image(source, limits)
             return processor.process(image)
@@ -140,19 +142,22 @@ async def prepare_images(sources: list[Any], processor: Any, limits: ImageLimits
                                        for i, source in enumerate(sources))))
 
 
-def lay_out_images(ids: list[int], images: list[ImageInput], processor: Any, context_len: int
+def lay_out_images(ids: list[int], images: list[list[ImageInput]], processor: Any,
+                   context_len: int, encode: Callable[[str], list[int]]
                    ) -> tuple[list[int], PromptImages]:
     """The prompt's ids with its placeholders expanded, and its PromptImages; raises
     InvalidRequest when the placeholders do not match the images or the images overflow the
-    context."""
+    context. `encode`: the tokenizer (text to ids, no special tokens added)."""
     count = ids.count(processor.token_id)
     if count != len(images):
         raise InvalidRequest(f"the prompt holds {count} image placeholders "
                              f"({processor.placeholder}) for {len(images)} images")
-    length = len(ids)
-    for i, image in enumerate(images):
-        length += image.tokens - 1
-        if length >= context_len:
-            raise InvalidRequest(f"image {i} ({image.tokens} tokens) brings the prompt to "
-                                 f"{length} tokens, past the context of {context_len}")
-    return processor.layout(ids, images)
+    out, laid = processor.layout(ids, images, encode)
+    if len(out) >= context_len:
+        units = list(itertools.accumulate(len(units) for units in images))
+        ends = [offset + unit.tokens for offset, unit in zip(laid.offsets, laid.images)]
+        past = next((i for i, end in enumerate(ends) if end >= context_len), len(ends) - 1)
+        image = next(i for i, last in enumerate(units) if past < last)
+        raise InvalidRequest(f"image {image} brings the prompt past the context of "
+                             f"{context_len} tokens ({len(out)} with every image)")
+    return out, laid

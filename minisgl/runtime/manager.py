@@ -10,12 +10,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 import torch
 
-from minisgl.core import PromptImages, SamplingParams
+from minisgl.core import ImageInput, PromptImages, SamplingParams
 from minisgl.errors import EngineFailed, InvalidRequest
 from minisgl.grammar import GrammarBackend
 from minisgl.runtime.images import IMAGE_MARKER, ImageLimits, lay_out_images, prepare_images
@@ -104,6 +105,10 @@ class RequestManager:
         self.scheduler, self.tokenizer = scheduler, tokenizer
         self.image_processor = scheduler.engine.image_processor  # None: no images served
         self.image_limits = image_limits
+        # the images of live requests by content: one encoder run serves every request that
+        # reads an image while its embeddings are kept (engine.images)
+        self._images: weakref.WeakValueDictionary[int, ImageInput] = (
+            weakref.WeakValueDictionary())
         self.grammar = grammar or GrammarBackend()
         self.detokenizer = IncrementalDetokenizer(tokenizer.hf) if tokenizer else None
         self.metrics = metrics or Metrics()
@@ -215,11 +220,17 @@ class RequestManager:
             assert self.image_processor is not None and self.image_limits is not None
             key = id(p.image_data)
             if key not in laid_out:
-                images = await prepare_images(p.image_data, self.image_processor,
-                                              self.image_limits)
+                images = [[self._images.setdefault(unit.key, unit) for unit in units]
+                          for units in await prepare_images(p.image_data, self.image_processor,
+                                                            self.image_limits)]
                 laid_out[key] = lay_out_images(p.input_ids, images, self.image_processor,
-                                               self.scheduler.context_len)
+                                               self.scheduler.context_len, self._encode_plain)
             p.input_ids, p.images = laid_out[key]
+
+    def _encode_plain(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidRequest("this model has no tokenizer to lay its images out")
+        return self.tokenizer.hf(text, add_special_tokens=False)["input_ids"]
 
     async def attach_grammars(self, specs: list[RequestSpec]) -> None:
         """Compile each grammar the batch asks for (off the event loop, cached) and give each

@@ -1,0 +1,93 @@
+"""A random Qwen2.5-VL of a real vision shape, for minisgl and llama.cpp side by side (nothing
+downloaded): Qwen2.5-VL-3B's vision tower (32 blocks of 1280, windows of 112 pixels, four
+full-attention blocks) and its text model cut to `--layers` layers (hidden 2048, 16 query and
+2 KV heads, MLP 11008), SmolLM2's vocabulary with Qwen's vision tokens added, Qwen2.5-VL's
+image processor settings. Written three ways into `--out`:
+
+- `hf/`: the transformers checkpoint (bfloat16) minisgl serves;
+- `text-bf16.gguf` and `mmproj-bf16.gguf`: the same weights through llama.cpp's converter
+  (`--mmproj` for the vision tower), as its `llama-server --mmproj` serves them.
+
+    python scripts/vision_files.py --out /tmp/qwen-vl --python PYTHON
+
+llama.cpp's converter imports `sentencepiece` for Qwen's vocabulary before it falls back to a
+BPE one: `--python` names an interpreter that has it besides torch and transformers (the
+test environment does not install it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from llama_cpp_files import LLAMA_CPP  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from minisgl.models.weights import bundled_gguf  # noqa: E402
+
+VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
+VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
+              out_hidden_size=2048, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+              window_size=112, fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2)
+PIXELS = dict(min_pixels=3136, max_pixels=12845056)  # Qwen2.5-VL's preprocessor_config.json
+
+
+def write_checkpoint(hf: Path, layers: int) -> None:
+    gguf = bundled_gguf()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
+    start, pad, end = tokenizer.convert_tokens_to_ids(VISION_TOKENS)
+    text = dict(vocab_size=len(tokenizer), hidden_size=2048, intermediate_size=11008,
+                num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=2,
+                max_position_embeddings=32768, rms_norm_eps=1e-6, bos_token_id=1,
+                eos_token_id=2, pad_token_id=0, tie_word_embeddings=True,
+                rope_parameters={"rope_type": "default", "mrope_section": [16, 24, 24],
+                                 "rope_theta": 1_000_000.0})
+    config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=VISION,
+                                           image_token_id=pad, vision_start_token_id=start,
+                                           vision_end_token_id=end, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(config).to(torch.bfloat16)
+    with torch.no_grad():  # the norms start at one; weights at transformers' 0.02 std
+        for name, param in model.named_parameters():
+            if "norm" in name or "ln_q" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    model.save_pretrained(hf)
+    tokenizer.save_pretrained(hf)
+    transformers.Qwen2VLImageProcessorPil(**PIXELS).save_pretrained(hf)
+
+
+def convert(hf: Path, out: Path, python: str) -> None:
+    src = LLAMA_CPP / "src"
+    env = {**os.environ, "PYTHONPATH": str(src / "gguf-py")}
+    for name, flags in (("text-bf16.gguf", ()), ("mmproj-bf16.gguf", ("--mmproj",))):
+        subprocess.run([python, str(src / "convert_hf_to_gguf.py"), str(hf),
+                        "--outfile", str(out / name), "--outtype", "bf16", *flags], check=True,
+                       env=env)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--layers", type=int, default=8, help="text layers (the 3B has 36)")
+    parser.add_argument("--python", default=sys.executable,
+                        help="the interpreter that runs llama.cpp's converter")
+    args = parser.parse_args()
+    hf = args.out / "hf"
+    if not (hf / "config.json").exists():
+        write_checkpoint(hf, args.layers)
+    convert(hf, args.out, args.python)
+
+
+if __name__ == "__main__":
+    main()
