@@ -252,6 +252,9 @@ class PromptImages:
     offsets: list[int]  # each image's first placeholder position in the prompt
     rope: torch.Tensor | None = None  # [3, prompt_len] int64: each prompt token's positions
     rope_delta: int = 0  # a token past the prompt turns at its index plus this
+    # an image's tokens see each other both ways (Gemma 3): one forward takes all of an image's
+    # tokens it has not cached (scheduler.prefill.chunk_count)
+    whole: bool = False
 
     def overlapping(self, start: int, end: int) -> list[tuple[ImageInput, int, int, int]]:
         """(image, its first placeholder in the span, how many, where they start in the span)
@@ -262,6 +265,14 @@ class PromptImages:
             if first < last:
                 found.append((image, first - offset, last - first, first - start))
         return found
+
+    def chunk_end(self, start: int, end: int) -> int:
+        """`end`, or where a chunk [start, end) that cuts an image ends instead: before the
+        image, or at its end when the chunk starts in it."""
+        for image, offset in zip(self.images, self.offsets):
+            if offset < end < offset + image.tokens:
+                return offset if offset > start else offset + image.tokens
+        return end
 
     def rope_positions(self, start: int, count: int) -> torch.Tensor:
         """[3, count] positions of tokens [start, start + count)."""
@@ -429,6 +440,9 @@ class Batch:
     # token rows whose input embedding is replaced, and their values (an image's placeholders:
     # its encoder's output); set by the engine when the forward runs
     input_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+    # images whose tokens see each other both ways (Gemma 3): per image in this forward, (its
+    # first token row, its table row, its first and end position); the image is whole here
+    image_blocks: list[tuple[int, int, int, int]] | None = None
     # a verify step laid out for a CUDA graph: every row forwards this many tokens, its own
     # then filler ones (engine.speculation); 0 otherwise
     row_tokens: int = 0

@@ -1,14 +1,21 @@
-"""A random Qwen2.5-VL of a real vision shape, for minisgl and llama.cpp side by side (nothing
-downloaded): Qwen2.5-VL-3B's vision tower (32 blocks of 1280, windows of 112 pixels, four
-full-attention blocks) and its text model cut to `--layers` layers (hidden 2048, 16 query and
-2 KV heads, MLP 11008), SmolLM2's vocabulary with Qwen's vision tokens added, Qwen2.5-VL's
-image processor settings. Written three ways into `--out`:
+"""A random vision-language model of a real vision shape, for minisgl and llama.cpp side by side
+(nothing downloaded), SmolLM2's vocabulary with the family's image tokens added:
+
+- `qwen2.5-vl`: Qwen2.5-VL-3B's vision tower (32 blocks of 1280, windows of 112 pixels, four
+  full-attention blocks) and its text model cut to `--layers` layers (hidden 2048, 16 query
+  and 2 KV heads, MLP 11008), Qwen2.5-VL's image processor settings;
+- `smolvlm`: SmolVLM-256M: a SigLIP tower of 12 layers of 768 on 512-pixel tiles of 16-pixel
+  patches, folded 4 x 4 into 64 tokens a tile, and SmolLM2-135M's decoder (30 layers; cut by
+  `--layers`), images up to 2048 pixels a side in tiles.
+
+Written three ways into `--out`:
 
 - `hf/`: the transformers checkpoint (bfloat16) minisgl serves;
 - `text-bf16.gguf` and `mmproj-bf16.gguf`: the same weights through llama.cpp's converter
   (`--mmproj` for the vision tower), as its `llama-server --mmproj` serves them.
 
-    python scripts/vision_files.py --out /tmp/qwen-vl --python PYTHON
+    python scripts/vision_files.py qwen2.5-vl --out /tmp/qwen-vl --python PYTHON
+    python scripts/vision_files.py smolvlm --out /tmp/smolvlm --layers 30 --python PYTHON
 
 llama.cpp's converter imports `sentencepiece` for Qwen's vocabulary before it falls back to a
 BPE one: `--python` names an interpreter that has it besides torch and transformers (the
@@ -42,10 +49,45 @@ VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
 PIXELS = dict(min_pixels=3136, max_pixels=12845056)  # Qwen2.5-VL's preprocessor_config.json
 
 
-def write_checkpoint(hf: Path, layers: int) -> None:
+def bundled_tokenizer(extra: list[str]) -> transformers.PreTrainedTokenizerBase:
     gguf = bundled_gguf()
     tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
+    tokenizer.add_special_tokens({"additional_special_tokens": extra})
+    return tokenizer
+
+
+def randomize_norms(model: torch.nn.Module) -> None:
+    with torch.no_grad():  # the norms start at one; weights at transformers' 0.02 std
+        for name, param in model.named_parameters():
+            if "norm" in name or "ln_q" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+
+
+def smolvlm(hf: Path, layers: int) -> None:
+    marks = ["<image>", "<fake_token_around_image>", "<global-img>",
+             *(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7))]
+    tokenizer = bundled_tokenizer(marks)
+    text = dict(vocab_size=len(tokenizer), hidden_size=576, intermediate_size=1536,
+                num_hidden_layers=layers, num_attention_heads=9, num_key_value_heads=3,
+                max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
+                bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True,
+                architectures=["LlamaForCausalLM"], model_type="llama")
+    vision = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                  num_attention_heads=12, image_size=512, patch_size=16)
+    config = transformers.SmolVLMConfig(text_config=text, vision_config=vision, scale_factor=4,
+                                        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+                                        tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.SmolVLMForConditionalGeneration(config).to(torch.bfloat16)
+    randomize_norms(model)
+    model.save_pretrained(hf)
+    tokenizer.save_pretrained(hf)
+    transformers.SmolVLMImageProcessorPil(size={"longest_edge": 2048},
+                                          max_image_size={"longest_edge": 512}).save_pretrained(hf)
+
+
+def qwen2_5_vl(hf: Path, layers: int) -> None:
+    tokenizer = bundled_tokenizer(VISION_TOKENS)
     start, pad, end = tokenizer.convert_tokens_to_ids(VISION_TOKENS)
     text = dict(vocab_size=len(tokenizer), hidden_size=2048, intermediate_size=11008,
                 num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=2,
@@ -58,10 +100,7 @@ def write_checkpoint(hf: Path, layers: int) -> None:
                                            vision_end_token_id=end, tie_word_embeddings=True)
     torch.manual_seed(0)
     model = transformers.Qwen2_5_VLForConditionalGeneration(config).to(torch.bfloat16)
-    with torch.no_grad():  # the norms start at one; weights at transformers' 0.02 std
-        for name, param in model.named_parameters():
-            if "norm" in name or "ln_q" in name:
-                param.add_(torch.randn_like(param) * 0.1)
+    randomize_norms(model)
     model.save_pretrained(hf)
     tokenizer.save_pretrained(hf)
     transformers.Qwen2VLImageProcessorPil(**PIXELS).save_pretrained(hf)
@@ -76,16 +115,21 @@ def convert(hf: Path, out: Path, python: str) -> None:
                        env=env)
 
 
+FAMILIES = {"qwen2.5-vl": qwen2_5_vl, "smolvlm": smolvlm}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("family", choices=sorted(FAMILIES))
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--layers", type=int, default=8, help="text layers (the 3B has 36)")
+    parser.add_argument("--layers", type=int, default=8,
+                        help="text layers (Qwen2.5-VL-3B has 36, SmolVLM-256M 30)")
     parser.add_argument("--python", default=sys.executable,
                         help="the interpreter that runs llama.cpp's converter")
     args = parser.parse_args()
     hf = args.out / "hf"
     if not (hf / "config.json").exists():
-        write_checkpoint(hf, args.layers)
+        FAMILIES[args.family](hf, args.layers)
     convert(hf, args.out, args.python)
 
 

@@ -82,6 +82,11 @@ class Checkpoint:
     placeholder: str  # what an image is in a prompt's text
     image_token: int  # ... and in its ids
 
+    @property
+    def embedded_token(self) -> int:
+        """The token whose embeddings an image's encoder output replaces."""
+        return self.image_token
+
     def __init__(self, path: Path) -> None:
         self.path = path
 
@@ -184,8 +189,56 @@ class SmolVLM(Checkpoint):
         return expanded, {"pixel_values": torch.cat([o["pixel_values"] for o in outs], 1)}
 
 
+class Gemma3(Checkpoint):
+    """Gemma 3: a 2-layer SigLIP tower on 56-pixel images of 7-pixel patches, pooled 2 x 2 to
+    16 tokens an image; 2 text layers, the first windowed to 8 tokens (less than an image), so
+    the window reaches forward inside an image."""
+
+    placeholder = "<start_of_image>"
+
+    def __init__(self, path: Path) -> None:
+        import transformers
+        super().__init__(path)
+        self.tokenizer = bundled_tokenizer(path, ["<start_of_image>", "<image_soft_token>",
+                                                  "<end_of_image>"])
+        boi, self.soft, eoi = self.tokenizer.convert_tokens_to_ids(
+            ["<start_of_image>", "<image_soft_token>", "<end_of_image>"])
+        self.image_token = boi
+        torch.manual_seed(0)
+        text = {**TINY, "vocab_size": len(self.tokenizer), "sliding_window": 8,
+                "layer_types": ["sliding_attention", "full_attention"], "head_dim": 16,
+                "query_pre_attn_scalar": 16}
+        config = transformers.Gemma3Config(
+            text_config=text, boi_token_index=boi, eoi_token_index=eoi,
+            image_token_index=self.soft, mm_tokens_per_image=16,
+            vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=2, image_size=56, patch_size=7,
+                               vision_use_head=False))
+        self.model = with_norms(transformers.Gemma3ForConditionalGeneration(config).eval())
+        with torch.no_grad():  # the projector starts at zero
+            self.model.model.multi_modal_projector.mm_input_projection_weight.normal_(0, 0.2)
+        self.model.save_pretrained(str(path))
+        self.processor = transformers.Gemma3ImageProcessorPil(size={"height": 56, "width": 56})
+        self.processor.save_pretrained(str(path))
+
+    @property
+    def embedded_token(self) -> int:
+        return self.soft
+
+    def reference_inputs(self, ids: list[int], images: list[Any]
+                         ) -> tuple[list[int], dict[str, Any]]:
+        written = self.text_ids("\n\n<start_of_image>" + "<image_soft_token>" * 16
+                                + "<end_of_image>\n\n")
+        expanded: list[int] = []
+        for token in ids:
+            expanded += written if token == self.image_token else [token]
+        processed = self.processor(images=images, return_tensors="pt")
+        return expanded, {"pixel_values": processed["pixel_values"],
+                          "token_type_ids": (torch.tensor([expanded]) == self.soft).long()}
+
+
 FAMILIES = {"qwen2.5-vl": QwenVL, "smolvlm": lambda path: SmolVLM(path, split=True),
-            "smolvlm-whole": lambda path: SmolVLM(path, split=False)}
+            "smolvlm-whole": lambda path: SmolVLM(path, split=False), "gemma3": Gemma3}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -253,15 +306,15 @@ def test_prefix_cache_shares_an_image_only_with_itself(checkpoint) -> None:
                                       "prompt_tokens"]
         assert cached == prompt_len - 1
         other, cached = run("other")
-        assert cached == first_image_token(checkpoint, ids)  # SmolVLM: after a tile's marks
+        assert cached == first_image_token(checkpoint, ids)  # after the marks before it
         assert other == checkpoint.expected(ids, [random_image("other")])
         llm.check_integrity()
 
 
 def first_image_token(checkpoint: Checkpoint, ids: list[int]) -> int:
-    """The first prompt position whose token is an image token (the expanded prompt's)."""
+    """The first prompt position whose token is an image's embedding (the expanded prompt's)."""
     prompt, _ = checkpoint.reference_inputs(ids, [random_image("wide")])
-    return prompt.index(checkpoint.image_token)
+    return prompt.index(checkpoint.embedded_token)
 
 
 # ---- a real server --------------------------------------------------------------------------
@@ -418,8 +471,8 @@ def test_bad_images_are_refused_naming_them_and_queue_nothing(server, host) -> N
 def test_a_text_model_refuses_images(minisgl_server) -> None:
     error = assert_error(post(minisgl_server, "/generate", {
         "text": "hi", "image_data": data_url(random_image("wide"))}), 400)
-    assert "without images" in error["message"]
+    assert "image_data and image parts are not served" in error["message"]
     r = requests.post(minisgl_server.url + "/v1/chat/completions", timeout=60, json={
         "model": "m", "messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": data_url(random_image("wide"))}}]}]})
-    assert_error(r, 400, "without images")
+    assert_error(r, 400, "not served by")

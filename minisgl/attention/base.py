@@ -39,3 +39,30 @@ class AttentionBackend(ABC):
         Stores k/v at batch.out_loc and returns [tokens, heads * head_dim]. sinks: [heads], a
         logit per query head that joins each softmax's denominator and adds nothing to the
         output (gpt-oss's attention sinks)."""
+
+    def attend_image_blocks(self, q: torch.Tensor, out: torch.Tensor, layer_id: int,
+                            batch: Batch) -> torch.Tensor:
+        """Gemma 3: an image's tokens see the whole image, not only its tokens before them.
+        Each of the batch's `image_blocks` (its tokens' K/V already stored) has its queries'
+        rows of `out` computed again over the request's keys up to the image's end (within the
+        layer's window, which reaches forward too). Returns `out`."""
+        k_cache, v_cache = self.kv_pool.layer(layer_id)
+        window = self.window(layer_id)
+        for first_row, table_row, start, end in batch.image_blocks or ():
+            count = end - start
+            locations = self.page_table[table_row, :end].long()
+            keys, values = k_cache.index_select(1, locations), v_cache.index_select(1, locations)
+            group = q.shape[1] // keys.shape[0]
+            queries = q[first_row:first_row + count].transpose(0, 1)  # [heads, count, dim]
+            scores = torch.matmul(queries * self.scale,
+                                  keys.repeat_interleave(group, 0).transpose(1, 2))
+            if self.softcap:
+                scores = torch.tanh(scores / self.softcap) * self.softcap
+            if window:
+                query_pos = torch.arange(start, end, device=q.device)[:, None]
+                key_pos = torch.arange(end, device=q.device)[None, :]
+                scores = scores.masked_fill(query_pos - key_pos >= window, float("-inf"))
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            attended = torch.matmul(probs, values.repeat_interleave(group, 0))
+            out[first_row:first_row + count] = attended.transpose(0, 1).reshape(count, -1)
+        return out

@@ -276,7 +276,10 @@ class FlashInferBackend(AttentionBackend):
                 self.num_qo_heads = q.shape[1]
             self.plan(batch)
         out = meta.wrappers[self.window(layer_id)].run(q, self.paged[layer_id])
-        return out.view(q.shape[0], -1)
+        out = out.view(q.shape[0], -1)
+        if batch.image_blocks is not None:
+            return self.attend_image_blocks(q, out, layer_id, batch)
+        return out
 
     # ---- CUDA graphs (used by minisgl.engine.graph.GraphRunner) ------------------------------
 

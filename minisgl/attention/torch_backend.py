@@ -171,6 +171,13 @@ class TorchBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: Batch, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        out = self._forward(q, k, v, layer_id, batch, sinks)
+        if batch.image_blocks is not None:
+            return self.attend_image_blocks(q, out, layer_id, batch)
+        return out
+
+    def _forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                 batch: Batch, sinks: torch.Tensor | None) -> torch.Tensor:
         meta, window = batch.attn_metadata, self.window(layer_id)
         if isinstance(meta, KernelMetadata):
             k_cache, v_cache = self.kv_pool.layer(layer_id)

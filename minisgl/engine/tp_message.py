@@ -43,6 +43,7 @@ class StepMessage:
     state_loads: list[tuple[int, int]] | None = None  # Batch's (hybrid models)
     state_saves: list[tuple[int, int, int]] | None = None
     image_rows: torch.Tensor | None = None  # ForwardInput.image_rows
+    image_blocks: list[tuple[int, int, int, int]] | None = None  # Batch's
 
     def pack(self) -> list[np.ndarray]:
         tokens, locations = self.token_writes, self.location_writes
@@ -72,6 +73,7 @@ class StepMessage:
             _ints([value for load in self.state_loads or () for value in load]),
             _ints([value for save in self.state_saves or () for value in save]),
             _ints(self.image_rows if self.image_rows is not None else []),
+            _ints([value for block in self.image_blocks or () for value in block]),
         ]
 
     @classmethod
@@ -79,7 +81,7 @@ class StepMessage:
         (meta, rows, cached, seq_lens, extend, positions, out_loc, load, write, logit_rows,
          token_rows, token_starts, token_lens, token_ids, location_lens, location_idx,
          location_vals, lora_slots, load_slots, load_uids, path_lens, path_bytes,
-         rope_positions, state_loads, state_saves, image_rows) = arrays
+         rope_positions, state_loads, state_saves, image_rows, image_blocks) = arrays
         (phase, size, logits_only, has_logit_rows, decode_rows, verify_step,
          row_tokens, rope_dims, has_image_rows) = meta.tolist()
         tokens, at = [], 0
@@ -106,7 +108,8 @@ class StepMessage:
                    (torch.from_numpy(rope_positions).view(3, -1) if rope_dims == 2
                     else torch.from_numpy(rope_positions) if rope_dims == 1 else None),
                    _tuples(state_loads, 2), _tuples(state_saves, 3),
-                   torch.from_numpy(image_rows) if has_image_rows else None)
+                   torch.from_numpy(image_rows) if has_image_rows else None,
+                   _tuples(image_blocks, 4))
 
     def resolve(self, batch: Batch, load_indices: torch.Tensor, write_indices: torch.Tensor,
                 logit_rows: torch.Tensor | None,
@@ -137,7 +140,7 @@ class StepMessage:
                      lora_slots=self.lora_slots, row_tokens=self.row_tokens,
                      rope_positions=None if self.rope_positions is None
                      else self.rope_positions.to(device), state_loads=self.state_loads,
-                     state_saves=self.state_saves)
+                     state_saves=self.state_saves, image_blocks=self.image_blocks)
 
 
 def _ints(values: object) -> np.ndarray:

@@ -152,6 +152,30 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, 64)  # 64: the batch to tune for
 
 
+class DenseLinear(Layer):
+    """A plain linear of a vision tower, under the checkpoint's names (`weight`, `bias`): whole
+    on every rank, never quantized, never a LoRA target; on CPU its weight is prepacked as the
+    decoder's are. Takes inputs of any leading shape."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = (nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias
+                     else None)
+        self.packed: torch.Tensor | None = None
+
+    def prepack_for_cpu(self) -> None:
+        self.packed = pack_weight(self.weight.data)
+        self.weight.data = torch.empty(0, dtype=self.weight.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        flat = x.reshape(-1, x.shape[-1])
+        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+
 class ReplicatedLinear(_Linear):
     """A linear every rank holds whole (a small projection beside the sharded ones)."""
 

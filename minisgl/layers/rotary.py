@@ -235,6 +235,26 @@ class RotaryEmbedding(Layer):
         return self._rotate(q, cos, self.sin[positions].unsqueeze(1).to(q.dtype))
 
 
+def rotate_rows(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k ([tokens, heads, dim]) each token by its own row of cos / sin ([tokens, dim/2],
+    float32), the head's halves paired, in float32 (a vision tower's 2D RoPE); on CPU by the
+    compiled kernel, in place on contiguous copies."""
+    kernels = cpu_kernels() if q.device.type == "cpu" else None
+    if kernels is not None and cos.dtype == torch.float32:
+        q, k = q.contiguous(), k.contiguous()
+        kernels.rotary_(q, k, torch.arange(q.shape[0]), cos, sin)
+        return q, k
+    cos, sin = cos[:, None], sin[:, None]
+
+    def turned(x: torch.Tensor) -> torch.Tensor:
+        first, second = x.float().chunk(2, dim=-1)
+        return torch.cat([first * cos - second * sin, second * cos + first * sin],
+                         dim=-1).to(x.dtype)
+
+    return turned(q), turned(k)
+
+
 def mrope_axes(sections: list[int], interleaved: bool, pairs: int) -> torch.Tensor | None:
     """[pairs] 0, 1 or 2: the position (temporal, height, width) each rotated pair turns by.
     In sections: the first sections[0] pairs, then sections[1], then sections[2] (Qwen2-VL,

@@ -14,12 +14,13 @@ attention scores and logits (ModelArch's attn_logit_softcap / final_logit_softca
 the attention backend and the LM head); its Hub configs alternate sliding and full layers
 without saying so (models.arch.layer_windows).
 
-A multimodal Gemma 3 checkpoint (`Gemma3ForConditionalGeneration`, 4B and larger) is served as
-its text model: models.weights reads its `text_config`, and its vision tensors are skipped.
+A multimodal Gemma 3 checkpoint (`Gemma3ForConditionalGeneration`, 4B and larger): models.weights
+reads its `text_config` and keeps its `vision_config`; its images are models.gemma3_vision's.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,8 +29,10 @@ from torch import nn
 from minisgl.attention import AttentionBackend
 from minisgl.core import Batch
 from minisgl.layers import GeluTanhAndMul, Layer, RMSNorm, RotaryEmbedding
-from minisgl.layers.shard import read_all
+from minisgl.layers.shard import copy_into, read_all
 from minisgl.models.arch import ModelArch
+from minisgl.models.dummy_weights import checkpoint_shapes
+from minisgl.models.gemma3_vision import Gemma3Images, Gemma3Vision
 from minisgl.models.llama import MLP, Attention, LlamaForCausalLM
 from minisgl.models.weights import text_model_name
 
@@ -74,6 +77,12 @@ class Gemma3DecoderLayer(Layer):
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__(arch)
+        self.vision = (Gemma3Vision(arch.config, arch.hidden_size)
+                       if arch.config.get("vision_config") is not None else None)
+        self.vision_loaded = False  # a GGUF file, for one, holds no vision tensors
+
     def layer_ropes(self, arch: ModelArch) -> dict[str, dict[str, Any]]:
         return layer_ropes(arch.config)
 
@@ -92,11 +101,37 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
     def load_weight(self, name: str, source: Any) -> bool:
         if name.startswith(VISION_PREFIXES):
-            return True  # a multimodal checkpoint, served text-only (models.weights.TEXT_MODELS)
+            local = name.removeprefix("model.")
+            if local.startswith("vision_tower.") and ".vision_model." not in f".{local}":
+                local = "vision_tower.vision_model." + local.removeprefix("vision_tower.")
+            if self.vision is not None and ".head." not in local:  # SigLIP's unused pooling head
+                copy_into(self.vision.get_parameter(local).data, read_all(source), name)
+                self.vision_loaded = True
+            return True
         name = text_model_name(name)
         if name.endswith("norm.weight") and not self.skips(name):
             source = read_all(source).float() + 1.0  # (1 + w), see the module's docstring
         return super().load_weight(name, source)
+
+
+    def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        """--load-format dummy: the text model's tensors and the vision tower's."""
+        shapes = checkpoint_shapes(self.arch)
+        if self.vision is not None:
+            shapes.update({f"model.{name}": tuple(param.shape)
+                           for name, param in self.vision.named_parameters()})
+        return shapes
+
+    def encode_images(self, pixels: list[torch.Tensor], grids: list[Any]) -> torch.Tensor:
+        """[images x tokens, hidden]: the images' embeddings, one after another."""
+        assert self.vision is not None
+        weight = self.vision.multi_modal_projector.mm_input_projection_weight
+        return self.vision.encode(torch.cat(pixels).to(weight.device, weight.dtype)).flatten(0, 1)
+
+    def image_processor(self, folder: Path) -> Gemma3Images | None:
+        if self.vision is None or not self.vision_loaded:
+            return None
+        return Gemma3Images(folder, self.vision, self.arch.config)
 
 
 class Gemma2ForCausalLM(Gemma3ForCausalLM):

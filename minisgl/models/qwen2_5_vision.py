@@ -17,11 +17,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from minisgl.layers.base import Layer
+from minisgl.layers.linear import DenseLinear
+from minisgl.layers.rotary import rotate_rows
 
 Grid = tuple[int, int, int]  # an image's (t, h, w) in patches
 
@@ -76,51 +80,46 @@ class RMSNormWeight(nn.Module):
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
 
 
-class Projection(Layer):
-    """A linear map's weight and bias under the checkpoint's names (`proj`, `qkv`, ...)."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.bias = (nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias
-                     else None)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
-
 class VisionAttention(Layer):
     def __init__(self, shape: VisionShape) -> None:
         super().__init__()
         self.shape = shape
-        self.qkv = Projection(shape.hidden_size, 3 * shape.hidden_size)
-        self.proj = Projection(shape.hidden_size, shape.hidden_size)
+        self.qkv = DenseLinear(shape.hidden_size, 3 * shape.hidden_size)
+        self.proj = DenseLinear(shape.hidden_size, shape.hidden_size)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  runs: list[int]) -> torch.Tensor:
         """Each of `runs` (consecutive patch counts) attends within itself."""
         s = self.shape
         q, k, v = self.qkv(x).view(x.shape[0], 3, s.num_heads, s.head_dim).unbind(1)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        out = torch.cat([F.scaled_dot_product_attention(*(t.transpose(0, 1) for t in parts))
-                         for parts in zip(*(t.split(runs) for t in (q, k, v)))], dim=1)
-        return self.proj(out.transpose(0, 1).reshape(x.shape[0], -1))
+        q, k = rotate_rows(q, k, cos, sin)
+        return self.proj(attend_runs(q, k, v, runs).reshape(x.shape[0], -1))
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE over the whole head, its halves paired (cos / sin: [patches, head_dim]), in
-    float32."""
-    first, second = x.float().chunk(2, dim=-1)
-    turned = torch.cat([-second, first], dim=-1)
-    return (x.float() * cos[:, None] + turned * sin[:, None]).to(x.dtype)
+def attend_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: list[int]
+                ) -> torch.Tensor:
+    """Bidirectional attention of [tokens, heads, dim] within each run of consecutive tokens;
+    the runs of one length in one batched call (one call per window is many times slower)."""
+    firsts: dict[int, list[int]] = {}
+    for first, length in zip(itertools.accumulate([0, *runs[:-1]]), runs):
+        firsts.setdefault(length, []).append(first)
+    out = torch.empty_like(q)
+    heads, dim = q.shape[1], q.shape[2]
+    for length, starts in firsts.items():
+        rows = (torch.tensor(starts)[:, None] + torch.arange(length)).flatten().to(q.device)
+        batched = (t[rows].view(len(starts), length, heads, dim).transpose(1, 2)
+                   for t in (q, k, v))
+        out[rows] = F.scaled_dot_product_attention(*batched).transpose(1, 2).reshape(
+            -1, heads, dim)
+    return out
 
 
 class VisionMLP(Layer):
     def __init__(self, shape: VisionShape) -> None:
         super().__init__()
-        self.gate_proj = Projection(shape.hidden_size, shape.intermediate_size)
-        self.up_proj = Projection(shape.hidden_size, shape.intermediate_size)
-        self.down_proj = Projection(shape.intermediate_size, shape.hidden_size)
+        self.gate_proj = DenseLinear(shape.hidden_size, shape.intermediate_size)
+        self.up_proj = DenseLinear(shape.hidden_size, shape.intermediate_size)
+        self.down_proj = DenseLinear(shape.intermediate_size, shape.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -146,8 +145,8 @@ class PatchMerger(Layer):
         self.eps = shape.eps
         self.unit = shape.hidden_size * shape.merge ** 2
         self.ln_q = RMSNormWeight(shape.hidden_size)
-        self.mlp = nn.ModuleList([Projection(self.unit, self.unit), nn.Identity(),
-                                  Projection(self.unit, shape.out_hidden_size)])
+        self.mlp = nn.ModuleList([DenseLinear(self.unit, self.unit), nn.Identity(),
+                                  DenseLinear(self.unit, shape.out_hidden_size)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         units = rms_norm(x, self.ln_q.weight, self.eps).view(-1, self.unit)
@@ -194,7 +193,6 @@ class Qwen2_5VisionEncoder(Layer):
         patches = order.repeat_interleave(unit) * unit + torch.arange(unit).repeat(len(order))
         x = self.patch_embed(pixels)[patches]
         angles = (positions(grids, s.merge)[patches, :, None].float() * self.inv_freq).flatten(1)
-        angles = torch.cat([angles, angles], dim=-1)
         cos, sin = angles.cos(), angles.sin()
         images = [t * h * w for t, h, w in grids]
         for i, block in enumerate(self.blocks):

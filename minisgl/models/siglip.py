@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.layers.base import Layer
+from minisgl.layers.linear import DenseLinear
 
 
 @dataclass(frozen=True)
@@ -53,17 +54,6 @@ class SiglipShape:
         return self.image_size // self.patch_size
 
 
-class Linear(Layer):
-    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.bias = (nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias
-                     else None)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
-
 class LayerNorm(Layer):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -75,12 +65,12 @@ class LayerNorm(Layer):
         return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
 
 
-class Attention(Layer):
+class SiglipAttention(Layer):
     def __init__(self, shape: SiglipShape) -> None:
         super().__init__()
         self.shape = shape
         self.q_proj, self.k_proj, self.v_proj, self.out_proj = (
-            Linear(shape.hidden_size, shape.hidden_size) for _ in range(4))
+            DenseLinear(shape.hidden_size, shape.hidden_size) for _ in range(4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [images, patches, hidden]; each image attends within itself."""
@@ -92,30 +82,30 @@ class Attention(Layer):
         return self.out_proj(out.transpose(1, 2).reshape(images, patches, -1))
 
 
-class MLP(Layer):
+class SiglipMLP(Layer):
     def __init__(self, shape: SiglipShape) -> None:
         super().__init__()
-        self.fc1 = Linear(shape.hidden_size, shape.intermediate_size)
-        self.fc2 = Linear(shape.intermediate_size, shape.hidden_size)
+        self.fc1 = DenseLinear(shape.hidden_size, shape.intermediate_size)
+        self.fc2 = DenseLinear(shape.intermediate_size, shape.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
 
 
-class EncoderLayer(Layer):
+class SiglipLayer(Layer):
     def __init__(self, shape: SiglipShape) -> None:
         super().__init__()
         self.layer_norm1 = LayerNorm(shape.hidden_size, shape.eps)
-        self.self_attn = Attention(shape)
+        self.self_attn = SiglipAttention(shape)
         self.layer_norm2 = LayerNorm(shape.hidden_size, shape.eps)
-        self.mlp = MLP(shape)
+        self.mlp = SiglipMLP(shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.layer_norm1(x))
         return x + self.mlp(self.layer_norm2(x))
 
 
-class Embeddings(Layer):
+class SiglipEmbeddings(Layer):
     def __init__(self, shape: SiglipShape) -> None:
         super().__init__()
         self.shape = shape
@@ -158,9 +148,9 @@ class SiglipVisionTower(Layer):
     def __init__(self, shape: SiglipShape) -> None:
         super().__init__()
         self.shape = shape
-        self.embeddings = Embeddings(shape)
+        self.embeddings = SiglipEmbeddings(shape)
         self.encoder = nn.Module()
-        self.encoder.layers = nn.ModuleList([EncoderLayer(shape)
+        self.encoder.layers = nn.ModuleList([SiglipLayer(shape)
                                              for _ in range(shape.num_layers)])
         self.post_layernorm = LayerNorm(shape.hidden_size, shape.eps)
 

@@ -23,11 +23,12 @@ from torch import nn
 
 from minisgl.core import ImageInput, PromptImages
 from minisgl.layers.base import Layer
+from minisgl.layers.linear import DenseLinear
 from minisgl.layers.shard import copy_into, read_all
 from minisgl.models.arch import ModelArch
 from minisgl.models.dummy_weights import checkpoint_shapes
 from minisgl.models.llama import LlamaForCausalLM
-from minisgl.models.siglip import Linear, SiglipShape, SiglipVisionTower
+from minisgl.models.siglip import SiglipShape, SiglipVisionTower
 from minisgl.models.weights import text_model_name
 
 VISION_PREFIXES = ("model.vision_model.", "model.connector.")
@@ -41,7 +42,8 @@ class Connector(Layer):  # the checkpoint's `connector.modality_projection.proj`
         super().__init__()
         self.scale = scale
         self.modality_projection = nn.Module()
-        self.modality_projection.proj = Linear(vision_size * scale ** 2, text_size, bias=False)
+        self.modality_projection.proj = DenseLinear(vision_size * scale ** 2, text_size,
+                                                    bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[tiles, side * side, hidden] -> [tiles, (side / scale)^2, text hidden]: each

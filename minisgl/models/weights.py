@@ -195,7 +195,8 @@ TEXT_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
 
 # a multimodal config's fields its text model keeps: the vision tower's, the image tokens'
 IMAGE_FIELDS = ("vision_config", "image_token_id", "vision_start_token_id",
-                "vision_end_token_id", "scale_factor")
+                "vision_end_token_id", "scale_factor", "mm_tokens_per_image", "boi_token_index",
+                "eoi_token_index", "image_token_index")
 
 
 def load_config(path: Path) -> dict:

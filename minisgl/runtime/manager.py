@@ -190,10 +190,13 @@ class RequestManager:
         prompts, prepare their images, compile their grammars, then queue the batch, all or
         nothing."""
         if self.image_processor is None and any(p.image_data for p in prompts):
-            raise InvalidRequest(f"{self.scheduler.engine.arch.architecture} is served without "
-                                 "images (no vision tower in this checkpoint, or the model "
-                                 "takes none)")
+            raise InvalidRequest("image_data and image parts are not served by "
+                                 f"{self.scheduler.engine.arch.architecture} (no vision tower "
+                                 "in this checkpoint, or the model takes none)")
         texts = [p for p in prompts if p.text is not None]
+        for p in texts:
+            if p.image_data and p.text:  # a model may write its images out as text (Gemma 3)
+                p.text = self._image_text(p.text)
         # NOTE: an empty text is not tokenized (that could add a BOS): its empty input_ids are
         # refused by the scheduler's intake, as an empty list of ids is
         unique = list(dict.fromkeys(p.text for p in texts if p.text))  # n > 1 repeats a text
@@ -227,6 +230,12 @@ class RequestManager:
                                                self.scheduler.context_len, self._encode_plain)
             p.input_ids, p.images = laid_out[key]
 
+    def _image_text(self, text: str) -> str:
+        """A prompt text with the model's image placeholders as its processor writes them out
+        before tokenizing (Gemma 3's), else as it is."""
+        expand = getattr(self.image_processor, "expand_text", None)
+        return text if expand is None else expand(text)
+
     def _encode_plain(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise InvalidRequest("this model has no tokenizer to lay its images out")
@@ -255,7 +264,7 @@ class RequestManager:
             raise InvalidRequest("this model has no tokenizer, so no chat template")
         messages = chat.messages
         if self.image_processor is not None:  # image parts: the model's own placeholder
-            placeholder = self.image_processor.placeholder
+            placeholder = self._image_text(self.image_processor.placeholder)
             messages = [{**m, "content": m["content"].replace(IMAGE_MARKER, placeholder)}
                         if isinstance(m.get("content"), str) else m for m in messages]
         return await self.tokenizer.encode_chat(messages, self.scheduler.context_len,

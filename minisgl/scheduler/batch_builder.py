@@ -60,17 +60,37 @@ def logprob_nums(reqs: list[Req]) -> list[int] | None:
     return [-1 if r.logprobs is None else r.logprobs.num for r in reqs]
 
 
-def image_inputs(reqs: list[Req], starts: list[int], counts: list[int], positions: torch.Tensor,
-                 phase: Phase) -> tuple[torch.Tensor | None, list[ImageSlice]]:
-    """A step with multimodal requests: the RoPE positions, where some row's differ from its
-    tokens' indices ([tokens] in a decode step, else [3, tokens]: PromptImages), and the image
-    placeholders its prompt tokens read."""
+def image_slices(reqs: list[Req], starts: list[int], counts: list[int]) -> list[ImageSlice]:
+    """The image placeholders of the rows' spans, each at its token row of the batch."""
     slices, row = [], 0
     for req, start, count in zip(reqs, starts, counts):
         if req.images is not None:
             slices += [ImageSlice(image, first, n, row + at)
                        for image, first, n, at in req.images.overlapping(start, start + count)]
         row += count
+    return slices
+
+
+def image_blocks(reqs: list[Req], starts: list[int], counts: list[int]
+                 ) -> list[tuple[int, int, int, int]] | None:
+    """Batch.image_blocks: the images whose tokens see each other both ways (PromptImages.whole,
+    never cut by a chunk) among the rows' spans; None if none."""
+    blocks, row = [], 0
+    for req, start, count in zip(reqs, starts, counts):
+        if req.images is not None and req.images.whole:
+            for image, first, n, at in req.images.overlapping(start, start + count):
+                assert first + n == image.tokens, "a chunk cut an image"
+                blocks.append((row + at, req.table_idx, start + at, start + at + n))
+        row += count
+    return blocks or None
+
+
+def image_inputs(reqs: list[Req], starts: list[int], counts: list[int], positions: torch.Tensor,
+                 phase: Phase) -> tuple[torch.Tensor | None, list[ImageSlice]]:
+    """A step with multimodal requests: the RoPE positions, where some row's differ from its
+    tokens' indices ([tokens] in a decode step, else [3, tokens]: PromptImages), and the image
+    placeholders its prompt tokens read."""
+    slices = image_slices(reqs, starts, counts)
     turned = [r.images is not None and (r.images.rope is not None or r.images.rope_delta != 0)
               for r in reqs]
     if not any(turned):
@@ -183,15 +203,17 @@ class BatchBuilder:
         if self.long_rope is not None and phase != "decode":
             rope = self.long_rope.table_rows(positions, starts, counts,
                                              [r.prompt_len for r in reqs])
-        images, image_token_rows = None, None
+        images, image_token_rows, blocks = None, None, None
         if any(r.images is not None for r in reqs):
             rope, images = image_inputs(reqs, starts, counts, positions, phase)
             image_token_rows = image_rows(images) if images else None
+            blocks = image_blocks(reqs, starts, counts)
         batch = Batch(phase, len(reqs), table_rows=rows, cached_lens=starts, seq_lens=ends,
                       extend_lens=counts, input_positions=positions.to(device, non_blocking=True),
                       out_loc=locations.to(device, non_blocking=True), decode_rows=decode_rows,
                       lora_slots=lora_slots,
-                      rope_positions=None if rope is None else rope.to(device, non_blocking=True))
+                      rope_positions=None if rope is None else rope.to(device, non_blocking=True),
+                      image_blocks=blocks)
         self.engine.plan_batch(batch)
         sample_args = self.engine.sampler.sampling_args(
             reqs, prompt_lens=[len(r.prompt_ids) for r in reqs],
@@ -222,7 +244,8 @@ class BatchBuilder:
                                   token_writes=tokens,
                                   location_writes=location_writes,
                                   lora_slots=batch.lora_slots, lora_loads=loads,
-                                  rope_positions=rope, image_rows=image_token_rows)
+                                  rope_positions=rope, image_rows=image_token_rows,
+                                  image_blocks=blocks)
         fwd = ForwardInput(batch=batch, load_indices=load.to(device, non_blocking=True),
                            write_indices=write.to(device, non_blocking=True),
                            logit_rows=None if rows_host is None else rows_host.to(

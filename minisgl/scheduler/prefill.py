@@ -165,6 +165,16 @@ class NewTokenRatio:
         self.value = min(1.0, max(self.value, self.initial) + 0.1)
 
 
+def chunk_count(req: Req, start: int, end: int, budget: int) -> int:
+    """Tokens of the next chunk from `start`: up to `end` within the budget, where an image
+    whose tokens see each other both ways (PromptImages.whole) is never cut: the chunk stops
+    before it, or (starting in it) takes the rest of it."""
+    count = min(end - start, budget)
+    if req.images is not None and req.images.whole:
+        count = req.images.chunk_end(start, start + count) - start
+    return count
+
+
 class PrefillManager:
     def __init__(self, cache: CacheManager, table: TableManager, decode: DecodeManager,
                  order: WaitingOrder, adapters: AdapterTable,
@@ -302,7 +312,7 @@ class PrefillManager:
         can hold its first chunk and the decode reservation."""
         ps = self.cache.page_size
         input_len = len(req.host_ids)
-        first_chunk = min(input_len - handle.length, budget)
+        first_chunk = chunk_count(req, handle.length, input_len, budget)
         future = min(req.max_device_len - input_len, RESERVE_CLIP) * self.ratio.value
         need = pages_spanned(handle.length, first_chunk, ps)
         if self.decode.running or self.chunked is not None:
@@ -326,7 +336,7 @@ class PrefillManager:
         return True
 
     def _next_chunk(self, req: Req, budget: int) -> PrefillChunk | None:
-        count = min(req.device_len - req.kv_len, budget)
+        count = chunk_count(req, req.kv_len, req.device_len, budget)
         pages = self.cache.allocate(pages_spanned(req.kv_len, count, self.cache.page_size))
         if pages is None:
             return None
