@@ -284,6 +284,19 @@ def test_greedy_matches_transformers_batched_and_alone(checkpoint, flags) -> Non
             assert [generate(llm, [p])[0] for p in prompts] == expected
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_greedy_on_cuda_matches_transformers(checkpoint) -> None:
+    """The CUDA path (the encoder on the device, the spliced rows, multimodal RoPE in
+    FlashInfer's rotary, decode in CUDA graphs with rope_delta) in float32."""
+    from minisgl.llm import LLM
+    prompts = cases(checkpoint)
+    expected = [checkpoint.expected(ids, images) for ids, images in prompts]
+    with LLM(model=str(checkpoint.path), dtype="float32", max_total_tokens=4096,
+             device="cuda") as llm:
+        assert generate(llm, prompts) == expected
+
+
 def test_prefix_cache_shares_an_image_only_with_itself(checkpoint) -> None:
     """Page size 1: a prompt again hits the cache through its image; the same text with
     another image of the same size matches only up to the image's first token."""
@@ -315,6 +328,43 @@ def first_image_token(checkpoint: Checkpoint, ids: list[int]) -> int:
     """The first prompt position whose token is an image's embedding (the expanded prompt's)."""
     prompt, _ = checkpoint.reference_inputs(ids, [random_image("wide")])
     return prompt.index(checkpoint.embedded_token)
+
+
+def test_an_image_past_the_context_is_refused_naming_it(qwen) -> None:
+    """The second image (12 tokens) brings the prompt past a 32-token context."""
+    from minisgl.errors import InvalidRequest
+    from minisgl.llm import LLM
+    ids = qwen.text_ids("a " + PLACEHOLDER + " b " + PLACEHOLDER)
+    with LLM(model=str(qwen.path), dtype="float32", max_total_tokens=1024,
+             context_length=32) as llm:
+        with pytest.raises(InvalidRequest, match="image 1 brings the prompt past the context"):
+            llm.generate(input_ids=ids, image_data=[random_image("wide")] * 2,
+                         sampling_params=GREEDY)
+        out = llm.generate(input_ids=qwen.text_ids("a " + PLACEHOLDER),
+                           image_data=random_image("wide"), sampling_params={"max_new_tokens": 2})
+        assert len(out["output_ids"]) == 2
+        llm.check_integrity()
+
+
+# ---- real shapes ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("model,ids", [
+    ("qwen2.5-vl-7b", [1, 2, 151652, 151655, 151653, 3]),
+    ("gemma-3-4b-it", [2, 255999] + [262144] * 256 + [256000, 3])])
+def test_real_shapes_run_a_step_with_an_image(model, ids, caplog) -> None:
+    """Shape-only configs (--load-format dummy) at their real vision shape and two decoder
+    layers: a prompt with an image runs, and the start-up line reports the tower's memory."""
+    import logging
+
+    from minisgl.llm import LLM
+    caplog.set_level(logging.INFO, logger="minisgl.models.loader")
+    with LLM(model=model, load_format="dummy", dtype="bfloat16", max_total_tokens=1024,
+             json_model_override_args='{"num_hidden_layers": 2}') as llm:
+        out = llm.generate(input_ids=ids, image_data=random_image("square"),
+                           sampling_params={"max_new_tokens": 2, "ignore_eos": True})
+        llm.check_integrity()
+    assert len(out["output_ids"]) == 2 and out["meta_info"]["prompt_tokens"] > len(ids) - 1
+    assert any("the vision tower" in r.getMessage() for r in caplog.records), caplog.text
 
 
 # ---- a real server --------------------------------------------------------------------------

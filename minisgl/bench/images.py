@@ -28,7 +28,9 @@ from minisgl.bench.compare import (ServerProcess, build_llama_server, log, start
                                    start_minisgl)
 
 QUESTION = "Describe the image in one word."
-LLAMA_ENCODED = re.compile(r"image slice encoded in (\d+) ms")
+# llama-server -v: each line stamped minutes.seconds.ms.us
+STAMP = re.compile(r"^(\d+)\.(\d+)\.(\d+)\.(\d+) ")
+TASK = re.compile(r"\| task (\d+) \|")
 
 
 def image_png(width: int, height: int, seed: int) -> bytes:
@@ -55,6 +57,32 @@ def first_token_seconds(server: ServerProcess, png: bytes | None) -> float:
     with urllib.request.urlopen(request, timeout=600) as response:
         response.read()
     return time.perf_counter() - started
+
+
+def stamp(line: str) -> float | None:
+    m = STAMP.match(line)
+    return None if m is None else (int(m[1]) * 60 + int(m[2]) + int(m[3]) / 1e3
+                                   + int(m[4]) / 1e6)
+
+
+def llama_encode_seconds(lines: list[str]) -> list[float]:
+    """Per request (llama-server's task) with images, in order, the seconds its encoder took
+    (-v log): each batch's "encoding batch" to its "output embedding", summed over the
+    image's slices (SmolVLM's tiles are encoded one at a time)."""
+    per_task: dict[int, float] = {}
+    task, start = None, None
+    for line in lines:
+        found = TASK.search(line)
+        if "process_mtmd" in line and found:
+            task = int(found[1])
+            per_task.setdefault(task, 0.0)
+        elif "mtmd_batch_encode_impl: encoding batch" in line:
+            start = stamp(line)
+        elif ("clip_encode: output embedding" in line and start is not None
+              and task is not None):
+            per_task[task] += stamp(line) - start
+            start = None
+    return list(per_task.values())
 
 
 def encoder_seconds(model: Path, sizes: list[tuple[int, int]], repeats: int
@@ -99,9 +127,9 @@ def main() -> dict:
         raise SystemExit(why)
     servers = {"minisgl": lambda: start_minisgl(True, 4, 16384, ("--model", str(args.model))),
                "llama.cpp": lambda: start_llama(llama, args.gguf, 1, 16384,
-                                                ("--mmproj", str(args.mmproj)))}
+                                                ("--mmproj", str(args.mmproj), "-v"))}
     first: dict[str, dict[object, list[float]]] = {name: {} for name in servers}
-    llama_encoded: list[int] = []
+    llama_encoded: dict[object, list[float]] = {}
     seed = 1
     for round_ in range(args.rounds):
         for name, start in servers.items():
@@ -112,9 +140,9 @@ def main() -> dict:
                     png = None if size is None else image_png(*size, seed)
                     seed += 1
                     first[name].setdefault(size, []).append(first_token_seconds(server, png))
-                if name == "llama.cpp":
-                    llama_encoded += [int(m[1]) for line in server.lines[-200:]
-                                      if (m := LLAMA_ENCODED.search(line))][1:]
+                if name == "llama.cpp":  # NOTE: after the warm-up's, one per size
+                    for size, seconds in zip(sizes, llama_encode_seconds(server.lines)[1:]):
+                        llama_encoded.setdefault(size, []).append(seconds)
             finally:
                 server.stop()
             log(f"round {round_ + 1}: {name} done")
@@ -135,11 +163,14 @@ def main() -> dict:
                                                    "image_cost": cost,
                                                    "encoder_s": encoder[size][1]}
     rows.append("")
-    rows.append("| image | minisgl encoder (s) |")
-    rows.append("|---|---|")
-    rows += [f"| {w}x{h} | {encoder[(w, h)][1]:.2f} |" for w, h in sizes]
-    if llama_encoded:
-        rows.append(f"\nllama-server logged image encodes of {sorted(llama_encoded)} ms")
+    rows.append("| image | minisgl encoder (s) | llama.cpp encoder (s) | llama.cpp / minisgl |")
+    rows.append("|---|---|---|---|")
+    for size in sizes:
+        ours = encoder[size][1]
+        theirs = statistics.median(llama_encoded[size]) if size in llama_encoded else None
+        result["sizes"][f"{size[0]}x{size[1]}"]["llama_encoder_s"] = theirs
+        rows.append(f"| {size[0]}x{size[1]} | {ours:.2f} | "
+                    + ("- | - |" if theirs is None else f"{theirs:.2f} | {theirs / ours:.2f}x |"))
     print("\n".join(rows))
     return result
 

@@ -121,6 +121,10 @@ def _stage_checkpoint(model: torch.nn.Module, reader: QuantizedReader, spec: Qua
     return staged
 
 
+# a multimodal model's modules that see images (the rest is its decoder)
+VISION_PARTS = ("visual", "vision", "vision_model", "connector")
+
+
 def log_weight_memory(model: torch.nn.Module, method: str, dtype: torch.dtype) -> None:
     """The weights' resident size (after CPU prepacking, which may keep a second copy)."""
     modules = list(model.modules())
@@ -131,7 +135,11 @@ def log_weight_memory(model: torch.nn.Module, method: str, dtype: torch.dtype) -
     dense = sum(p.numel() * p.element_size() for p in model.parameters())
     packed = sum(m.packed.numel() * m.packed.element_size() for m in modules
                  if getattr(m, "packed", None) is not None)
+    vision = sum(tensor.numel() * tensor.element_size()
+                 for name, module in model.named_children() if name in VISION_PARTS
+                 for tensor in (*module.parameters(), *(m.packed for m in module.modules()
+                                                         if getattr(m, "packed", None) is not None)))
     logger.info("weights: %.0f MB resident (%s, quantization %s: %.0f MB quantized, %.0f MB "
-                "dense, %.0f MB prepacked)", (compact + dense + packed) / 1e6,
+                "dense, %.0f MB prepacked%s)", (compact + dense + packed) / 1e6,
                 str(dtype).removeprefix("torch."), method, compact / 1e6, dense / 1e6,
-                packed / 1e6)
+                packed / 1e6, f"; the vision tower {vision / 1e6:.0f} MB" if vision else "")

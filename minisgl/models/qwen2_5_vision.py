@@ -193,7 +193,7 @@ class Qwen2_5VisionEncoder(Layer):
         patches = order.repeat_interleave(unit) * unit + torch.arange(unit).repeat(len(order))
         x = self.patch_embed(pixels)[patches]
         angles = (positions(grids, s.merge)[patches, :, None].float() * self.inv_freq).flatten(1)
-        cos, sin = angles.cos(), angles.sin()
+        cos, sin = angles.cos().to(x.device), angles.sin().to(x.device)
         images = [t * h * w for t, h, w in grids]
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, images if i in s.full_attention_blocks else windows)
