@@ -352,7 +352,7 @@ def test_bfloat16_states_are_refused_where_the_cpu_kernels_do_not_run(qwen3_next
 
 def test_a_multimodal_qwen3_5_checkpoint_is_served_as_its_text_model(tmp_path) -> None:
     """Qwen3_5ForConditionalGeneration (most Qwen3.5 checkpoints): its text model under
-    model.language_model, its vision tower skipped; greedy text equals transformers'."""
+    model.language_model beside its vision tower; greedy text equals transformers'."""
     import transformers
     torch.manual_seed(0)
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,

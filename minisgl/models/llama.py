@@ -103,6 +103,15 @@ class DecoderLayer(Layer):
         return self.mlp(x), residual
 
 
+def with_image_embeddings(x: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """The input embeddings with an image's placeholders' rows replaced by its encoder's
+    output (Batch.input_embeds), in place."""
+    if batch.input_embeds is not None:
+        rows, values = batch.input_embeds
+        x[rows] = values
+    return x
+
+
 class LlamaForCausalLM(Layer):
     # checkpoint projection name -> (our merged module, shard id)
     STACKED = {
@@ -141,10 +150,7 @@ class LlamaForCausalLM(Layer):
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: Batch,
                       backend: AttentionBackend, rows: torch.Tensor | None) -> torch.Tensor:
         """Final hidden states [len(rows), hidden] of the chosen token rows (all when None)."""
-        x, residual = self.embed(input_ids), None
-        if batch.input_embeds is not None:  # an image's placeholders
-            image_rows, values = batch.input_embeds
-            x[image_rows] = values
+        x, residual = with_image_embeddings(self.embed(input_ids), batch), None
         if self.fused_layers is not None and self.fused_layers.runs(batch, positions):
             x, residual = self.fused_layers(x, positions, batch, backend)
         else:

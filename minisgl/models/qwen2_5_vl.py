@@ -29,17 +29,19 @@ IMAGE_TOKEN_ID = 151655  # <|image_pad|>, where a config leaves it out
 PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"  # one image in a chat prompt
 
 
-class Qwen2_5_VLForCausalLM(LlamaForCausalLM):
-    def __init__(self, arch: ModelArch) -> None:
-        super().__init__(arch)
-        vision = arch.config.get("vision_config")
-        self.visual = (Qwen2_5VisionEncoder(VisionShape.from_config(vision))
-                       if vision is not None else None)
-        self.vision_loaded = False  # a GGUF file, for one, holds no vision tensors
+class QwenVision:
+    """What a decoder with Qwen's vision tower shares (Qwen2.5-VL's, Qwen3.5's): the tower as
+    `visual` (the checkpoint's `visual.*` or `model.visual.*`), loaded, listed for dummy
+    weights, run on a step's images, and its image processor."""
 
-    def load_weight(self, name: str, source: Any) -> bool:
+    arch: ModelArch
+    visual: Any  # the encoder; None for a checkpoint without a vision_config
+    vision_loaded = False  # a GGUF file, for one, holds no vision tensors
+
+    def load_vision(self, name: str, source: Any) -> bool:
+        """Load a vision tensor; False for a name outside the tower."""
         if not name.startswith(VISION_PREFIXES):
-            return super().load_weight(text_model_name(name), source)
+            return False
         if self.visual is not None:
             local = name.removeprefix("model.").removeprefix("visual.")
             copy_into(self.visual.get_parameter(local).data, read_all(source), name)
@@ -47,7 +49,7 @@ class Qwen2_5_VLForCausalLM(LlamaForCausalLM):
         return True
 
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
-        """--load-format dummy: the text model's tensors and the vision tower's."""
+        """--load-format dummy: the decoder's tensors and the vision tower's."""
         shapes = checkpoint_shapes(self.arch)
         if self.visual is not None:
             shapes.update({f"visual.{name}": tuple(param.shape)
@@ -66,6 +68,18 @@ class Qwen2_5_VLForCausalLM(LlamaForCausalLM):
             return None
         return Qwen2_5VLImages(folder, self.visual.shape,
                                self.arch.config.get("image_token_id") or IMAGE_TOKEN_ID)
+
+
+class Qwen2_5_VLForCausalLM(QwenVision, LlamaForCausalLM):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__(arch)
+        vision = arch.config.get("vision_config")
+        self.visual = (Qwen2_5VisionEncoder(VisionShape.from_config(vision))
+                       if vision is not None else None)
+
+    def load_weight(self, name: str, source: Any) -> bool:
+        return self.load_vision(name, source) or super().load_weight(text_model_name(name),
+                                                                       source)
 
 
 class Qwen2_5VLImages:

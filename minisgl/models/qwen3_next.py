@@ -37,14 +37,14 @@ from minisgl.layers.linear import PartedColumnParallelLinear, PartedParameters
 from minisgl.layers.moe import SparseMoE
 from minisgl.layers.shard import load_head_rows, read_all
 from minisgl.models.arch import LinearAttnShape, ModelArch
-from minisgl.models.llama import MLP
+from minisgl.models.llama import MLP, with_image_embeddings
 from minisgl.models.moe import MoEForCausalLM
 from minisgl.models.weights import text_model_name
 
 
-# A Qwen3.5 multimodal checkpoint (served as its text model, models.weights.TEXT_MODELS):
-# its vision tower and its multi-token-prediction head are not served.
-SKIPPED_PREFIXES = ("model.visual.", "mtp.")
+# A Qwen3.5 checkpoint's multi-token-prediction head is not served (its vision tower:
+# models.qwen3_5_vision).
+SKIPPED_PREFIXES = ("mtp.",)
 
 
 @dataclass(frozen=True)
@@ -467,7 +467,7 @@ class HybridStack:
             states.copy(*map(list, zip(*batch.state_loads)))
         # a span from position 0 starts from zero states
         states.clear([row for row, fresh in zip(spans.rows, spans.fresh) if fresh])
-        x, residual = self.embed(input_ids), None  # type: ignore[attr-defined]
+        x, residual = with_image_embeddings(self.embed(input_ids), batch), None  # type: ignore
         fused = self.fused_layers  # type: ignore[attr-defined]
         if fused is not None and not spans.cuts and fused.runs(batch, positions):
             x, residual = fused(x, positions, batch, backend, spans.tensors)
@@ -484,7 +484,8 @@ class HybridStack:
 
 class Qwen3NextForCausalLM(HybridStack, MoEForCausalLM):
     def decoder_layers(self, arch: ModelArch) -> nn.ModuleList:
-        rotary = RotaryEmbedding(arch.head_dim, arch.rope_positions, arch.rope, arch.rotary_dim)
+        rotary = RotaryEmbedding(arch.head_dim, arch.rope_positions, self.rope(arch),
+                                 arch.rotary_dim)
         layers, linear_id, kv_index = [], 0, 0
         for i, kind in enumerate(arch.layer_types):
             mixer: Layer
@@ -495,6 +496,9 @@ class Qwen3NextForCausalLM(HybridStack, MoEForCausalLM):
             mlp = self.layer_mlp(arch, i) or MLP(arch)
             layers.append(HybridDecoderLayer(arch, i, mixer, mlp))
         return nn.ModuleList(layers)
+
+    def rope(self, arch: ModelArch) -> dict[str, Any]:
+        return arch.rope
 
     def layer_mlp(self, arch: ModelArch, layer_id: int) -> Layer | None:
         if arch.moe is None or layer_id not in arch.moe.sparse_layers:

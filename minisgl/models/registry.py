@@ -16,6 +16,7 @@ from minisgl.models.llama import LlamaForCausalLM
 from minisgl.models.moe import MoEForCausalLM
 from minisgl.models.nemotron_h import NemotronHForCausalLM
 from minisgl.models.phi3 import Phi3ForCausalLM
+from minisgl.models.qwen3_5_vision import Qwen3_5ForCausalLM
 from minisgl.models.qwen3_next import Qwen3NextForCausalLM
 from minisgl.models.qwen2_5_vl import Qwen2_5_VLForCausalLM
 from minisgl.models.smollm3 import SmolLM3ForCausalLM
@@ -40,8 +41,8 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": MoEForCausalLM,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
-    "Qwen3_5ForCausalLM": Qwen3NextForCausalLM,
-    "Qwen3_5MoeForCausalLM": Qwen3NextForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+    "Qwen3_5MoeForCausalLM": Qwen3_5ForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
 }
 
