@@ -384,6 +384,20 @@ def test_an_image_past_the_context_is_refused_naming_it(qwen) -> None:
         llm.check_integrity()
 
 
+def test_speculative_decoding_refuses_images_and_serves_text(qwen) -> None:
+    from minisgl.errors import InvalidRequest
+    from minisgl.llm import LLM
+    with LLM(model=str(qwen.path), dtype="float32", max_total_tokens=1024,
+             speculative_algorithm="NGRAM") as llm:
+        with pytest.raises(InvalidRequest, match="speculative decoding"):
+            llm.generate(input_ids=qwen.text_ids("a " + PLACEHOLDER),
+                         image_data=random_image("wide"), sampling_params=GREEDY)
+        ids = qwen.text_ids("only words here, no image")
+        assert llm.generate(input_ids=ids, sampling_params=GREEDY)["output_ids"] == \
+            qwen.expected(ids, [])
+        llm.check_integrity()
+
+
 # ---- real shapes ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("model,ids", [
