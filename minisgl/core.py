@@ -237,10 +237,7 @@ class ImageInput:
     key: int  # a hash of the processed pixels: the placeholders' prefix-cache key
     tokens: int
     pixels: torch.Tensor  # the processor's patches, as the model's encoder takes them
-    grid: tuple[int, int, int]  # (t, h, w) in patches
-    # NOTE: set on the engine thread by the first forward that reads the image, dropped by the
-    # one that reads its last placeholder; a forward finding None encodes it (again)
-    embeddings: torch.Tensor | None = None
+    grid: tuple[int, int, int]  # the model's layout of it (Qwen-VL: t, h, w in patches)
 
 
 @dataclass

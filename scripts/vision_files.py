@@ -4,6 +4,9 @@
 - `qwen2.5-vl`: Qwen2.5-VL-3B's vision tower (32 blocks of 1280, windows of 112 pixels, four
   full-attention blocks) and its text model cut to `--layers` layers (hidden 2048, 16 query
   and 2 KV heads, MLP 11008), Qwen2.5-VL's image processor settings;
+- `gemma3`: Gemma 3 4B's SigLIP tower (27 layers of 1152 on 896-pixel images, 256 tokens an
+  image) and its decoder cut to `--layers` layers (hidden 2560, 8 query and 4 KV heads of 256,
+  MLP 10240, five windowed layers to a global one);
 - `smolvlm`: SmolVLM-256M: a SigLIP tower of 12 layers of 768 on 512-pixel tiles of 16-pixel
   patches, folded 4 x 4 into 64 tokens a tile, and SmolLM2-135M's decoder (30 layers; cut by
   `--layers`), images up to 2048 pixels a side in tiles.
@@ -86,6 +89,46 @@ def smolvlm(hf: Path, layers: int) -> None:
                                           max_image_size={"longest_edge": 512}).save_pretrained(hf)
 
 
+def gemma3(hf: Path, layers: int) -> None:
+    marks = ["<start_of_image>", "<image_soft_token>", "<end_of_image>"]
+    tokenizer = bundled_tokenizer(marks)
+    boi, soft, eoi = tokenizer.convert_tokens_to_ids(marks)
+    text = dict(vocab_size=len(tokenizer), hidden_size=2560, intermediate_size=10240,
+                num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4,
+                head_dim=256, query_pre_attn_scalar=256, sliding_window=1024,
+                rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                    "rope_theta": 1_000_000.0},
+                                 "sliding_attention": {"rope_type": "default",
+                                                       "rope_theta": 10_000.0}},
+                bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    vision = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27,
+                  num_attention_heads=16, image_size=896, patch_size=14, vision_use_head=False)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision,
+                                       boi_token_index=boi, eoi_token_index=eoi,
+                                       image_token_index=soft, mm_tokens_per_image=256)
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(config).to(torch.bfloat16)
+    randomize_norms(model)
+    with torch.no_grad():  # the projector starts at zero
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0, 0.02)
+    model.save_pretrained(hf)
+    hub_vision_names(hf)
+    tokenizer.save_pretrained(hf)
+    transformers.Gemma3ImageProcessorPil(size={"height": 896, "width": 896}).save_pretrained(hf)
+
+
+def hub_vision_names(hf: Path) -> None:
+    """The vision tensors under the Hub's names (`vision_tower.vision_model.*`), which
+    llama.cpp's converter maps; transformers 5 writes them without `vision_model.`."""
+    from safetensors.torch import load_file, save_file
+    for file in hf.glob("*.safetensors"):
+        tensors = load_file(file)
+        renamed = {("vision_tower.vision_model." + name.removeprefix("vision_tower.")
+                    if name.startswith("vision_tower.") else name): tensor
+                   for name, tensor in tensors.items()}
+        save_file(renamed, file, metadata={"format": "pt"})
+
+
 def qwen2_5_vl(hf: Path, layers: int) -> None:
     tokenizer = bundled_tokenizer(VISION_TOKENS)
     start, pad, end = tokenizer.convert_tokens_to_ids(VISION_TOKENS)
@@ -115,7 +158,7 @@ def convert(hf: Path, out: Path, python: str) -> None:
                        env=env)
 
 
-FAMILIES = {"qwen2.5-vl": qwen2_5_vl, "smolvlm": smolvlm}
+FAMILIES = {"qwen2.5-vl": qwen2_5_vl, "smolvlm": smolvlm, "gemma3": gemma3}
 
 
 def main() -> None:

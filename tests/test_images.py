@@ -368,6 +368,26 @@ def first_image_token(checkpoint: Checkpoint, ids: list[int]) -> int:
     return prompt.index(checkpoint.embedded_token)
 
 
+def test_an_image_read_again_is_not_encoded_again(qwen) -> None:
+    """Pages of 16: the repeated prompt's cached prefix ends inside the image, whose tail is
+    read again from the kept encoder output; a new image is encoded."""
+    from minisgl.llm import LLM
+    ids = qwen.text_ids("Look: " + PLACEHOLDER + " what is it?")
+    with LLM(model=str(qwen.path), dtype="float32", max_total_tokens=1024,
+             page_size=16) as llm:
+        model = llm.runtime.engine.model
+        encoded: list[int] = []
+        encode = model.encode_images
+        model.encode_images = lambda pixels, grids: (encoded.append(len(pixels)),
+                                                     encode(pixels, grids))[1]
+        outs = [llm.generate(input_ids=ids, image_data=random_image(name),
+                             sampling_params=GREEDY) for name in ("wide", "wide", "other")]
+    assert 0 < outs[1]["meta_info"]["cached_tokens"] < outs[1]["meta_info"]["prompt_tokens"] - 1
+    assert encoded == [1, 1]  # "wide" once, "other" once
+    assert [o["output_ids"] for o in outs] == [qwen.expected(ids, [random_image(name)])
+                                               for name in ("wide", "wide", "other")]
+
+
 def test_an_image_past_the_context_is_refused_naming_it(qwen) -> None:
     """The second image (12 tokens) brings the prompt past a 32-token context."""
     from minisgl.errors import InvalidRequest

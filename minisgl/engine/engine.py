@@ -32,7 +32,7 @@ from minisgl.engine.draft_model import DraftModel
 from minisgl.engine.failure import FailureWatch
 from minisgl.engine.forward import ForwardInput, ForwardOutput, InputLogprobs, VerifyRows, to_host
 from minisgl.engine.graph import GraphRunner, supports_graphs
-from minisgl.engine.images import spliced_embeddings
+from minisgl.engine.images import EncodedImages, spliced_embeddings
 from minisgl.engine.lora import LoraModules, lora_settings
 from minisgl.engine.memory import allocate_kv_pool, allocate_state_pool, release_cuda_memory
 from minisgl.engine.model_loading import attention_for, draft_arch, kv_layout, load_model
@@ -441,6 +441,7 @@ class ModelRunner:
         self.speculator = speculator  # rank 0 of a speculating engine
         self.lora = lora  # --enable-lora
         self.states = states  # a hybrid model's recurrent states
+        self.encoded_images = EncodedImages()  # rank 0: recent images' encoder outputs
         self.device = token_pool.device
         self.phase_seconds = {phase: 0.0 for phase in PHASES}
         self.phase_steps = {phase: 0 for phase in PHASES}
@@ -494,7 +495,7 @@ class ModelRunner:
         input_ids = self.token_pool.view(-1)[fwd.load_indices]
         if fwd.image_rows is not None:
             batch.input_embeds = spliced_embeddings(self.model, fwd.image_rows, fwd.images,
-                                                    self.tp, self.device)
+                                                    self.encoded_images, self.tp, self.device)
         # NOTE: the model's RoPE reads these rows (attention reads batch.input_positions)
         positions = (batch.input_positions if batch.rope_positions is None
                      else batch.rope_positions)

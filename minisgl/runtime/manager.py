@@ -105,8 +105,8 @@ class RequestManager:
         self.scheduler, self.tokenizer = scheduler, tokenizer
         self.image_processor = scheduler.engine.image_processor  # None: no images served
         self.image_limits = image_limits
-        # the images of live requests by content: one encoder run serves every request that
-        # reads an image while its embeddings are kept (engine.images)
+        # the images of live requests by content: requests reading one image share its
+        # processed pixels
         self._images: weakref.WeakValueDictionary[int, ImageInput] = (
             weakref.WeakValueDictionary())
         self.grammar = grammar or GrammarBackend()
