@@ -115,23 +115,28 @@ class QwenVL(Checkpoint):
     """Qwen2.5-VL: a 2-block vision tower (windows, one full-attention block), 2 text layers."""
 
     placeholder = "".join(VISION_TOKENS)
+    CLASSES = ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration")
+    VISION: dict[str, Any] = VISION
+    PIXELS: dict[str, Any] = PIXELS
 
     def __init__(self, path: Path) -> None:
         import transformers
         super().__init__(path)
         self.tokenizer = bundled_tokenizer(path, VISION_TOKENS)
-        self.image_token = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")
-        start, end = self.tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>"])
+        start, self.image_token, end = self.tokenizer.convert_tokens_to_ids(VISION_TOKENS)
         torch.manual_seed(0)
-        config = transformers.Qwen2_5_VLConfig(
-            text_config={**TINY, "vocab_size": len(self.tokenizer), "rope_parameters": ROPE,
-                         "eos_token_id": 2, "bos_token_id": None},
-            vision_config=VISION, image_token_id=self.image_token,
-            vision_start_token_id=start, vision_end_token_id=end)
-        self.model = with_norms(transformers.Qwen2_5_VLForConditionalGeneration(config).eval())
+        config_class, model_class = (getattr(transformers, name) for name in self.CLASSES)
+        config = config_class(text_config=self.text(len(self.tokenizer)),
+                              vision_config=self.VISION, image_token_id=self.image_token,
+                              vision_start_token_id=start, vision_end_token_id=end)
+        self.model = with_norms(model_class(config).float().eval())
         self.model.save_pretrained(str(path))
-        self.processor = transformers.Qwen2VLImageProcessorPil(**PIXELS)
+        self.processor = transformers.Qwen2VLImageProcessorPil(**self.PIXELS)
         self.processor.save_pretrained(str(path))
+
+    def text(self, vocab: int) -> dict[str, Any]:
+        return {**TINY, "vocab_size": vocab, "rope_parameters": ROPE, "eos_token_id": 2,
+                "bos_token_id": None}
 
     def reference_inputs(self, ids: list[int], images: list[Any]
                          ) -> tuple[list[int], dict[str, Any]]:
@@ -151,33 +156,35 @@ class Qwen35(QwenVL):
     tower of 16-pixel patches with a 4 x 4 position table resampled to each image."""
 
     hybrid = True
+    CLASSES = ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration")
+    VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                  out_hidden_size=64, patch_size=16, num_position_embeddings=16)
+    PIXELS = dict(patch_size=16, min_pixels=32 * 32, max_pixels=32 * 32 * 48)
 
-    def __init__(self, path: Path) -> None:
-        import transformers
-        Checkpoint.__init__(self, path)
-        self.tokenizer = bundled_tokenizer(path, VISION_TOKENS)
-        self.image_token = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")
-        start, end = self.tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>"])
-        torch.manual_seed(0)
-        text = dict(vocab_size=len(self.tokenizer), hidden_size=64, intermediate_size=96,
+    def text(self, vocab: int) -> dict[str, Any]:
+        return dict(vocab_size=vocab, hidden_size=64, intermediate_size=96,
                     num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                     head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
                     linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
                     eos_token_id=2, layer_types=["linear_attention", "full_attention"] * 2,
                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                      "partial_rotary_factor": 0.5, "mrope_section": [1, 1, 2]})
-        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
-                      out_hidden_size=64, patch_size=16, num_position_embeddings=16)
-        config = transformers.Qwen3_5Config(text_config=text, vision_config=vision,
-                                            image_token_id=self.image_token,
-                                            vision_start_token_id=start,
-                                            vision_end_token_id=end)
-        self.model = with_norms(transformers.Qwen3_5ForConditionalGeneration(config).float()
-                                .eval())
-        self.model.save_pretrained(str(path))
-        self.processor = transformers.Qwen2VLImageProcessorPil(
-            patch_size=16, min_pixels=32 * 32, max_pixels=32 * 32 * 48)
-        self.processor.save_pretrained(str(path))
+
+
+class Qwen3VL(QwenVL):
+    """Qwen3-VL: a 3-block tower of 16-pixel patches whose first two blocks' features go into
+    the decoder's two layers (deepstack), sections interleaved."""
+
+    CLASSES = ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration")
+    VISION = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2,
+                  out_hidden_size=TINY["hidden_size"], patch_size=16,
+                  num_position_embeddings=16, deepstack_visual_indexes=[0, 1])
+    PIXELS = Qwen35.PIXELS
+
+    def text(self, vocab: int) -> dict[str, Any]:
+        return {**TINY, "vocab_size": vocab, "head_dim": 16, "eos_token_id": 2,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 5e5,
+                                    "mrope_section": [2, 3, 3]}}
 
 
 class SmolVLM(Checkpoint):
@@ -272,7 +279,7 @@ class Gemma3(Checkpoint):
                           "token_type_ids": (torch.tensor([expanded]) == self.soft).long()}
 
 
-FAMILIES = {"qwen2.5-vl": QwenVL, "qwen3.5": Qwen35,
+FAMILIES = {"qwen2.5-vl": QwenVL, "qwen3-vl": Qwen3VL, "qwen3.5": Qwen35,
             "smolvlm": lambda path: SmolVLM(path, split=True),
             "smolvlm-whole": lambda path: SmolVLM(path, split=False), "gemma3": Gemma3}
 

@@ -82,7 +82,8 @@ def spliced_embeddings(model: torch.nn.Module, rows: torch.Tensor,
     """(rows, values) of Batch.input_embeds: rank 0 encodes (`slices`), the others receive."""
     dtype = model.embed_tokens.weight.dtype
     if tp.rank:
-        values = torch.empty(len(rows), model.arch.hidden_size, dtype=dtype, device=device)
+        width = getattr(model, "image_width", model.arch.hidden_size)
+        values = torch.empty(len(rows), width, dtype=dtype, device=device)
         return rows.to(device), broadcast(values, 0)
     assert slices is not None
     values = image_embeddings(model, slices, encoded).to(device, dtype)

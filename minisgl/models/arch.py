@@ -15,6 +15,7 @@ FAMILY_TRAITS: dict[tuple[str, str], dict[str, bool]] = {
     ("qwen2_5_vl_text", "Qwen2_5_VLForCausalLM"): {"attention_bias": True},
     # a per-head RMSNorm on queries and keys before RoPE
     ("qwen3", "Qwen3ForCausalLM"): {"qk_norm": True},
+    ("qwen3_vl_text", "Qwen3VLForCausalLM"): {"qk_norm": True},
     ("gemma3_text", "Gemma3ForCausalLM"): {"qk_norm": True},
     ("qwen3_moe", "Qwen3MoeForCausalLM"): {"qk_norm": True},
     # a learned logit per query head in each softmax's denominator, biased q/k/v and o

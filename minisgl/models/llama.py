@@ -106,9 +106,9 @@ class DecoderLayer(Layer):
 def with_image_embeddings(x: torch.Tensor, batch: Batch) -> torch.Tensor:
     """The input embeddings with an image's placeholders' rows replaced by its encoder's
     output (Batch.input_embeds), in place."""
-    if batch.input_embeds is not None:
+    if batch.input_embeds is not None:  # NOTE: values may carry more per row (Qwen3-VL's)
         rows, values = batch.input_embeds
-        x[rows] = values
+        x[rows] = values[:, :x.shape[1]]
     return x
 
 

@@ -137,8 +137,9 @@ def log_weight_memory(model: torch.nn.Module, method: str, dtype: torch.dtype) -
                  if getattr(m, "packed", None) is not None)
     vision = sum(tensor.numel() * tensor.element_size()
                  for name, module in model.named_children() if name in VISION_PARTS
-                 for tensor in (*module.parameters(), *(m.packed for m in module.modules()
-                                                         if getattr(m, "packed", None) is not None)))
+                 for tensor in (*module.parameters(),
+                                *(m.packed for m in module.modules()
+                                  if getattr(m, "packed", None) is not None)))
     logger.info("weights: %.0f MB resident (%s, quantization %s: %.0f MB quantized, %.0f MB "
                 "dense, %.0f MB prepacked%s)", (compact + dense + packed) / 1e6,
                 str(dtype).removeprefix("torch."), method, compact / 1e6, dense / 1e6,

@@ -1,12 +1,15 @@
-"""Qwen3.5's vision encoder and its checkpoints with images (`Qwen3_5ForConditionalGeneration`,
-the MoE one too): an image's patches (the image processor's, as Qwen2.5-VL's: merged 2 x 2
-units contiguous) to one embedding per unit, in the decoder's width.
+"""Qwen3-VL's and Qwen3.5's vision encoder, and Qwen3.5's checkpoints with images
+(`Qwen3_5ForConditionalGeneration`, the MoE one too): an image's patches (the image processor's,
+as Qwen2.5-VL's: merged 2 x 2 units contiguous) to one embedding per unit, in the decoder's
+width.
 
 - Patches embed by one biased linear map (the checkpoint's Conv3d), plus a learned position
   table of side x side cells resampled to the image's grid (bilinear, corners aligned).
 - Pre-norm blocks (LayerNorm) of bidirectional attention over each frame, with the 2D RoPE of
   Qwen2.5-VL's encoder, and a tanh-GELU MLP; no windows.
-- The merger: a LayerNorm, then an MLP (GELU) over each unit's four patches.
+- The merger: a LayerNorm, then an MLP (GELU) over each unit's four patches. Qwen3-VL's
+  "deepstack" takes the blocks' outputs at `deepstack_visual_indexes` through mergers of their
+  own (normed after the four patches are joined) for its decoder's first layers (models.qwen3_vl).
 
 The decoder (models.qwen3_next) places the embeddings as Qwen2.5-VL does, with the multimodal
 RoPE's sections interleaved (a pair turns by t, h, w in turn)."""
@@ -45,6 +48,7 @@ class Qwen3_5VisionShape:
     merge: int
     position_cells: int  # num_position_embeddings: a square table
     rope_theta: float
+    deep_blocks: tuple[int, ...] = ()  # deepstack_visual_indexes (Qwen3-VL)
 
     @classmethod
     def from_config(cls, vision: dict[str, Any]) -> Qwen3_5VisionShape:
@@ -58,7 +62,8 @@ class Qwen3_5VisionShape:
                    vision.get("patch_size", 16), vision.get("temporal_patch_size", 2),
                    vision.get("in_channels", 3), vision.get("spatial_merge_size", 2),
                    vision.get("num_position_embeddings", 2304),
-                   float(rope.get("rope_theta", 10000.0)))
+                   float(rope.get("rope_theta", 10000.0)),
+                   tuple(vision.get("deepstack_visual_indexes") or ()))
 
     @property
     def head_dim(self) -> int:
@@ -93,6 +98,23 @@ class Block(Layer):
         return x + self.mlp.linear_fc2(hidden)
 
 
+class Merger(Layer):
+    """A unit's four patches to one embedding: a LayerNorm (over each patch, or, `after_join`,
+    over the four joined), then an MLP with GELU."""
+
+    def __init__(self, shape: Qwen3_5VisionShape, after_join: bool) -> None:
+        super().__init__()
+        self.unit, self.after_join = shape.hidden_size * shape.merge ** 2, after_join
+        self.norm = LayerNorm(self.unit if after_join else shape.hidden_size, 1e-6)
+        self.linear_fc1 = DenseLinear(self.unit, self.unit)
+        self.linear_fc2 = DenseLinear(self.unit, shape.out_hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        joined = self.norm(x.view(-1, self.unit)) if self.after_join else self.norm(x).view(
+            -1, self.unit)
+        return self.linear_fc2(F.gelu(self.linear_fc1(joined)))
+
+
 class Qwen3_5VisionEncoder(Layer):
     def __init__(self, shape: Qwen3_5VisionShape) -> None:
         super().__init__()
@@ -108,17 +130,16 @@ class Qwen3_5VisionEncoder(Layer):
         self.pos_embed.weight = nn.Parameter(torch.empty(shape.position_cells, shape.hidden_size),
                                              requires_grad=False)
         self.blocks = nn.ModuleList([Block(shape) for _ in range(shape.depth)])
-        unit = shape.hidden_size * shape.merge ** 2
-        self.merger = nn.Module()
-        self.merger.norm = LayerNorm(shape.hidden_size, 1e-6)
-        self.merger.linear_fc1 = DenseLinear(unit, unit)
-        self.merger.linear_fc2 = DenseLinear(unit, shape.out_hidden_size)
+        self.merger = Merger(shape, after_join=False)
+        self.deepstack_merger_list = nn.ModuleList([Merger(shape, after_join=True)
+                                                    for _ in shape.deep_blocks])
         half = shape.head_dim // 2
         self.inv_freq = 1.0 / shape.rope_theta ** (torch.arange(0, half, 2).float() / half)
 
     def forward(self, pixels: torch.Tensor, grids: list[Grid]) -> torch.Tensor:
         """pixels: [patches, values], the images' patches one after another (units
-        contiguous); grids: each image's (t, h, w). Returns [units, out_hidden_size]."""
+        contiguous); grids: each image's (t, h, w). Returns [units, out_hidden_size], and with
+        deepstack blocks each one's [units, out_hidden_size] beside it."""
         s = self.shape
         weight = self.patch_embed.proj.weight
         x = F.linear(pixels.to(weight.dtype), weight.view(weight.shape[0], -1),
@@ -128,11 +149,12 @@ class Qwen3_5VisionEncoder(Layer):
         angles = (rows_cols[:, :, None].float() * self.inv_freq).flatten(1)
         cos, sin = angles.cos().to(x.device), angles.sin().to(x.device)
         runs = [h * w for t, h, w in grids for _ in range(t)]  # each frame attends within
-        for block in self.blocks:
+        deep = []
+        for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, runs)
-        unit = s.hidden_size * s.merge ** 2
-        hidden = F.gelu(self.merger.linear_fc1(self.merger.norm(x).view(-1, unit)))
-        return self.merger.linear_fc2(hidden)
+            if i in s.deep_blocks:
+                deep.append(self.deepstack_merger_list[s.deep_blocks.index(i)](x))
+        return torch.cat([self.merger(x), *deep], dim=-1)
 
     def position_embeddings(self, rows_cols: torch.Tensor, grids: list[Grid]) -> torch.Tensor:
         """Each patch's position embedding: the table's side x side cells resampled to its

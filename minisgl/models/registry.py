@@ -18,6 +18,7 @@ from minisgl.models.nemotron_h import NemotronHForCausalLM
 from minisgl.models.phi3 import Phi3ForCausalLM
 from minisgl.models.qwen3_5_vision import Qwen3_5ForCausalLM
 from minisgl.models.qwen3_next import Qwen3NextForCausalLM
+from minisgl.models.qwen3_vl import Qwen3VLForCausalLM
 from minisgl.models.qwen2_5_vl import Qwen2_5_VLForCausalLM
 from minisgl.models.smollm3 import SmolLM3ForCausalLM
 from minisgl.models.smolvlm import SmolVLMForCausalLM
@@ -42,6 +43,7 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Qwen3MoeForCausalLM": MoEForCausalLM,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+    "Qwen3VLForCausalLM": Qwen3VLForCausalLM,
     "Qwen3_5MoeForCausalLM": Qwen3_5ForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
 }

@@ -187,6 +187,7 @@ def text_model_name(name: str) -> str:
 TEXT_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
                "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM",
                "Qwen2_5_VLForConditionalGeneration": "Qwen2_5_VLForCausalLM",
+               "Qwen3VLForConditionalGeneration": "Qwen3VLForCausalLM",
                "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
                "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
                "SmolVLMForConditionalGeneration": "SmolVLMForCausalLM",
