@@ -4,6 +4,9 @@
 - `qwen2.5-vl`: Qwen2.5-VL-3B's vision tower (32 blocks of 1280, windows of 112 pixels, four
   full-attention blocks) and its text model cut to `--layers` layers (hidden 2048, 16 query
   and 2 KV heads, MLP 11008), Qwen2.5-VL's image processor settings;
+- `qwen3-vl`: Qwen3-VL-2B's vision tower (24 blocks of 1024 on 16-pixel patches, a 48 x 48
+  position table, deepstack from blocks 5, 11 and 17) and its Qwen3 decoder cut to `--layers`
+  layers (hidden 2048, 16 query and 8 KV heads of 128, MLP 6144);
 - `gemma3`: Gemma 3 4B's SigLIP tower (27 layers of 1152 on 896-pixel images, 256 tokens an
   image) and its decoder cut to `--layers` layers (hidden 2560, 8 query and 4 KV heads of 256,
   MLP 10240, five windowed layers to a global one);
@@ -129,6 +132,30 @@ def hub_vision_names(hf: Path) -> None:
         save_file(renamed, file, metadata={"format": "pt"})
 
 
+def qwen3_vl(hf: Path, layers: int) -> None:
+    tokenizer = bundled_tokenizer(VISION_TOKENS)
+    start, pad, end = tokenizer.convert_tokens_to_ids(VISION_TOKENS)
+    text = dict(vocab_size=len(tokenizer), hidden_size=2048, intermediate_size=6144,
+                num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=8,
+                head_dim=128, max_position_embeddings=32768, rms_norm_eps=1e-6,
+                bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True,
+                rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0,
+                                 "mrope_section": [24, 20, 20], "mrope_interleaved": True})
+    vision = dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16,
+                  out_hidden_size=2048, patch_size=16, num_position_embeddings=2304,
+                  deepstack_visual_indexes=[5, 11, 17])
+    config = transformers.Qwen3VLConfig(text_config=text, vision_config=vision,
+                                        image_token_id=pad, vision_start_token_id=start,
+                                        vision_end_token_id=end, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.Qwen3VLForConditionalGeneration(config).to(torch.bfloat16)
+    randomize_norms(model)
+    model.save_pretrained(hf)
+    tokenizer.save_pretrained(hf)
+    transformers.Qwen2VLImageProcessorPil(patch_size=16, image_mean=[0.5] * 3,
+                                          image_std=[0.5] * 3, **PIXELS).save_pretrained(hf)
+
+
 def qwen2_5_vl(hf: Path, layers: int) -> None:
     tokenizer = bundled_tokenizer(VISION_TOKENS)
     start, pad, end = tokenizer.convert_tokens_to_ids(VISION_TOKENS)
@@ -158,7 +185,8 @@ def convert(hf: Path, out: Path, python: str) -> None:
                        env=env)
 
 
-FAMILIES = {"qwen2.5-vl": qwen2_5_vl, "smolvlm": smolvlm, "gemma3": gemma3}
+FAMILIES = {"qwen2.5-vl": qwen2_5_vl, "qwen3-vl": qwen3_vl, "smolvlm": smolvlm,
+            "gemma3": gemma3}
 
 
 def main() -> None:
