@@ -234,7 +234,7 @@ class ImageInput:
     """One image as its model's processor made it: `tokens` placeholder positions of the
     prompt take the encoder's output for `pixels` (one embedding each)."""
 
-    key: int  # a hash of the processed pixels: the placeholders' prefix-cache key
+    key: int  # a 128-bit hash of the processed pixels: the placeholders' prefix-cache key
     tokens: int
     pixels: torch.Tensor  # the processor's patches, as the model's encoder takes them
     grid: tuple[int, int, int]  # the model's layout of it (Qwen-VL: t, h, w in patches)
@@ -281,7 +281,7 @@ class PromptImages:
         return out
 
 
-IMAGE_KEY_SHIFT = 96  # an image placeholder's cache key: past every token id and KV kind
+IMAGE_KEY_SHIFT = 128  # an image placeholder's cache key: past its 128-bit content hash
 
 
 class Req:

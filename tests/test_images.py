@@ -395,6 +395,33 @@ def test_an_image_read_again_is_not_encoded_again(qwen) -> None:
                                                for name in ("wide", "wide", "other")]
 
 
+def test_gemma3_image_tokens_written_out_by_hand_must_be_whole(tmp_path) -> None:
+    """A `<start_of_image>` id followed by image tokens is taken as written out, only if all
+    of them and `<end_of_image>` follow; a short run is refused and nothing else is lost."""
+    from minisgl.errors import InvalidRequest
+    from minisgl.llm import LLM
+    gemma = Gemma3(tmp_path)
+    boi, soft, eoi = gemma.image_token, gemma.soft, gemma.tokenizer.convert_tokens_to_ids(
+        "<end_of_image>")
+    written = [5, boi] + [soft] * 16 + [eoi, 6]
+    with LLM(model=str(tmp_path), dtype="float32", max_total_tokens=1024) as llm:
+        for short in ([5, boi, soft, 6], [5, boi] + [soft] * 16 + [6], [boi, soft]):
+            with pytest.raises(InvalidRequest, match="followed by 16 of them"):
+                llm.generate(input_ids=short, image_data=random_image("wide"),
+                             sampling_params=GREEDY)
+        out = llm.generate(input_ids=written, image_data=random_image("wide"),
+                           sampling_params=GREEDY)
+        llm.check_integrity()
+    prompt = torch.tensor([written])
+    with torch.inference_mode():
+        expected = gemma.model.generate(
+            prompt, pixel_values=gemma.processor(images=[random_image("wide")],
+                                                 return_tensors="pt")["pixel_values"],
+            token_type_ids=(prompt == soft).long(), max_new_tokens=NEW_TOKENS,
+            do_sample=False, pad_token_id=0, eos_token_id=None)[0, len(written):].tolist()
+    assert out["output_ids"] == expected
+
+
 def test_an_image_past_the_context_is_refused_naming_it(qwen) -> None:
     """The second image (12 tokens) brings the prompt past a 32-token context."""
     from minisgl.errors import InvalidRequest

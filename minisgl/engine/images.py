@@ -72,7 +72,7 @@ def image_embeddings(model: torch.nn.Module, slices: list[ImageSlice], encoded: 
                                       [image.grid for image in pending])
         for image, values in zip(pending, outputs.split([image.tokens for image in pending])):
             found[image.key] = values
-            encoded.put(image.key, values)
+            encoded.put(image.key, values.clone())  # NOTE: a view would keep the whole batch
     return torch.cat([found[s.image.key][s.first:s.first + s.count] for s in slices])
 
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.core import ImageInput, PromptImages
+from minisgl.errors import InvalidRequest
 from minisgl.layers.base import Layer
 from minisgl.models.siglip import SiglipShape, SiglipVisionTower
 
@@ -77,6 +78,7 @@ class Gemma3Images:
         from transformers import Gemma3ImageProcessorPil
         self.token_id = config.get("boi_token_index", 255999)
         self.soft_id = config.get("image_token_index", 262144)
+        self.eoi_id = config.get("eoi_token_index", 256000)
         self.tokens = vision.tokens
         self.written = f"\n\n{BOI}{SOFT * self.tokens}{EOI}\n\n"
         if (folder / "preprocessor_config.json").exists():
@@ -91,7 +93,7 @@ class Gemma3Images:
     def process(self, image: Any) -> list[ImageInput]:
         out = self.processor(images=[image.convert("RGB")], return_tensors="pt")
         pixels = out["pixel_values"].float()  # [1, channels, side, side]
-        digest = hashlib.blake2b(pixels.numpy().tobytes(), digest_size=8)
+        digest = hashlib.blake2b(pixels.numpy().tobytes(), digest_size=16)
         return [ImageInput(int.from_bytes(digest.digest(), "little"), self.tokens, pixels,
                            (1, pixels.shape[-2], pixels.shape[-1]))]
 
@@ -101,14 +103,19 @@ class Gemma3Images:
         image's soft tokens sit."""
         out: list[int] = []
         offsets: list[int] = []
+        whole = [self.soft_id] * self.tokens + [self.eoi_id]
         for i, token in enumerate(ids):
-            if token == self.token_id and (i + 1 == len(ids) or ids[i + 1] != self.soft_id):
+            if token == self.token_id and ids[i + 1:i + 2] == [self.soft_id]:
+                if ids[i + 1:i + 2 + self.tokens] != whole:
+                    raise InvalidRequest(f"a <start_of_image> followed by image tokens must be "
+                                         f"followed by {self.tokens} of them and "
+                                         "<end_of_image>")
+                offsets.append(len(out) + 1)  # written out already (a text prompt's is)
+            elif token == self.token_id:
                 written = encode(self.written)
                 offsets.append(len(out) + written.index(self.soft_id))
                 out += written
                 continue
-            if token == self.token_id:
-                offsets.append(len(out) + 1)
             out.append(token)
         units = [unit for image in images for unit in image]
         return out, PromptImages(units, offsets, whole=True)

@@ -104,7 +104,7 @@ class Qwen2_5VLImages:
         out = self.processor(images=[image.convert("RGB")], return_tensors="pt")
         pixels = out["pixel_values"].float()
         grid: Grid = tuple(out["image_grid_thw"][0].tolist())  # type: ignore[assignment]
-        digest = hashlib.blake2b(pixels.numpy().tobytes(), digest_size=8,
+        digest = hashlib.blake2b(pixels.numpy().tobytes(), digest_size=16,
                                  key=repr(grid).encode())
         tokens = grid[0] * grid[1] * grid[2] // self.shape.merge ** 2
         return [ImageInput(int.from_bytes(digest.digest(), "little"), tokens, pixels, grid)]

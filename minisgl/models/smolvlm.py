@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from minisgl.core import ImageInput, PromptImages
+from minisgl.errors import InvalidRequest
 from minisgl.layers.base import Layer
 from minisgl.layers.linear import DenseLinear
 from minisgl.layers.shard import copy_into, read_all
@@ -127,7 +128,7 @@ class SmolVLMImages:
         tiles = out["pixel_values"][0].float()
         units = []
         for index, tile in enumerate(tiles):
-            digest = hashlib.blake2b(tile.numpy().tobytes(), digest_size=8)
+            digest = hashlib.blake2b(tile.numpy().tobytes(), digest_size=16)
             units.append(ImageInput(int.from_bytes(digest.digest(), "little"),
                                     self.tile_tokens, tile[None], (rows, cols, index)))
         return units
@@ -148,7 +149,7 @@ class SmolVLMImages:
             runs = [i for i, t in enumerate(expanded)
                     if t == self.token_id and (i == 0 or expanded[i - 1] != self.token_id)]
             if len(runs) != len(units):
-                raise ValueError(f"the image's prompt holds {len(runs)} tiles for its "
+                raise InvalidRequest(f"the image's prompt holds {len(runs)} tiles for its "
                                  f"{len(units)}")
             offsets += [len(out) + run for run in runs]
             out += expanded

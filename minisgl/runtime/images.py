@@ -24,6 +24,8 @@ from minisgl.errors import InvalidRequest
 # replaces it (RequestManager.encode_chat)
 IMAGE_MARKER = "<|minisgl:image|>"
 SOURCE_SHOWN = 60  # characters of a failing source an error quotes
+# what Pillow may decode (not every plugin it has: some call out to other programs)
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,7 @@ def open_image(source: Any, limits: ImageLimits) -> Any:
             raise ValueError("an image must be a non-empty string (a URL, a data URL, a file "
                              "path or base64)")
         try:
-            image = Image.open(io.BytesIO(read_image_bytes(source, limits)))
+            image = Image.open(io.BytesIO(read_image_bytes(source, limits)), formats=FORMATS)
         except (Image.UnidentifiedImageError, Image.DecompressionBombError, OSError) as exc:
             raise ValueError(f"not an image Pillow can read ({exc})") from None
     width, height = image.size
@@ -153,6 +155,12 @@ def lay_out_images(ids: list[int], images: list[list[ImageInput]], processor: An
         raise InvalidRequest(f"the prompt holds {count} image placeholders "
                              f"({processor.placeholder}) for {len(images)} images")
     out, laid = processor.layout(ids, images, encode)
+    end = 0
+    for offset, unit in zip(laid.offsets, laid.images):  # NOTE: in order, inside the prompt
+        if offset < end or offset + unit.tokens > len(out):
+            raise InvalidRequest("the prompt's image tokens do not hold its images (an image "
+                                 "placeholder written out by hand, cut short?)")
+        end = offset + unit.tokens
     if len(out) >= context_len:
         units = list(itertools.accumulate(len(units) for units in images))
         ends = [offset + unit.tokens for offset, unit in zip(laid.offsets, laid.images)]
