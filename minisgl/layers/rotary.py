@@ -184,22 +184,26 @@ class RotaryEmbedding(Layer):
         if positions.dim() == 2:  # [3, tokens]: a table of one row per token, in order
             cos, sin = self.per_token(positions)
             rows = torch.arange(positions.shape[1], device=positions.device)
-            return self._apply(rows, q, k, cos, sin, torch.cat((cos, sin), dim=-1).float())
-        if self._cos_sin is None or self._cos_sin.device != q.device:
-            # NOTE: made at the first (eager) forward, before any CUDA-graph capture
-            self._cos_sin = torch.cat((self.cos, self.sin), dim=-1).float()
-        return self._apply(positions, q, k, self.cos, self.sin, self._cos_sin)
+            return self._apply(rows, q, k, cos, sin, per_token=True)
+        return self._apply(positions, q, k, self.cos, self.sin)
 
     def _apply(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-               cos: torch.Tensor, sin: torch.Tensor, cos_sin: torch.Tensor
+               cos: torch.Tensor, sin: torch.Tensor, per_token: bool = False
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q and k by rows `positions` of the table (cos, sin; cos_sin: both, for the
-        CUDA kernel)."""
+        """Rotate q and k by rows `positions` of the table (cos, sin): this layer's, or
+        (`per_token`) one made for this forward."""
         fused = cuda_kernels(q)
         # NOTE: FlashInfer 0.6.1 runs other head sizes through its RoPE-quantize kernel, not
         # verified here: LoRA adapters at head size 16 on an H200 missed the reference there
         if (fused is not None and q.stride(-1) == 1 and k.stride(-1) == 1
                 and self.head_dim in FLASHINFER_HEAD_DIMS):
+            if per_token:
+                cos_sin = torch.cat((cos, sin), dim=-1).float()
+            else:
+                if self._cos_sin is None or self._cos_sin.device != q.device:
+                    # NOTE: made at the first (eager) forward, before any CUDA-graph capture
+                    self._cos_sin = torch.cat((self.cos, self.sin), dim=-1).float()
+                cos_sin = self._cos_sin
             fused.apply_rope_with_cos_sin_cache_inplace(  # float32 math, in place
                 positions, q, k, self.head_dim, cos_sin, is_neox=True)
             return q, k

@@ -27,7 +27,7 @@ from minisgl.layers.base import Layer
 from minisgl.layers.linear import DenseLinear
 from minisgl.layers.rotary import rotate_rows
 from minisgl.models.arch import ModelArch
-from minisgl.models.qwen2_5_vision import Grid, attend_runs, positions
+from minisgl.models.qwen2_5_vision import Grid, VisionShape, attend_runs, positions
 from minisgl.models.qwen2_5_vl import QwenVision
 from minisgl.models.qwen3_next import Qwen3NextForCausalLM
 from minisgl.models.siglip import LayerNorm
@@ -65,13 +65,8 @@ class Qwen3_5VisionShape:
                    float(rope.get("rope_theta", 10000.0)),
                    tuple(vision.get("deepstack_visual_indexes") or ()))
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def patch_values(self) -> int:
-        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+    head_dim = VisionShape.head_dim  # the same derived sizes as Qwen2.5-VL's
+    patch_values = VisionShape.patch_values
 
 
 class Block(Layer):
