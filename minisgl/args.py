@@ -182,6 +182,13 @@ class ServerArgs:
         "does, instead of two int8 terms (~15 bits): about half the integer work at prefill, "
         "speculative verify and large decode batches, for logits a few times further from "
         "the dequantized model's (BENCHMARKS.md). Needs AVX-512 VNNI.")
+    kv_cache_dtype: str = _flag(
+        "auto", "What the KV cache's pages hold: auto (the --dtype), int8 (CPU: a float32 "
+        "scale per token and head, read by the attention kernels; about 1.9x the tokens in "
+        "the same memory at head size 64), fp8_e4m3 / fp8_e5m2 (float8 values, saturated; "
+        "CUDA through FlashInfer, CPU through the generic kernel), bf16 / bfloat16 (with "
+        "--dtype bfloat16 the same as auto). Bounds measured: README, BENCHMARKS.md.",
+        choices=["auto", "int8", "fp8_e4m3", "fp8_e5m2", "bf16", "bfloat16"])
     disable_radix_cache: bool = _flag(False, "Use no prefix cache.")
     max_mamba_cache_size: int | None = _flag(
         None, "Hybrid models: recurrent states held in all, one per running request and the "

@@ -46,12 +46,10 @@ class AttentionBackend(ABC):
         Each of the batch's `image_blocks` (its tokens' K/V already stored) has its queries'
         rows of `out` computed again over the request's keys up to the image's end (within the
         layer's window, which reaches forward too). Returns `out`."""
-        k_cache, v_cache = self.kv_pool.layer(layer_id)
         window = self.window(layer_id)
         for first_row, table_row, start, end in batch.image_blocks or ():
             count = end - start
-            locations = self.page_table[table_row, :end].long()
-            keys, values = k_cache.index_select(1, locations), v_cache.index_select(1, locations)
+            keys, values = self.kv_pool.gather(layer_id, self.page_table[table_row, :end].long())
             group = q.shape[1] // keys.shape[0]
             queries = q[first_row:first_row + count].transpose(0, 1)  # [heads, count, dim]
             scores = torch.matmul(queries * self.scale,

@@ -144,10 +144,12 @@ class FlashInferBackend(AttentionBackend):
         buffer = kv_pool.buffer  # [2, layers, kv_heads, locations, head_dim]
         if buffer.device.type != "cuda":
             raise ValueError("the flashinfer backend needs the KV pool on a CUDA device")
-        if buffer.dtype not in HALF_DTYPES:
-            raise ValueError(f"flashinfer attention runs in float16/bfloat16, not {buffer.dtype}; "
-                             "use --dtype bfloat16 or --attention-backend torch")
-        self.device, self.dtype = buffer.device, buffer.dtype
+        if kv_pool.dtype not in HALF_DTYPES:
+            raise ValueError(f"flashinfer attention runs in float16/bfloat16, not "
+                             f"{kv_pool.dtype}; use --dtype bfloat16 or --attention-backend torch")
+        if buffer.dtype not in (*HALF_DTYPES, torch.float8_e4m3fn, torch.float8_e5m2):
+            raise ValueError(f"flashinfer reads KV pages in 16 or 8 bits float, not {buffer.dtype}")
+        self.device, self.dtype, self.kv_dtype = buffer.device, kv_pool.dtype, buffer.dtype
         self.page_size = kv_pool.page_size
         self.num_layers, self.num_kv_heads, self.head_dim = (
             buffer.shape[1], buffer.shape[2], buffer.shape[4])
@@ -248,7 +250,7 @@ class FlashInferBackend(AttentionBackend):
         done = self._plan_done.get(id(wrapper))
         if done is not None and not done.query():
             done.synchronize()
-        common = dict(sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.dtype,
+        common = dict(sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.kv_dtype,
                       non_blocking=True)
         if window or self.softcap:  # NOTE: only where the model has them (older FlashInfers)
             common.update(window_left=window - 1 if window else -1,

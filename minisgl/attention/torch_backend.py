@@ -181,23 +181,25 @@ class TorchBackend(AttentionBackend):
         meta, window = batch.attn_metadata, self.window(layer_id)
         if isinstance(meta, KernelMetadata):
             k_cache, v_cache = self.kv_pool.layer(layer_id)
+            k_scales, v_scales = self.kv_pool.layer_scales(layer_id)
             if self.kv_pool.layout.latent:  # the values are in the keys' rows
-                self.kernels.store_kv_(k_cache, k_cache, batch.out_loc, k, k)
+                self.kernels.store_kv_(k_cache, k_cache, batch.out_loc, k, k, k_scales, k_scales)
             else:
-                self.kernels.store_kv_(k_cache, v_cache, batch.out_loc, k, v)
+                self.kernels.store_kv_(k_cache, v_cache, batch.out_loc, k, v, k_scales, v_scales)
             locations, lens, rows = meta.view(window, self.page_table)
             out = self.kernels.decode_attention(q.contiguous(), k_cache, v_cache, locations,
-                                                lens, self.scale, rows, self.softcap, sinks)
+                                                lens, self.scale, rows, self.softcap, sinks,
+                                                k_scales, v_scales)
             return out.view(q.shape[0], -1)
-        k_cache, v_cache = self.kv_pool.store(layer_id, batch.out_loc, k, v)
+        self.kv_pool.store(layer_id, batch.out_loc, k, v)
         if batch.is_decode:
-            return self._decode(q, k_cache, v_cache, meta, window, sinks)
+            return self._decode(q, layer_id, meta, window, sinks)
         if not isinstance(meta, MixedMetadata):
-            return self._prefill(q, k, v, k_cache, v_cache, meta, window, sinks)
+            return self._prefill(q, k, v, layer_id, meta, window, sinks)
         split = meta.prefill_tokens
-        return torch.cat((self._prefill(q[:split], k[:split], v[:split], k_cache, v_cache,
-                                        meta.prefill, window, sinks),
-                          self._decode(q[split:], k_cache, v_cache, meta.decode, window, sinks)))
+        return torch.cat((self._prefill(q[:split], k[:split], v[:split], layer_id, meta.prefill,
+                                        window, sinks),
+                          self._decode(q[split:], layer_id, meta.decode, window, sinks)))
 
     def attend_rows(self, q: torch.Tensor, layer_id: int, batch: Batch, rows: torch.Tensor
                     ) -> torch.Tensor:
@@ -205,26 +207,25 @@ class TorchBackend(AttentionBackend):
         stored (a KV-sharing layer's), through the CPU kernel (KernelMetadata batches)."""
         meta = batch.attn_metadata
         assert isinstance(meta, KernelMetadata) and self.kernels is not None
-        k_cache, v_cache = self.kv_pool.layer(layer_id)
         locations, lens, token_rows = meta.view(self.window(layer_id), self.page_table)
-        out = self.kernels.decode_attention(q.contiguous(), k_cache, v_cache, locations,
-                                            lens.index_select(0, rows), self.scale,
-                                            token_rows.index_select(0, rows), self.softcap, None)
+        out = self.kernels.decode_attention(q.contiguous(), *self.kv_pool.layer(layer_id),
+                                            locations, lens.index_select(0, rows), self.scale,
+                                            token_rows.index_select(0, rows), self.softcap, None,
+                                            *self.kv_pool.layer_scales(layer_id))
         return out.view(q.shape[0], -1)
 
-    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: DecodeMetadata, window: int, sinks: torch.Tensor | None
-                ) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, layer_id: int, meta: DecodeMetadata, window: int,
+                sinks: torch.Tensor | None) -> torch.Tensor:
         if meta.locations is None:
             meta.materialize(self.page_table, self.kv_pool.dummy_loc)
         bs, max_len = meta.locations.shape
-        num_heads, head_dim, value_dim = q.shape[1], q.shape[2], v_cache.shape[2]
-        num_kv = k_cache.shape[0]
-        group = num_heads // num_kv
-        flat = meta.locations.view(-1)
         # [kv, bs * max_len, d] -> [kv * bs, max_len, d]: contiguous, no transpose copies
-        keys = k_cache.index_select(1, flat).view(num_kv * bs, max_len, head_dim)
-        values = v_cache.index_select(1, flat).view(num_kv * bs, max_len, value_dim)
+        keys, values = self.kv_pool.gather(layer_id, meta.locations.view(-1))
+        num_heads, head_dim, value_dim = q.shape[1], q.shape[2], values.shape[2]
+        num_kv = keys.shape[0]
+        group = num_heads // num_kv
+        keys = keys.view(num_kv * bs, max_len, head_dim)
+        values = values.view(num_kv * bs, max_len, value_dim)
         q = (q * self.scale).view(bs, num_kv, group, head_dim).transpose(0, 1)
         scores = self._capped(torch.bmm(q.reshape(num_kv * bs, group, head_dim),
                                         keys.transpose(1, 2)))
@@ -235,9 +236,9 @@ class TorchBackend(AttentionBackend):
         out = torch.bmm(probs.view(num_kv * bs, group, max_len), values)
         return out.view(num_kv, bs, group, value_dim).transpose(0, 1).reshape(bs, -1)
 
-    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, segments: list[PrefillSegment], window: int,
-                 sinks: torch.Tensor | None) -> torch.Tensor:
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                 segments: list[PrefillSegment], window: int, sinks: torch.Tensor | None
+                 ) -> torch.Tensor:
         heads, dim, value_dim = q.shape[1], q.shape[2], v.shape[2]
         out = torch.empty(q.shape[0], heads * value_dim, dtype=q.dtype, device=q.device)
         scored = bool(self.softcap) or sinks is not None  # the scores in full, not SDPA
@@ -250,8 +251,7 @@ class TorchBackend(AttentionBackend):
                 ks = k[seg.start:seg.end].view(n, new, -1, dim).transpose(1, 2)
                 vs = v[seg.start:seg.end].view(n, new, -1, value_dim).transpose(1, 2)
             else:
-                ks = k_cache.index_select(1, seg.locations)[None]
-                vs = v_cache.index_select(1, seg.locations)[None]
+                ks, vs = (x[None] for x in self.kv_pool.gather(layer_id, seg.locations))
             if (window, scored) not in seg.masks:
                 seg.masks[window, scored] = self._mask(new, seg.cached_len, window, q.dtype,
                                                        q.device, scored)

@@ -14,7 +14,7 @@ import torch
 
 from minisgl.args import device_default, flag_config
 from minisgl.attention import default_attention_backend
-from minisgl.engine.placement import resolve_dtype
+from minisgl.engine.placement import resolve_dtype, resolve_kv_cache_dtype
 from minisgl.engine.quantization import resolve_quantization
 from minisgl.models import ModelArch
 
@@ -34,6 +34,7 @@ class EngineConfig:
     max_total_tokens: int | None
     mem_fraction_static: float | None
     page_size: int | None
+    kv_cache_dtype: str  # resolved: the torch dtype's name of the pages
     disable_radix_cache: bool
     max_mamba_cache_size: int | None  # hybrids: the state pool's rows (requests + snapshots)
     mamba_ssm_dtype: str  # hybrids: the recurrent states' dtype between steps
@@ -75,6 +76,8 @@ def resolve(config: EngineConfig, device: torch.device, arch: ModelArch) -> Engi
     max_running = int(default("max_running_requests"))  # type: ignore[call-overload]
     return dataclasses.replace(
         config, device=device.type, dtype=str(dtype).removeprefix("torch."),
+        kv_cache_dtype=str(resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device)
+                           ).removeprefix("torch."),
         quantization=quantization_of(config.quantization, config.model_path),
         context_length=arch.context_limit(config.context_length),
         max_running_requests=max_running, page_size=default("page_size"),

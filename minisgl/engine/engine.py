@@ -87,6 +87,7 @@ class Engine:
         check_supported(self.arch)
         self.config = config = resolve(config, self.device, self.arch)
         self.dtype: torch.dtype = getattr(torch, config.dtype)
+        self.kv_cache_dtype: torch.dtype = getattr(torch, config.kv_cache_dtype)
         self.quantization: str = config.quantization
         self.activation_terms = check_int8_activations(config.cpu_int8_activations,
                                                        self.quantization, self.device)
@@ -160,9 +161,9 @@ class Engine:
                 self.model.bind_states(self.states)
             self.kv_pool = allocate_kv_pool(
                 config, kv_layout(self.model, self.arch), self.page_size, self.dtype,
-                self.device, self.tp.size,
+                self.kv_cache_dtype, self.device, self.tp.size,
                 draft_bytes_per_token=0 if draft is None else kv_layout(
-                    *draft).bytes_per_token(self.dtype))
+                    *draft).bytes_per_token(self.kv_cache_dtype))
         self.config = config = dataclasses.replace(
             config, max_total_tokens=self.kv_pool.num_pages * self.page_size)
         rows = self.max_running + 1  # the request rows, then the dummy row
@@ -230,7 +231,7 @@ class Engine:
     def _draft_runner(self, model: torch.nn.Module, arch: ModelArch) -> DraftModel:
         """The draft model with a KV pool laid out as the target's (same pages, same table)."""
         pool = KVPool(kv_layout(model, arch), self.kv_pool.num_pages, self.page_size,
-                      self.dtype, self.device)
+                      self.dtype, self.device, self.kv_cache_dtype)
         backend = attention_for(self.config.attention_backend, arch, model, pool,
                                 self.page_table, self.device, self.dtype)
         assert self.speculation is not None

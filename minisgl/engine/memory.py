@@ -18,14 +18,15 @@ logger = logging.getLogger(__name__)
 
 
 def allocate_kv_pool(config: EngineConfig, layout: KVLayout, page_size: int,
-                     dtype: torch.dtype, device: torch.device, tp_size: int,
-                     draft_bytes_per_token: int = 0) -> KVPool:
+                     dtype: torch.dtype, cache_dtype: torch.dtype, device: torch.device,
+                     tp_size: int, draft_bytes_per_token: int = 0) -> KVPool:
     """`--max-total-tokens`, else what the memory fraction leaves (after the weights are
     loaded; a draft model's KV pool, `draft_bytes_per_token`, takes its share); every rank
-    takes the smallest count, so a page id means one slot everywhere."""
+    takes the smallest count, so a page id means one slot everywhere. The pages hold
+    `cache_dtype` (--kv-cache-dtype), read in `dtype`."""
     if device.type == "cpu":
         return_freed_heap()
-    per_token = layout.bytes_per_token(dtype)
+    per_token = layout.bytes_per_token(cache_dtype)
     tokens = config.max_total_tokens
     fraction = config.mem_fraction_static
     if tokens is None:
@@ -40,9 +41,13 @@ def allocate_kv_pool(config: EngineConfig, layout: KVLayout, page_size: int,
     if num_pages < 1:
         raise ValueError(f"no memory left for the KV cache ({tokens} tokens of {per_token} "
                          "bytes); lower --mem-fraction-static or the model size")
-    logger.info("KV pool: %d tokens in %d pages of %d (%.2f GiB)", num_pages * page_size,
-                num_pages, page_size, num_pages * page_size * per_token / 2**30)
-    return KVPool(layout, num_pages, page_size, dtype, device)
+    pages = "" if cache_dtype == dtype else (
+        f", {str(cache_dtype).removeprefix('torch.')} pages: "
+        f"{layout.bytes_per_token(dtype) / per_token:.2f}x the tokens of "
+        f"{str(dtype).removeprefix('torch.')} ones")
+    logger.info("KV pool: %d tokens in %d pages of %d (%.2f GiB%s)", num_pages * page_size,
+                num_pages, page_size, num_pages * page_size * per_token / 2**30, pages)
+    return KVPool(layout, num_pages, page_size, dtype, device, cache_dtype)
 
 
 def allocate_state_pool(arch: ModelArch, tp_size: int, rows: int, snapshots: int,

@@ -22,6 +22,25 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16
 
 
+KV_CACHE_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn,
+                   "fp8_e5m2": torch.float8_e5m2, "bf16": torch.bfloat16,
+                   "bfloat16": torch.bfloat16}
+
+
+def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """--kv-cache-dtype as the pages' dtype (a resolved name, torch's, maps to itself)."""
+    if name == "auto":
+        return dtype
+    chosen = KV_CACHE_DTYPES.get(name) or getattr(torch, name)
+    if chosen.is_floating_point and chosen.itemsize > 1 and chosen != dtype:
+        raise ValueError(f"--kv-cache-dtype {name} with --dtype {str(dtype).removeprefix('torch.')}"
+                         ": 16-bit pages hold the compute dtype; use auto, int8 or fp8_e4m3")
+    if chosen == torch.int8 and device.type != "cpu":
+        raise ValueError("--kv-cache-dtype int8 is the CPU's 8-bit KV format; on CUDA use "
+                         "fp8_e4m3 or fp8_e5m2 (FlashInfer's 8-bit KV)")
+    return chosen
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"

@@ -10,6 +10,12 @@ keeps one compressed row per token and layer, whose first `latent` dims serve as
 its buffer holds no V half.
 The last page is the dummy page: padded requests write there and masked reads point there,
 so it is never handed out and always holds finite values.
+
+Pages may be stored in 8 bits (`--kv-cache-dtype`): int8 with a float32 scale per token and
+head (symmetric, the row's largest magnitude maps to 127), written when the K/V are stored, or
+float8 (e4m3 / e5m2) values as they are, saturated at the format's largest finite value.
+Readers take the stored rows as they are (the CPU kernels) or `gather` them back in the
+compute dtype.
 """
 
 from __future__ import annotations
@@ -40,31 +46,61 @@ class KVLayout:
         return 1 if self.latent else 2
 
     def bytes_per_token(self, dtype: torch.dtype) -> int:
-        return self.halves * sum(heads * dim for heads, dim in self.shapes) * dtype.itemsize
+        """Of the pool stored in `dtype` (int8: its scales included)."""
+        scales = sum(heads for heads, _ in self.shapes) * 4 if dtype == torch.int8 else 0
+        return self.halves * (sum(heads * dim for heads, dim in self.shapes) * dtype.itemsize
+                              + scales)
+
+
+INT8_MAX = 127.0
+FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x [..., dim] in `dtype` (int8: with each row's scale, [...] float32; float8: saturated)."""
+    if dtype == torch.int8:
+        scale = x.float().abs().amax(dim=-1) / INT8_MAX
+        codes = torch.round(x.float() / scale.clamp(min=torch.finfo(torch.float32).tiny)[..., None])
+        return codes.to(torch.int8), scale
+    if dtype in FLOAT8_DTYPES:
+        largest = torch.finfo(dtype).max
+        return x.float().clamp(-largest, largest).to(dtype), None
+    return x.to(dtype), None
 
 
 class KVPool:
     def __init__(self, layout: KVLayout, num_pages: int, page_size: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, cache_dtype: torch.dtype | None = None) -> None:
         self.layout = layout
+        self.dtype = dtype  # what readers compute in
+        self.cache_dtype = cache_dtype or dtype  # what the pages hold
         self.num_pages = num_pages  # usable pages, the dummy page excluded
         self.page_size = page_size
         self.dummy_page = num_pages
         self.dummy_loc = num_pages * page_size
         locations = (num_pages + 1) * page_size
         self.buffers: dict[tuple[int, int], torch.Tensor] = {}
+        self.scales: dict[tuple[int, int], torch.Tensor] = {}  # int8: [halves, count, heads, loc]
         for heads, dim in dict.fromkeys(layout.shapes):  # each shape once, in layer order
             count = layout.shapes.count((heads, dim))
             # NOTE: torch.empty leaves untouched memory unmapped on CPU; only the dummy page
             # needs defined values (it is read under a mask, and NaN * 0 would leak through
             # softmax).
-            buffer = torch.empty((layout.halves, count, heads, locations, dim), dtype=dtype,
-                                 device=device)
+            buffer = torch.empty((layout.halves, count, heads, locations, dim),
+                                 dtype=self.cache_dtype, device=device)
             buffer[:, :, :, self.dummy_loc:].zero_()
             self.buffers[heads, dim] = buffer
+            if self.quantized:
+                self.scales[heads, dim] = torch.zeros((layout.halves, count, heads, locations),
+                                                      dtype=torch.float32, device=device)
         # per layer: its buffer and its index there
-        self._where = [(self.buffers[shape], layout.shapes[:i].count(shape))
+        self._where = [(shape, layout.shapes[:i].count(shape))
                        for i, shape in enumerate(layout.shapes)]
+
+    @property
+    def quantized(self) -> bool:
+        """int8 pages: each row's value is its code times its scale."""
+        return self.cache_dtype == torch.int8
 
     @property
     def buffer(self) -> torch.Tensor:
@@ -76,21 +112,51 @@ class KVPool:
     def layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer, each [kv_heads, locations, head_dim] (latent: V a view of
         K's first dims)."""
-        buffer, index = self._where[layer_id]
+        shape, index = self._where[layer_id]
+        buffer = self.buffers[shape]
         if self.layout.latent:
             return buffer[0, index], buffer[0, index, ..., :self.layout.latent]
         return buffer[0, index], buffer[1, index]
 
+    def layer_scales(self, layer_id: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """int8 pages: K's and V's scales of one layer, each [kv_heads, locations] (latent: V's
+        are K's); else (None, None)."""
+        if not self.quantized:
+            return None, None
+        shape, index = self._where[layer_id]
+        scales = self.scales[shape]
+        return scales[0, index], scales[0 if self.layout.latent else 1, index]
+
     def store(self, layer_id: int, locations: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write new tokens' k / v ([tokens, kv_heads, head_dim]) at `locations`; returns the
-        layer's K and V."""
-        k_cache, v_cache = self.layer(layer_id)
-        k_cache.index_copy_(1, locations, k.transpose(0, 1))
+              ) -> None:
+        """Write new tokens' k / v ([tokens, kv_heads, head_dim]) at `locations`."""
+        (k_cache, v_cache), (k_scales, v_scales) = self.layer(layer_id), self.layer_scales(layer_id)
+        halves = [(k, k_cache, k_scales)]
         if not self.layout.latent:
-            v_cache.index_copy_(1, locations, v.transpose(0, 1))
-        return k_cache, v_cache
+            halves.append((v, v_cache, v_scales))
+        for x, cache, scales in halves:
+            codes, scale = quantize_rows(x.transpose(0, 1), self.cache_dtype)
+            _as_bytes(cache).index_copy_(1, locations, _as_bytes(codes))
+            if scales is not None:
+                scales.index_copy_(1, locations, scale)
+
+    def gather(self, layer_id: int, locations: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V at `locations` (1-D), each [kv_heads, len(locations), dim], in the compute
+        dtype."""
+        gathered = []
+        for cache, scales in zip(self.layer(layer_id), self.layer_scales(layer_id)):
+            rows = _as_bytes(cache).index_select(1, locations).view(cache.dtype)
+            if scales is not None:
+                rows = rows.float() * scales.index_select(1, locations)[..., None]
+            gathered.append(rows.to(self.dtype))
+        return gathered[0], gathered[1]
 
     @property
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+        return sum(b.numel() * b.element_size()
+                   for b in (*self.buffers.values(), *self.scales.values()))
+
+
+def _as_bytes(x: torch.Tensor) -> torch.Tensor:
+    """float8 as its bytes: CPU index ops take no float8 tensors."""
+    return x.view(torch.uint8) if x.dtype in FLOAT8_DTYPES else x

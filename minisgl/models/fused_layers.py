@@ -153,7 +153,8 @@ def fuse_layers(model: Any, backend: AttentionBackend, tp_size: int) -> FusedLay
             qk_norms = ((m.q_norm.weight.detach(), m.k_norm.weight.detach())
                         if m.q_norm is not None else (None, None))
             program.add_attention(norm, weights, kinds, *backend.kv_pool.layer(layer_id),
-                              *qk_norms, gated, not isinstance(m.rotary, NoRotary))
+                                  *backend.kv_pool.layer_scales(layer_id), *qk_norms, gated,
+                                  not isinstance(m.rotary, NoRotary))
         elif isinstance(m, GatedDeltaNet):
             program.add_delta_net(norm, weights, kinds, m.conv1d.weight.detach(),
                                     *m.states.layer(m.linear_id), *m.per_head(),

@@ -1,8 +1,9 @@
 // CPU kernels where torch's composite ops cost several passes over memory:
 // - paged decode attention over the head-major KV pool ([kv_heads, locations, dim]): one pass
 //   over each request's K and V, read in place through its location row (no gathered copy, no
-//   padded batch matmuls), parallel over (request, kv head) pairs; bfloat16 at head dims 64 and
-//   128 takes decode_bf16.cpp's AVX-512 BF16 path instead;
+//   padded batch matmuls), parallel over (request, kv head) pairs, from pages in the compute
+//   dtype, int8 (a scale per row) or float8; bfloat16 at head dims 64 and 128 takes
+//   decode_bf16.cpp's AVX-512 BF16 path instead (bfloat16 or int8 pages);
 // - residual add + RMSNorm in one pass per row (float32 math, one rounding);
 // - silu(gate) * up over a merged [rows, 2 * d] projection, one pass (float32 math);
 // - rotary embedding ("rotate half") of q and k in place, one pass (float32 math);
@@ -26,6 +27,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 // Tokens in the order 0, n - 1, 1, n - 2, ...: a parallel loop's contiguous halves then get
@@ -36,6 +38,28 @@ namespace {
 
 template <typename T>
 inline float load(const T* p, int64_t i) { return static_cast<float>(p[i]); }
+
+// float8 KV pages: each code's exact value, from a table of the 256 codes.
+template <typename F>
+const float* float8_table() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(256);
+    for (int code = 0; code < 256; ++code)
+      t[code] = static_cast<float>(F(static_cast<uint8_t>(code), F::from_bits()));
+    return t;
+  }();
+  return table.data();
+}
+
+template <>
+inline float load<c10::Float8_e4m3fn>(const c10::Float8_e4m3fn* p, int64_t i) {
+  return float8_table<c10::Float8_e4m3fn>()[p[i].x];
+}
+
+template <>
+inline float load<c10::Float8_e5m2>(const c10::Float8_e5m2* p, int64_t i) {
+  return float8_table<c10::Float8_e5m2>()[p[i].x];
+}
 
 template <>
 inline float load<at::BFloat16>(const at::BFloat16* p, int64_t i) {
@@ -69,12 +93,14 @@ inline void store<at::BFloat16>(at::BFloat16* p, int64_t i, float v) {
   reinterpret_cast<uint16_t*>(p)[i] = static_cast<uint16_t>(bits >> 16);
 }
 
-template <typename T>
-void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* locations,
+// C: the pages' type, T or an 8-bit one; k_scales / v_scales ([kv_heads, pool]): int8 pages'
+// scale per row, else null.
+template <typename T, typename C>
+void decode(const T* q, const C* k_cache, const C* v_cache, const int64_t* locations,
             const int64_t* seq_lens, const int64_t* token_rows, T* out, int64_t batch,
             int64_t heads, int64_t kv_heads, int64_t pool, int64_t dim, int64_t max_len,
             float scale, float softcap, const float* sinks, int64_t vdim, int64_t v_row,
-            int64_t v_head) {
+            int64_t v_head, const float* k_scales, const float* v_scales) {
   const int64_t group = heads / kv_heads;
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * dim), probs(group * max_len), acc(group * vdim);
@@ -87,7 +113,8 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* locat
       for (int64_t i = 0; i < group * dim; ++i) qf[i] = load(qh, i) * scale;
       std::fill(maxs.begin(), maxs.end(), -std::numeric_limits<float>::infinity());
       for (int64_t t = 0; t < len; ++t) {
-        const T* k = k_cache + (h * pool + loc[t]) * dim;
+        const C* k = k_cache + (h * pool + loc[t]) * dim;
+        const float k_scale = k_scales ? k_scales[h * pool + loc[t]] : 1.f;
         if (t + kPrefetch < len)
           prefetch_row(k_cache + (h * pool + loc[t + kPrefetch]) * dim, dim);
         for (int64_t g = 0; g < group; ++g) {
@@ -95,6 +122,7 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* locat
           float s = 0.f;
 #pragma omp simd reduction(+ : s)
           for (int64_t d = 0; d < dim; ++d) s += qg[d] * load(k, d);
+          s *= k_scale;
           if (softcap > 0.f) s = softcap * std::tanh(s / softcap);
           probs[g * max_len + t] = s;
           maxs[g] = std::max(maxs[g], s);
@@ -115,11 +143,12 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* locat
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < len; ++t) {
-        const T* v = v_cache + h * v_head + loc[t] * v_row;
+        const C* v = v_cache + h * v_head + loc[t] * v_row;
+        const float v_scale = v_scales ? v_scales[h * pool + loc[t]] : 1.f;
         if (t + kPrefetch < len)
           prefetch_row(v_cache + h * v_head + loc[t + kPrefetch] * v_row, vdim);
         for (int64_t g = 0; g < group; ++g) {
-          const float p = probs[g * max_len + t];
+          const float p = probs[g * max_len + t] * v_scale;
           float* ag = acc.data() + g * vdim;
 #pragma omp simd
           for (int64_t d = 0; d < vdim; ++d) ag[d] += p * load(v, d);
@@ -255,30 +284,85 @@ void rotary_(at::Tensor q, at::Tensor k, at::Tensor positions, at::Tensor cos,
   }
 }
 
+// One row of `dim` values into an int8 page (its scale: the largest magnitude / 127) or a
+// float8 one (saturated at the format's largest finite value).
+template <typename T>
+void quantize_row(const T* x, int8_t* codes, float* scale, int64_t dim) {
+  float largest = 0.f;
+  for (int64_t d = 0; d < dim; ++d) largest = std::max(largest, std::fabs(load(x, d)));
+  *scale = largest / 127.f;
+  const float inverse = largest > 0.f ? 127.f / largest : 0.f;
+  for (int64_t d = 0; d < dim; ++d)
+    codes[d] = static_cast<int8_t>(std::nearbyint(load(x, d) * inverse));
+}
+
+template <typename T, typename F>
+void float8_row(const T* x, F* codes, int64_t dim) {
+  const float largest = static_cast<float>(std::numeric_limits<F>::max());
+  for (int64_t d = 0; d < dim; ++d)
+    codes[d] = F(std::min(largest, std::max(-largest, load(x, d))));
+}
+
 // k / v: [tokens, kv_heads, dim], contiguous rows (views into the fused QKV output);
 // k_cache / v_cache: [kv_heads, locations, dim]; locations: [tokens]. One row copy per
-// (token, head), where index_copy_ of the transposed views costs ~16 us per call.
+// (token, head), where index_copy_ of the transposed views costs ~16 us per call. Pages of
+// another dtype than k / v's are 8-bit: int8 ones with k_scales / v_scales ([kv_heads,
+// locations] float32, each row's scale written beside it), or float8.
 void store_kv_(at::Tensor k_cache, at::Tensor v_cache, at::Tensor locations,
-               at::Tensor k, at::Tensor v) {
+               at::Tensor k, at::Tensor v, c10::optional<at::Tensor> k_scales,
+               c10::optional<at::Tensor> v_scales) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous());
   const auto where = locations.to(at::kLong).contiguous();
   const int64_t tokens = where.numel(), pool = k_cache.size(1);
   const int64_t* loc = where.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(loc[t] >= 0 && loc[t] < pool, "KV location out of range");
-  for (const auto& [cache, x] : {std::pair{k_cache, k}, std::pair{v_cache, v}}) {
+  const bool int8 = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(int8 == (k_scales.has_value() && v_scales.has_value()),
+              "int8 pages, and only they, take scales");
+  using Half = std::tuple<at::Tensor, at::Tensor, c10::optional<at::Tensor>>;
+  for (const auto& [cache, x, scales] : {Half{k_cache, k, k_scales}, Half{v_cache, v, v_scales}}) {
     TORCH_CHECK(x.dim() == 3 && x.size(0) == tokens && x.stride(2) == 1 &&
-                x.size(1) == cache.size(0) &&
-                x.size(2) == cache.size(2) && x.scalar_type() == cache.scalar_type());
-    const int64_t heads = x.size(1), row = x.size(2) * x.element_size();
-    const char* src = static_cast<const char*>(x.data_ptr());
-    char* dst = static_cast<char*>(cache.data_ptr());
-    at::parallel_for(0, tokens, 256, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        for (int64_t h = 0; h < heads; ++h)
-          std::memcpy(dst + (h * pool + loc[t]) * row,
-                      src + (t * x.stride(0) + h * x.stride(1)) * x.element_size(), row);
-      }
+                x.size(1) == cache.size(0) && x.size(2) == cache.size(2));
+    const int64_t heads = x.size(1), dim = x.size(2);
+    if (x.scalar_type() == cache.scalar_type()) {
+      const int64_t row = dim * x.element_size();
+      const char* src = static_cast<const char*>(x.data_ptr());
+      char* dst = static_cast<char*>(cache.data_ptr());
+      at::parallel_for(0, tokens, 256, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) {
+          for (int64_t h = 0; h < heads; ++h)
+            std::memcpy(dst + (h * pool + loc[t]) * row,
+                        src + (t * x.stride(0) + h * x.stride(1)) * x.element_size(), row);
+        }
+      });
+      continue;
+    }
+    if (int8)
+      TORCH_CHECK(scales->scalar_type() == at::kFloat && scales->is_contiguous() &&
+                  scales->size(0) == heads && scales->size(1) == pool);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "store_kv", [&] {
+      const scalar_t* src = x.data_ptr<scalar_t>();
+      at::parallel_for(0, tokens * heads, 64, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+          const int64_t t = i / heads, h = i % heads, at_row = h * pool + loc[t];
+          const scalar_t* row = src + t * x.stride(0) + h * x.stride(1);
+          switch (cache.scalar_type()) {
+            case at::kChar:
+              quantize_row(row, cache.data_ptr<int8_t>() + at_row * dim,
+                           scales->data_ptr<float>() + at_row, dim);
+              break;
+            case at::kFloat8_e4m3fn:
+              float8_row(row, cache.data_ptr<c10::Float8_e4m3fn>() + at_row * dim, dim);
+              break;
+            case at::kFloat8_e5m2:
+              float8_row(row, cache.data_ptr<c10::Float8_e5m2>() + at_row * dim, dim);
+              break;
+            default:
+              TORCH_CHECK(false, "KV pages in ", cache.scalar_type(), " for ", x.scalar_type());
+          }
+        }
+      });
     });
   }
 }
@@ -337,7 +421,8 @@ std::vector<at::Tensor> rms_norm(at::Tensor x, c10::optional<at::Tensor> residua
 bool decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& locations,
                            const at::Tensor& seq_lens, const int64_t* token_rows,
-                           at::Tensor& out, double scale, const float* sinks);
+                           at::Tensor& out, double scale, const float* sinks,
+                           const float* k_scales, const float* v_scales);
 
 // q: [tokens, heads, dim]; k_cache/v_cache: [kv_heads, pool, dim]; locations: [rows, max_len]
 // int64 (entries past a token's length are not read); seq_lens: [tokens] int64, each >= 1: the
@@ -349,10 +434,13 @@ bool decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
 // (gpt-oss's attention sinks). v_cache may be a view of rows of its own pitch and size
 // ([kv_heads, pool, vdim], unit stride in the last dimension): latent attention's values are
 // the first dims of its keys, read in place; the output is then [tokens, heads, vdim].
+// K/V pages of another dtype than q's are 8-bit (see store_kv_): int8 ones read with their
+// k_scales / v_scales, float8 ones exactly.
 at::Tensor decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                             at::Tensor locations, at::Tensor seq_lens, double scale,
                             c10::optional<at::Tensor> token_rows, double softcap,
-                            c10::optional<at::Tensor> sinks) {
+                            c10::optional<at::Tensor> sinks, c10::optional<at::Tensor> k_scales,
+                            c10::optional<at::Tensor> v_scales) {
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.stride(2) == 1 &&
               v_cache.size(1) == k_cache.size(1) && v_cache.size(0) == k_cache.size(0));
   TORCH_CHECK(locations.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong);
@@ -365,18 +453,47 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache
   const auto sink = sinks.has_value() ? sinks->to(at::kFloat).contiguous() : at::Tensor();
   TORCH_CHECK(!sink.defined() || sink.numel() == q.size(1), "one sink logit per query head");
   const float* sink_of = sink.defined() ? sink.data_ptr<float>() : nullptr;
+  const auto pages = k_cache.scalar_type();
+  TORCH_CHECK(v_cache.scalar_type() == pages);
+  const bool int8 = pages == at::kChar;
+  TORCH_CHECK(int8 == (k_scales.has_value() && v_scales.has_value()),
+              "int8 pages, and only they, take scales");
+  TORCH_CHECK(int8 || pages == q.scalar_type() || pages == at::kFloat8_e4m3fn ||
+              pages == at::kFloat8_e5m2, "KV pages in ", pages, " for ", q.scalar_type());
+  const float* k_scale = nullptr;
+  const float* v_scale = nullptr;
+  if (int8) {
+    for (const auto& s : {*k_scales, *v_scales})
+      TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous() &&
+                  s.size(0) == k_cache.size(0) && s.size(1) == k_cache.size(1));
+    k_scale = k_scales->data_ptr<float>();
+    v_scale = v_scales->data_ptr<float>();
+  }
   auto out = at::empty({q.size(0), q.size(1), v_cache.size(2)}, q.options());
   if (softcap <= 0 && v_cache.is_contiguous() && v_cache.size(2) == q.size(2) &&
-      decode_attention_bf16(q, k_cache, v_cache, where, lens, row_of, out, scale, sink_of))
+      decode_attention_bf16(q, k_cache, v_cache, where, lens, row_of, out, scale, sink_of,
+                            k_scale, v_scale))
     return out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention",
                                   [&] {
-    decode<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
-                     v_cache.data_ptr<scalar_t>(), where.data_ptr<int64_t>(),
-                     lens.data_ptr<int64_t>(), row_of, out.data_ptr<scalar_t>(), q.size(0),
-                     q.size(1), k_cache.size(0), k_cache.size(1), q.size(2), where.size(1),
-                     static_cast<float>(scale), static_cast<float>(softcap), sink_of,
-                     v_cache.size(2), v_cache.stride(1), v_cache.stride(0));
+    const auto run = [&](const auto* k_pages, const auto* v_pages) {
+      decode(q.data_ptr<scalar_t>(), k_pages, v_pages, where.data_ptr<int64_t>(),
+             lens.data_ptr<int64_t>(), row_of, out.data_ptr<scalar_t>(), q.size(0), q.size(1),
+             k_cache.size(0), k_cache.size(1), q.size(2), where.size(1),
+             static_cast<float>(scale), static_cast<float>(softcap), sink_of, v_cache.size(2),
+             v_cache.stride(1), v_cache.stride(0), k_scale, v_scale);
+    };
+    switch (pages) {
+      case at::kChar:
+        return run(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>());
+      case at::kFloat8_e4m3fn:
+        return run(k_cache.data_ptr<c10::Float8_e4m3fn>(),
+                   v_cache.data_ptr<c10::Float8_e4m3fn>());
+      case at::kFloat8_e5m2:
+        return run(k_cache.data_ptr<c10::Float8_e5m2>(), v_cache.data_ptr<c10::Float8_e5m2>());
+      default:
+        return run(k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>());
+    }
   });
   return out;
 }
@@ -413,7 +530,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "paged attention of tokens over their requests' cached K/V (CPU)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("locations"), py::arg("seq_lens"),
         py::arg("scale"), py::arg("token_rows") = py::none(), py::arg("softcap") = 0.0,
-        py::arg("sinks") = py::none(), py::call_guard<py::gil_scoped_release>());
+        py::arg("sinks") = py::none(), py::arg("k_scales") = py::none(),
+        py::arg("v_scales") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("argmax_rows", &argmax_rows, "each row's first index of its largest value (CPU)",
         py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "residual add + RMSNorm (CPU)",
@@ -421,6 +539,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_", &rotary_, "rotary embedding of q and k, in place (CPU)",
         py::call_guard<py::gil_scoped_release>());
   m.def("store_kv_", &store_kv_, "new tokens' K and V into the head-major pool (CPU)",
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("locations"), py::arg("k"),
+        py::arg("v"), py::arg("k_scales") = py::none(), py::arg("v_scales") = py::none(),
         py::call_guard<py::gil_scoped_release>());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a merged projection (CPU)",
         py::call_guard<py::gil_scoped_release>());

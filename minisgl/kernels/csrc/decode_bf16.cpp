@@ -9,11 +9,16 @@
 // and adds, where a horizontal sum per token costs ~8 each and stalls on its own chain).
 // Values: each V row is widened once and added into every query head's float32 accumulators,
 // which stay in registers for the whole sequence.
+// int8 pages (a float32 scale per row): a tile's K rows are widened to bfloat16 once (exact:
+// an int8 value fits bfloat16's significand) into a scratch tile, and each token's score is
+// scaled by its row's scale; V rows are widened to float32, and each token's probability
+// carries its row's scale.
 #include "aten.h"
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "vnni.h"
@@ -51,10 +56,14 @@ constexpr int kSlot[kTile] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 
 
 using bf16 = at::BFloat16;
 
+// C: the pages' type, bfloat16 or int8.
+template <typename C>
 struct Task {
   const bf16* q;   // [group, dim]: the query heads of one KV head
-  const bf16* k;   // this KV head's rows of the pool, [pool, dim]
-  const bf16* v;
+  const C* k;      // this KV head's rows of the pool, [pool, dim]
+  const C* v;
+  const float* k_scale;  // int8 pages' codes: this KV head's row scales, [pool] (else null)
+  const float* v_scale;
   const int64_t* loc;
   int64_t len, group;
   float scale;
@@ -63,7 +72,7 @@ struct Task {
   bf16* out;       // [group, dim]
   const float* sinks;  // [group]: each query head's sink logit, or none
   int64_t ahead = 0;              // rows to prefetch ahead (see prefetch_stream)
-  const bf16* next_k = nullptr;  // the K rows of this thread's next task, if any
+  const C* next_k = nullptr;  // the K rows of this thread's next task, if any
   const int64_t* next_loc = nullptr;
   int64_t next_len = 0;
 };
@@ -81,34 +90,69 @@ constexpr int64_t kDecodeAhead = 4 * kTile, kPrefillAhead = kTile;
 
 // NOTE: inlined by force: a call in the value pass would spill its register accumulators
 // (every zmm register is caller-saved).
-template <int DIM>
-[[gnu::always_inline]] inline void prefetch_stream(const Task& a, int64_t from, int64_t to) {
+template <int DIM, typename C>
+[[gnu::always_inline]] inline void prefetch_stream(const Task<C>& a, int64_t from, int64_t to) {
   for (int64_t i = from; i < to; ++i) {
-    const bf16* row;
-    if (i < a.len)
+    const C* row;
+    const float* scale = nullptr;  // int8 pages: the row's scale is read too
+    if (i < a.len) {
       row = a.k + a.loc[i] * DIM;
-    else if (i < 2 * a.len)
+      if constexpr (std::is_same_v<C, int8_t>) scale = a.k_scale + a.loc[i];
+    } else if (i < 2 * a.len) {
       row = a.v + a.loc[i - a.len] * DIM;
-    else if (i < 2 * a.len + a.next_len)
+      if constexpr (std::is_same_v<C, int8_t>) scale = a.v_scale + a.loc[i - a.len];
+    } else if (i < 2 * a.len + a.next_len) {
       row = a.next_k + a.next_loc[i - 2 * a.len] * DIM;
-    else
+    } else {
       return;
-    for (int offset = 0; offset < DIM * 2; offset += 64)
+    }
+    for (int offset = 0; offset < DIM * static_cast<int>(sizeof(C)); offset += 64)
       __builtin_prefetch(reinterpret_cast<const char*>(row) + offset, 0, 2);  // T1: L2
+    // NOTE: once per 16 rows (a line of scales where pages hold 16 tokens): a prefetch per
+    // row cost more than the misses it saved
+    if (scale != nullptr && (i & 15) == 0) __builtin_prefetch(scale, 0, 2);
+  }
+}
+
+// One int8 row as bfloat16 (exact), into `out`.
+template <int DIM>
+inline void widen_int8_row(const int8_t* row, bf16* out) {
+  for (int n = 0; n < DIM / 32; ++n) {
+    const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 32 * n))));
+    const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 32 * n + 16))));
+    _mm512_storeu_si512(out + 32 * n, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low)));
   }
 }
 
 // probs[g][t] = scale * q_g . k_t, lanes past len set to -inf; returns each head's maximum.
-template <int DIM>
-void scores(const Task& a, std::vector<float>& maxima) {
+template <int DIM, typename C>
+void scores(const Task<C>& a, std::vector<float>& maxima) {
+  constexpr bool kInt8 = std::is_same_v<C, int8_t>;
+  alignas(64) bf16 widened[kInt8 ? kTile * DIM : 1];
   constexpr int kVectors = DIM / 32;  // bfloat16 vectors per row
   std::fill(maxima.begin(), maxima.end(), -std::numeric_limits<float>::infinity());
   const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512 scale = _mm512_set1_ps(a.scale);
   for (int64_t start = 0; start < a.len; start += kTile) {
     const bf16* rows[kTile];
-    for (int s = 0; s < kTile; ++s)  // past the end: the last row again (read, then masked)
-      rows[s] = a.k + a.loc[std::min(start + kSlot[s], a.len - 1)] * DIM;
+    __m512 row_scales = scale;
+    for (int s = 0; s < kTile; ++s) {  // past the end: the last row again (read, then masked)
+      const C* row = a.k + a.loc[std::min(start + kSlot[s], a.len - 1)] * DIM;
+      if constexpr (kInt8) {
+        widen_int8_row<DIM>(row, widened + s * DIM);
+        rows[s] = widened + s * DIM;
+      } else {
+        rows[s] = row;
+      }
+    }
+    if (a.k_scale != nullptr) {
+      alignas(64) float tile_scales[kTile];
+      for (int j = 0; j < kTile; ++j)
+        tile_scales[j] = a.k_scale[a.loc[std::min(start + j, a.len - 1)]];
+      row_scales = _mm512_mul_ps(scale, _mm512_load_ps(tile_scales));
+    }
     prefetch_stream<DIM>(a, start + a.ahead, start + a.ahead + kTile);
     const __mmask16 valid = a.len - start >= kTile ? 0xFFFF : (1u << (a.len - start)) - 1;
     for (int64_t g = 0; g < a.group; ++g) {
@@ -120,7 +164,7 @@ void scores(const Task& a, std::vector<float>& maxima) {
         for (int n = 0; n < kVectors; ++n) dpbf16(dot[s], q[n], _mm512_loadu_si512(rows[s] + 32 * n));
       }
       const __m512 tile = _mm512_mask_blend_ps(valid, minus_inf,
-                                               _mm512_mul_ps(transpose_sum(dot), scale));
+                                               _mm512_mul_ps(transpose_sum(dot), row_scales));
       _mm512_storeu_ps(a.probs + g * a.stride + start, tile);
       maxima[g] = std::max(maxima[g], _mm512_reduce_max_ps(tile));
     }
@@ -128,17 +172,23 @@ void scores(const Task& a, std::vector<float>& maxima) {
 }
 
 // out[g0 + h] = sum_t probs[g0 + h][t] * v_t / sums[g0 + h] for HEADS query heads.
-template <int DIM, int HEADS>
-void values(const Task& a, int64_t g0, const std::vector<float>& sums) {
+template <int DIM, int HEADS, typename C>
+void values(const Task<C>& a, int64_t g0, const std::vector<float>& sums) {
   constexpr int kVectors = DIM / 16;  // float vectors per row
   __m512 acc[HEADS][kVectors];
   for (int h = 0; h < HEADS; ++h)
     for (int n = 0; n < kVectors; ++n) acc[h][n] = _mm512_setzero_ps();
   for (int64_t t = 0; t < a.len; ++t) {
-    const bf16* row = a.v + a.loc[t] * DIM;
+    const C* row = a.v + a.loc[t] * DIM;
     if (g0 == 0) prefetch_stream<DIM>(a, a.len + t + a.ahead, a.len + t + a.ahead + 1);
     __m512 v[kVectors];
-    for (int n = 0; n < kVectors; ++n) v[n] = load_bf16(row + 16 * n);
+    for (int n = 0; n < kVectors; ++n) {
+      if constexpr (std::is_same_v<C, int8_t>)
+        v[n] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * n))));
+      else
+        v[n] = load_bf16(row + 16 * n);
+    }
     for (int h = 0; h < HEADS; ++h) {
       const __m512 p = _mm512_set1_ps(a.probs[(g0 + h) * a.stride + t]);
       for (int n = 0; n < kVectors; ++n) acc[h][n] = _mm512_fmadd_ps(p, v[n], acc[h][n]);
@@ -153,8 +203,8 @@ void values(const Task& a, int64_t g0, const std::vector<float>& sums) {
   }
 }
 
-template <int DIM>
-void values_chunk(const Task& a, int64_t g0, int heads, const std::vector<float>& sums) {
+template <int DIM, typename C>
+void values_chunk(const Task<C>& a, int64_t g0, int heads, const std::vector<float>& sums) {
   constexpr int kMostHeads = kValueAccumulators / (DIM / 16);  // 4 at dim 64, 2 at 128
   static_assert(kMostHeads == 4 || kMostHeads == 2);
   switch (heads) {
@@ -165,8 +215,8 @@ void values_chunk(const Task& a, int64_t g0, int heads, const std::vector<float>
   }
 }
 
-template <int DIM>
-void attend(const Task& a, std::vector<float>& maxima, std::vector<float>& sums) {
+template <int DIM, typename C>
+void attend(const Task<C>& a, std::vector<float>& maxima, std::vector<float>& sums) {
   prefetch_stream<DIM>(a, 0, a.ahead);  // NOTE: in flight already, but for a thread's first task
   scores<DIM>(a, maxima);
   for (int64_t g = 0; g < a.group; ++g) {
@@ -180,6 +230,12 @@ void attend(const Task& a, std::vector<float>& maxima, std::vector<float>& sums)
     }
     sums[g] = sum;
   }
+  if (a.v_scale != nullptr) {  // each token's probabilities carry its V row's scale
+    for (int64_t t = 0; t < a.len; ++t) {
+      const float v_scale = a.v_scale[a.loc[t]];
+      for (int64_t g = 0; g < a.group; ++g) a.probs[g * a.stride + t] *= v_scale;
+    }
+  }
   constexpr int kMostHeads = kValueAccumulators / (DIM / 16);
   for (int64_t g0 = 0; g0 < a.group; g0 += kMostHeads)
     values_chunk<DIM>(a, g0, static_cast<int>(std::min<int64_t>(kMostHeads, a.group - g0)), sums);
@@ -191,38 +247,38 @@ void attend(const Task& a, std::vector<float>& maxima, std::vector<float>& sums)
 
 int64_t balanced_token(int64_t i, int64_t n);  // cpu_kernels.cpp
 
-// The shapes of cpu_kernels.cpp's decode_attention. Returns false (and writes nothing) where
-// this path does not apply: not bfloat16, a head dim other than 64 / 128, no AVX-512 BF16.
-bool decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
-                           const at::Tensor& v_cache, const at::Tensor& locations,
-                           const at::Tensor& seq_lens, const int64_t* token_rows,
-                           at::Tensor& out, double scale, const float* sinks) {
+namespace {
+
 #ifdef MINISGL_VNNI
-  const int64_t dim = q.size(2);
-  if (q.scalar_type() != at::kBFloat16 || (dim != 64 && dim != 128)) return false;
-  const int64_t batch = q.size(0), heads = q.size(1), kv_heads = k_cache.size(0);
-  const int64_t pool = k_cache.size(1), max_len = locations.size(1), group = heads / kv_heads;
+// The tasks of `count` tokens (token i is q's row tokens[i], or i without a list).
+template <typename C>
+void run_tasks(const at::Tensor& q, const C* kp, const C* vp, const float* k_scales,
+               const float* v_scales, int64_t pool, int64_t kv_heads, const int64_t* loc,
+               const int64_t* lens, int64_t max_len, const int64_t* token_rows, bool decode,
+               bf16* op, double scale, const float* sinks, const int64_t* tokens,
+               int64_t count) {
+  const int64_t dim = q.size(2), heads = q.size(1), group = heads / kv_heads;
   const bf16* qp = q.data_ptr<bf16>();
-  const bf16* kp = k_cache.data_ptr<bf16>();
-  const bf16* vp = v_cache.data_ptr<bf16>();
-  const int64_t* loc = locations.data_ptr<int64_t>();
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  bf16* op = out.data_ptr<bf16>();
   const int64_t stride = (max_len + kTile - 1) / kTile * kTile;
-  const bool decode = batch == locations.size(0);  // as many tokens as rows: one each
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // NOTE: as many rows ahead as bfloat16 pages' bytes
+  const int64_t ahead = (decode ? kDecodeAhead : kPrefillAhead) *
+                        static_cast<int64_t>(sizeof(bf16) / sizeof(C));
+  at::parallel_for(0, count * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> probs(group * stride), maxima(group), sums(group);
     const auto task_at = [&](int64_t task) {
-      const int64_t b = balanced_token(task / kv_heads, batch), h = task % kv_heads;
+      const int64_t i = balanced_token(task / kv_heads, count), h = task % kv_heads;
+      const int64_t b = tokens ? tokens[i] : i;
       const int64_t first = (b * heads + h * group) * dim;
       const int64_t* row = loc + (token_rows ? token_rows[b] : b) * max_len;
-      return Task{qp + first, kp + h * pool * dim, vp + h * pool * dim, row, lens[b],
-                  group, static_cast<float>(scale), probs.data(), stride, op + first,
-                  sinks ? sinks + h * group : nullptr, decode ? kDecodeAhead : kPrefillAhead};
+      return Task<C>{qp + first, kp + h * pool * dim, vp + h * pool * dim,
+                     k_scales ? k_scales + h * pool : nullptr,
+                     v_scales ? v_scales + h * pool : nullptr, row, lens[b], group,
+                     static_cast<float>(scale), probs.data(), stride, op + first,
+                     sinks ? sinks + h * group : nullptr, ahead};
     };
-    Task next = task_at(begin);
+    Task<C> next = task_at(begin);
     for (int64_t task = begin; task < end; ++task) {
-      Task a = next;
+      Task<C> a = next;
       if (task + 1 < end) {
         next = task_at(task + 1);
         if (decode) a.next_k = next.k, a.next_loc = next.loc, a.next_len = next.len;
@@ -233,6 +289,110 @@ bool decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
         attend<128>(a, maxima, sums);
     }
   });
+}
+
+// One int8 row times its scale, rounded to bfloat16, into `out`.
+template <int DIM>
+inline void dequantize_int8_row(const int8_t* row, float scale, bf16* out) {
+  const __m512 by = _mm512_set1_ps(scale);
+  for (int n = 0; n < DIM / 32; ++n) {
+    const __m512 low = _mm512_mul_ps(by, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 32 * n)))));
+    const __m512 high = _mm512_mul_ps(by, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 32 * n + 16)))));
+    _mm512_storeu_si512(out + 32 * n, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low)));
+  }
+}
+
+// int8 pages in a batch with rows of several tokens (prefill, mixed): where each token would
+// widen every K row it reads, the rows of such requests are dequantized once into bfloat16
+// copies that their tokens read instead (one bfloat16 rounding more, as bfloat16 pages have);
+// a row of one token (a decode row) reads the pages themselves.
+void run_int8_batch(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                    const float* k_scales, const float* v_scales, const at::Tensor& locations,
+                    const int64_t* lens, const int64_t* token_rows, bf16* op, double scale,
+                    const float* sinks) {
+  const int64_t tokens = q.size(0), rows = locations.size(0), max_len = locations.size(1);
+  const int64_t kv_heads = k_cache.size(0), pool = k_cache.size(1), dim = k_cache.size(2);
+  const int64_t* loc = locations.data_ptr<int64_t>();
+  std::vector<int64_t> per_row(rows, 0), reach(rows, 0), first(rows, -1);
+  for (int64_t b = 0; b < tokens; ++b) {
+    const int64_t r = token_rows ? token_rows[b] : b;
+    ++per_row[r];
+    reach[r] = std::max(reach[r], lens[b]);
+  }
+  std::vector<int64_t> single, several;
+  int64_t copied = 0;
+  for (int64_t r = 0; r < rows; ++r)
+    if (per_row[r] > 1) first[r] = copied, copied += reach[r];
+  for (int64_t b = 0; b < tokens; ++b)
+    (per_row[token_rows ? token_rows[b] : b] > 1 ? several : single).push_back(b);
+  const int8_t* kp = k_cache.data_ptr<int8_t>();
+  const int8_t* vp = v_cache.data_ptr<int8_t>();
+  if (!single.empty())
+    run_tasks(q, kp, vp, k_scales, v_scales, pool, kv_heads, loc, lens, max_len, token_rows,
+              false, op, scale, sinks, single.data(), static_cast<int64_t>(single.size()));
+  if (several.empty()) return;
+  const auto copies = at::empty({2, kv_heads, copied, dim}, q.options());
+  bf16* keys = copies.data_ptr<bf16>();
+  bf16* values = keys + kv_heads * copied * dim;
+  std::vector<int64_t> copy_loc(rows * max_len, 0);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t t = 0; first[r] >= 0 && t < reach[r]; ++t)
+      copy_loc[r * max_len + t] = first[r] + t;
+  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / kv_heads, h = task % kv_heads;
+      for (int64_t t = 0; first[r] >= 0 && t < reach[r]; ++t) {
+        const int64_t from = h * pool + loc[r * max_len + t], to = h * copied + first[r] + t;
+        if (dim == 64) {
+          dequantize_int8_row<64>(kp + from * dim, k_scales[from], keys + to * dim);
+          dequantize_int8_row<64>(vp + from * dim, v_scales[from], values + to * dim);
+        } else {
+          dequantize_int8_row<128>(kp + from * dim, k_scales[from], keys + to * dim);
+          dequantize_int8_row<128>(vp + from * dim, v_scales[from], values + to * dim);
+        }
+      }
+    }
+  });
+  run_tasks(q, keys, values, nullptr, nullptr, copied, kv_heads, copy_loc.data(), lens,
+            max_len, token_rows, false, op, scale, sinks, several.data(),
+            static_cast<int64_t>(several.size()));
+}
+#endif
+
+}  // namespace
+
+// The shapes of cpu_kernels.cpp's decode_attention. Returns false (and writes nothing) where
+// this path does not apply: not bfloat16, pages neither bfloat16 nor int8, a head dim other
+// than 64 / 128, no AVX-512 BF16.
+bool decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const at::Tensor& locations,
+                           const at::Tensor& seq_lens, const int64_t* token_rows,
+                           at::Tensor& out, double scale, const float* sinks,
+                           const float* k_scales, const float* v_scales) {
+#ifdef MINISGL_VNNI
+  const int64_t dim = q.size(2);
+  const auto pages = k_cache.scalar_type();
+  if (q.scalar_type() != at::kBFloat16 || (dim != 64 && dim != 128) ||
+      (pages != at::kBFloat16 && pages != at::kChar))
+    return false;
+  const int64_t pool = k_cache.size(1), kv_heads = k_cache.size(0), max_len = locations.size(1);
+  const int64_t* loc = locations.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const bool decode = q.size(0) == locations.size(0);  // as many tokens as rows: one each
+  bf16* op = out.data_ptr<bf16>();
+  if (pages == at::kChar && !decode)
+    run_int8_batch(q, k_cache, v_cache, k_scales, v_scales, locations, lens, token_rows, op,
+                   scale, sinks);
+  else if (pages == at::kChar)
+    run_tasks(q, k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(), k_scales, v_scales,
+              pool, kv_heads, loc, lens, max_len, token_rows, true, op, scale, sinks, nullptr,
+              q.size(0));
+  else
+    run_tasks(q, k_cache.data_ptr<bf16>(), v_cache.data_ptr<bf16>(), nullptr, nullptr, pool,
+              kv_heads, loc, lens, max_len, token_rows, decode, op, scale, sinks, nullptr,
+              q.size(0));
   return true;
 #else
   return false;

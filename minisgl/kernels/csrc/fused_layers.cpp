@@ -18,11 +18,13 @@ std::vector<at::Tensor> rms_norm(at::Tensor x, c10::optional<at::Tensor> residua
 void rotary_(at::Tensor q, at::Tensor k, at::Tensor positions, at::Tensor cos,
              at::Tensor sin);
 void store_kv_(at::Tensor k_cache, at::Tensor v_cache, at::Tensor locations, at::Tensor k,
-               at::Tensor v);
+               at::Tensor v, c10::optional<at::Tensor> k_scales,
+               c10::optional<at::Tensor> v_scales);
 at::Tensor decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                             at::Tensor locations, at::Tensor seq_lens, double scale,
                             c10::optional<at::Tensor> token_rows, double softcap,
-                            c10::optional<at::Tensor> sinks);
+                            c10::optional<at::Tensor> sinks, c10::optional<at::Tensor> k_scales,
+                            c10::optional<at::Tensor> v_scales);
 at::Tensor silu_and_mul(at::Tensor x);
 // block_matmul.cpp
 at::Tensor block_matmul(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor subs,
@@ -85,12 +87,16 @@ FusedLayers::Sublayer FusedLayers::sublayer(Kind kind, at::Tensor norm,
 
 void FusedLayers::add_attention(at::Tensor norm, std::vector<std::vector<at::Tensor>> linears,
                                 std::vector<std::vector<int64_t>> kinds, at::Tensor k_cache,
-                                at::Tensor v_cache, c10::optional<at::Tensor> q_norm,
+                                at::Tensor v_cache, c10::optional<at::Tensor> k_scales,
+                                c10::optional<at::Tensor> v_scales,
+                                c10::optional<at::Tensor> q_norm,
                                 c10::optional<at::Tensor> k_norm, bool gated, bool rotary) {
   TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "both QK-norm weights or neither");
   Sublayer layer = sublayer(Kind::attention, std::move(norm), linears, kinds);
   layer.k_cache = std::move(k_cache);
   layer.v_cache = std::move(v_cache);
+  layer.k_scales = std::move(k_scales);
+  layer.v_scales = std::move(v_scales);
   layer.q_norm = std::move(q_norm);
   layer.k_norm = std::move(k_norm);
   layer.gated = gated;
@@ -201,9 +207,10 @@ at::Tensor FusedLayers::attention(const Sublayer& layer, const at::Tensor& x,
   }
   if (layer.rotary && cos_.has_value()) rotary_(q, k, positions, *cos_, *sin_);
   if (query_scale_ != 1.0) q = q.mul(query_scale_);
-  store_kv_(layer.k_cache, layer.v_cache, out_loc, k, v);
+  store_kv_(layer.k_cache, layer.v_cache, out_loc, k, v, layer.k_scales, layer.v_scales);
   auto attended = decode_attention(q.contiguous(), layer.k_cache, layer.v_cache, locations,
-                                   lens, scale_, rows, 0.0, c10::nullopt)
+                                   lens, scale_, rows, 0.0, c10::nullopt, layer.k_scales,
+                                   layer.v_scales)
                       .view({tokens, -1});
   if (layer.gated) attended = attended.mul(gate.reshape({tokens, -1}).sigmoid());
   return matmul(attended, layer.out);

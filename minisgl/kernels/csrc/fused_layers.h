@@ -26,14 +26,16 @@ class FusedLayers {
   // linears: the operation's two, each as its parts' (codes, scales, subs) in row order (their
   // outputs concatenated); kinds: each part's (bits, mode, activation terms).
   //
-  // Attention: linears q/k/v and o; caches: the layer's K and V in the head-major pool;
+  // Attention: linears q/k/v and o; caches: the layer's K and V in the head-major pool (and
+  // their scales, int8 pages);
   // q_norm / k_norm: per-head RMSNorm weights (QK-norm), or none; gated: q/k/v's q holds each
   // head's query then its gate, and the attention's output is scaled by sigmoid(gate) before
   // o; rotary: whether the RoPE tables apply to this layer (false: a NoPE layer among rotary
   // ones, SmolLM3's).
   void add_attention(at::Tensor norm, std::vector<std::vector<at::Tensor>> linears,
                      std::vector<std::vector<int64_t>> kinds, at::Tensor k_cache,
-                     at::Tensor v_cache, c10::optional<at::Tensor> q_norm,
+                     at::Tensor v_cache, c10::optional<at::Tensor> k_scales,
+                     c10::optional<at::Tensor> v_scales, c10::optional<at::Tensor> q_norm,
                      c10::optional<at::Tensor> k_norm, bool gated, bool rotary);
 
   // A Mamba2 layer: linears in_proj, out_proj; the rest as mamba2_spans takes them
@@ -121,7 +123,7 @@ class FusedLayers {
     // mixture's shared expert: (gate/)up, down
     Linear in, out;
     at::Tensor k_cache, v_cache;
-    c10::optional<at::Tensor> q_norm, k_norm;
+    c10::optional<at::Tensor> k_scales, v_scales, q_norm, k_norm;
     bool gated = false, rotary = true, relu2 = false;
     Mamba2 mamba2;
     Delta delta;
