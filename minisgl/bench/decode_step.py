@@ -3,6 +3,7 @@
     python -m minisgl.bench decode-step --batch 1 8 32 64 --context 128 [--dtype bfloat16]
         [--quantization gguf|w8a8_int8|mxfp4|none] [--cpu-int8-activations] [--model PATH]
         [--json-model-override-args '{...}'] [--mamba-ssm-dtype float32|bfloat16]
+        [--kv-cache-dtype auto int8 ...]   # each timed in turn, on engines built alike
 
 The windowed attention path (BENCHMARKS.md, "Sliding windows"): the bundled weights served as
 a Mistral with a window, beside the same model without one:
@@ -56,6 +57,20 @@ def decode_batch(engine: Engine, batch_size: int, context: int) -> tuple[Batch, 
     return batch, torch.randint(100, 20000, (batch_size,))
 
 
+def fill_kv_pool(engine: Engine) -> None:
+    """Random values in every page: pages never written would be read from the kernel's one
+    zero page (from cache, not DRAM)."""
+    pool = engine.kv_pool
+    for buffer in pool.buffers.values():
+        for layer in buffer.view(-1, *buffer.shape[2:]):  # NOTE: one layer's temporary at a time
+            if layer.dtype == torch.int8:
+                layer.random_(-127, 128)
+            else:
+                layer.copy_(torch.randn(layer.shape) * 0.5)
+    for scales in pool.scales.values():
+        scales.uniform_(0.001, 0.01)
+
+
 def decode_step_seconds(engine: Engine, batch_size: int, context: int, steps: int) -> float:
     """The mean time of one decode forward of `batch_size` rows at `context`, after 3 warm-up
     steps, on the engine thread as in serving (see engine.stream.CpuStream)."""
@@ -90,7 +105,14 @@ def main() -> None:
     parser.add_argument("--cpu-int8-activations", action="store_true")
     parser.add_argument("--mamba-ssm-dtype", default="float32", choices=["float32", "bfloat16"],
                         help="a hybrid's recurrent states between steps")
+    parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto"],
+                        help="what the KV pages hold; several: one engine each, in turn")
     args = parser.parse_args()
+    for kv_cache_dtype in args.kv_cache_dtype:
+        time_steps(args, kv_cache_dtype)
+
+
+def time_steps(args: argparse.Namespace, kv_cache_dtype: str) -> None:
     most = max(args.batch)
     engine = Engine(EngineConfig(model_path=args.model, dtype=args.dtype,
                                  load_format=args.load_format,
@@ -98,11 +120,14 @@ def main() -> None:
                                  quantization=args.quantization,
                                  cpu_int8_activations=args.cpu_int8_activations,
                                  mamba_ssm_dtype=args.mamba_ssm_dtype,
+                                 kv_cache_dtype=kv_cache_dtype,
                                  json_model_override_args=args.json_model_override_args,
                                  max_total_tokens=most * (args.context + 8) + 16))
+    fill_kv_pool(engine)
     read = weight_bytes(engine.model)
     states = getattr(engine, "states", None)
-    print(f"{args.dtype}, quantization {engine.quantization}, context {args.context}, "
+    print(f"{args.dtype}, quantization {engine.quantization}, KV pages "
+          f"{engine.config.kv_cache_dtype}, context {args.context}, "
           f"weights read per step {read / 1e6:.0f} MB, "
           f"{torch.get_num_threads()} threads, peak RSS after loading "
           f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:.2f} GB"

@@ -157,7 +157,7 @@ def bench_decode(args: argparse.Namespace, quantization: str) -> dict[str, Any]:
         wall_s = statistics.median(r[0] for r in runs) / args.output_len
         gpu_s = statistics.median(r[1] for r in runs) / 1e3
         weights = weight_bytes_per_step(engine)
-        kv = engine.kv_pool.layout.bytes_per_token(engine.dtype) * (
+        kv = engine.kv_pool.layout.bytes_per_token(engine.kv_cache_dtype) * (
             args.input_len + args.output_len / 2)
         step_bytes = weights + kv
     return {"bench": "decode", "model": args.model, "device": torch.cuda.get_device_name(),
