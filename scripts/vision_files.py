@@ -35,6 +35,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -69,6 +70,19 @@ def randomize_norms(model: torch.nn.Module) -> None:
                 param.add_(torch.randn_like(param) * 0.1)
 
 
+def save_random(hf: Path, model_class: Any, config: Any, tokenizer: Any, processor: Any
+                ) -> torch.nn.Module:
+    """The model of `config` with random weights (fixed seed, bfloat16, norms randomized) saved
+    to `hf` with its tokenizer and image processor; returned for what a family adds after."""
+    torch.manual_seed(0)
+    model = model_class(config).to(torch.bfloat16)
+    randomize_norms(model)
+    model.save_pretrained(hf)
+    tokenizer.save_pretrained(hf)
+    processor.save_pretrained(hf)
+    return model
+
+
 def smolvlm(hf: Path, layers: int) -> None:
     marks = ["<image>", "<fake_token_around_image>", "<global-img>",
              *(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7))]
@@ -83,13 +97,9 @@ def smolvlm(hf: Path, layers: int) -> None:
     config = transformers.SmolVLMConfig(text_config=text, vision_config=vision, scale_factor=4,
                                         image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
                                         tie_word_embeddings=True)
-    torch.manual_seed(0)
-    model = transformers.SmolVLMForConditionalGeneration(config).to(torch.bfloat16)
-    randomize_norms(model)
-    model.save_pretrained(hf)
-    tokenizer.save_pretrained(hf)
-    transformers.SmolVLMImageProcessorPil(size={"longest_edge": 2048},
-                                          max_image_size={"longest_edge": 512}).save_pretrained(hf)
+    save_random(hf, transformers.SmolVLMForConditionalGeneration, config, tokenizer,
+                transformers.SmolVLMImageProcessorPil(size={"longest_edge": 2048},
+                                                      max_image_size={"longest_edge": 512}))
 
 
 def gemma3(hf: Path, layers: int) -> None:
@@ -147,13 +157,9 @@ def qwen3_vl(hf: Path, layers: int) -> None:
     config = transformers.Qwen3VLConfig(text_config=text, vision_config=vision,
                                         image_token_id=pad, vision_start_token_id=start,
                                         vision_end_token_id=end, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    model = transformers.Qwen3VLForConditionalGeneration(config).to(torch.bfloat16)
-    randomize_norms(model)
-    model.save_pretrained(hf)
-    tokenizer.save_pretrained(hf)
-    transformers.Qwen2VLImageProcessorPil(patch_size=16, image_mean=[0.5] * 3,
-                                          image_std=[0.5] * 3, **PIXELS).save_pretrained(hf)
+    save_random(hf, transformers.Qwen3VLForConditionalGeneration, config, tokenizer,
+                transformers.Qwen2VLImageProcessorPil(patch_size=16, image_mean=[0.5] * 3,
+                                                      image_std=[0.5] * 3, **PIXELS))
 
 
 def qwen2_5_vl(hf: Path, layers: int) -> None:
@@ -168,12 +174,8 @@ def qwen2_5_vl(hf: Path, layers: int) -> None:
     config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=VISION,
                                            image_token_id=pad, vision_start_token_id=start,
                                            vision_end_token_id=end, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    model = transformers.Qwen2_5_VLForConditionalGeneration(config).to(torch.bfloat16)
-    randomize_norms(model)
-    model.save_pretrained(hf)
-    tokenizer.save_pretrained(hf)
-    transformers.Qwen2VLImageProcessorPil(**PIXELS).save_pretrained(hf)
+    save_random(hf, transformers.Qwen2_5_VLForConditionalGeneration, config, tokenizer,
+                transformers.Qwen2VLImageProcessorPil(**PIXELS))
 
 
 def convert(hf: Path, out: Path, python: str) -> None:

@@ -93,9 +93,17 @@ class KVPool:
             if self.quantized:
                 self.scales[heads, dim] = torch.zeros((layout.halves, count, heads, locations),
                                                       dtype=torch.float32, device=device)
-        # per layer: its buffer and its index there
-        self._where = [(shape, layout.shapes[:i].count(shape))
-                       for i, shape in enumerate(layout.shapes)]
+        # per layer, its K / V views and (int8 pages) its scales' (latent: V's are K's)
+        self._layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._scales: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
+        for i, shape in enumerate(layout.shapes):
+            buffer, index = self.buffers[shape], layout.shapes[:i].count(shape)
+            v_half = 0 if layout.latent else 1
+            v = buffer[0, index, ..., :layout.latent] if layout.latent else buffer[1, index]
+            self._layers.append((buffer[0, index], v))
+            scales = self.scales.get(shape)
+            self._scales.append((None, None) if scales is None else
+                                (scales[0, index], scales[v_half, index]))
 
     @property
     def quantized(self) -> bool:
@@ -112,20 +120,12 @@ class KVPool:
     def layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer, each [kv_heads, locations, head_dim] (latent: V a view of
         K's first dims)."""
-        shape, index = self._where[layer_id]
-        buffer = self.buffers[shape]
-        if self.layout.latent:
-            return buffer[0, index], buffer[0, index, ..., :self.layout.latent]
-        return buffer[0, index], buffer[1, index]
+        return self._layers[layer_id]
 
     def layer_scales(self, layer_id: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """int8 pages: K's and V's scales of one layer, each [kv_heads, locations] (latent: V's
         are K's); else (None, None)."""
-        if not self.quantized:
-            return None, None
-        shape, index = self._where[layer_id]
-        scales = self.scales[shape]
-        return scales[0, index], scales[0 if self.layout.latent else 1, index]
+        return self._scales[layer_id]
 
     def store(self, layer_id: int, locations: torch.Tensor, k: torch.Tensor, v: torch.Tensor
               ) -> None:

@@ -199,10 +199,10 @@ class RotaryEmbedding(Layer):
                 and self.head_dim in FLASHINFER_HEAD_DIMS):
             if per_token:
                 cos_sin = torch.cat((cos, sin), dim=-1).float()
+            elif self._cos_sin is None or self._cos_sin.device != q.device:
+                # NOTE: made at the first (eager) forward, before any CUDA-graph capture
+                cos_sin = self._cos_sin = torch.cat((self.cos, self.sin), dim=-1).float()
             else:
-                if self._cos_sin is None or self._cos_sin.device != q.device:
-                    # NOTE: made at the first (eager) forward, before any CUDA-graph capture
-                    self._cos_sin = torch.cat((self.cos, self.sin), dim=-1).float()
                 cos_sin = self._cos_sin
             fused.apply_rope_with_cos_sin_cache_inplace(  # float32 math, in place
                 positions, q, k, self.head_dim, cos_sin, is_neox=True)

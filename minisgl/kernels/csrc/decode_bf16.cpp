@@ -114,14 +114,18 @@ template <int DIM, typename C>
   }
 }
 
-// One int8 row as bfloat16 (exact), into `out`.
+// One int8 row as bfloat16 into `out`: exact, or (`scale` given) times its scale, rounded.
 template <int DIM>
-inline void widen_int8_row(const int8_t* row, bf16* out) {
+inline void int8_row_as_bf16(const int8_t* row, bf16* out, const float* scale = nullptr) {
   for (int n = 0; n < DIM / 32; ++n) {
-    const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+    __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 32 * n))));
-    const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+    __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 32 * n + 16))));
+    if (scale != nullptr) {
+      low = _mm512_mul_ps(_mm512_set1_ps(*scale), low);
+      high = _mm512_mul_ps(_mm512_set1_ps(*scale), high);
+    }
     _mm512_storeu_si512(out + 32 * n, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low)));
   }
 }
@@ -141,7 +145,7 @@ void scores(const Task<C>& a, std::vector<float>& maxima) {
     for (int s = 0; s < kTile; ++s) {  // past the end: the last row again (read, then masked)
       const C* row = a.k + a.loc[std::min(start + kSlot[s], a.len - 1)] * DIM;
       if constexpr (kInt8) {
-        widen_int8_row<DIM>(row, widened + s * DIM);
+        int8_row_as_bf16<DIM>(row, widened + s * DIM);
         rows[s] = widened + s * DIM;
       } else {
         rows[s] = row;
@@ -291,19 +295,6 @@ void run_tasks(const at::Tensor& q, const C* kp, const C* vp, const float* k_sca
   });
 }
 
-// One int8 row times its scale, rounded to bfloat16, into `out`.
-template <int DIM>
-inline void dequantize_int8_row(const int8_t* row, float scale, bf16* out) {
-  const __m512 by = _mm512_set1_ps(scale);
-  for (int n = 0; n < DIM / 32; ++n) {
-    const __m512 low = _mm512_mul_ps(by, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 32 * n)))));
-    const __m512 high = _mm512_mul_ps(by, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 32 * n + 16)))));
-    _mm512_storeu_si512(out + 32 * n, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low)));
-  }
-}
-
 // int8 pages in a batch with rows of several tokens (prefill, mixed): where each token would
 // widen every K row it reads, the rows of such requests are dequantized once into bfloat16
 // copies that their tokens read instead (one bfloat16 rounding more, as bfloat16 pages have);
@@ -346,11 +337,11 @@ void run_int8_batch(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
       for (int64_t t = 0; first[r] >= 0 && t < reach[r]; ++t) {
         const int64_t from = h * pool + loc[r * max_len + t], to = h * copied + first[r] + t;
         if (dim == 64) {
-          dequantize_int8_row<64>(kp + from * dim, k_scales[from], keys + to * dim);
-          dequantize_int8_row<64>(vp + from * dim, v_scales[from], values + to * dim);
+          int8_row_as_bf16<64>(kp + from * dim, keys + to * dim, k_scales + from);
+          int8_row_as_bf16<64>(vp + from * dim, values + to * dim, v_scales + from);
         } else {
-          dequantize_int8_row<128>(kp + from * dim, k_scales[from], keys + to * dim);
-          dequantize_int8_row<128>(vp + from * dim, v_scales[from], values + to * dim);
+          int8_row_as_bf16<128>(kp + from * dim, keys + to * dim, k_scales + from);
+          int8_row_as_bf16<128>(vp + from * dim, values + to * dim, v_scales + from);
         }
       }
     }
