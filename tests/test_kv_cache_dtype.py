@@ -4,11 +4,7 @@ References: attention in float32 over the K/V before they were stored (the kerne
 what 8 bits cost), transformers in float32 (the models' bound: each greedy token's reference
 logit within a margin of the reference's best, teacher-forced on our own tokens).
 
-Measured on the AVX-512 machine: relative L2 error of the attention output over 1..600 keys at
-most 0.0096 int8, 0.041 e4m3, 0.091 e5m2 (bfloat16 pages: 0.0031); the bundled model's
-perplexity of the paragraph twice 4.1037 with int8 pages, 4.0953 with bfloat16 ones (+0.2%);
-every greedy token of the float32 bundled model with int8 pages, each feature, the reference's
-argmax (margin 0.0)."""
+The errors and perplexities measured against these bounds: BENCHMARKS.md, "8-bit KV pages"."""
 
 from __future__ import annotations
 
