@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from minisgl.flag_checks import check_lora, check_parsers, check_speculation, lora_adapters
+from minisgl.flag_checks import (check_hierarchical_cache, check_lora, check_parsers,
+                                 check_speculation, lora_adapters)
 
 T = TypeVar("T")
 
@@ -190,6 +191,42 @@ class ServerArgs:
         "--dtype bfloat16 the same as auto). Bounds measured: README, BENCHMARKS.md.",
         choices=["auto", "int8", "fp8_e4m3", "fp8_e5m2", "bf16", "bfloat16"])
     disable_radix_cache: bool = _flag(False, "Use no prefix cache.")
+    enable_hierarchical_cache: bool = _flag(
+        False, "Keep the prefix cache's pages past the KV pool: in a host-memory tier (GPU; "
+        "on CPU the pool is host memory already, so only with --hicache-size) and, with "
+        "--hicache-storage-backend file, on disk (it survives a restart). A prefix the pool "
+        "no longer holds is read back instead of recomputed. Not with hybrid models, "
+        "STANDALONE speculation or --disable-radix-cache.")
+    hicache_ratio: float = _flag(
+        2.0, "GPU: the host tier's size as a multiple of the KV pool's (--hicache-size "
+        "overrides it).")
+    hicache_size: int = _flag(
+        0, "The host tier's size in GB (0: --hicache-ratio on GPU, no host tier on CPU).")
+    hicache_write_policy: str = _flag(
+        "write_through", "When pages reach the lower tiers: write_through (when a request "
+        "gives them to the prefix cache; write_through_selective the same) or write_back "
+        "(when the pool evicts them).",
+        choices=["write_through", "write_through_selective", "write_back"])
+    hicache_io_backend: str = _flag(
+        "kernel", "Accepted for SGLang's command lines: minisgl copies pages with torch ops "
+        "either way.", choices=["kernel", "direct"])
+    hicache_mem_layout: str = _flag(
+        "layer_first", "Accepted for SGLang's command lines: the host tier keeps each page's "
+        "layers together either way.", choices=["layer_first", "page_first", "page_first_direct"])
+    hicache_storage_prefetch_policy: str = _flag(
+        "best_effort", "Accepted for SGLang's command lines: a request whose prefix is on disk "
+        "waits for its pages (other requests run meanwhile).",
+        choices=["best_effort", "wait_complete", "timeout"])
+    hicache_storage_backend: str | None = _flag(
+        None, "The disk tier: file (one file per page under --hicache-storage-dir).",
+        choices=["file"])
+    hicache_storage_dir: str | None = _flag(
+        None, "The disk tier's folder (default: $SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, "
+        "else ~/.cache/minisgl/hicache); each model and layout gets a folder of its own in it.")
+    hicache_storage_backend_extra_config: str | None = _flag(
+        None, "JSON: max_size (the disk tier's limit: bytes or 10G / 64Gi; default "
+        "$SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE, else 16Gi, at most half the free space), "
+        "storage_dir (as --hicache-storage-dir).")
     max_mamba_cache_size: int | None = _flag(
         None, "Hybrid models: recurrent states held in all, one per running request and the "
         "rest the prefix cache's snapshots (a cached prefix resumes only from the state at its "
@@ -308,6 +345,7 @@ class ServerArgs:
         check_parsers(self)
         check_speculation(self)
         check_lora(self)
+        check_hierarchical_cache(self)
         if self.is_embedding and self.speculative_algorithm is not None:
             raise ValueError("--is-embedding generates no tokens: --speculative-algorithm "
                              "does not apply")

@@ -284,6 +284,12 @@ class PromptImages:
 IMAGE_KEY_SHIFT = 128  # an image placeholder's cache key: past its 128-bit content hash
 
 
+def cache_id_kind(cache_id: int) -> int:
+    """The kind `Req.cache_ids` gave a key (lora_uid * 2 + long_rope)."""
+    image = cache_id >> IMAGE_KEY_SHIFT
+    return image - 1 if image else cache_id >> 32
+
+
 class Req:
     """One sequence being scheduled.
 
@@ -300,7 +306,7 @@ class Req:
     __slots__ = ("uid", "rid", "host_ids", "prompt_len", "params", "stop_ids", "table_idx",
                  "kv_len", "device_len", "tail_loc", "cache_handle", "finish_reason",
                  "cached_tokens", "priority", "generator", "matcher", "logprobs", "spec",
-                 "lora_uid", "embed", "images")
+                 "lora_uid", "embed", "images", "tier_tokens")
 
     def __init__(self, uid: int, rid: str, prompt_ids: list[int], params: SamplingParams,
                  stop_ids: frozenset[int] = frozenset()) -> None:
@@ -317,6 +323,8 @@ class Req:
         self.finish_reason: dict[str, Any] | None = None
         # ---- one slot per feature
         self.cached_tokens = 0  # prefix cache: prompt tokens it served at the first admission
+        # hierarchical cache: of those, the tokens each lower tier served (by tier name)
+        self.tier_tokens: dict[str, int] | None = None
         self.priority = 0  # priority scheduling: higher first (scheduler.prefill.WaitingOrder)
         self.generator: torch.Generator | None = None  # sampling_seed: its own generator
         self.matcher: Any = None  # a grammar's state (grammar.backend.Matcher)

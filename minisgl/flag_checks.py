@@ -4,6 +4,7 @@ each takes the ServerArgs being built and refuses impossible values with one lin
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 HARMONY_PARSER = "gpt-oss"  # both parser flags' name for the harmony format
@@ -109,3 +110,57 @@ def lora_adapters(entries: list[str] | None) -> list[tuple[str, str, bool]]:
             name, _, path = entry.partition("=") if "=" in entry else (entry, "", entry)
             adapters.append((name, path, False))
     return adapters
+
+
+HICACHE_EXTRA_KEYS = ("max_size", "storage_dir")
+
+
+def check_hierarchical_cache(args: Any) -> None:
+    """--enable-hierarchical-cache and --hicache-*: refuse what cannot work together."""
+    if args.hicache_storage_backend is not None and not args.enable_hierarchical_cache:
+        raise ValueError("--hicache-storage-backend needs --enable-hierarchical-cache")
+    if args.hicache_size < 0 or not args.hicache_ratio > 0:
+        raise ValueError("--hicache-size must be >= 0 and --hicache-ratio > 0")
+    extra = hicache_extra_config(args.hicache_storage_backend_extra_config)
+    if not args.enable_hierarchical_cache:
+        return
+    if args.disable_radix_cache:
+        raise ValueError("--enable-hierarchical-cache extends the prefix cache: not with "
+                         "--disable-radix-cache")
+    if args.speculative_algorithm == "STANDALONE":
+        raise ValueError("--enable-hierarchical-cache keeps no draft model's KV: not with "
+                         "--speculative-algorithm STANDALONE")
+    if extra and args.hicache_storage_backend is None:
+        raise ValueError("--hicache-storage-backend-extra-config needs "
+                         "--hicache-storage-backend")
+
+
+def hicache_extra_config(text: str | None) -> dict[str, Any]:
+    """--hicache-storage-backend-extra-config as a dict of the keys minisgl reads."""
+    if not text:
+        return {}
+    try:
+        extra = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--hicache-storage-backend-extra-config is not JSON: {exc}") from None
+    if not isinstance(extra, dict):
+        raise ValueError("--hicache-storage-backend-extra-config must be a JSON object")
+    unknown = sorted(set(extra) - set(HICACHE_EXTRA_KEYS))
+    if unknown:
+        raise ValueError(f"--hicache-storage-backend-extra-config: unknown key {unknown[0]!r} "
+                         f"(minisgl reads {', '.join(HICACHE_EXTRA_KEYS)})")
+    if "max_size" in extra:
+        parse_size(extra["max_size"])
+    return extra
+
+
+_SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+               "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_size(value: object) -> int:
+    """Bytes from an int or a string like 10G, 64Gi, 512M (B suffix allowed)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*", str(value).lower())
+    if isinstance(value, bool) or match is None:
+        raise ValueError(f"not a size: {value!r} (bytes, or e.g. 10G, 64Gi)")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2) or ""])

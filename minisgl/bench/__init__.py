@@ -40,6 +40,8 @@ SUBCOMMANDS = [
                "embedding throughput beside the same model's prefill"),
     Subcommand("dashboard", "dashboard", "serving",
                "throughput and /health latency with the dashboard closed and open"),
+    Subcommand("hicache", "hicache", "serving",
+               "the hierarchical cache off and on, a working set past the pool (SGLang's client)"),
     Subcommand("offline", "offline", "offline",
                "LLM.generate throughput, overlap loop on vs off"),
     Subcommand("lora", "lora", "offline", "multi-LoRA throughput, 0 / 1 / 8 adapters"),

@@ -36,6 +36,12 @@ class EngineConfig:
     page_size: int | None
     kv_cache_dtype: str  # resolved: the torch dtype's name of the pages
     disable_radix_cache: bool
+    enable_hierarchical_cache: bool
+    hicache_ratio: float
+    hicache_size: int
+    hicache_storage_backend: str | None
+    hicache_storage_dir: str | None
+    hicache_storage_backend_extra_config: str | None
     max_mamba_cache_size: int | None  # hybrids: the state pool's rows (requests + snapshots)
     mamba_ssm_dtype: str  # hybrids: the recurrent states' dtype between steps
     attention_backend: str | None

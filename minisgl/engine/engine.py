@@ -32,6 +32,7 @@ from minisgl.engine.draft_model import DraftModel
 from minisgl.engine.failure import FailureWatch
 from minisgl.engine.forward import ForwardInput, ForwardOutput, InputLogprobs, VerifyRows, to_host
 from minisgl.engine.graph import GraphRunner, supports_graphs
+from minisgl.engine.hicache import KVMoves, KVTiers, build_page_store, kv_fingerprint
 from minisgl.engine.images import EncodedImages, spliced_embeddings
 from minisgl.engine.lora import LoraModules, lora_settings
 from minisgl.engine.memory import allocate_kv_pool, allocate_state_pool, release_cuda_memory
@@ -43,11 +44,12 @@ from minisgl.engine.sampler import Sampler, to_device
 from minisgl.engine.scoring import score_rows
 from minisgl.engine.speculation import Speculator, spec_config
 from minisgl.engine.stream import Completion, CpuStream
-from minisgl.engine.tp_message import PHASES, StepMessage
+from minisgl.engine.tp_message import MSG_MOVES, PHASES, StepMessage, moves_message
 from minisgl.env import cuda_wait_mode, return_freed_heap
 from minisgl.errors import EngineFailed
 from minisgl.flag_checks import lora_adapters
 from minisgl.kvcache import KVPool
+from minisgl.kvcache.page_store import PageStore
 from minisgl.kvcache.state_pool import StatePool
 from minisgl.layers.moe import syncs_on_host
 from minisgl.models import (ModelArch, check_supported, generation_eos_ids, load_config,
@@ -95,6 +97,9 @@ class Engine:
         self.arch = dataclasses.replace(self.arch, served_context=self.context_len)
         if self.tp.size > 1:
             check_tp_size(self.arch, self.tp.size, self.model_path.name)
+        if self.arch.is_hybrid and config.enable_hierarchical_cache:
+            raise ValueError("--enable-hierarchical-cache keeps no recurrent states: not with "
+                             "a hybrid model")
         if self.arch.is_hybrid:
             check_hybrid(self.arch, config.tp_size, config.mamba_ssm_dtype, self.device,
                          self.dtype)
@@ -166,6 +171,14 @@ class Engine:
                     *draft).bytes_per_token(self.kv_cache_dtype))
         self.config = config = dataclasses.replace(
             config, max_total_tokens=self.kv_pool.num_pages * self.page_size)
+        self.page_store: PageStore | None = None  # rank 0, --enable-hierarchical-cache
+        self.kv_fingerprint = b""
+        if config.enable_hierarchical_cache and self.tp.is_primary:
+            self.kv_fingerprint = kv_fingerprint(config, self.model_path, self.kv_pool)
+            self.page_store = build_page_store(config, self.kv_pool, self.kv_fingerprint,
+                                               self.device)
+        kv_tiers = (KVTiers(self.kv_pool, self.tp, self.page_store)
+                    if config.enable_hierarchical_cache else None)
         rows = self.max_running + 1  # the request rows, then the dummy row
         self.page_table = torch.zeros(rows, self.context_len, dtype=torch.int32, device=self.device)
         self.token_pool = torch.zeros(rows, self.context_len, dtype=torch.int32, device=self.device)
@@ -200,7 +213,8 @@ class Engine:
             if graph_runner is not None:
                 speculator.pad_for_graphs(*graph_runner.verify_shape, self.kv_pool.dummy_loc)
         self.runner = ModelRunner(self.model, self.attn_backend, self.sampler, self.token_pool,
-                                  graph_runner, self.tp, speculator, self.lora, self.states)
+                                  graph_runner, self.tp, speculator, self.lora, self.states,
+                                  kv_tiers)
         if not self.tp.is_primary:
             return  # a worker runs its steps on its main thread
         binding = (self.tp, self.group) if self.tp.size > 1 else None
@@ -324,6 +338,9 @@ class Engine:
         # NOTE: a hybrid's state copies are planned after the message was built
         fwd.message.state_loads = fwd.batch.state_loads
         fwd.message.state_saves = fwd.batch.state_saves
+        if fwd.kv_moves is not None:
+            fwd.message.kv_saves = fwd.kv_moves.save_pages
+            fwd.message.kv_loads = fwd.kv_moves.load_pages
         try:
             self.workers.send(fwd.message.pack())
         except QueueClosed:
@@ -343,8 +360,32 @@ class Engine:
             assert self.workers is not None
             raise EngineFailed(self.workers.explain_failure(exc)) from exc
 
+    def move_pages(self, moves: KVMoves) -> Completion:
+        """Queue page copies to and from the lower tiers outside a step (the scheduler, idle,
+        with saves due), on every rank, in order with the steps."""
+        assert self.runner.kv_tiers is not None
+        if self.workers is not None:
+            try:
+                self.workers.send(moves_message(moves))
+            except QueueClosed:
+                raise EngineFailed(self.workers.failed or "a tensor-parallel worker is gone"
+                                   ) from None
+        return self.stream.launch(partial(self._move_pages, moves))
+
+    def _move_pages(self, moves: KVMoves) -> None:
+        assert self.runner.kv_tiers is not None
+        try:
+            self.runner.kv_tiers.run(moves)
+        except Exception:  # NOTE: nobody awaits it; a broken rank fails the next step
+            logger.exception("copying pages to the lower tiers failed")
+
     def run_step_message(self, arrays: list[np.ndarray]) -> None:
-        """A worker's step: replay rank 0's table writes, rebuild the batch, run the forward."""
+        """A worker's step: replay rank 0's table writes, rebuild the batch, run the forward
+        (or only copy pages, `move_pages`)."""
+        if int(arrays[0][0]) == MSG_MOVES:
+            assert self.runner.kv_tiers is not None
+            self.runner.kv_tiers.run(KVMoves(arrays[1].tolist(), arrays[2].tolist()))
+            return
         message = StepMessage.unpack(arrays)
         message.replay_writes(self.token_pool, self.page_table)
         batch = message.batch(self.device)
@@ -354,7 +395,8 @@ class Engine:
             batch, message.load_indices.to(device), message.write_indices.to(device),
             logit_rows=None if message.logit_rows is None else message.logit_rows.to(device),
             sample_args=None, logits_only=message.logits_only, verify_step=message.verify_step,
-            lora_loads=message.lora_loads, image_rows=message.image_rows))
+            lora_loads=message.lora_loads, image_rows=message.image_rows,
+            kv_moves=message.kv_moves()))
 
     # ---- failure and shutdown ----------------------------------------------------------------
 
@@ -380,6 +422,8 @@ class Engine:
         """Stop the engine thread and, tp > 1, every worker; removes our shared memory. On
         CUDA the device memory is freed at once."""
         failed = self.failed
+        if self.page_store is not None:
+            self.page_store.close()
         if self._failure_watch is not None:
             self._failure_watch.close()
             self._failure_watch = None
@@ -436,8 +480,9 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, attn_backend, sampler: Sampler,
                  token_pool: torch.Tensor, graph_runner: GraphRunner | None, tp: TPInfo,
                  speculator: Speculator | None = None, lora: LoraModules | None = None,
-                 states: StatePool | None = None) -> None:
+                 states: StatePool | None = None, kv_tiers: KVTiers | None = None) -> None:
         self.model, self.attn_backend, self.sampler = model, attn_backend, sampler
+        self.kv_tiers = kv_tiers  # --enable-hierarchical-cache
         self.token_pool, self.graph_runner, self.tp = token_pool, graph_runner, tp
         self.speculator = speculator  # rank 0 of a speculating engine
         self.lora = lora  # --enable-lora
@@ -464,6 +509,9 @@ class ModelRunner:
     def forward(self, fwd: ForwardInput) -> ForwardOutput:
         """Runs on the engine stream (GPU) or the engine thread (CPU), in launch order."""
         started = time.perf_counter()
+        if fwd.kv_moves is not None:
+            assert self.kv_tiers is not None
+            self.kv_tiers.run(fwd.kv_moves)
         if self.lora is not None:
             self.lora.begin_step(fwd.lora_loads, fwd.batch)
         logits, scored, embeddings = self._logits(fwd)

@@ -12,6 +12,7 @@ from minisgl.core import Batch
 from minisgl.engine.sampler import SamplingArgs
 
 if TYPE_CHECKING:
+    from minisgl.engine.hicache import KVMoves
     from minisgl.engine.images import ImageSlice
     from minisgl.engine.tp_message import StepMessage
 
@@ -112,6 +113,8 @@ class ForwardInput:
     # the images they read (engine.images); None otherwise
     image_rows: torch.Tensor | None = None
     images: list[ImageSlice] | None = None
+    # --enable-hierarchical-cache: pages copied to and from the lower tiers before the step
+    kv_moves: KVMoves | None = None
 
     @property
     def num_scored_rows(self) -> int:

@@ -9,8 +9,14 @@ import numpy as np
 import torch
 
 from minisgl.core import Batch, Phase
+from minisgl.engine.hicache import KVMoves
 
 PHASES: tuple[Phase, ...] = ("prefill", "decode", "mixed")  # NOTE: wire codes 0..2; -1 is STOP
+MSG_MOVES = -2  # meta[0] of a message that only copies pages (Engine.move_pages)
+
+
+def moves_message(moves: KVMoves) -> list[np.ndarray]:
+    return [_ints([MSG_MOVES]), _ints(moves.save_pages), _ints(moves.load_pages)]
 
 
 @dataclass
@@ -44,6 +50,8 @@ class StepMessage:
     state_saves: list[tuple[int, int, int]] | None = None
     image_rows: torch.Tensor | None = None  # ForwardInput.image_rows
     image_blocks: list[tuple[int, int, int, int]] | None = None  # Batch's
+    kv_saves: list[int] = field(default_factory=list)  # KVMoves' page ids
+    kv_loads: list[int] = field(default_factory=list)
 
     def pack(self) -> list[np.ndarray]:
         tokens, locations = self.token_writes, self.location_writes
@@ -74,6 +82,7 @@ class StepMessage:
             _ints([value for save in self.state_saves or () for value in save]),
             _ints(self.image_rows if self.image_rows is not None else []),
             _ints([value for block in self.image_blocks or () for value in block]),
+            _ints(self.kv_saves), _ints(self.kv_loads),
         ]
 
     @classmethod
@@ -81,7 +90,8 @@ class StepMessage:
         (meta, rows, cached, seq_lens, extend, positions, out_loc, load, write, logit_rows,
          token_rows, token_starts, token_lens, token_ids, location_lens, location_idx,
          location_vals, lora_slots, load_slots, load_uids, path_lens, path_bytes,
-         rope_positions, state_loads, state_saves, image_rows, image_blocks) = arrays
+         rope_positions, state_loads, state_saves, image_rows, image_blocks, kv_saves,
+         kv_loads) = arrays
         (phase, size, logits_only, has_logit_rows, decode_rows, verify_step,
          row_tokens, rope_dims, has_image_rows) = meta.tolist()
         tokens, at = [], 0
@@ -109,7 +119,7 @@ class StepMessage:
                     else torch.from_numpy(rope_positions) if rope_dims == 1 else None),
                    _tuples(state_loads, 2), _tuples(state_saves, 3),
                    torch.from_numpy(image_rows) if has_image_rows else None,
-                   _tuples(image_blocks, 4))
+                   _tuples(image_blocks, 4), kv_saves.tolist(), kv_loads.tolist())
 
     def resolve(self, batch: Batch, load_indices: torch.Tensor, write_indices: torch.Tensor,
                 logit_rows: torch.Tensor | None,
@@ -125,6 +135,11 @@ class StepMessage:
         self.logit_rows = None if logit_rows is None else logit_rows.cpu()
         self.token_writes = self.token_writes + draft_writes
         self.verify_step, self.row_tokens = True, batch.row_tokens
+
+    def kv_moves(self) -> KVMoves | None:
+        if not (self.kv_saves or self.kv_loads):
+            return None
+        return KVMoves(self.kv_saves, self.kv_loads)
 
     def replay_writes(self, token_pool: torch.Tensor, page_table: torch.Tensor) -> None:
         device = token_pool.device

@@ -152,6 +152,44 @@ class KVPool:
         return gathered[0], gathered[1]
 
     @property
+    def page_bytes(self) -> int:
+        """Bytes of one page as `read_pages` hands it out: every layer's rows and scales."""
+        return sum(part[..., :self.page_size, :].numel() for part in self._byte_parts())
+
+    def read_pages(self, pages: torch.Tensor) -> torch.Tensor:
+        """A copy of `pages` (1-D page ids on the pool's device) as [pages, page_bytes] uint8."""
+        locations = self._page_locations(pages)
+        count = len(pages)
+        rows = []
+        for part in self._byte_parts():
+            picked = part.index_select(3, locations)  # [halves, layers, heads, locations, bytes]
+            picked = picked.unflatten(3, (count, self.page_size)).movedim(3, 0)
+            rows.append(picked.reshape(count, -1))
+        return torch.cat(rows, dim=1)
+
+    def write_pages(self, pages: torch.Tensor, data: torch.Tensor) -> None:
+        """Write `read_pages`' [pages, page_bytes] uint8 back into `pages` (same device)."""
+        locations = self._page_locations(pages)
+        count, at = len(pages), 0
+        for part in self._byte_parts():
+            halves, layers, heads, _, width = part.shape
+            size = halves * layers * heads * self.page_size * width
+            rows = data[:, at:at + size].reshape(count, halves, layers, heads, self.page_size,
+                                                 width)
+            part.index_copy_(3, locations, rows.movedim(0, 3).flatten(3, 4))
+            at += size
+
+    def _page_locations(self, pages: torch.Tensor) -> torch.Tensor:
+        offsets = torch.arange(self.page_size, device=pages.device)
+        return (pages[:, None] * self.page_size + offsets).flatten()
+
+    def _byte_parts(self) -> list[torch.Tensor]:
+        """Every buffer and scale tensor as uint8 [halves, layers, heads, locations, bytes]."""
+        parts = [buffer.view(torch.uint8) for buffer in self.buffers.values()]
+        parts += [scales[..., None].view(torch.uint8) for scales in self.scales.values()]
+        return parts
+
+    @property
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size()
                    for b in (*self.buffers.values(), *self.scales.values()))

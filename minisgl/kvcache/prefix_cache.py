@@ -16,7 +16,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -138,6 +138,8 @@ class RadixCache(PrefixCache):
         self._clock = 0
         self._evictable = 0
         self._protected = 0
+        # called with each evicted node's (token ids from the root to its end, its locations)
+        self.on_evict: Callable[[list[int], torch.Tensor, int], None] | None = None
 
     # ---- queries ----
 
@@ -224,6 +226,9 @@ class RadixCache(PrefixCache):
             _, _, node = heapq.heappop(heap)
             parent = node.parent
             assert parent is not None
+            if self.on_evict is not None:
+                ids = self._path_ids(node)
+                self.on_evict(ids, node.locations, len(ids) - len(node))
             del parent.children[self._key(node.token_ids)]
             node.parent = None
             self._evicted(node)
@@ -248,6 +253,15 @@ class RadixCache(PrefixCache):
 
     def _evicted(self, node: RadixNode) -> None:
         """A node left the tree (a subclass frees what it held besides pages)."""
+
+    def _path_ids(self, node: RadixNode) -> list[int]:
+        """The token ids from the root to the end of `node`."""
+        edges = []
+        while node is not self._root:
+            edges.append(node.token_ids)
+            assert node.parent is not None
+            node = node.parent
+        return [t for edge in reversed(edges) for t in edge]
 
     def _key(self, token_ids: list[int], start: int = 0) -> tuple[int, ...]:
         return tuple(token_ids[start:start + self.page_size])

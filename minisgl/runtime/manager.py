@@ -67,6 +67,7 @@ class ReqHandle:
     streaming: bool = False  # the client reads it as a stream (metrics' is_streaming label)
     created: float = field(default_factory=time.perf_counter)
     cached_tokens: int = 0
+    tier_tokens: dict[str, int] | None = None  # hierarchical cache: each tier's share of those
     spec: tuple[int, int, int] | None = None  # speculating: (verify steps, drafted, accepted)
     finished: bool = False
     finish_reason: dict[str, Any] | None = None
@@ -320,7 +321,7 @@ class RequestManager:
             handle = self.handles.get(event.rid)
             if handle is None or handle.finished:
                 continue
-            handle.cached_tokens = event.cached_tokens
+            handle.cached_tokens, handle.tier_tokens = event.cached_tokens, event.tier_tokens
             if event.spec is not None:
                 handle.spec = event.spec
             if event.token is not None:

@@ -72,6 +72,14 @@ MINISGL_COUNTERS = {
        for phase in PHASES},
     "engine_prefill_tokens": "Prompt tokens forwarded (mixed steps' prefill rows included)",
     "engine_decode_tokens": "Decode tokens forwarded (mixed steps' decode rows included)",
+    "hicache_host_hit_tokens": "Hierarchical cache: prompt tokens read back from host memory",
+    "hicache_disk_hit_tokens": "Hierarchical cache: prompt tokens read back from disk",
+    "hicache_saved_bytes": "Hierarchical cache: bytes of KV pages saved to the lower tiers",
+    "hicache_loaded_bytes": "Hierarchical cache: bytes of KV pages loaded back into the pool",
+    "hicache_load_seconds": "Hierarchical cache: seconds spent reading pages back (off the "
+                            "event loop)",
+    "hicache_rejected_pages": "Hierarchical cache: pages on disk that did not check and were "
+                              "dropped",
 }
 
 

@@ -16,6 +16,7 @@ class SchedulerConfig:
     enable_mixed_chunk: bool
     seed: int  # the random policy's
     disable_radix_cache: bool
+    hicache_write_policy: str
     disable_overlap_schedule: bool
     speculative_always_draft: bool
     max_queued_requests: int | None

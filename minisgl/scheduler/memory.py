@@ -17,19 +17,29 @@ free or owned by exactly one request.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
 from minisgl.core import Req
 from minisgl.errors import IntegrityError
-from minisgl.kvcache import CacheHandle, PrefixCache
+from minisgl.kvcache import CacheHandle, PrefixCache, RadixCache
+
+if TYPE_CHECKING:
+    from minisgl.scheduler.hicache import TierCache
 
 
 class CacheManager:
-    def __init__(self, num_pages: int, page_size: int, prefix_cache: PrefixCache) -> None:
+    def __init__(self, num_pages: int, page_size: int, prefix_cache: PrefixCache,
+                 tiers: TierCache | None = None) -> None:
         self.num_pages = num_pages
         self.page_size = page_size
         self.prefix_cache = prefix_cache
+        self.tiers = tiers  # --enable-hierarchical-cache: pages go there as well
+        if tiers is not None and tiers.write_back:
+            assert isinstance(prefix_cache, RadixCache)
+            prefix_cache.on_evict = tiers.offer
         # NOTE: numpy-built, like every large host tensor of the scheduler's thread: a parallel
         # torch op here would start a second OpenMP pool (see engine.stream.CpuStream).
         self._free = torch.from_numpy(np.arange(num_pages, dtype=np.int64))  # [0, num_free) free
@@ -101,6 +111,10 @@ class CacheManager:
         aligned = len(locations) // self.page_size * self.page_size
         aligned = min(aligned, len(token_ids) // self.page_size * self.page_size)
         rejected = self.prefix_cache.insert(token_ids[:aligned], locations[:aligned])
+        if self.tiers is not None and not self.tiers.write_back:
+            # NOTE: a rejected page is freed here but still holds its KV when the next step
+            # launched copies it (TierCache)
+            self.tiers.offer(token_ids[:aligned], locations[:aligned])
         self.free_locations(rejected)
         self.prefix_cache.unlock(handle)
         tail = locations[max(aligned, owned_from):]

@@ -181,6 +181,7 @@ class PrefillManager:
                  long_rope: LongRopeSwitch | None = None,
                  on_release: Callable[[Req], None] | None = None) -> None:
         self.cache, self.table, self.decode = cache, table, decode
+        self.tiers = cache.tiers  # --enable-hierarchical-cache
         self.on_release = on_release  # after a request's pages went back (hybrids' snapshots)
         self.adapters = adapters
         self.long_rope = long_rope
@@ -226,7 +227,10 @@ class PrefillManager:
 
     @property
     def runnable(self) -> bool:
-        return bool(self.waiting) or self.chunked is not None
+        """A request may be admitted or continued (not one that waits for its pages to be
+        read from the lower tiers)."""
+        waiting = len(self.waiting) - (self.tiers.waiting if self.tiers is not None else 0)
+        return waiting > 0 or self.chunked is not None
 
     def _reserved_pages(self) -> int:
         ps = self.cache.page_size
@@ -263,7 +267,14 @@ class PrefillManager:
             if self.order.shares_in_batch and self._shares_uncached(req, match(req)[0].length,
                                                                     admitted):
                 continue  # NOTE: next round, once this round's pages are cached, it hits them
-            if not self._admit(req, *match(req), budget):
+            loaded = 0
+            if self.tiers is not None:
+                found = self.tiers.continuation(req, self._cache_ids(req), match(req)[0].length,
+                                                self._matched_len(req))
+                if found is None:
+                    continue  # NOTE: its pages are being read; the loop is woken when done
+                loaded = found
+            if not self._admit(req, *match(req), budget, loaded):
                 break
             admitted.append(req)
             self.waiting.remove(req)
@@ -307,14 +318,17 @@ class PrefillManager:
         if shared is not None:
             req.cache_handle = shared
 
-    def _admit(self, req: Req, handle: CacheHandle, prefix: torch.Tensor, budget: int) -> bool:
-        """Take a slot for `req`, with the cached prefix `handle` matched for it, if the pool
-        can hold its first chunk and the decode reservation."""
+    def _admit(self, req: Req, handle: CacheHandle, prefix: torch.Tensor, budget: int,
+               loaded: int = 0) -> bool:
+        """Take a slot for `req`, with the cached prefix `handle` matched for it and `loaded`
+        pages after it from the lower tiers, if the pool can hold those, its first chunk and
+        the decode reservation."""
         ps = self.cache.page_size
         input_len = len(req.host_ids)
-        first_chunk = chunk_count(req, handle.length, input_len, budget)
+        start = handle.length + loaded * ps
+        first_chunk = chunk_count(req, start, input_len, budget)
         future = min(req.max_device_len - input_len, RESERVE_CLIP) * self.ratio.value
-        need = pages_spanned(handle.length, first_chunk, ps)
+        need = pages_spanned(handle.length, loaded * ps + first_chunk, ps)
         if self.decode.running or self.chunked is not None:
             need += int(future) // ps + 1 + self._reserved_pages()
         # NOTE: lock before allocating, so eviction cannot take the matched prefix.
@@ -331,9 +345,27 @@ class PrefillManager:
         req.kv_len = handle.length
         req.device_len = input_len
         req.tail_loc = int(prefix[-1]) if handle.length else -1
+        if self.tiers is not None:
+            self.tiers.admit(req, handle.length, self._take_loaded(req, loaded))
         if req.lora_uid:
             self.adapters.admit(req.lora_uid)
         return True
+
+    def _take_loaded(self, req: Req, count: int) -> torch.Tensor | None:
+        """Pages for `count` pages read from the lower tiers, as `req`'s own after its cached
+        prefix (the room was checked); None for none."""
+        if not count:
+            return None
+        ps = self.cache.page_size
+        pages = self.cache.allocate(count)
+        assert pages is not None
+        locations = (pages[:, None] * ps + torch.arange(ps)).view(-1)
+        self.table.write_locations(
+            req.table_idx * self.table.context_len + torch.arange(req.kv_len, req.kv_len
+                                                                  + len(locations)), locations)
+        req.kv_len += len(locations)
+        req.tail_loc = int(locations[-1])
+        return pages
 
     def _next_chunk(self, req: Req, budget: int) -> PrefillChunk | None:
         count = chunk_count(req, req.kv_len, req.device_len, budget)
@@ -348,6 +380,8 @@ class PrefillManager:
     def drop(self, req: Req) -> bool:
         """Forget a request (finished or retracted): True if it was still waiting, so it holds
         nothing; a partly prefilled one stops being the chunked request."""
+        if self.tiers is not None:
+            self.tiers.forget(req)
         if self.chunked is req:
             self.chunked = None
             return False

@@ -36,6 +36,7 @@ class ReqEvent:
     token: int | None  # the new output token, or None (a finish without one)
     finish_reason: dict[str, Any] | None = None  # set once: the request's last event
     cached_tokens: int = 0  # prompt tokens the prefix cache served
+    tier_tokens: dict[str, int] | None = None  # of those, each lower tier's (Req.tier_tokens)
     logprob: float | None = None  # of `token`, when logprobs were asked for
     top_logprobs: list[tuple[float, int]] | None = None  # (logprob, token id), best first
     # with the first output, when logprobs were asked for: one per scored prompt position
@@ -56,7 +57,7 @@ NEG_INF = float("-inf")
 
 def finished_event(req: Req) -> ReqEvent:
     """The event of a request finished without a new token."""
-    return ReqEvent(req.rid, None, req.finish_reason, req.cached_tokens,
+    return ReqEvent(req.rid, None, req.finish_reason, req.cached_tokens, req.tier_tokens,
                     spec=_spec_counts(req))
 
 
@@ -152,7 +153,8 @@ def _event(req: Req, token: int | None, logprob: float | None,
            top: list[tuple[float, int]] | None, first: bool,
            embedding: torch.Tensor | None = None) -> ReqEvent:
     scored = req.logprobs if first else None
-    return ReqEvent(req.rid, token, req.finish_reason, req.cached_tokens, logprob, top,
+    return ReqEvent(req.rid, token, req.finish_reason, req.cached_tokens, req.tier_tokens,
+                    logprob, top,
                     None if scored is None else scored.input_logprobs,
                     None if scored is None else scored.input_top_logprobs,
                     spec=_spec_counts(req), embedding=embedding)

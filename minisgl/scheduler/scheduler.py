@@ -30,6 +30,7 @@ from minisgl.errors import EngineFailed, IntegrityError, InvalidRequest
 from minisgl.kvcache import NaiveCache, PrefixCache, RadixCache, StateRadixCache
 from minisgl.scheduler.batch_builder import BatchBuilder, ScheduledBatch
 from minisgl.scheduler.config import SchedulerConfig
+from minisgl.scheduler.hicache import TierCache
 from minisgl.scheduler.intake import RequestLimits, RequestSpec, check_batch, fill_max_new_tokens
 from minisgl.scheduler.lora import Adapter, AdapterTable, load_adapter, unload_adapter
 from minisgl.scheduler.memory import (CacheManager, TableManager, check_kv_integrity, locations_for,
@@ -67,8 +68,11 @@ class Scheduler:
         self.engine, self.config = engine, config
         self._outbox: asyncio.Queue[list[ReqEvent]] | None = None
         ps = engine.page_size
+        self.tiers = (None if engine.page_store is None else TierCache(
+            engine.page_store, engine.kv_fingerprint, ps,
+            write_back=config.hicache_write_policy == "write_back"))
         self.cache = CacheManager(engine.kv_pool.num_pages, ps,
-                                  prefix_cache_of(engine, config.disable_radix_cache))
+                                  prefix_cache_of(engine, config.disable_radix_cache), self.tiers)
         self.stats = SchedulerStats()
         self.table = TableManager(engine.max_running, engine.dummy_row, engine.page_table,
                                   engine.token_pool, mirror=engine.tp.size > 1)
@@ -233,6 +237,9 @@ class Scheduler:
 
     async def run(self) -> None:
         self._wake = asyncio.Event()
+        if self.tiers is not None:
+            loop = asyncio.get_running_loop()
+            self.tiers.wake = lambda: loop.call_soon_threadsafe(self._wake_up)
         self._stopping = False
         failure = self.engine.failure() if self.engine.tp.size > 1 else None
         if failure is not None:
@@ -307,6 +314,8 @@ class Scheduler:
 
     def _launch(self, batch: ScheduledBatch) -> ScheduledBatch:
         self.stats.batches += 1
+        if self.tiers is not None:
+            batch.fwd.kv_moves = self.tiers.take_moves()
         batch.completion = self.engine.launch(batch.fwd)
         return batch
 
@@ -400,6 +409,10 @@ class Scheduler:
     def _on_idle(self) -> None:
         if self.to_release:
             self._release_finished(None)
+        if self.tiers is not None:  # NOTE: pages due to the lower tiers go now, not next step
+            moves = self.tiers.take_moves()
+            if moves is not None:
+                self.engine.move_pages(moves)
         if self.cache.num_pages > IDLE_CHECK_MAX_PAGES:
             return
         try:
@@ -419,9 +432,6 @@ class Scheduler:
     def state(self) -> dict[str, Any]:
         return report(self.stats, self.cache, self.prefill, self.decode, self.engine,
                       self._pending_new())
-
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

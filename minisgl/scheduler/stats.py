@@ -7,7 +7,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from minisgl.engine import Engine, ForwardOutput
+from minisgl.kvcache.page_store import TIERS
 from minisgl.scheduler.batch_builder import ScheduledBatch
+from minisgl.scheduler.hicache import TierCache
 from minisgl.scheduler.memory import CacheManager
 from minisgl.scheduler.prefill import DecodeManager, PrefillManager
 
@@ -89,7 +91,30 @@ def report(stats: SchedulerStats, cache: CacheManager, prefill: PrefillManager,
         "spec_accept_length": stats.spec_accept_length,
         "spec_accept_rate": stats.spec_accept_rate,
         "integrity_error": stats.integrity_error,
+        **tier_report(cache.tiers),
     }
+
+
+def tier_report(tiers: TierCache | None) -> dict[str, Any]:
+    """The hierarchical cache's counters (zeros without it): prompt tokens each tier served,
+    bytes saved to and loaded from the tiers, the loads' reading time, each tier's size."""
+    report: dict[str, Any] = {f"hicache_{tier}_{what}": 0 for tier in TIERS
+                              for what in ("hit_tokens", "bytes", "pages")}
+    report |= {"hicache_saved_bytes": 0, "hicache_loaded_bytes": 0, "hicache_loads": 0,
+               "hicache_load_seconds": 0.0, "hicache_rejected_pages": 0}
+    if tiers is None:
+        return report
+    stats, store = tiers.stats, tiers.store
+    for tier in store.tiers:
+        report[f"hicache_{tier.name}_bytes"] = tier.stats.nbytes
+        report[f"hicache_{tier.name}_pages"] = tier.stats.pages
+        report["hicache_rejected_pages"] += tier.stats.rejected
+    for tier, tokens in stats.hit_tokens.items():
+        report[f"hicache_{tier}_hit_tokens"] = tokens
+    report |= {"hicache_saved_bytes": store.saved_bytes,
+               "hicache_loaded_bytes": stats.loaded_pages * store.payload_bytes,
+               "hicache_loads": stats.loads, "hicache_load_seconds": stats.load_seconds}
+    return report
 
 
 def waiting_by_priority(prefill: PrefillManager) -> dict[str, int]:

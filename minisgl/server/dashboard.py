@@ -55,6 +55,7 @@ class Dashboard:
             body["server"] = {"model": self.runtime.model_name, "version": __version__,
                               "device": self.runtime.engine.device.type,
                               "speculation": self.runtime.engine.speculation is not None,
+                              "hierarchical_cache": self.runtime.engine.page_store is not None,
                               "args": info}
         return json_response(body)
 

@@ -20,7 +20,9 @@ LATENCY_WINDOW_S = 10.0  # the percentiles of a sample cover this many seconds
 THROUGHPUT_SAMPLES = 5  # sglang:gen_throughput averages this many samples
 # a sample's per-second rates: its name -> the counter of the scheduler's state it differences
 RATES = {"output_tok_s": "generated_tokens", "prefill_tok_s": "engine_prefill_tokens",
-         "decode_tok_s": "engine_decode_tokens", "busy": "engine_busy_seconds"}
+         "decode_tok_s": "engine_decode_tokens", "busy": "engine_busy_seconds",
+         "hicache_host_tok_s": "hicache_host_hit_tokens",
+         "hicache_disk_tok_s": "hicache_disk_hit_tokens"}
 
 
 def percentile(values: list[float], q: float) -> float | None:

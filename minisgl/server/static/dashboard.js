@@ -9,7 +9,8 @@ const COLORS = ["#4fa3ff", "#f5a623", "#7ed321", "#e85d75"];
 const count = (v) => v.toFixed(0);
 
 // `integer`: a count of things, whose axis shows whole numbers only; `cuda`: a note for CUDA;
-// `speculative`: drawn only on a server that speculates
+// `speculative`: drawn only on a server that speculates; `hierarchical`: only with
+// --enable-hierarchical-cache's tiers
 const CHARTS = [
   { id: "requests", title: "Requests", series: [["running", "running"], ["waiting", "waiting"]],
     format: count, integer: true },
@@ -26,6 +27,9 @@ const CHARTS = [
   { id: "spec", title: "Speculative decoding: tokens per verify step (0: none verified)",
     series: [["spec_accept_length", "accept length"]], format: (v) => v.toFixed(1),
     speculative: true },
+  { id: "hicache", title: "Hierarchical cache: prompt tokens read back / s",
+    series: [["hicache_host_tok_s", "host memory"], ["hicache_disk_tok_s", "disk"]],
+    format: count, hierarchical: true },
   { id: "busy", title: "Engine busy share", cuda: "CUDA: launch time only", series: [["busy", "busy"]],
     format: pct, max: 1 },
 ];
@@ -184,7 +188,8 @@ function showServer(server) {
   document.getElementById("model").textContent =
     server.model + " · minisgl " + server.version + " · " + server.device;
   charts = charts.filter((chart) => {
-    if (chart.spec.speculative && !server.speculation) {
+    if ((chart.spec.speculative && !server.speculation)
+        || (chart.spec.hierarchical && !server.hierarchical_cache)) {
       chart.box.remove();
       return false;
     }
