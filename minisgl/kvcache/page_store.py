@@ -160,8 +160,9 @@ class DiskTier:
         assert len(data) == self.payload_bytes
         digest = zlib.crc32(data)
         path = self._path(key)
-        partial = path.with_suffix(".partial")
+        partial = path.with_suffix(f".{os.getpid()}.partial")  # NOTE: a folder may be shared
         try:
+            self.folder.mkdir(parents=True, exist_ok=True)  # NOTE: in case it was removed
             with open(partial, "wb") as f:
                 f.write(HEADER.pack(MAGIC, key, len(data), digest))
                 f.write(data)
@@ -279,6 +280,8 @@ class PageStore:
                 for tier in self.tiers:
                     tier.put(key, payload)
             self.saved_bytes += payloads.numel()
+        except Exception:  # NOTE: nobody awaits a save; its pages are simply not kept
+            logger.exception("hierarchical cache: a save failed")
         finally:
             with self._lock:
                 self._writing.difference_update(keys)
