@@ -26,12 +26,14 @@ from minisgl.env import cache_root
 from minisgl.flag_checks import hicache_extra_config, parse_size
 from minisgl.kvcache import KVPool
 from minisgl.kvcache.page_store import DiskTier, HostTier, PageStore, Tier
+from minisgl.version import __version__
 
 logger = logging.getLogger(__name__)
 
 STORAGE_DIR_ENV = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
 MAX_SIZE_ENV = "SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE"
 DEFAULT_DISK_BYTES = 16 * 2**30
+PAGE_FORMAT = 1  # bump when what a page's payload holds changes
 
 
 @dataclass
@@ -93,9 +95,12 @@ def kv_fingerprint(config: EngineConfig, model_path: Path, pool: KVPool) -> byte
             stat = path.stat()
             stats.append((path.name, stat.st_size, stat.st_mtime_ns))
     identity = {
+        "minisgl": __version__, "format": PAGE_FORMAT,
         "model": str(model_path.resolve()), "files": stats,
         "override": config.json_model_override_args, "load_format": config.load_format,
-        "quantization": config.quantization, "dtype": config.dtype, "seed": config.seed,
+        "quantization": config.quantization, "dtype": config.dtype,
+        "int8_activations": config.cpu_int8_activations,
+        "seed": config.seed if config.load_format == "dummy" else None,  # random weights
         "kv_cache_dtype": config.kv_cache_dtype, "page_size": config.page_size,
         "tp_size": config.tp_size, "layout": [list(s) for s in pool.layout.shapes],
         "latent": pool.layout.latent, "page_bytes": pool.page_bytes,
@@ -128,4 +133,4 @@ def build_page_store(config: EngineConfig, pool: KVPool, fingerprint: bytes,
         return None
     logger.info("hierarchical cache: %s", ", ".join(
         f"{tier.name} {tier.max_bytes / 2**30:.2f} GiB" for tier in tiers))
-    return PageStore(tiers, payload_bytes)
+    return PageStore(tiers, payload_bytes, pin=device.type == "cuda")

@@ -14,13 +14,15 @@ layout never matches. A page's payload is every rank's `KVPool.read_pages` row, 
   ignored with a warning and removed, never served; past the size limit the least recently
   used files go. The CRC catches a file cut short or corrupted (a forger who can write the
   folder could rewrite any unkeyed digest as well); it costs a fifth of a cryptographic one.
-- `PageStore`: the tiers in order and the one thread that writes and reads them (never the
-  event loop's). A save goes to every tier (each keeps its own least recently used pages); a
-  load takes each page from the first tier that has it.
+- `PageStore`: the tiers in order, the thread that writes them and the one that reads them
+  (never the event loop's). A save goes to every tier (each keeps its own least recently used
+  pages); a load takes each page from the first tier that has it, into one buffer. Their
+  copies run in numpy: no OpenMP team of torch's on these threads.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -34,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -43,6 +46,7 @@ MAGIC = b"MSGLKV01"
 HEADER = struct.Struct(f"<8s{KEY_BYTES}sQI")  # magic, key, payload length, payload CRC-32
 SUFFIX = ".kvpage"
 TIERS = ("host", "disk")  # the tiers' names, from the top
+STALE_PARTIAL_S = 600.0  # a file still being written this long after its last write is a crash's
 
 
 def page_keys(fingerprint: bytes, token_ids: list[int], page_size: int, start: int = 0
@@ -88,7 +92,7 @@ class HostTier:
         if payload.numel() > self.max_bytes:
             return
         copy = torch.empty(payload.shape, dtype=payload.dtype, pin_memory=self.pin)
-        copy.copy_(payload)
+        np.copyto(copy.numpy(), payload.numpy())  # NOTE: numpy: no OpenMP team on this thread
         with self._lock:
             if key in self._pages:
                 self._pages.move_to_end(key)
@@ -101,14 +105,16 @@ class HostTier:
             self.stats.written += 1
             self.stats.pages, self.stats.nbytes = len(self._pages), self._nbytes
 
-    def get(self, key: bytes) -> torch.Tensor | None:
+    def read_into(self, key: bytes, out: np.ndarray) -> bool:
         with self._lock:
             payload = self._pages.get(key)
-            if payload is not None:
-                self._pages.move_to_end(key)
-                self.stats.read += 1
-                self.stats.read_bytes += payload.numel()
-            return payload
+            if payload is None:
+                return False
+            self._pages.move_to_end(key)
+            self.stats.read += 1
+            self.stats.read_bytes += payload.numel()
+        np.copyto(out, payload.numpy())
+        return True
 
 
 class DiskTier:
@@ -126,6 +132,10 @@ class DiskTier:
         self._scan()
 
     def _scan(self) -> None:
+        for partial in self.folder.glob("*.partial"):  # NOTE: a crashed writer's, if old
+            with contextlib.suppress(OSError):
+                if time.time() - partial.stat().st_mtime > STALE_PARTIAL_S:
+                    partial.unlink()
         found = []
         for path in self.folder.glob(f"*{SUFFIX}"):
             try:
@@ -177,34 +187,34 @@ class DiskTier:
             self._update_stats()
         self._trim()
 
-    def get(self, key: bytes) -> torch.Tensor | None:
+    def read_into(self, key: bytes, out: np.ndarray) -> bool:
+        """Read the page of `key` into `out` (its payload's bytes); False, the file removed
+        with a warning, where it does not check."""
         path = self._path(key)
-        data = bytearray(self.file_bytes + 1)  # NOTE: one more byte shows a longer file
+        header = bytearray(HEADER.size)
         try:
             with open(path, "rb") as f:
-                size = f.readinto(data)
+                sizes = (f.readinto(header), f.readinto(memoryview(out)), len(f.read(1)))
         except OSError:
             self._forget(key)
-            return None
-        if size == self.file_bytes:
-            magic, stored_key, length, digest = HEADER.unpack_from(data)
-            payload = memoryview(data)[HEADER.size:size]
+            return False
+        if sizes == (HEADER.size, self.payload_bytes, 0):
+            magic, stored_key, length, digest = HEADER.unpack(header)
             if (magic == MAGIC and stored_key == key and length == self.payload_bytes
-                    and zlib.crc32(payload) == digest):
+                    and zlib.crc32(out) == digest):
                 with self._lock:
                     if key in self._index:
                         self._index.move_to_end(key)
                     self.stats.read += 1
                     self.stats.read_bytes += length
-                return torch.frombuffer(data, dtype=torch.uint8, offset=HEADER.size,
-                                        count=length)
+                return True
         logger.warning("hierarchical cache: %s does not check (cut short, altered or another "
                        "format); ignored and removed", path)
         with self._lock:
             self.stats.rejected += 1
         self._forget(key)
         path.unlink(missing_ok=True)
-        return None
+        return False
 
     def _forget(self, key: bytes) -> None:
         with self._lock:
@@ -230,25 +240,32 @@ Tier = HostTier | DiskTier
 
 @dataclass
 class Loaded:
-    """A load's result: the payloads of the first `len(payloads)` pages asked for, each from
-    the first tier that had it and checked (`tiers`: that tier's name per page)."""
+    """A load's result: `payloads` [pages, payload_bytes] (host; pinned for a GPU) holds the
+    first pages asked for, each from the first tier that had it intact (`tiers`: its name)."""
 
-    payloads: list[torch.Tensor] = field(default_factory=list)
+    payloads: torch.Tensor
     tiers: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
 
+MAX_PENDING_SAVE_BYTES = 2**30  # saves queued past this are dropped (the disk is behind)
+
+
 class PageStore:
-    def __init__(self, tiers: list[Tier], payload_bytes: int) -> None:
+    """Saves and loads each run on a thread of their own, in order: a read never waits for the
+    writes queued before it."""
+
+    def __init__(self, tiers: list[Tier], payload_bytes: int, pin: bool = False) -> None:
         if not tiers:
             raise ValueError("a page store needs a tier")
-        self.tiers, self.payload_bytes = tiers, payload_bytes
-        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minisgl-hicache")
+        self.tiers, self.payload_bytes, self.pin = tiers, payload_bytes, pin
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minisgl-hicache-w")
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minisgl-hicache-r")
         self._writing: set[bytes] = set()  # saved, not yet in every tier
+        self._pending_bytes = 0
         self._lock = threading.Lock()
         self.saved_bytes = 0
-        self.load_seconds = 0.0
-        self.loads = 0
+        self.dropped_bytes = 0  # saves dropped: the queue was past MAX_PENDING_SAVE_BYTES
 
     def has(self, key: bytes) -> bool:
         with self._lock:
@@ -264,12 +281,17 @@ class PageStore:
         return count
 
     def save(self, keys: list[bytes], payloads: torch.Tensor,
-             ready: Callable[[], None] | None = None) -> Future:
+             ready: Callable[[], None] | None = None) -> Future | None:
         """Write [len(keys), payload_bytes] (the caller's copy, host memory) in the background;
-        `ready` (a copy's completion, e.g. a CUDA event's synchronize) runs first there."""
+        `ready` (a copy's completion, e.g. a CUDA event's synchronize) runs first there. None:
+        dropped, the queue being full."""
         with self._lock:
+            if self._pending_bytes + payloads.numel() > MAX_PENDING_SAVE_BYTES:
+                self.dropped_bytes += payloads.numel()
+                return None
+            self._pending_bytes += payloads.numel()
             self._writing.update(keys)
-        return self._io.submit(self._save, keys, payloads, ready)
+        return self._writer.submit(self._save, keys, payloads, ready)
 
     def _save(self, keys: list[bytes], payloads: torch.Tensor,
               ready: Callable[[], None] | None) -> None:
@@ -285,39 +307,32 @@ class PageStore:
         finally:
             with self._lock:
                 self._writing.difference_update(keys)
+                self._pending_bytes -= payloads.numel()
 
     def load(self, keys: list[bytes], done: Callable[[Loaded], None]) -> Future:
         """Read `keys` in the background, up to the first page no tier has or serves intact;
-        `done(result)` runs on the IO thread."""
-        return self._io.submit(self._load, keys, done)
+        `done(result)` runs on the reading thread."""
+        return self._reader.submit(self._load, keys, done)
 
     def _load(self, keys: list[bytes], done: Callable[[Loaded], None]) -> None:
-        start, result = time.perf_counter(), Loaded()
+        start = time.perf_counter()
+        buffer = torch.empty((len(keys), self.payload_bytes), dtype=torch.uint8,
+                             pin_memory=self.pin)
+        rows, tiers = buffer.numpy(), []
         try:
-            for key in keys:
-                payload, name = None, ""
-                for tier in self.tiers:
-                    if key in tier:
-                        payload, name = tier.get(key), tier.name
-                        if payload is not None:
-                            break
-                if payload is None:
+            for i, key in enumerate(keys):
+                name = next((tier.name for tier in self.tiers
+                             if key in tier and tier.read_into(key, rows[i])), None)
+                if name is None:
                     break
                 if name != self.tiers[0].name:  # NOTE: a disk hit warms the host tier
-                    self.tiers[0].put(key, payload)
-                result.payloads.append(payload)
-                result.tiers.append(name)
-        except Exception:  # an unreadable tier serves nothing, the request recomputes
+                    self.tiers[0].put(key, buffer[i])
+                tiers.append(name)
+        except Exception:  # an unreadable tier serves nothing more: the rest is recomputed
             logger.exception("hierarchical cache: a load failed")
         finally:
-            result.seconds = time.perf_counter() - start
-            self.load_seconds += result.seconds
-            self.loads += 1
-            done(result)
-
-    def wait_idle(self) -> None:
-        """Block until every queued write and read is done (tests, shutdown)."""
-        self._io.submit(lambda: None).result()
+            done(Loaded(buffer[:len(tiers)], tiers, time.perf_counter() - start))
 
     def close(self) -> None:
-        self._io.shutdown(wait=True)
+        self._reader.shutdown(wait=True)
+        self._writer.shutdown(wait=True)

@@ -57,8 +57,9 @@ class TierCache:
         self.wake: Callable[[], None] = lambda: None  # the loop's, set when it runs
         self._saves: list[tuple[bytes, int]] = []
         self._offered: set[bytes] = set()  # in _saves
-        self._loads: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+        self._loads: list[tuple[torch.Tensor, torch.Tensor]] = []  # (pages, their payloads)
         self._prefetches: dict[Req, _Prefetch] = {}
+        self._keys: dict[Req, tuple[int, list[bytes]]] = {}  # a waiting request's page keys
         self.stats = LoadStats()
 
     # ---- saves --------------------------------------------------------------------------------
@@ -84,11 +85,12 @@ class TierCache:
         self._offered.clear()
         loads, self._loads = self._loads, []
         self.stats.saved_pages += len(saves)
-        payloads = [p for _, rows in loads for p in rows]
+        payloads = [rows for _, rows in loads]
         return KVMoves(save_pages=[page for _, page in saves],
                        load_pages=[p for pages, _ in loads for p in pages.tolist()],
                        save_keys=[key for key, _ in saves],
-                       load_payloads=torch.stack(payloads) if payloads else None)
+                       load_payloads=(None if not payloads else payloads[0] if len(payloads) == 1
+                                      else torch.cat(payloads)))
 
     # ---- loads --------------------------------------------------------------------------------
 
@@ -108,7 +110,11 @@ class TierCache:
             whole = (end - 1) // ps * ps
             if whole <= matched or not _persistent(cache_ids):
                 return 0
-            keys = page_keys(self.fingerprint, cache_ids[:whole], ps, matched // ps)
+            known = self._keys.get(req)
+            if known is None or known[0] != whole:  # NOTE: hashed once while it waits
+                known = self._keys[req] = (whole, page_keys(self.fingerprint, cache_ids[:whole],
+                                                            ps))
+            keys = known[1][matched // ps:]
             hits = self.store.hits(keys)
             if not hits:
                 return 0
@@ -134,6 +140,7 @@ class TierCache:
         `continuation` counted: the next step writes them. Its first admission's
         `Req.tier_tokens` are counted here."""
         prefetch = self._prefetches.pop(req, None)
+        self._keys.pop(req, None)
         served = {tier.name: 0 for tier in self.store.tiers}
         if prefetch is not None and prefetch.result is not None and pages is not None:
             result, skip = prefetch.result, matched // self.page_size - prefetch.first_page
@@ -150,6 +157,12 @@ class TierCache:
     def forget(self, req: Req) -> None:
         """A request that no longer waits (finished, aborted): its read, if any, is dropped."""
         self._prefetches.pop(req, None)
+        self._keys.pop(req, None)
+
+    def reading(self, req: Req) -> bool:
+        """Whether `req` waits for its pages to be read."""
+        prefetch = self._prefetches.get(req)
+        return prefetch is not None and prefetch.result is None
 
 
 def _persistent(cache_ids: list[int]) -> bool:

@@ -232,6 +232,12 @@ class PrefillManager:
         waiting = len(self.waiting) - (self.tiers.waiting if self.tiers is not None else 0)
         return waiting > 0 or self.chunked is not None
 
+    def admissible(self) -> list[Req]:
+        """The waiting requests, but those waiting for their pages to be read."""
+        if self.tiers is None:
+            return list(self.waiting)
+        return [r for r in self.waiting if not self.tiers.reading(r)]
+
     def _reserved_pages(self) -> int:
         ps = self.cache.page_size
         tokens = sum(min(r.remain_len, RESERVE_CLIP) for r in self.decode.running)
@@ -325,15 +331,21 @@ class PrefillManager:
         the decode reservation."""
         ps = self.cache.page_size
         input_len = len(req.host_ids)
-        start = handle.length + loaded * ps
-        first_chunk = chunk_count(req, start, input_len, budget)
         future = min(req.max_device_len - input_len, RESERVE_CLIP) * self.ratio.value
-        need = pages_spanned(handle.length, loaded * ps + first_chunk, ps)
+        reserved = 0
         if self.decode.running or self.chunked is not None:
-            need += int(future) // ps + 1 + self._reserved_pages()
+            reserved = int(future) // ps + 1 + self._reserved_pages()
+
+        def need(loaded: int) -> int:
+            start = handle.length + loaded * ps
+            return reserved + pages_spanned(handle.length, loaded * ps + chunk_count(
+                req, start, input_len, budget), ps)
+
         # NOTE: lock before allocating, so eviction cannot take the matched prefix.
         self.cache.lock(handle)
-        if self.cache.available_pages < need:
+        while loaded and self.cache.available_pages < need(loaded):
+            loaded //= 2  # NOTE: pages read back are taken at once: fewer, where short
+        if self.cache.available_pages < need(loaded):
             self.cache.unlock(handle)
             return False
         row = self.table.allocate()

@@ -532,7 +532,8 @@ class BatchSelector:
         preempt, now that it could not be admitted."""
         if self.prefill.chunked is not None:
             return None
-        return self.prefill.order.preemption_victim(self.prefill.waiting, self.decode.running)
+        return self.prefill.order.preemption_victim(self.prefill.admissible(),
+                                                    self.decode.running)
 
     def _retract_newest(self) -> None:
         """Out of pages: retract the newest admitted request (also a partly prefilled one)."""
