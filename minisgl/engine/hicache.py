@@ -116,6 +116,11 @@ def build_page_store(config: EngineConfig, pool: KVPool, fingerprint: bytes,
     host_bytes = config.hicache_size * 10**9
     if device.type == "cuda" and not host_bytes:
         host_bytes = int(config.hicache_ratio * pool.nbytes * config.tp_size)
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if host_bytes > free // 2:
+        logger.warning("hierarchical cache: a %.1f GiB host tier would take more than half the "
+                       "free memory; %.1f GiB instead", host_bytes / 2**30, free / 2**31)
+        host_bytes = free // 2
     if host_bytes:
         tiers.append(HostTier(host_bytes, pin=device.type == "cuda"))
     if config.hicache_storage_backend == "file":
@@ -127,6 +132,9 @@ def build_page_store(config: EngineConfig, pool: KVPool, fingerprint: bytes,
         max_bytes = (parse_size(limit) if limit is not None
                      else min(DEFAULT_DISK_BYTES, shutil.disk_usage(root).free // 2))
         tiers.append(DiskTier(root / fingerprint.hex(), payload_bytes, max_bytes))
+        if config.page_size < 16:
+            logger.warning("hierarchical cache: a file per page of %d tokens; --page-size 16 or "
+                           "more reads and writes far fewer files", config.page_size)
     if not tiers:
         logger.info("hierarchical cache: no tier on CPU (the KV pool is host memory already): "
                     "add --hicache-storage-backend file for a disk tier")
