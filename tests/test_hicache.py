@@ -7,6 +7,7 @@ exactly; the tokens also equal those of a run that computed the whole prompt."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -253,6 +254,11 @@ def test_an_evicted_prefix_comes_back_from_disk_also_after_a_restart(tmp_path: P
         warm = generate(server.url, a)
         cut, flipped = generate(server.url, b), generate(server.url, c)
         assert counter(server.url, "minisgl_hicache_rejected_pages_total") == 1
+        chunks = requests.post(f"{server.url}/v1/completions", timeout=300, json={
+            "prompt": d, "max_tokens": 4, "stream": True, "return_cached_tokens_details": True,
+        }).text.split("\n\n")
+        details = [json.loads(chunk.removeprefix("data: "))["sglext"] for chunk in chunks
+                   if chunk.startswith("data: {") and "sglext" in chunk]
     finally:
         assert server.stop(signal.SIGTERM) == 0, server.log()
     assert warm["cached"] == SERVED and warm["logprobs"] == from_pool["logprobs"]
@@ -260,6 +266,8 @@ def test_an_evicted_prefix_comes_back_from_disk_also_after_a_restart(tmp_path: P
     log = "".join(server.stderr)
     assert "is not a page of this pool" in log and "does not check" in log
     assert cut["ids"] == others[0]["ids"] and flipped["ids"] == others[1]["ids"]
+    assert details == [{"cached_tokens_details": {"device": 0, "host": 0, "storage": SERVED,
+                                                  "storage_backend": "file"}}]
 
 
 @pytest.mark.parametrize("tp_size", [1, 2])

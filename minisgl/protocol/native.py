@@ -219,12 +219,8 @@ class ResultShaper:
             "cached_tokens": h.cached_tokens,
             "e2e_latency": end - h.created,
         }
-        if h.tier_tokens is not None:  # SGLang's names: the pool, host memory, storage
-            lower = sum(h.tier_tokens.values())
-            meta["cached_tokens_details"] = {
-                "device": h.cached_tokens - lower, "host": h.tier_tokens.get("host", 0),
-                "storage": h.tier_tokens.get("disk", 0),
-                "storage_backend": "file" if "disk" in h.tier_tokens else None}
+        if h.tier_tokens is not None:  # with the hierarchical cache
+            meta["cached_tokens_details"] = h.cached_tokens_details
         if h.spec is not None:  # SGLang's names; accept length: tokens per verify step
             verify_ct, drafted, accepted = h.spec
             meta.update(spec_verify_ct=verify_ct, spec_draft_token_num=drafted,

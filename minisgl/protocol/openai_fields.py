@@ -43,6 +43,7 @@ INERT_STRUCTURED_OPTIONS = frozenset({"backend", "_backend", "disable_fallback",
                                       "guided_decoding_backend"})
 # Read by the endpoints themselves.
 COMMON_FIELDS = frozenset({"model", "stream", "stream_options", "max_tokens", "rid",
+                           "return_cached_tokens_details",
                            "response_format", "best_of", "priority", "structured_outputs",
                            *GUIDED_FIELDS, "guided_decoding_backend",
                            "guided_whitespace_pattern", "lora_path"})
@@ -61,7 +62,7 @@ UNSUPPORTED_FIELDS = frozenset({
     "suffix", "functions", "function_call", "reasoning", "thinking",
     "task", "audio", "modalities",
     "prediction", "web_search_options", "return_hidden_states", "return_routed_experts",
-    "routed_experts_start_len", "return_cached_tokens_details", "return_spec_tokens_details",
+    "routed_experts_start_len", "return_spec_tokens_details",
     "return_token_ids", "return_prompt_token_ids", "return_meta_info",
     "return_input_ids_in_sglext", "return_output_ids_in_sglext", "return_sampling_mask",
     "sampling_logprobs_mode", "return_flat_raw_output_top_logprobs",
@@ -184,21 +185,27 @@ def sampling_params(body: dict[str, Any], max_new_tokens: Any,
 
 @dataclass
 class StreamOptions:
+    """What an answer carries besides its choices."""
+
     include_usage: bool = False  # a last chunk with the request's usage
     continuous_usage: bool = False  # each content chunk with its choice's usage so far
+    # return_cached_tokens_details (SGLang's): `sglext.cached_tokens_details`, where a choice ends
+    cached_details: bool = False
 
 
 def stream_options(body: dict[str, Any]) -> StreamOptions:
+    cached_details = check_bool(none_as(body.get("return_cached_tokens_details"), False),
+                                "return_cached_tokens_details")
     options = body.get("stream_options")
     if options is None:
-        return StreamOptions()
+        return StreamOptions(cached_details=cached_details)
     if not isinstance(options, dict):
         raise InvalidRequest("stream_options must be an object")
     return StreamOptions(
         check_bool(none_as(options.get("include_usage"), False),
                    "stream_options.include_usage"),
         check_bool(none_as(options.get("continuous_usage_stats"), False),
-                   "stream_options.continuous_usage_stats"))
+                   "stream_options.continuous_usage_stats"), cached_details)
 
 
 def normalize_messages(messages: Any, images: list[str] | None = None

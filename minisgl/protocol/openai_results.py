@@ -55,6 +55,20 @@ class _Answer:
         return _usage(sum(len(self.handles[i].prompt_ids) for i in self._group_starts),
                       sum(len(h.output_ids) for h in self.handles))
 
+    def sglext(self, handles: list[ReqHandle] | None = None) -> dict[str, Any]:
+        """With return_cached_tokens_details: SGLang's `sglext` of `handles` (each prompt once
+        by default, as usage counts it)."""
+        if not self.options.cached_details:
+            return {}
+        if handles is None:
+            handles = [self.handles[i] for i in self._group_starts]
+        details: dict[str, Any] = {"device": 0, "host": 0, "storage": 0, "storage_backend": None}
+        for h in handles:
+            for name, value in h.cached_tokens_details.items():
+                details[name] = (details[name] + value if isinstance(value, int)
+                                 else details[name] or value)
+        return {"sglext": {"cached_tokens_details": details}}
+
     def stream_first(self) -> list[dict[str, Any]]:
         return []
 
@@ -70,6 +84,8 @@ class _Answer:
             return None
         extra = ({"usage": _usage(len(h.prompt_ids), len(h.output_ids))}
                  if self.options.continuous_usage else self._no_usage)
+        if h.finished:
+            extra = {**extra, **self.sglext([h])}
         return {**self.head, "choices": [choice], **extra}
 
     def stream_last(self) -> list[dict[str, Any]]:
@@ -98,7 +114,7 @@ class CompletionAnswer(_Answer):
     def body(self) -> dict[str, Any]:
         choices = [self._choice(k, h, c)
                    for k, (h, c) in enumerate(zip(self.handles, self.cursors))]
-        return {**self.head, "choices": choices, "usage": self.usage()}
+        return {**self.head, "choices": choices, "usage": self.usage(), **self.sglext()}
 
     def _choice(self, k: int, h: ReqHandle, cursor: Cursor) -> dict[str, Any]:
         """What the client has not been sent yet of choice k; advances the cursor."""
@@ -144,7 +160,7 @@ class ChatAnswer(_Answer):
                 "logprobs": (chat_logprobs(self.tokens, h, Cursor()) if h.logprob_num >= 0
                              else None),
                 "finish_reason": reason, "matched_stop": matched_stop(h.finish_reason)})
-        return {**self.head, "choices": choices, "usage": self.usage()}
+        return {**self.head, "choices": choices, "usage": self.usage(), **self.sglext()}
 
     def _message(self, k: int, h: ReqHandle) -> tuple[dict[str, Any], str | None]:
         """A finished choice's message and finish_reason ("tool_calls" when it called and

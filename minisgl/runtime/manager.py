@@ -97,6 +97,16 @@ class ReqHandle:
     def output_ids(self) -> list[int]:
         return self.detok.output_ids
 
+    @property
+    def cached_tokens_details(self) -> dict[str, Any]:
+        """`cached_tokens` by where they came from, under SGLang's names: the pool (`device`),
+        the hierarchical cache's host tier and its disk (`storage`)."""
+        tiers = self.tier_tokens or {}
+        lower = sum(tiers.values())
+        return {"device": self.cached_tokens - lower, "host": tiers.get("host", 0),
+                "storage": tiers.get("disk", 0),
+                "storage_backend": "file" if "disk" in tiers else None}
+
 
 class RequestManager:
     def __init__(self, scheduler: Scheduler, tokenizer: Tokenizer | None,
