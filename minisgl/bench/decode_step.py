@@ -11,8 +11,11 @@ a Mistral with a window, beside the same model without one:
         --json-model-override-args '{"architectures": ["MistralForCausalLM"],
                                      "model_type": "mistral", "sliding_window": 256}'
 
-Reports ms per step, tokens/s and the weight bytes read per second (the bandwidth floor);
-where the layers run as one call (models.fused_layers), the same step with their modules too.
+Reports ms per step, tokens/s, the weight bytes read per second and the memory-bandwidth
+utilisation (MBU, as gpt-fast reports it: the weights and KV a step must read / its time / the
+machine's streaming read bandwidth, measured first in the same run on the engine's threads,
+bench.bandwidth); where the layers run as one call (models.fused_layers), the same step with
+their modules too.
 """
 
 from __future__ import annotations
@@ -23,14 +26,24 @@ import time
 
 import torch
 
+from minisgl.bench.bandwidth import streaming_read_gbps
 from minisgl.core import Batch
 from minisgl.engine import Engine, EngineConfig
+from minisgl.layers.embedding import ParallelLMHead
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
+    """The weight bytes a decode step reads: every linear's as it is stored, and the LM head's
+    table in the form it multiplies with at one row (GGUF blocks, int8 or bfloat16, the
+    embedding's when tied), not the embedding (one row a token)."""
     total = 0
     for module in model.modules():
         if module is getattr(model, "embed_tokens", None):
+            continue
+        if isinstance(module, ParallelLMHead):
+            table = module.blocks_head or module.int8
+            total += (table.nbytes if table is not None
+                      else module.weight.numel() * module.weight.element_size())
             continue
         quantized = getattr(module, "quantized", None)
         if quantized is not None:
@@ -125,21 +138,27 @@ def time_steps(args: argparse.Namespace, kv_cache_dtype: str) -> None:
                                  max_total_tokens=most * (args.context + 8) + 16))
     fill_kv_pool(engine)
     read = weight_bytes(engine.model)
+    run = engine.stream.call if hasattr(engine.stream, "call") else (lambda fn: fn())
+    bandwidth = run(streaming_read_gbps) * 1e9
+    kv_per_token = engine.kv_pool.layout.bytes_per_token(engine.kv_pool.cache_dtype)
     states = getattr(engine, "states", None)
     print(f"{args.dtype}, quantization {engine.quantization}, KV pages "
           f"{engine.config.kv_cache_dtype}, context {args.context}, "
           f"weights read per step {read / 1e6:.0f} MB, "
-          f"{torch.get_num_threads()} threads, peak RSS after loading "
+          f"{torch.get_num_threads()} threads, streaming read {bandwidth / 1e9:.1f} GB/s, "
+          f"peak RSS after loading "
           f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:.2f} GB"
           + ("" if states is None else f", state pool {states.nbytes / 1e6:.0f} MB"))
     fused = getattr(engine.model, "fused_layers", None)
     extra = ("", "") if fused is None else (" layers as modules: step ms | fused / modules |",
                                             "---|---|")
-    print(f"| batch | step ms | tok/s | weight GB/s |{extra[0]}\n|---|---|---|---|{extra[1]}")
+    print(f"| batch | step ms | tok/s | weight GB/s | KV MB read | MBU |{extra[0]}\n"
+          f"|---|---|---|---|---|---|{extra[1]}")
     for batch_size in args.batch:
         step = decode_step_seconds(engine, batch_size, args.context, args.steps)
+        kv = batch_size * (args.context + 1) * kv_per_token
         row = f"| {batch_size} | {step * 1e3:.1f} | {batch_size / step:.0f} | " \
-              f"{read / step / 1e9:.1f} |"
+              f"{read / step / 1e9:.1f} | {kv / 1e6:.1f} | {(read + kv) / step / bandwidth:.0%} |"
         if fused is not None:  # the same step with the layers' modules (models.fused_layers)
             engine.model.fused_layers = None
             modules = decode_step_seconds(engine, batch_size, args.context, args.steps)

@@ -1,0 +1,40 @@
+"""The machine's streaming read bandwidth, as the engine's threads see it: the best of several
+sums of a buffer far larger than the caches, on the engine's torch threads. The bandwidth-
+utilisation figures (MBU: bytes a step must read / its time / this) divide by it, measured in
+the same run.
+
+    python -m minisgl.bench bandwidth [--mib 1024] [--repeats 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+
+def streaming_read_gbps(mib: int = 1024, repeats: int = 7) -> float:
+    """GB/s of the best of `repeats` full reads of a `mib`-MiB float32 buffer (its pages mapped
+    first), on the calling thread's torch threads."""
+    buffer = torch.ones(mib * 2**18, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - started)
+    return buffer.numel() * 4 / best / 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mib", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    print(f"streaming read, {torch.get_num_threads()} threads, {args.mib} MiB: "
+          f"{streaming_read_gbps(args.mib, args.repeats):.1f} GB/s")
+
+
+if __name__ == "__main__":
+    main()
