@@ -3,7 +3,7 @@ sums of a buffer far larger than the caches, on the engine's torch threads. The 
 utilisation figures (MBU: bytes a step must read / its time / this) divide by it, measured in
 the same run.
 
-    python -m minisgl.bench bandwidth [--mib 1024] [--repeats 7]
+    python -m minisgl.bench bandwidth [--mib 1024] [--repeats 15]
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import time
 import torch
 
 
-def streaming_read_gbps(mib: int = 1024, repeats: int = 7) -> float:
+def streaming_read_gbps(mib: int = 1024, repeats: int = 15) -> float:
     """GB/s of the best of `repeats` full reads of a `mib`-MiB float32 buffer (its pages mapped
     first), on the calling thread's torch threads."""
     buffer = torch.ones(mib * 2**18, dtype=torch.float32)
@@ -30,7 +30,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mib", type=int, default=1024)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args()
     print(f"streaming read, {torch.get_num_threads()} threads, {args.mib} MiB: "
           f"{streaming_read_gbps(args.mib, args.repeats):.1f} GB/s")
