@@ -62,15 +62,12 @@ def page_keys(fingerprint: bytes, token_ids: list[int], page_size: int, start: i
     return keys
 
 
-@dataclass
+@dataclass(frozen=True)
 class TierStats:
-    """Per tier: pages and bytes written and read back, pages a read refused."""
+    """A tier's pages and their bytes now, and the pages a read refused since start."""
 
-    pages: int = 0
-    nbytes: int = 0
-    written: int = 0
-    read: int = 0
-    read_bytes: int = 0
+    pages: int
+    nbytes: int
     rejected: int = 0
 
 
@@ -82,7 +79,11 @@ class HostTier:
         self._pages: OrderedDict[bytes, torch.Tensor] = OrderedDict()  # least recent first
         self._nbytes = 0
         self._lock = threading.Lock()
-        self.stats = TierStats()
+
+    @property
+    def stats(self) -> TierStats:
+        with self._lock:
+            return TierStats(len(self._pages), self._nbytes)
 
     def __contains__(self, key: bytes) -> bool:
         with self._lock:
@@ -102,8 +103,6 @@ class HostTier:
             while self._nbytes > self.max_bytes:
                 _, old = self._pages.popitem(last=False)
                 self._nbytes -= old.numel()
-            self.stats.written += 1
-            self.stats.pages, self.stats.nbytes = len(self._pages), self._nbytes
 
     def read_into(self, key: bytes, out: np.ndarray) -> bool:
         with self._lock:
@@ -111,8 +110,6 @@ class HostTier:
             if payload is None:
                 return False
             self._pages.move_to_end(key)
-            self.stats.read += 1
-            self.stats.read_bytes += payload.numel()
         np.copyto(out, payload.numpy())
         return True
 
@@ -128,7 +125,7 @@ class DiskTier:
         folder.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._index: OrderedDict[bytes, None] = OrderedDict()  # least recently used first
-        self.stats = TierStats()
+        self._rejected = 0
         self._scan()
 
     def _scan(self) -> None:
@@ -150,7 +147,6 @@ class DiskTier:
             found.append((stat.st_mtime_ns, key))
         for _, key in sorted(found):
             self._index[key] = None
-        self._update_stats()
         self._trim()
         logger.info("hierarchical cache: %d pages on disk in %s", len(self._index), self.folder)
 
@@ -183,8 +179,6 @@ class DiskTier:
             return
         with self._lock:
             self._index[key] = None
-            self.stats.written += 1
-            self._update_stats()
         self._trim()
 
     def read_into(self, key: bytes, out: np.ndarray) -> bool:
@@ -205,13 +199,11 @@ class DiskTier:
                 with self._lock:
                     if key in self._index:
                         self._index.move_to_end(key)
-                    self.stats.read += 1
-                    self.stats.read_bytes += length
                 return True
         logger.warning("hierarchical cache: %s does not check (cut short, altered or another "
                        "format); ignored and removed", path)
         with self._lock:
-            self.stats.rejected += 1
+            self._rejected += 1
         self._forget(key)
         path.unlink(missing_ok=True)
         return False
@@ -219,7 +211,6 @@ class DiskTier:
     def _forget(self, key: bytes) -> None:
         with self._lock:
             self._index.pop(key, None)
-            self._update_stats()
 
     def _trim(self) -> None:
         while True:
@@ -227,12 +218,12 @@ class DiskTier:
                 if len(self._index) * self.file_bytes <= self.max_bytes:
                     return
                 key, _ = self._index.popitem(last=False)
-                self._update_stats()
             self._path(key).unlink(missing_ok=True)
 
-    def _update_stats(self) -> None:
-        self.stats.pages = len(self._index)
-        self.stats.nbytes = len(self._index) * self.file_bytes
+    @property
+    def stats(self) -> TierStats:
+        with self._lock:
+            return TierStats(len(self._index), len(self._index) * self.file_bytes, self._rejected)
 
 
 Tier = HostTier | DiskTier

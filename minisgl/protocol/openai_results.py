@@ -62,11 +62,11 @@ class _Answer:
             return {}
         if handles is None:
             handles = [self.handles[i] for i in self._group_starts]
-        details: dict[str, Any] = {"device": 0, "host": 0, "storage": 0, "storage_backend": None}
-        for h in handles:
-            for name, value in h.cached_tokens_details.items():
-                details[name] = (details[name] + value if isinstance(value, int)
-                                 else details[name] or value)
+        each = [h.cached_tokens_details for h in handles]
+        details: dict[str, Any] = {name: sum(d[name] for d in each)
+                                   for name in ("device", "host", "storage")}
+        details["storage_backend"] = next(
+            (d["storage_backend"] for d in each if d["storage_backend"]), None)
         return {"sglext": {"cached_tokens_details": details}}
 
     def stream_first(self) -> list[dict[str, Any]]:

@@ -42,11 +42,9 @@ class _Prefetch:
 @dataclass
 class LoadStats:
     hit_tokens: dict[str, int] = field(default_factory=dict)  # per tier, prompt tokens loaded
-    saved_pages: int = 0
     loaded_pages: int = 0
     loads: int = 0
     load_seconds: float = 0.0
-    recomputed_loads: int = 0  # loads dropped because the radix match shrank meanwhile
 
 
 class TierCache:
@@ -84,7 +82,6 @@ class TierCache:
         saves, self._saves = self._saves, []
         self._offered.clear()
         loads, self._loads = self._loads, []
-        self.stats.saved_pages += len(saves)
         payloads = [rows for _, rows in loads]
         return KVMoves(save_pages=[page for _, page in saves],
                        load_pages=[p for pages, _ in loads for p in pages.tolist()],
@@ -125,8 +122,7 @@ class TierCache:
             return WAIT
         skip = matched // ps - prefetch.first_page
         if skip < 0:
-            del self._prefetches[req]
-            self.stats.recomputed_loads += 1
+            del self._prefetches[req]  # NOTE: the radix match shrank meanwhile: recompute
             return 0
         return max(0, len(prefetch.result.payloads) - skip)
 

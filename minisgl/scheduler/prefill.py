@@ -371,7 +371,7 @@ class PrefillManager:
         ps = self.cache.page_size
         pages = self.cache.allocate(count)
         assert pages is not None
-        locations = (pages[:, None] * ps + torch.arange(ps)).view(-1)
+        locations = locations_for([(req.kv_len, count * ps, req.tail_loc)], pages, ps)
         self.table.write_locations(
             req.table_idx * self.table.context_len + torch.arange(req.kv_len, req.kv_len
                                                                   + len(locations)), locations)

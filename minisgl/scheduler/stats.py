@@ -100,18 +100,20 @@ def tier_report(tiers: TierCache | None) -> dict[str, Any]:
     bytes saved to and loaded from the tiers, the loads' reading time, each tier's size."""
     report: dict[str, Any] = {f"hicache_{tier}_{what}": 0 for tier in TIERS
                               for what in ("hit_tokens", "bytes", "pages")}
-    report |= {"hicache_saved_bytes": 0, "hicache_loaded_bytes": 0, "hicache_loads": 0,
-               "hicache_load_seconds": 0.0, "hicache_rejected_pages": 0}
+    report |= {"hicache_saved_bytes": 0, "hicache_dropped_bytes": 0, "hicache_loaded_bytes": 0,
+               "hicache_loads": 0, "hicache_load_seconds": 0.0, "hicache_rejected_pages": 0}
     if tiers is None:
         return report
     stats, store = tiers.stats, tiers.store
     for tier in store.tiers:
-        report[f"hicache_{tier.name}_bytes"] = tier.stats.nbytes
-        report[f"hicache_{tier.name}_pages"] = tier.stats.pages
-        report["hicache_rejected_pages"] += tier.stats.rejected
+        held = tier.stats
+        report[f"hicache_{tier.name}_bytes"] = held.nbytes
+        report[f"hicache_{tier.name}_pages"] = held.pages
+        report["hicache_rejected_pages"] += held.rejected
     for tier, tokens in stats.hit_tokens.items():
         report[f"hicache_{tier}_hit_tokens"] = tokens
     report |= {"hicache_saved_bytes": store.saved_bytes,
+               "hicache_dropped_bytes": store.dropped_bytes,
                "hicache_loaded_bytes": stats.loaded_pages * store.payload_bytes,
                "hicache_loads": stats.loads, "hicache_load_seconds": stats.load_seconds}
     return report
