@@ -13,7 +13,8 @@ layout never matches. A page's payload is every rank's `KVPool.read_pages` row, 
   from the folder at start (a warm start); a file whose header or CRC does not check is
   ignored with a warning and removed, never served; past the size limit the least recently
   used files go. The CRC catches a file cut short or corrupted (a forger who can write the
-  folder could rewrite any unkeyed digest as well); it costs a fifth of a cryptographic one.
+  folder could rewrite any unkeyed digest as well), at a fraction of a cryptographic hash's
+  cost (BENCHMARKS.md, "Hierarchical cache").
 - `PageStore`: the tiers in order, the thread that writes them and the one that reads them
   (never the event loop's). A save goes to every tier (each keeps its own least recently used
   pages); a load takes each page from the first tier that has it, into one buffer. Their
