@@ -1,6 +1,7 @@
 """The decoder layers as one C++ call (models.fused_layers): the same kernels in the same order
 as the modules, so a served run with it equals one without it to the bit, over decode,
-prefill, mixed and prefix-cached batches, for Llama layers (SmolLM3's with and without RoPE),
+prefill, mixed and prefix-cached batches, for Llama layers (SmolLM3's with and without RoPE;
+the bundled model's default path, its Q4_1 blocks in bfloat16 through quant_matmul),
 Granite 4.0-H's (Mamba2 and attention layers, its multipliers, experts), Qwen3.5's (Gated
 DeltaNet and gated attention layers, experts) and Nemotron-H's blocks (its experts too); and it
 stays out of what it cannot run. (Against
@@ -15,6 +16,7 @@ import pytest
 
 from minisgl import LLM
 from minisgl.layers.gguf_weight import block_kernels
+from minisgl.layers.quant import VnniWeight, vnni_kernels
 from minisgl.models.fused_layers import FusedLayers
 from tests import reference as ref
 from tests.gguf_requant import requant_gguf
@@ -39,19 +41,29 @@ class CountingFusedLayers(FusedLayers):
         return super().__call__(*args, **kwargs)
 
 
-def served(fused: bool, int8_activations: bool = False, path: str | None = None) -> list[dict]:
+@functools.lru_cache(maxsize=1)
+def q4_1_six_layers() -> str:
+    """The bundled file's own Q4_1 blocks, which a VNNI CPU serves in bfloat16 through
+    layers.quant's VnniWeight (quant_matmul), not GgufWeight."""
+    return str(requant_gguf(f"Q4_1-{LAYERS}-layers", lambda name, kind: None, layers=LAYERS))
+
+
+def served(fused: bool, int8_activations: bool = False, path: str | None = None,
+           dtype: str = "float32") -> list[dict]:
     """Greedy outputs with every logprob: four prompts at once in chunks of 16 tokens mixed
     with the running streams' decode rows, then one prompt again (its prefix cached). A hybrid
     runs the batches that take a prefix-cache snapshot part-way on the modules."""
     prompts = [ref.prompt_ids(p) for p in ref.PLAIN_PROMPTS[:3]]
     prompts.append(prompts[0] * 4 + prompts[1])
     params = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
-    with LLM(path or q4_k_m_six_layers(), dtype="float32", quantization="gguf",
+    with LLM(path or q4_k_m_six_layers(), dtype=dtype, quantization="gguf",
              max_total_tokens=1024,
              max_running_requests=4, chunked_prefill_size=16, enable_mixed_chunk=True,
              cpu_int8_activations=int8_activations) as llm:
         model = llm.runtime.engine.model
         assert model.fused_layers is not None
+        if dtype == "bfloat16":
+            assert isinstance(model.layers[0].mlp.down_proj.quantized, VnniWeight)
         counting = CountingFusedLayers(model.fused_layers.program, model.fused_layers.max_rows)
         model.fused_layers = counting if fused else None
         outs = llm.generate(input_ids=prompts, return_logprob=True, logprob_start_len=0,
@@ -84,6 +96,15 @@ def assert_same_outputs(fused: list[dict], modules: list[dict]) -> None:
 def test_fused_layers_serve_the_modules_outputs_to_the_bit(int8_activations: bool):
     assert_same_outputs(served(fused=True, int8_activations=int8_activations),
                         served(fused=False, int8_activations=int8_activations))
+
+
+@pytest.mark.skipif(vnni_kernels() is None, reason="needs the VNNI kernel")
+@pytest.mark.parametrize("int8_activations", [False, True])
+def test_fused_vnni_weight_layers_serve_the_modules_outputs_to_the_bit(int8_activations: bool):
+    """The bundled model's default path: bfloat16 activations, its Q4_1 blocks as VnniWeight."""
+    def run(fused: bool) -> list[dict]:
+        return served(fused, int8_activations, q4_1_six_layers(), dtype="bfloat16")
+    assert_same_outputs(run(fused=True), run(fused=False))
 
 
 @pytest.mark.parametrize("variant", ["nope", "rope", "experts"])

@@ -136,9 +136,11 @@ def time_steps(args: argparse.Namespace, kv_cache_dtype: str) -> None:
                                  kv_cache_dtype=kv_cache_dtype,
                                  json_model_override_args=args.json_model_override_args,
                                  max_total_tokens=most * (args.context + 8) + 16))
-    fill_kv_pool(engine)
     read = weight_bytes(engine.model)
     run = engine.stream.call if hasattr(engine.stream, "call") else (lambda fn: fn())
+    # NOTE: on the engine thread: a parallel op on this one would start a second OpenMP team,
+    # and with more team threads than cores libgomp sleeps at every barrier instead of spinning
+    run(lambda: fill_kv_pool(engine))
     bandwidth = run(streaming_read_gbps) * 1e9
     kv_per_token = engine.kv_pool.layout.bytes_per_token(engine.kv_pool.cache_dtype)
     states = getattr(engine, "states", None)

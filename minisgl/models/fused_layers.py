@@ -1,10 +1,10 @@
 """A decoder's layers as one C++ call a step on CPU, when every linear is in GGUF blocks
-(layers.gguf_weight): kernels/csrc/fused_layers.cpp calls the kernels the modules call, in the
-same order, so the outputs are equal to the bit. It knows plain Llama layers, Granite 4.0-H's
-(Mamba2 or attention without RoPE, a shared MLP, the residual multiplier), dense Qwen3.5's
-(Gated DeltaNet or gated attention with QK-norm and partial RoPE) and Nemotron-H's blocks
-(Mamba2, attention without RoPE, a relu² MLP, or its mixture of experts: a block is one norm
-and one of these).
+(layers.gguf_weight's, or layers.quant's VnniWeight): kernels/csrc/fused_layers.cpp calls the
+kernels the modules call, in the same order, so the outputs are equal to the bit. It knows
+plain Llama layers, Granite 4.0-H's (Mamba2 or attention without RoPE, a shared MLP, the
+residual multiplier), dense Qwen3.5's (Gated DeltaNet or gated attention with QK-norm and
+partial RoPE) and Nemotron-H's blocks (Mamba2, attention without RoPE, a relu² MLP, or its
+mixture of experts: a block is one norm and one of these).
 
 Why: between two block-kernel calls, each streaming its weight through the caches, the
 interpreter's working set falls out of them, and each of a layer's many Python-level calls
@@ -26,6 +26,7 @@ from minisgl.core import Batch
 from minisgl.layers import NoRotary, SiluAndMul
 from minisgl.layers.gguf_weight import GgufWeight, StackedWeight
 from minisgl.layers.norm import RMSNorm
+from minisgl.layers.quant import VNNI_MAX_ROWS, VnniWeight
 from minisgl.models.granite_hybrid import GraniteHybridLayer, Mamba2Mixer
 from minisgl.models.llama import MLP, Attention, DecoderLayer
 from minisgl.layers.moe import SparseMoE
@@ -35,6 +36,9 @@ from minisgl.models.qwen3_next import (GatedAttention, GatedDeltaNet, HybridDeco
                                        SharedExpertMoE, state_step_kernels)
 
 NO_SPANS = torch.zeros(0, dtype=torch.long)
+NO_SUBS = torch.empty(0, dtype=torch.uint8)
+QUANT_LAYOUT = -1  # a part's mode for quant_matmul's layout (FusedLayers::kQuantLayout)
+ANY_ROWS = 1 << 30
 
 
 class FusedLayers:
@@ -297,16 +301,34 @@ def _expert_blocks(moe: SparseMoE | NemotronHMoE
 
 def _blocks(*linears: Any) -> tuple[list[torch.Tensor], list[int], int] | None:
     """Linears' parts, in order, as the program's (tensors, kinds) and the most rows they all
-    run the block kernel at; None unless each is GGUF blocks with no bias or LoRA."""
+    run their kernel at; None unless each is GGUF blocks (block_matmul's or quant_matmul's
+    layout) with no bias or LoRA."""
     parts = []
     for linear in linears:
         if linear.bias is not None or linear.lora is not None:
             return None
         quantized = linear.quantized
-        parts += (quantized.parts if isinstance(quantized, StackedWeight)
-                  else [quantized] if isinstance(quantized, GgufWeight) else [None])
-    if not all(isinstance(p, GgufWeight) for p in parts):
+        parts += (quantized.parts if isinstance(quantized, StackedWeight) else [quantized])
+    if not all(isinstance(p, (GgufWeight, VnniWeight)) for p in parts):
         return None
-    return ([t for p in parts for t in (p.codes, p.scales, p.subs)],
-            [v for p in parts for v in (p.bits, p.mode, p.terms)],
-            min(p.kernel_max_rows for p in parts))
+    return ([t for p in parts for t in _tensors(p)], [v for p in parts for v in _kind(p)],
+            min(_max_rows(p) for p in parts))
+
+
+def _tensors(part: GgufWeight | VnniWeight) -> tuple[torch.Tensor, ...]:
+    if isinstance(part, VnniWeight):
+        return part.codes, part.scales_and_offsets, NO_SUBS
+    return part.codes, part.scales, part.subs
+
+
+def _kind(part: GgufWeight | VnniWeight) -> tuple[int, int, int]:
+    mode = QUANT_LAYOUT if isinstance(part, VnniWeight) else part.mode
+    return part.bits, mode, part.terms
+
+
+def _max_rows(part: GgufWeight | VnniWeight) -> int:
+    """The most rows `part` multiplies with its kernel (VnniWeight.matmul: with one term at
+    any count)."""
+    if isinstance(part, VnniWeight):
+        return VNNI_MAX_ROWS if part.terms == 2 else ANY_ROWS
+    return part.kernel_max_rows

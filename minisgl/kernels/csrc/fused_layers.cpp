@@ -33,6 +33,8 @@ at::Tensor block_matmul_grouped(at::Tensor x, std::vector<at::Tensor> codes,
                                 std::vector<at::Tensor> scales, std::vector<at::Tensor> subs,
                                 int64_t bits, int64_t mode, int64_t terms,
                                 std::vector<int64_t> counts);
+// quant_matmul.cpp
+at::Tensor quant_matmul(at::Tensor x, at::Tensor codes, at::Tensor dm, int64_t terms);
 
 FusedLayers::FusedLayers(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps,
                          double scale, c10::optional<at::Tensor> cos,
@@ -171,7 +173,9 @@ at::Tensor FusedLayers::matmul(const at::Tensor& x, const Linear& linear) {
   const auto rows = x.contiguous();
   std::vector<at::Tensor> outs;
   for (const Part& p : linear)
-    outs.push_back(block_matmul(rows, p.codes, p.scales, p.subs, p.bits, p.mode, p.terms));
+    outs.push_back(p.mode == kQuantLayout
+                       ? quant_matmul(rows, p.codes, p.scales, p.terms)
+                       : block_matmul(rows, p.codes, p.scales, p.subs, p.bits, p.mode, p.terms));
   return outs.size() == 1 ? outs[0] : at::cat(outs, -1);
 }
 

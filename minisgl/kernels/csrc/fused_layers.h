@@ -22,6 +22,10 @@ class FusedLayers {
               c10::optional<at::Tensor> cos, c10::optional<at::Tensor> sin, double query_scale,
               double residual_multiplier);
 
+  // A part's mode that is not a block_matmul layout's: its weight is quant_matmul.cpp's (the
+  // codes, the scales and offsets as `scales`, `subs` unused).
+  static constexpr int64_t kQuantLayout = -1;
+
   // Each add_* appends one sublayer: `norm` (its RMSNorm's weight), then its operation.
   // linears: the operation's two, each as its parts' (codes, scales, subs) in row order (their
   // outputs concatenated); kinds: each part's (bits, mode, activation terms).
