@@ -51,6 +51,8 @@ SUBCOMMANDS = [
     Subcommand("decode-step", "decode_step", "kernel", "one decode forward, model only"),
     Subcommand("linears", "linears", "kernel", "the linear layers alone, per weight form"),
     Subcommand("attention", "attention", "kernel", "the CPU attention kernel against SDPA"),
+    Subcommand("step-profile", "step_profile", "serving",
+               "one served stream's time per token by part of the step and thread (perf)"),
     Subcommand("bandwidth", "bandwidth", "kernel",
                "the machine's streaming read bandwidth (what MBU divides by)"),
     Subcommand("moe", "moe", "kernel",

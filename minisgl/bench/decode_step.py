@@ -29,31 +29,7 @@ import torch
 from minisgl.bench.bandwidth import streaming_read_gbps
 from minisgl.core import Batch
 from minisgl.engine import Engine, EngineConfig
-from minisgl.layers.embedding import ParallelLMHead
-
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    """The weight bytes a decode step reads: every linear's as it is stored, and the LM head's
-    table in the form it multiplies with at one row (GGUF blocks, int8 or bfloat16, the
-    embedding's when tied), not the embedding (one row a token)."""
-    total = 0
-    for module in model.modules():
-        if module is getattr(model, "embed_tokens", None):
-            continue
-        if isinstance(module, ParallelLMHead):
-            table = module.blocks_head or module.int8
-            total += (table.nbytes if table is not None
-                      else module.weight.numel() * module.weight.element_size())
-            continue
-        quantized = getattr(module, "quantized", None)
-        if quantized is not None:
-            total += quantized.nbytes
-            continue
-        packed, weight = getattr(module, "packed", None), getattr(module, "weight", None)
-        tensor = packed if packed is not None else weight
-        if isinstance(tensor, torch.Tensor):
-            total += tensor.numel() * tensor.element_size()
-    return total
+from minisgl.engine.memory import decode_weight_bytes
 
 
 def decode_batch(engine: Engine, batch_size: int, context: int) -> tuple[Batch, torch.Tensor]:
@@ -136,7 +112,7 @@ def time_steps(args: argparse.Namespace, kv_cache_dtype: str) -> None:
                                  kv_cache_dtype=kv_cache_dtype,
                                  json_model_override_args=args.json_model_override_args,
                                  max_total_tokens=most * (args.context + 8) + 16))
-    read = weight_bytes(engine.model)
+    read = decode_weight_bytes(engine.model)
     run = engine.stream.call if hasattr(engine.stream, "call") else (lambda fn: fn())
     # NOTE: on the engine thread: a parallel op on this one would start a second OpenMP team,
     # and with more team threads than cores libgomp sleeps at every barrier instead of spinning

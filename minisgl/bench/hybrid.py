@@ -27,7 +27,8 @@ import time
 
 import torch
 
-from minisgl.bench.decode_step import decode_step_seconds, weight_bytes
+from minisgl.bench.decode_step import decode_step_seconds
+from minisgl.engine.memory import decode_weight_bytes
 from minisgl.engine import Engine, EngineConfig
 from minisgl.kernels.cpu import cpu_kernels
 from minisgl.models import qwen3_next
@@ -131,7 +132,7 @@ def main() -> None:
             for label, (name, fields) in (("dense", DENSE), ("hybrid", HYBRID)):
                 engine = model_engine(name, fields, args.layers, max(rows), context)
                 if context == args.contexts[0] and round_ == 0:
-                    print(f"{label}: {weight_bytes(engine.model) / 1e6:.0f} MB of weights read "
+                    print(f"{label}: {decode_weight_bytes(engine.model) / 1e6:.0f} MB of weights read "
                           "a step", flush=True)
                 variants = [(label, False)] + ([("torch", True)] if label == "hybrid" and both
                                                else [])

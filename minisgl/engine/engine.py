@@ -35,7 +35,8 @@ from minisgl.engine.graph import GraphRunner, supports_graphs
 from minisgl.engine.hicache import KVMoves, KVTiers, build_page_store, kv_fingerprint
 from minisgl.engine.images import EncodedImages, spliced_embeddings
 from minisgl.engine.lora import LoraModules, lora_settings
-from minisgl.engine.memory import allocate_kv_pool, allocate_state_pool, release_cuda_memory
+from minisgl.engine.memory import (allocate_kv_pool, allocate_state_pool, decode_weight_bytes,
+                                   release_cuda_memory)
 from minisgl.engine.model_loading import attention_for, draft_arch, kv_layout, load_model
 from minisgl.engine.placement import check_hybrid, check_tp_size, resolve_device
 from minisgl.engine.pooling import last_token_embeddings
@@ -187,6 +188,7 @@ class Engine:
                                           self.kv_pool, self.page_table, self.device, self.dtype)
         if self.device.type == "cpu" and hasattr(self.model, "fused_layers"):
             self.model.fused_layers = fuse_layers(self.model, self.attn_backend, self.tp.size)
+        self.decode_weight_bytes = decode_weight_bytes(self.model)  # this rank's
         self.sampler = Sampler(self.arch.vocab_size, self.device, list(self.arch.eos_token_ids),
                                seed=config.seed)
         self.speculation = spec_config(config, self.device.type)

@@ -12,6 +12,7 @@ from minisgl.engine.config import EngineConfig
 from minisgl.env import return_freed_heap
 from minisgl.kvcache import KVLayout, KVPool
 from minisgl.kvcache.state_pool import StatePool
+from minisgl.layers.embedding import ParallelLMHead
 from minisgl.models import ModelArch
 
 logger = logging.getLogger(__name__)
@@ -83,3 +84,27 @@ def release_cuda_memory(device: torch.device, tensors: list[torch.Tensor | None]
         if tensor is not None and tensor.device.type == "cuda":
             tensor.untyped_storage().resize_(0)
     torch.cuda.empty_cache()
+
+
+def decode_weight_bytes(model: torch.nn.Module) -> int:
+    """The weight bytes a decode step reads: every linear's as it is stored, and the LM head's
+    table in the form it multiplies with at one row (GGUF blocks, int8 or bfloat16, the
+    embedding's when tied), not the embedding (one row a token)."""
+    total = 0
+    for module in model.modules():
+        if module is getattr(model, "embed_tokens", None):
+            continue
+        if isinstance(module, ParallelLMHead):
+            table = module.blocks_head or module.int8
+            total += (table.nbytes if table is not None
+                      else module.weight.numel() * module.weight.element_size())
+            continue
+        quantized = getattr(module, "quantized", None)
+        if quantized is not None:
+            total += quantized.nbytes
+            continue
+        packed, weight = getattr(module, "packed", None), getattr(module, "weight", None)
+        tensor = packed if packed is not None else weight
+        if isinstance(tensor, torch.Tensor):
+            total += tensor.numel() * tensor.element_size()
+    return total

@@ -162,7 +162,11 @@ class Runtime:
         model = {"path": str(self.model_path), "served_names": list(self.served_names),
                  "architecture": arch.architecture, "layers": arch.num_layers,
                  "context_length": self.context_len, "dtype": engine.config.dtype,
-                 "quantization": engine.quantization, "tokenizer": self.tokenizer_path}
+                 "quantization": engine.quantization, "tokenizer": self.tokenizer_path,
+                 # what one decode token reads (a rank's share): the bandwidth figures' bytes
+                 "decode_weight_bytes": engine.decode_weight_bytes,
+                 "kv_bytes_per_token": engine.kv_pool.layout.bytes_per_token(
+                     engine.kv_pool.cache_dtype)}
         in_model = {"model_path", "context_length", "dtype", "quantization"}
         return {
             "model": model,
