@@ -20,11 +20,14 @@ ratio to the first one.
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import statistics
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from minisgl.bench.bandwidth import gguf_bytes_per_token, streaming_read_gbps
 from minisgl.bench.compare import (REPO, ServerProcess, add_serving_arguments, bench,
                                    build_llama_server, log, start_llama, start_minisgl)
 from minisgl.models.weights import bundled_gguf
@@ -64,8 +67,24 @@ def start(variant: Variant, concurrency: int, args: argparse.Namespace,
     return start_minisgl(True, most, most * context, (*model, *variant.flags), variant.checkout)
 
 
+def bytes_per_token(variant: Variant, server: ServerProcess, args: argparse.Namespace
+                    ) -> float | None:
+    """What one decode token reads at the workload's mean context: llama.cpp's from its GGUF
+    file, minisgl's from its /server_info (None from a checkout that does not report it)."""
+    context = args.input_len + args.output_len / 2
+    if variant.llama_server:
+        weights, kv = gguf_bytes_per_token(args.gguf or bundled_gguf())
+        return weights + kv * context
+    with urllib.request.urlopen(server.url + "/get_server_info", timeout=30) as resp:
+        model = json.load(resp)["resolved"]["model"]
+    if "decode_weight_bytes" not in model:
+        return None
+    return model["decode_weight_bytes"] + model["kv_bytes_per_token"] * context
+
+
 def run_rounds(args: argparse.Namespace) -> dict[str, dict[int, list[dict]]]:
-    """Per variant and concurrency, one bench_serving summary per round."""
+    """Per variant and concurrency, one bench_serving summary per round (and, once per variant,
+    its bytes per decode token in `args.read`)."""
     llama = None
     if any(v.llama_server for v in args.variant):
         llama, why = (args.llama_server, "") if args.llama_server else build_llama_server()
@@ -81,6 +100,8 @@ def run_rounds(args: argparse.Namespace) -> dict[str, dict[int, list[dict]]]:
                         if server is not None:
                             server.stop()
                         server = start(variant, c, args, llama)
+                    if variant.name not in args.read:
+                        args.read[variant.name] = bytes_per_token(variant, server, args)
                     log(f"round {round_ + 1}/{args.rounds}, {variant.name}: {c} streams")
                     runs[variant.name].setdefault(c, []).append(bench(server, c, args))
             finally:
@@ -96,17 +117,22 @@ def median_of(rounds: list[dict], key: str) -> float:
 
 def table(args: argparse.Namespace, runs: dict[str, dict[int, list[dict]]]) -> str:
     first = args.variant[0].name
-    lines = ["| variant | streams | output tok/s | ratio | TPOT ms | TTFT ms |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = ["| variant | streams | output tok/s | ratio | TPOT ms | TTFT ms | MBU |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for variant in args.variant:
         for c in args.concurrency:
             rounds = runs[variant.name][c]
             tok = median_of(rounds, "output_tok_s")
             base = median_of(runs[first][c], "output_tok_s")
+            tpot = median_of(rounds, "tpot_ms")
+            read = args.read.get(variant.name)
+            mbu = f"{read / (tpot / 1e3) / args.bandwidth:.0%}" if read and c == 1 else ""
             lines.append(f"| {variant.name} | {c} | {tok:.0f} | {tok / base:.2f}x | "
-                         f"{median_of(rounds, 'tpot_ms'):.1f} | "
-                         f"{median_of(rounds, 'ttft_ms'):.0f} |")
-    return "\n".join(lines)
+                         f"{tpot:.1f} | {median_of(rounds, 'ttft_ms'):.0f} | {mbu} |")
+    return "\n".join(lines) + (
+        f"\n\nMBU (one stream): the bytes a token reads at the mean context "
+        f"({args.input_len + args.output_len / 2:.0f} tokens) / TPOT / the streaming read "
+        f"bandwidth measured first, {args.bandwidth / 1e9:.1f} GB/s (bench.bandwidth)")
 
 
 def main() -> dict:
@@ -122,9 +148,12 @@ def main() -> dict:
     args = parser.parse_args()
     if len({v.name for v in args.variant}) != len(args.variant):
         parser.error("variant names must differ")
+    args.bandwidth = streaming_read_gbps() * 1e9
+    args.read = {}
     runs = run_rounds(args)
     print(table(args, runs))
     return {"gguf": str(args.gguf) if args.gguf else None,
             "variants": {v.name: {"flags": list(v.flags), "checkout": str(v.checkout),
                                   "llama_server": v.llama_server} for v in args.variant},
-            "runs": runs}
+            "runs": runs, "bandwidth_gbps": args.bandwidth / 1e9,
+            "bytes_per_token": args.read}

@@ -1,7 +1,7 @@
 """The machine's streaming read bandwidth, as the engine's threads see it: the best of several
 sums of a buffer far larger than the caches, on the engine's torch threads. The bandwidth-
 utilisation figures (MBU: bytes a step must read / its time / this) divide by it, measured in
-the same run.
+the same run; `gguf_bytes_per_token` gives llama.cpp's side of them.
 
     python -m minisgl.bench bandwidth [--mib 1024] [--repeats 15]
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
 
@@ -24,6 +25,26 @@ def streaming_read_gbps(mib: int = 1024, repeats: int = 15) -> float:
         buffer.sum()
         best = min(best, time.perf_counter() - started)
     return buffer.numel() * 4 / best / 1e9
+
+
+def gguf_bytes_per_token(path: Path) -> tuple[int, int]:
+    """What llama.cpp reads per decode token of a GGUF file: (weight bytes: every tensor as
+    stored but the token table, which it reads one row of, unless the output head is tied to
+    it; KV bytes per token of context, its default float16 cache)."""
+    from gguf import GGUFReader
+    reader = GGUFReader(str(path))
+    arch = reader.fields["general.architecture"].contents()
+
+    def field(key: str) -> int | None:
+        found = reader.fields.get(f"{arch}.{key}")
+        return None if found is None else int(found.contents())
+
+    names = {t.name for t in reader.tensors}
+    weights = sum(int(t.n_bytes) for t in reader.tensors
+                  if t.name != "token_embd.weight" or "output.weight" not in names)
+    heads, kv_heads = field("attention.head_count"), field("attention.head_count_kv") or 0
+    head_dim = field("attention.key_length") or field("embedding_length") // heads
+    return weights, field("block_count") * 2 * kv_heads * head_dim * 2
 
 
 def main() -> None:
