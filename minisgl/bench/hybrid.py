@@ -132,8 +132,8 @@ def main() -> None:
             for label, (name, fields) in (("dense", DENSE), ("hybrid", HYBRID)):
                 engine = model_engine(name, fields, args.layers, max(rows), context)
                 if context == args.contexts[0] and round_ == 0:
-                    print(f"{label}: {decode_weight_bytes(engine.model) / 1e6:.0f} MB of weights read "
-                          "a step", flush=True)
+                    weights = decode_weight_bytes(engine.model)
+                    print(f"{label}: {weights / 1e6:.0f} MB of weights read a step", flush=True)
                 variants = [(label, False)] + ([("torch", True)] if label == "hybrid" and both
                                                else [])
                 for r in rows:

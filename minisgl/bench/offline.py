@@ -67,7 +67,8 @@ def run_minisgl(prompts: list[list[int]], lens: list[int], concurrency: int, ove
             "engine_idle_fraction": 1 - (engine.busy_seconds - busy0) / wall,
             "decode_step_ms": step * 1e3, "decode_steps": decode_steps,
             "prefill_s": engine.phase_seconds["prefill"] - prefill0,
-            "weight_read_GBps": decode_weight_bytes(engine.model) / step / 1e9 if decode_steps else None,
+            "weight_read_GBps": (decode_weight_bytes(engine.model) / step / 1e9
+                                 if decode_steps else None),
         }
 
 
