@@ -201,12 +201,13 @@ def main() -> None:
         server.stop()
     if tokens == 0:
         raise SystemExit("no token was streamed inside perf's window")
-    report(read_samples(data), pid, info, args, bandwidth, tokens, ended - started, context,
-           (after[0] - before[0]) / max(1, after[1] - before[1]))
+    print_report(read_samples(data), pid, info, args, bandwidth, tokens, ended - started,
+                 context, (after[0] - before[0]) / max(1, after[1] - before[1]))
 
 
-def report(profile: Profile, pid: int, info: dict, args: argparse.Namespace, bandwidth: float,
-           tokens: int, window: float, context: int, engine_step: float) -> None:
+def print_report(profile: Profile, pid: int, info: dict, args: argparse.Namespace,
+                 bandwidth: float, tokens: int, window: float, context: int,
+                 engine_step: float) -> None:
     model = info["resolved"]["model"]
     tpot = window / tokens
     read = model["decode_weight_bytes"] + model["kv_bytes_per_token"] * context
