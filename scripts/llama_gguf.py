@@ -1,5 +1,5 @@
 """A GGUF file of a larger Llama shape with random weights, for timing only (its outputs mean
-nothing): the bundled file's metadata and tokenizer and its tensor types (Q4_1 linears, a Q8_0
+nothing): the bundled file's tokenizer, RoPE base and tensor types (Q4_1 linears, a Q8_0
 token table tied to the output head, float32 norms), every size set to the shape's. minisgl
 and llama.cpp's llama-server read the same file, so both read the same bytes per token.
 
@@ -12,17 +12,24 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
-from minisgl.env import cache_root
-from minisgl.models.weights import bundled_gguf
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from gguf import GGMLQuantizationType  # noqa: E402
+
+from minisgl.env import cache_root  # noqa: E402
+from tests.gguf_families import copy_tokenizer, decoder_writer, finish  # noqa: E402
 
 Kind = GGMLQuantizationType
 # hidden, feed-forward, layers, query heads, KV heads (head dim 64, as the bundled model's)
 SHAPES = {"llama-1b": (2048, 8192, 16, 32, 8)}
+VOCAB = 49152  # the bundled tokenizer's
 BLOCK = 32
 BLOCK_BYTES = {Kind.Q4_1: 20, Kind.Q8_0: 34}
 
@@ -40,22 +47,17 @@ def random_blocks(rows: int, columns: int, kind: Kind, rng: np.random.Generator)
 def write(shape: str, out: Path) -> Path:
     hidden, ffn, layers, heads, kv_heads = SHAPES[shape]
     kv = kv_heads * (hidden // heads)
-    source = GGUFReader(str(bundled_gguf()))
-    arch = source.fields["general.architecture"].contents()
-    sizes = {"block_count": layers, "embedding_length": hidden, "feed_forward_length": ffn,
-             "attention.head_count": heads, "attention.head_count_kv": kv_heads}
     partial = out.with_suffix(f".{os.getpid()}.partial")
-    writer = GGUFWriter(str(partial), arch)
-    for key, field in source.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        kind, value = field.types[0], field.contents()
-        value = sizes.get(key.removeprefix(f"{arch}."), value)
-        writer.add_key_value(key, value, kind,
-                             sub_type=field.types[1] if kind == GGUFValueType.ARRAY else None)
-    vocab = int(source.fields[f"{arch}.vocab_size"].contents())
+    writer = decoder_writer(partial, "llama", SimpleNamespace(
+        num_hidden_layers=layers, max_position_embeddings=8192, hidden_size=hidden,
+        intermediate_size=ffn, num_attention_heads=heads, num_key_value_heads=kv_heads))
+    writer.add_rope_freq_base(100000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(VOCAB)
+    writer.add_rope_dimension_count(hidden // heads)
+    copy_tokenizer(writer)
     rng = np.random.default_rng(0)
-    tensors = [("token_embd.weight", vocab, hidden, Kind.Q8_0),
+    tensors = [("token_embd.weight", VOCAB, hidden, Kind.Q8_0),
                ("output_norm.weight", 1, hidden, Kind.F32)]
     for i in range(layers):
         tensors += [(f"blk.{i}.{name}.weight", rows, columns, kind) for name, rows, columns, kind
@@ -68,10 +70,7 @@ def write(shape: str, out: Path) -> Path:
         data = (np.ones(columns, dtype=np.float32) if kind == Kind.F32
                 else random_blocks(rows, columns, kind, rng))
         writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     partial.rename(out)
     return out
 

@@ -20,10 +20,8 @@ ratio to the first one.
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import statistics
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,8 +73,7 @@ def bytes_per_token(variant: Variant, server: ServerProcess, args: argparse.Name
     if variant.llama_server:
         weights, kv = gguf_bytes_per_token(args.gguf or bundled_gguf())
         return weights + kv * context
-    with urllib.request.urlopen(server.url + "/get_server_info", timeout=30) as resp:
-        model = json.load(resp)["resolved"]["model"]
+    model = server.info()["resolved"]["model"]
     if "decode_weight_bytes" not in model:
         return None
     return model["decode_weight_bytes"] + model["kv_bytes_per_token"] * context

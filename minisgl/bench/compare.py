@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import platform
 import re
@@ -106,6 +107,11 @@ class ServerProcess:
     proc: subprocess.Popen
     url: str = ""
     lines: list[str] = field(default_factory=list)
+
+    def info(self) -> dict:
+        """minisgl's /get_server_info."""
+        with urllib.request.urlopen(self.url + "/get_server_info", timeout=30) as resp:
+            return json.load(resp)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

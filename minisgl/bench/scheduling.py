@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +39,7 @@ POOL_TOKENS = 200_000
 
 
 def server_state(server: ServerProcess) -> dict[str, Any]:
-    with urllib.request.urlopen(server.url + "/get_server_info", timeout=30) as resp:
-        return json.load(resp)["internal_states"][0]
+    return server.info()["internal_states"][0]
 
 
 def percentile_ms(values: list[float], q: float) -> float:

@@ -44,9 +44,9 @@ KERNELS = {  # minisgl_cpu_kernels.so's functions, by what they do in a step
     "rms_norm": "RMSNorm", "rotary_": "RoPE", "store_kv_": "KV store",
     "silu_and_mul": "silu(gate) * up",
 }
+PYTHON, OPENMP = "Python interpreter", "OpenMP: barriers (spinning or asleep) and forks"
 LIBRARIES = [  # (a part of the file name, the part of the step)
-    ("libgomp", "OpenMP: barriers (spinning or asleep) and forks"),
-    ("libpython", "Python interpreter"), ("python3", "Python interpreter"),
+    ("libgomp", OPENMP), ("libpython", PYTHON), ("python3", PYTHON),
     ("libtorch", "torch: its ops, dispatch and allocator"),
     ("libc10", "torch: its ops, dispatch and allocator"),
     ("libc.so", "C/C++ runtime (malloc, memcpy, TLS)"),
@@ -83,30 +83,23 @@ def part_of(symbol: str, library: str) -> str:
 
 @dataclass
 class Profile:
-    """Samples per (thread id, part), and per thread the library they fell in."""
+    """Samples per (thread id, part of the step), and per (symbol, library)."""
 
     samples: collections.Counter = field(default_factory=collections.Counter)
-    python_samples: collections.Counter = field(default_factory=collections.Counter)
-    gomp_samples: collections.Counter = field(default_factory=collections.Counter)
     symbols: collections.Counter = field(default_factory=collections.Counter)
 
     def add(self, tid: int, symbol: str, library: str) -> None:
-        part = part_of(symbol, library)
-        self.samples[tid, part] += 1
+        self.samples[tid, part_of(symbol, library)] += 1
         self.symbols[symbol[:90], Path(library).name] += 1
-        if part == "Python interpreter":
-            self.python_samples[tid] += 1
-        elif part.startswith("OpenMP"):
-            self.gomp_samples[tid] += 1
 
     def roles(self, pid: int) -> dict[int, str]:
         """The event loop is the process's first thread; the engine thread is the other one
         that runs Python the most; the OpenMP workers are threads that wait at its barriers."""
         tids = {tid for tid, _ in self.samples}
-        others = [t for t in tids if t != pid]
-        engine = max(others, key=lambda t: self.python_samples[t], default=None)
+        engine = max((t for t in tids if t != pid), default=None,
+                     key=lambda t: self.samples[t, PYTHON])
         return {t: ("event loop" if t == pid else "engine thread" if t == engine
-                    else "OpenMP workers" if self.gomp_samples[t] else "other threads")
+                    else "OpenMP workers" if self.samples[t, OPENMP] else "other threads")
                 for t in tids}
 
 
@@ -119,11 +112,6 @@ def read_samples(data: Path) -> Profile:
         if match:
             profile.add(int(match.group(1)), match.group(2), match.group(3))
     return profile
-
-
-def server_info(url: str) -> dict:
-    with urllib.request.urlopen(url + "/get_server_info", timeout=30) as resp:
-        return json.load(resp)
 
 
 class Stream(threading.Thread):
@@ -182,19 +170,19 @@ def main() -> None:
     try:
         pid, url = server.proc.pid, server.url
         Stream(url, args.input_len, 16).run()  # warm-up
-        info = server_info(url)
+        info = server.info()
         stream = Stream(url, args.input_len, 4000)
         stream.start()
         while len(stream.chunks) < 32:
             time.sleep(0.05)
-        before = engine_decode(server_info(url))
+        before = engine_decode(server.info())
         data = args.out / "perf.data"
         started = time.perf_counter()
         subprocess.run(["perf", "record", "-q", "-F", str(args.frequency), "-p", str(pid),
                         "-o", str(data), "--", "sleep", str(args.seconds)], check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         ended = time.perf_counter()
-        after = engine_decode(server_info(url))
+        after = engine_decode(server.info())
         tokens, generated = stream.tokens_between(started, ended)
         context = args.input_len + round(generated)
     finally:  # NOTE: the stream ends with the server
