@@ -14,7 +14,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from minisgl.models import resolve_model_path
-from minisgl.runtime.tokenizer import Tokenizer
+from minisgl.runtime.tokenizer import IncrementalDetokenizer, Tokenizer, rust_decode
 from tests.conftest import REPO_ROOT
 
 TEXTS = ["The capital of France is", "<|im_start|>user\nhi<|im_end|>", "  spaces\tand\nlines ",
@@ -64,3 +64,21 @@ def test_the_bundled_tokenizer_loads_without_the_model_config_class() -> None:
                           timeout=120, cwd=REPO_ROOT)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("clean_up", [False, True], ids=["as-shipped", "clean-up-spaces"])
+def test_streamed_text_is_the_tokenizers_own_decode(tmp_path, clean_up: bool) -> None:
+    """The detokenizer's decode (the Rust tokenizer's own where it gives the same text) against
+    transformers' decode, for every window it decodes: a prompt's tokens, a stream's growing
+    output split mid-character, special tokens skipped or kept."""
+    folder = tokenizer_folder(tmp_path, clean_up_tokenization_spaces=clean_up)
+    hf = Tokenizer.load(folder).hf
+    detokenizer = IncrementalDetokenizer(hf)
+    assert (rust_decode(hf) is None) == clean_up
+    ids = [i for text in TEXTS + [" , . ! ? 's n't"] for i in hf(text)["input_ids"]]
+    windows = [ids[start:end] for start in range(0, len(ids), 3)
+               for end in range(start, len(ids) + 1, 2)]
+    for skip in (True, False):
+        kwargs = {"skip_special_tokens": skip, "spaces_between_special_tokens": True}
+        assert (detokenizer._batch_decode(windows, **kwargs)
+                == [hf.decode(w, skip_special_tokens=skip) for w in windows])

@@ -69,9 +69,14 @@ class KernelMetadata:
 
     def materialize(self, page_table: torch.Tensor) -> None:
         """On the engine thread, by the first layer (see DecodeMetadata.materialize)."""
-        self.locations = page_table[self.rows, : self.max_len].long()
-        self.token_rows = torch.repeat_interleave(torch.arange(len(self.rows)),
-                                                  torch.tensor(self.extend_lens))
+        if len(self.rows) == 1:  # one request (a stream's decode steps): a slice, no gather
+            row = self.rows[0]
+            self.locations = page_table[row:row + 1, : self.max_len].long()
+            self.token_rows = torch.zeros(len(self.positions), dtype=torch.int64)
+        else:
+            self.locations = page_table[self.rows, : self.max_len].long()
+            self.token_rows = torch.repeat_interleave(torch.arange(len(self.rows)),
+                                                      torch.tensor(self.extend_lens))
         self.token_lens = self.positions.long() + 1
 
     def view(self, window: int, page_table: torch.Tensor

@@ -486,6 +486,7 @@ class ModelRunner:
         self.model, self.attn_backend, self.sampler = model, attn_backend, sampler
         self.kv_tiers = kv_tiers  # --enable-hierarchical-cache
         self.token_pool, self.graph_runner, self.tp = token_pool, graph_runner, tp
+        self.flat_tokens = token_pool.view(-1)  # NOTE: made once: every op in the step counts
         self.speculator = speculator  # rank 0 of a speculating engine
         self.lora = lora  # --enable-lora
         self.states = states  # a hybrid model's recurrent states
@@ -526,7 +527,7 @@ class ModelRunner:
         if self.tp.rank:  # rank 0 samples; every rank stores its choice
             next_tokens = torch.empty(len(fwd.write_indices), dtype=torch.int32,
                                       device=self.device)
-            self.token_pool.view(-1)[fwd.write_indices] = broadcast(next_tokens, 0)
+            self.flat_tokens[fwd.write_indices] = broadcast(next_tokens, 0)
             if fwd.verify_step and self.states is not None:
                 self._keep_states_as_rank_0(fwd.batch)
             return ForwardOutput()
@@ -543,7 +544,7 @@ class ModelRunner:
         input logprobs of its scored prompt rows and the embeddings of its embedding rows
         (each None without any)."""
         batch = fwd.batch
-        input_ids = self.token_pool.view(-1)[fwd.load_indices]
+        input_ids = self.flat_tokens[fwd.load_indices]
         if fwd.image_rows is not None:
             batch.input_embeds = spliced_embeddings(self.model, fwd.image_rows, fwd.images,
                                                     self.encoded_images, self.tp, self.device)
@@ -586,7 +587,7 @@ class ModelRunner:
             assert self.speculator is not None
             output, stored = self.speculator.verify(fwd, logits, self.sampler, mask)
             sources = self.speculator.keep_accepted_states(fwd)
-            self.token_pool.view(-1)[fwd.write_indices] = stored
+            self.flat_tokens[fwd.write_indices] = stored
             if self.tp.size > 1:
                 broadcast(stored, 0)
                 if sources is not None:  # each rank rolls its own heads' states back
@@ -594,7 +595,7 @@ class ModelRunner:
             return output
         sample = self.sampler.sample(logits[: fwd.batch.size], fwd.sample_args, self.token_pool,
                                      mask)
-        self.token_pool.view(-1)[fwd.write_indices] = sample.next_tokens
+        self.flat_tokens[fwd.write_indices] = sample.next_tokens
         if self.tp.size > 1:
             broadcast(sample.next_tokens, 0)
         tops = sample.top_logprobs

@@ -23,7 +23,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from minisgl.core import SamplingParams
 from minisgl.errors import InvalidRequest
@@ -226,9 +226,31 @@ class DecodeState:
         return self.text[: self.visible_len]
 
 
+def rust_decode(hf: Any) -> Callable[..., str] | None:
+    """The Rust tokenizer's own decode, where the HF tokenizer's gives the same text (a fast
+    tokenizer, decode not overridden, no clean-up of spaces): a tenth of the Python per call,
+    paid for every token streamed. None otherwise."""
+    backend = getattr(hf, "_tokenizer", None)
+    kind = type(hf)
+    if (backend is None or getattr(hf, "clean_up_tokenization_spaces", True)
+            or kind._decode.__qualname__ not in ("TokenizersBackend._decode",
+                                                 "PreTrainedTokenizerFast._decode")
+            or kind.batch_decode.__qualname__ != "PreTrainedTokenizerBase.batch_decode"
+            or kind.decode.__qualname__ != "PreTrainedTokenizerBase.decode"):
+        return None
+    return backend.decode
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        self._rust_decode = rust_decode(tokenizer)
+
+    def _batch_decode(self, sequences: list[list[int]], **kwargs: Any) -> list[str]:
+        if self._rust_decode is None:
+            return self.tokenizer.batch_decode(sequences, **kwargs)
+        skip = kwargs["skip_special_tokens"]  # NOTE: a fast tokenizer ignores the spacing flag
+        return [self._rust_decode(ids, skip_special_tokens=skip) for ids in sequences]
 
     def step(self, updates: list[tuple[DecodeState, int | None, bool]]) -> list[DecodeState]:
         """Apply one step's new token (or None) to each state; `finished` (truthy) flushes
@@ -268,10 +290,9 @@ class IncrementalDetokenizer:
                 continue
             kwargs = {"skip_special_tokens": skip,
                       "spaces_between_special_tokens": group[0].params.spaces_between_special_tokens}
-            surr = self.tokenizer.batch_decode(
-                [s.tokens(s.surr_offset, s.read_offset) for s in group], **kwargs)
-            full = self.tokenizer.batch_decode([s.tokens(s.surr_offset) for s in group],
-                                               **kwargs)
+            surr = self._batch_decode([s.tokens(s.surr_offset, s.read_offset) for s in group],
+                                      **kwargs)
+            full = self._batch_decode([s.tokens(s.surr_offset) for s in group], **kwargs)
             for state, before, now in zip(group, surr, full):
                 if now.endswith("\ufffd") or len(now) <= len(before):
                     continue  # an incomplete UTF-8 sequence: wait for the next token

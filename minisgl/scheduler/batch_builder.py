@@ -188,10 +188,9 @@ class BatchBuilder:
         device = self.engine.device
         rows = [r.table_idx for r in reqs]
         ends = [s + c for s, c in zip(starts, counts)]
-        counts_t = torch.tensor(counts)
-        if phase == "decode":
+        if phase == "decode":  # NOTE: built from ints: each tensor op here costs the loop
             positions = torch.tensor(starts)
-            load = torch.tensor(rows) * ctx + positions
+            load = torch.tensor([r * ctx + s for r, s in zip(rows, starts)])
         else:
             positions, load = span_indices(rows, starts, counts, ctx)
         self.table.write_locations(load, locations)
@@ -222,13 +221,16 @@ class BatchBuilder:
         rows_host, scored = None, None  # prefill: each last token, then any scored rows
         embed_rows = embedding_rows(reqs, last_chunk) if phase != "decode" else []
         if phase != "decode":
-            rows_host = counts_t.cumsum(0) - 1
+            rows_host = torch.tensor(counts).cumsum(0) - 1
             prefills = len(reqs) - decode_rows
             scored_rows = self._scored_rows(reqs[:prefills], starts, counts)
             if scored_rows is not None:
                 extra, scored = scored_rows
                 rows_host = torch.cat([rows_host, extra])
-        tails = locations[counts_t.cumsum(0) - 1].tolist() if self.page_size > 1 else None
+        tails = None
+        if self.page_size > 1:
+            tails = (locations.tolist() if phase == "decode"
+                     else locations[torch.tensor(counts).cumsum(0) - 1].tolist())
         for i, req in enumerate(reqs):
             req.kv_len = ends[i]
             if tails is not None:

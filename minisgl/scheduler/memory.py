@@ -157,6 +157,10 @@ def locations_for(spans: list[tuple[int, int, int]], pages: torch.Tensor, page_s
     tail of their current page, then from `pages` in order."""
     if page_size == 1:
         return pages
+    if all(count == 1 for _, count, _ in spans):  # a decode step: plain ints, one tensor
+        fresh = iter(pages.tolist())
+        return torch.tensor([tail + 1 if start % page_size else next(fresh) * page_size
+                             for start, _, tail in spans], dtype=torch.int64)
     parts, used = [], 0
     offsets = torch.arange(page_size, dtype=torch.int64)
     for start, count, tail in spans:

@@ -72,8 +72,9 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def encode_event(obj: Any) -> bytes:
-    """`data: <json>\\n\\n` (orjson never writes a raw newline, so it is one data line)."""
-    return ServerSentEvent(data=orjson.dumps(obj).decode(), sep="\n").encode()
+    """`data: <json>\\n\\n`, as ServerSentEvent writes it: orjson never writes a raw CR or LF, so
+    it is one data line, built here without the event's line split (once a token a stream)."""
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
 DONE = ServerSentEvent(data="[DONE]", sep="\n").encode()
