@@ -220,8 +220,10 @@ class BatchBuilder:
             table_rows=rows, seq_lens=ends, logprob_nums=logprob_nums(reqs))
         rows_host, scored = None, None  # prefill: each last token, then any scored rows
         embed_rows = embedding_rows(reqs, last_chunk) if phase != "decode" else []
-        if phase != "decode":
-            rows_host = torch.tensor(counts).cumsum(0) - 1
+        # each request's last token row (a decode step: every row is one)
+        last_rows = None if phase == "decode" else torch.tensor(counts).cumsum(0) - 1
+        if last_rows is not None:
+            rows_host = last_rows
             prefills = len(reqs) - decode_rows
             scored_rows = self._scored_rows(reqs[:prefills], starts, counts)
             if scored_rows is not None:
@@ -229,8 +231,7 @@ class BatchBuilder:
                 rows_host = torch.cat([rows_host, extra])
         tails = None
         if self.page_size > 1:
-            tails = (locations.tolist() if phase == "decode"
-                     else locations[torch.tensor(counts).cumsum(0) - 1].tolist())
+            tails = (locations if last_rows is None else locations[last_rows]).tolist()
         for i, req in enumerate(reqs):
             req.kv_len = ends[i]
             if tails is not None:
