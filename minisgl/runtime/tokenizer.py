@@ -228,8 +228,8 @@ class DecodeState:
 
 def rust_decode(hf: Any) -> Callable[..., str] | None:
     """The Rust tokenizer's own decode, where the HF tokenizer's gives the same text (a fast
-    tokenizer, decode not overridden, no clean-up of spaces): a tenth of the Python per call,
-    paid for every token streamed. None otherwise."""
+    tokenizer, decode not overridden, no clean-up of spaces), without transformers' Python
+    around it, which every streamed token would pay. None otherwise."""
     backend = getattr(hf, "_tokenizer", None)
     kind = type(hf)
     if (backend is None or getattr(hf, "clean_up_tokenization_spaces", True)
