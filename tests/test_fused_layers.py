@@ -49,17 +49,18 @@ def q4_1_six_layers() -> str:
 
 
 def served(fused: bool, int8_activations: bool = False, path: str | None = None,
-           dtype: str = "float32") -> list[dict]:
+           dtype: str = "float32", kv_cache_dtype: str = "auto") -> list[dict]:
     """Greedy outputs with every logprob: four prompts at once in chunks of 16 tokens mixed
-    with the running streams' decode rows, then one prompt again (its prefix cached). A hybrid
-    runs the batches that take a prefix-cache snapshot part-way on the modules."""
+    with the running streams' decode rows, then one prompt again (its prefix cached; its
+    decode steps of one row take the one-row program where it applies). A hybrid runs the
+    batches that take a prefix-cache snapshot part-way on the modules."""
     prompts = [ref.prompt_ids(p) for p in ref.PLAIN_PROMPTS[:3]]
     prompts.append(prompts[0] * 4 + prompts[1])
     params = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
     with LLM(path or q4_k_m_six_layers(), dtype=dtype, quantization="gguf",
              max_total_tokens=1024,
              max_running_requests=4, chunked_prefill_size=16, enable_mixed_chunk=True,
-             cpu_int8_activations=int8_activations) as llm:
+             cpu_int8_activations=int8_activations, kv_cache_dtype=kv_cache_dtype) as llm:
         model = llm.runtime.engine.model
         assert model.fused_layers is not None
         if dtype == "bfloat16":
@@ -74,7 +75,12 @@ def served(fused: bool, int8_activations: bool = False, path: str | None = None,
         llm.check_integrity()
         steps = llm.runtime.engine.phase_steps
         hybrid = llm.runtime.engine.arch.is_hybrid
+        one_row_steps = counting.program.one_row_steps()
     assert steps["decode"] and steps["mixed"]
+    if fused and dtype == "bfloat16":  # quant_matmul's layout: the one-row program's
+        assert one_row_steps >= params["max_new_tokens"] - 1
+    else:
+        assert one_row_steps == 0
     if fused and not hybrid:  # every step, prefill / mixed / decode alike
         assert counting.calls == sum(steps.values())
     elif fused:
@@ -99,12 +105,59 @@ def test_fused_layers_serve_the_modules_outputs_to_the_bit(int8_activations: boo
 
 
 @pytest.mark.skipif(vnni_kernels() is None, reason="needs the VNNI kernel")
-@pytest.mark.parametrize("int8_activations", [False, True])
-def test_fused_vnni_weight_layers_serve_the_modules_outputs_to_the_bit(int8_activations: bool):
-    """The bundled model's default path: bfloat16 activations, its Q4_1 blocks as VnniWeight."""
+@pytest.mark.parametrize(("int8_activations", "kv_cache_dtype"),
+                         [(False, "auto"), (True, "auto"), (False, "int8")])
+def test_fused_vnni_weight_layers_serve_the_modules_outputs_to_the_bit(int8_activations: bool,
+                                                                       kv_cache_dtype: str):
+    """The bundled model's default path: bfloat16 activations, its Q4_1 blocks as VnniWeight
+    (and bfloat16 or int8 KV pages)."""
     def run(fused: bool) -> list[dict]:
-        return served(fused, int8_activations, q4_1_six_layers(), dtype="bfloat16")
+        return served(fused, int8_activations, q4_1_six_layers(), dtype="bfloat16",
+                      kv_cache_dtype=kv_cache_dtype)
     assert_same_outputs(run(fused=True), run(fused=False))
+
+
+@pytest.mark.skipif(vnni_kernels() is None, reason="needs the VNNI kernel")
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_one_row_program_equals_the_batched_layers(kv_cache_dtype: str):
+    """One decode token through the one-row program against the same token in two decode rows
+    through the batched path (one result each), at contexts inside one tile of 16 keys, across
+    tiles, and past a page: the output and the residual equal to the bit."""
+    import torch
+
+    from minisgl.bench.decode_step import decode_batch, fill_kv_pool
+
+    with LLM(q4_1_six_layers(), dtype="bfloat16", quantization="gguf", max_total_tokens=1024,
+             max_running_requests=2, kv_cache_dtype=kv_cache_dtype) as llm:
+        engine = llm.runtime.engine
+        program = engine.model.fused_layers.program
+        assert program.one_row_applies()
+        hidden = engine.arch.hidden_size
+        no_spans = torch.zeros(0, dtype=torch.long)
+
+        def compare(context: int) -> None:
+            batch, _ = decode_batch(engine, 1, context)
+            locations, lens, rows = batch.attn_metadata.view(0, engine.attn_backend.page_table)
+            x = (torch.randn(1, hidden, generator=torch.Generator().manual_seed(context))
+                 .to(torch.bfloat16))
+            steps = program.one_row_steps()
+            one = program.run(x.clone(), batch.input_positions, batch.out_loc, locations,
+                              lens, rows, no_spans, no_spans)
+            assert program.one_row_steps() == steps + 1
+            # two decode rows (int8 pages: a row of several tokens reads dequantized copies)
+            two = program.run(x.repeat(2, 1), batch.input_positions.repeat(2),
+                              batch.out_loc.repeat(2), locations.repeat(2, 1), lens.repeat(2),
+                              torch.arange(2, dtype=rows.dtype), no_spans, no_spans)
+            assert program.one_row_steps() == steps + 1
+            for ours, batched in zip(one, two):
+                assert torch.equal(ours[0], batched[0]) and torch.equal(batched[0], batched[1])
+
+        def run() -> None:
+            fill_kv_pool(engine)
+            with torch.inference_mode():
+                for context in (0, 5, 17, 100):
+                    compare(context)
+        engine.stream.call(run)
 
 
 @pytest.mark.parametrize("variant", ["nope", "rope", "experts"])

@@ -23,7 +23,8 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("cpu_kernels.cpp", "decode_bf16.cpp", "quant_matmul.cpp",
                                         "int8_matmul.cpp", "expert_matmul.cpp",
                                         "block_matmul.cpp", "lora_matmul.cpp",
-                                        "fused_layers.cpp", "hybrid_state.cpp")]
+                                        "fused_layers.cpp", "fused_one_row.cpp",
+                                        "hybrid_state.cpp")]
 HEADERS = sorted(CSRC.glob("*.h"))
 NAME = "minisgl_cpu_kernels"
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]

@@ -22,6 +22,7 @@
 #include "aten.h"
 #include "fused_layers.h"
 #include "hybrid_state.h"
+#include "row_kernels.h"
 
 #include <algorithm>
 #include <cmath>
@@ -168,23 +169,8 @@ void add_rms_norm(T* x, T* residual, const T* weight, T* out, int64_t rows, int6
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> row(hidden);
     for (int64_t r = begin; r < end; ++r) {
-      const T* carry = x + r * hidden;
-      if (residual != nullptr) {  // the carried residual is rounded like torch's `x + res`
-        T* res = residual + r * hidden;
-#pragma omp simd
-        for (int64_t i = 0; i < hidden; ++i) store(res, i, load(carry, i) + load(res, i));
-        carry = res;
-      }
-      float squares = 0.f;
-#pragma omp simd reduction(+ : squares)
-      for (int64_t i = 0; i < hidden; ++i) {
-        row[i] = load(carry, i);
-        squares += row[i] * row[i];
-      }
-      const float inv = 1.f / std::sqrt(squares / static_cast<float>(hidden) + eps);
-      T* o = out + r * hidden;
-#pragma omp simd
-      for (int64_t i = 0; i < hidden; ++i) store(o, i, row[i] * inv * load(weight, i));
+      T* res = residual != nullptr ? residual + r * hidden : nullptr;
+      norm_row(x + r * hidden, res, res, weight, out + r * hidden, hidden, eps, row.data());
     }
   });
 }
@@ -192,16 +178,7 @@ void add_rms_norm(T* x, T* residual, const T* weight, T* out, int64_t rows, int6
 template <typename T>
 void silu_and_mul_rows(const T* x, T* out, int64_t rows, int64_t d) {
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* gate = x + r * 2 * d;
-      const T* up = gate + d;
-      T* o = out + r * d;
-#pragma omp simd
-      for (int64_t i = 0; i < d; ++i) {
-        const float g = load(gate, i);
-        store(o, i, g / (1.f + std::exp(-g)) * load(up, i));
-      }
-    }
+    for (int64_t r = begin; r < end; ++r) silu_mul_row(x + r * 2 * d, out + r * d, d);
   });
 }
 
@@ -210,19 +187,9 @@ void rotate_half(T* x, int64_t tokens, int64_t heads, int64_t token_stride, int6
                  int64_t dim, const int64_t* positions, const float* cos, const float* sin) {
   const int64_t half = dim / 2;
   at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* c = cos + positions[t] * half;
-      const float* s = sin + positions[t] * half;
-      for (int64_t h = 0; h < heads; ++h) {
-        T* xh = x + t * token_stride + h * head_stride;
-#pragma omp simd
-        for (int64_t i = 0; i < half; ++i) {
-          const float x1 = load(xh, i), x2 = load(xh, i + half);
-          store(xh, i, x1 * c[i] - x2 * s[i]);
-          store(xh, i + half, x2 * c[i] + x1 * s[i]);
-        }
-      }
-    }
+    for (int64_t t = begin; t < end; ++t)
+      rotate_row(x + t * token_stride, heads, head_stride, dim, cos + positions[t] * half,
+                 sin + positions[t] * half);
   });
 }
 
@@ -265,6 +232,71 @@ int64_t argmax_row(const T* p, int64_t n) {
 
 }  // namespace
 
+template <typename T>
+[[gnu::noinline]] void norm_row(const T* x, const T* residual, T* carry_out, const T* weight,
+                                T* out, int64_t hidden, float eps, float* row) {
+  const T* carry = x;
+  if (residual != nullptr) {  // the carried residual is rounded like torch's `x + res`
+#pragma omp simd
+    for (int64_t i = 0; i < hidden; ++i) store(carry_out, i, load(x, i) + load(residual, i));
+    carry = carry_out;
+  }
+  float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+  for (int64_t i = 0; i < hidden; ++i) {
+    row[i] = load(carry, i);
+    squares += row[i] * row[i];
+  }
+  const float inv = 1.f / std::sqrt(squares / static_cast<float>(hidden) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < hidden; ++i) store(out, i, row[i] * inv * load(weight, i));
+}
+
+template <typename T>
+[[gnu::noinline]] void silu_mul_row(const T* gate_up, T* out, int64_t d) {
+  const T* up = gate_up + d;
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) {
+    const float g = load(gate_up, i);
+    store(out, i, g / (1.f + std::exp(-g)) * load(up, i));
+  }
+}
+
+template <typename T>
+[[gnu::noinline]] void rotate_row(T* x, int64_t heads, int64_t head_stride, int64_t dim,
+                                  const float* cos, const float* sin) {
+  const int64_t half = dim / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    T* xh = x + h * head_stride;
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i) {
+      const float x1 = load(xh, i), x2 = load(xh, i + half);
+      store(xh, i, x1 * cos[i] - x2 * sin[i]);
+      store(xh, i + half, x2 * cos[i] + x1 * sin[i]);
+    }
+  }
+}
+
+template <typename T>
+[[gnu::noinline]] void int8_kv_row(const T* x, int8_t* codes, float* scale, int64_t dim) {
+  float largest = 0.f;
+  for (int64_t d = 0; d < dim; ++d) largest = std::max(largest, std::fabs(load(x, d)));
+  *scale = largest / 127.f;
+  const float inverse = largest > 0.f ? 127.f / largest : 0.f;
+  for (int64_t d = 0; d < dim; ++d)
+    codes[d] = static_cast<int8_t>(std::nearbyint(load(x, d) * inverse));
+}
+
+#define MINISGL_ROW_KERNELS(T)                                                                 \
+  template void norm_row<T>(const T*, const T*, T*, const T*, T*, int64_t, float, float*);    \
+  template void silu_mul_row<T>(const T*, T*, int64_t);                                       \
+  template void rotate_row<T>(T*, int64_t, int64_t, int64_t, const float*, const float*);     \
+  template void int8_kv_row<T>(const T*, int8_t*, float*, int64_t);
+MINISGL_ROW_KERNELS(float)
+MINISGL_ROW_KERNELS(at::BFloat16)
+MINISGL_ROW_KERNELS(at::Half)
+#undef MINISGL_ROW_KERNELS
+
 // q: [tokens, heads, dim], k: [tokens, kv_heads, dim], each with contiguous heads (a token
 // stride of their own: views into the fused QKV output); cos/sin: [positions, dim / 2] float32.
 void rotary_(at::Tensor q, at::Tensor k, at::Tensor positions, at::Tensor cos,
@@ -284,18 +316,7 @@ void rotary_(at::Tensor q, at::Tensor k, at::Tensor positions, at::Tensor cos,
   }
 }
 
-// One row of `dim` values into an int8 page (its scale: the largest magnitude / 127) or a
-// float8 one (saturated at the format's largest finite value).
-template <typename T>
-void quantize_row(const T* x, int8_t* codes, float* scale, int64_t dim) {
-  float largest = 0.f;
-  for (int64_t d = 0; d < dim; ++d) largest = std::max(largest, std::fabs(load(x, d)));
-  *scale = largest / 127.f;
-  const float inverse = largest > 0.f ? 127.f / largest : 0.f;
-  for (int64_t d = 0; d < dim; ++d)
-    codes[d] = static_cast<int8_t>(std::nearbyint(load(x, d) * inverse));
-}
-
+// One row into a float8 page, saturated at the format's largest finite value.
 template <typename T, typename F>
 void float8_row(const T* x, F* codes, int64_t dim) {
   const float largest = static_cast<float>(std::numeric_limits<F>::max());
@@ -349,7 +370,7 @@ void store_kv_(at::Tensor k_cache, at::Tensor v_cache, at::Tensor locations,
           const scalar_t* row = src + t * x.stride(0) + h * x.stride(1);
           switch (cache.scalar_type()) {
             case at::kChar:
-              quantize_row(row, cache.data_ptr<int8_t>() + at_row * dim,
+              int8_kv_row(row, cache.data_ptr<int8_t>() + at_row * dim,
                            scales->data_ptr<float>() + at_row, dim);
               break;
             case at::kFloat8_e4m3fn:
@@ -591,5 +612,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_delta_net", &FusedLayers::add_delta_net)
       .def("add_mlp", &FusedLayers::add_mlp)
       .def("add_moe", &FusedLayers::add_moe)
-      .def("run", &FusedLayers::run, py::call_guard<py::gil_scoped_release>());
+      .def("run", &FusedLayers::run, py::call_guard<py::gil_scoped_release>())
+      .def("one_row_applies", &FusedLayers::one_row_applies)
+      .def("one_row_steps", &FusedLayers::one_row_steps);
 }

@@ -21,6 +21,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "row_kernels.h"
 #include "vnni.h"
 
 namespace {
@@ -132,11 +133,11 @@ inline void int8_row_as_bf16(const int8_t* row, bf16* out, const float* scale = 
 
 // probs[g][t] = scale * q_g . k_t, lanes past len set to -inf; returns each head's maximum.
 template <int DIM, typename C>
-void scores(const Task<C>& a, std::vector<float>& maxima) {
+void scores(const Task<C>& a, float* maxima) {
   constexpr bool kInt8 = std::is_same_v<C, int8_t>;
   alignas(64) bf16 widened[kInt8 ? kTile * DIM : 1];
   constexpr int kVectors = DIM / 32;  // bfloat16 vectors per row
-  std::fill(maxima.begin(), maxima.end(), -std::numeric_limits<float>::infinity());
+  std::fill(maxima, maxima + a.group, -std::numeric_limits<float>::infinity());
   const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512 scale = _mm512_set1_ps(a.scale);
   for (int64_t start = 0; start < a.len; start += kTile) {
@@ -177,7 +178,7 @@ void scores(const Task<C>& a, std::vector<float>& maxima) {
 
 // out[g0 + h] = sum_t probs[g0 + h][t] * v_t / sums[g0 + h] for HEADS query heads.
 template <int DIM, int HEADS, typename C>
-void values(const Task<C>& a, int64_t g0, const std::vector<float>& sums) {
+void values(const Task<C>& a, int64_t g0, const float* sums) {
   constexpr int kVectors = DIM / 16;  // float vectors per row
   __m512 acc[HEADS][kVectors];
   for (int h = 0; h < HEADS; ++h)
@@ -208,7 +209,7 @@ void values(const Task<C>& a, int64_t g0, const std::vector<float>& sums) {
 }
 
 template <int DIM, typename C>
-void values_chunk(const Task<C>& a, int64_t g0, int heads, const std::vector<float>& sums) {
+void values_chunk(const Task<C>& a, int64_t g0, int heads, const float* sums) {
   constexpr int kMostHeads = kValueAccumulators / (DIM / 16);  // 4 at dim 64, 2 at 128
   static_assert(kMostHeads == 4 || kMostHeads == 2);
   switch (heads) {
@@ -219,8 +220,9 @@ void values_chunk(const Task<C>& a, int64_t g0, int heads, const std::vector<flo
   }
 }
 
+// NOTE: never inlined: decode_row_task runs the same code (row_kernels.h).
 template <int DIM, typename C>
-void attend(const Task<C>& a, std::vector<float>& maxima, std::vector<float>& sums) {
+[[gnu::noinline]] void attend(const Task<C>& a, float* maxima, float* sums) {
   prefetch_stream<DIM>(a, 0, a.ahead);  // NOTE: in flight already, but for a thread's first task
   scores<DIM>(a, maxima);
   for (int64_t g = 0; g < a.group; ++g) {
@@ -288,9 +290,9 @@ void run_tasks(const at::Tensor& q, const C* kp, const C* vp, const float* k_sca
         if (decode) a.next_k = next.k, a.next_loc = next.loc, a.next_len = next.len;
       }
       if (dim == 64)
-        attend<64>(a, maxima, sums);
+        attend<64>(a, maxima.data(), sums.data());
       else
-        attend<128>(a, maxima, sums);
+        attend<128>(a, maxima.data(), sums.data());
     }
   });
 }
@@ -353,6 +355,31 @@ void run_int8_batch(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
 #endif
 
 }  // namespace
+
+template <typename C>
+void decode_row_task(const at::BFloat16* q, const C* k, const C* v, const float* k_scales,
+                     const float* v_scales, const int64_t* loc, int64_t len, int64_t group,
+                     int64_t dim, float scale, float* probs, float* maxima, float* sums,
+                     at::BFloat16* out) {
+#ifdef MINISGL_VNNI
+  const int64_t ahead = kDecodeAhead * static_cast<int64_t>(sizeof(at::BFloat16) / sizeof(C));
+  const int64_t stride = (len + kTile - 1) / kTile * kTile;
+  const Task<C> a{q, k, v, k_scales, v_scales, loc, len, group, scale, probs, stride, out,
+                  nullptr, ahead};
+  if (dim == 64)
+    attend<64>(a, maxima, sums);
+  else
+    attend<128>(a, maxima, sums);
+#endif
+}
+
+#define MINISGL_ROW_TASK(C)                                                                    \
+  template void decode_row_task<C>(const at::BFloat16*, const C*, const C*, const float*,     \
+                                   const float*, const int64_t*, int64_t, int64_t, int64_t,   \
+                                   float, float*, float*, float*, at::BFloat16*);
+MINISGL_ROW_TASK(at::BFloat16)
+MINISGL_ROW_TASK(int8_t)
+#undef MINISGL_ROW_TASK
 
 // The shapes of cpu_kernels.cpp's decode_attention. Returns false (and writes nothing) where
 // this path does not apply: not bfloat16, pages neither bfloat16 nor int8, a head dim other

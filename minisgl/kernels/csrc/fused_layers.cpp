@@ -303,6 +303,9 @@ std::vector<at::Tensor> FusedLayers::run(at::Tensor x, at::Tensor positions,
                                          at::Tensor out_loc, at::Tensor locations,
                                          at::Tensor lens, at::Tensor rows,
                                          at::Tensor state_rows, at::Tensor state_counts) const {
+  if (x.dim() == 2 && x.size(0) == 1)
+    if (auto one_row = run_one_row(x, positions, out_loc, locations, lens, rows))
+      return *one_row;
   c10::optional<at::Tensor> residual;
   for (const Sublayer& layer : sublayers_) {
     const auto normed = rms_norm(x, residual, layer.norm, eps_);

@@ -12,6 +12,8 @@
 
 #include "aten.h"
 
+#include <cstdint>
+#include <memory>
 #include <vector>
 
 class FusedLayers {
@@ -86,6 +88,13 @@ class FusedLayers {
                               at::Tensor locations, at::Tensor lens, at::Tensor rows,
                               at::Tensor state_rows, at::Tensor state_counts) const;
 
+  // Whether a one-token step takes the one-row program (fused_one_row.cpp): Llama layers
+  // (attention without a gate or QK-norm, a silu MLP), every linear in quant_matmul's layout,
+  // bfloat16 or int8 KV pages, head dim 64 or 128, no query or residual factor; and how many
+  // steps took it.
+  bool one_row_applies() const;
+  int64_t one_row_steps() const { return one_row_steps_; }
+
  private:
   struct Part {
     at::Tensor codes, scales, subs;
@@ -154,8 +163,25 @@ class FusedLayers {
   static at::Tensor experts(const Sublayer& layer, const at::Tensor& x);
   at::Tensor scaled(at::Tensor x) const;
 
+  struct RowPlan;
+  // One token through every sublayer in one parallel region on preallocated buffers, the same
+  // row kernels (row_kernels.h) as run() calls through ATen; nullopt where the call's tensors
+  // are not the program's (its dtype, shapes, index dtypes), for run() to take instead.
+  c10::optional<std::vector<at::Tensor>> run_one_row(const at::Tensor& x,
+                                                     const at::Tensor& positions,
+                                                     const at::Tensor& out_loc,
+                                                     const at::Tensor& locations,
+                                                     const at::Tensor& lens,
+                                                     const at::Tensor& rows) const;
+  RowPlan* row_plan() const;
+
   int64_t heads_, kv_heads_, head_dim_;
   double eps_, scale_, query_scale_, residual_multiplier_;
   c10::optional<at::Tensor> cos_, sin_;
   std::vector<Sublayer> sublayers_;
+  // built on the first one-token step (null: the program does not apply) and again when
+  // sublayers were added since (row_plan_for_: how many there were)
+  mutable std::shared_ptr<RowPlan> row_plan_;
+  mutable size_t row_plan_for_ = SIZE_MAX;
+  mutable int64_t one_row_steps_ = 0;
 };

@@ -22,6 +22,7 @@
 #include <cstring>
 #include <vector>
 
+#include "row_kernels.h"
 #include "vnni.h"
 
 namespace {
@@ -163,6 +164,28 @@ constexpr TileFn kTiles[kMaxTileRows + 1] = {nullptr, tile<1, BITS, TERMS>, tile
 #endif  // MINISGL_VNNI
 
 }  // namespace
+
+void quant_row_activations(const at::BFloat16* x, int64_t k, int64_t terms, int8_t* q,
+                           int8_t* r, float* scale, float* sum) {
+#ifdef MINISGL_VNNI
+  (terms == 1 ? quantize_row<1> : quantize_row<2>)(x, k, q, r, scale, sum);
+#endif
+}
+
+void quant_row_blocks(const int8_t* q, const int8_t* r, const float* scale, const float* sum,
+                      int64_t k, int64_t terms, const uint8_t* codes, const at::Half* dm,
+                      int64_t block_bytes, int64_t begin, int64_t end, at::BFloat16* out) {
+#ifdef MINISGL_VNNI
+  const bool eight_bit = block_bytes == kGroup * kLanes;
+  const TileFn one_row = (terms == 1 ? (eight_bit ? kTiles<8, 1> : kTiles<4, 1>)
+                                     : (eight_bit ? kTiles<8, 2> : kTiles<4, 2>))[1];
+  const int64_t groups = k / kGroup;
+  const Activations a{q, r, scale, sum, k};
+  for (int64_t b = begin; b < end; ++b)
+    one_row(a, codes + b * groups * block_bytes, dm + b * groups * 2 * kLanes, out + b * kLanes,
+            0);
+#endif
+}
 
 bool vnni_available() {
 #ifdef MINISGL_VNNI
