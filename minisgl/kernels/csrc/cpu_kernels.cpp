@@ -12,7 +12,7 @@
 //   (int8_matmul.cpp), the mixture-of-experts one (expert_matmul.cpp) and multi-LoRA's
 //   (lora_matmul.cpp);
 // - a Llama-family or Granite 4.0-H model's decoder layers in GGUF blocks as one call
-//   (fused_layers.cpp);
+//   (fused_layers.cpp; a step of one decode row: fused_one_row.cpp);
 // - a hybrid model's Gated DeltaNet and Mamba2 layers over spans of tokens, their states
 //   updated in place (hybrid_state.cpp).
 #include <ATen/Dispatch.h>
