@@ -84,6 +84,8 @@ class FusedLayers {
   // x: [tokens, hidden], the embeddings; locations / lens / rows: decode_attention's;
   // state_rows / state_counts: the batch's spans for the linear layers (the span kernels'; any
   // where there are none). Returns the last layer's (output, residual), as the modules do.
+  // NOTE: one caller at a time (the engine thread): a one-row step writes the program's own
+  // buffers.
   std::vector<at::Tensor> run(at::Tensor x, at::Tensor positions, at::Tensor out_loc,
                               at::Tensor locations, at::Tensor lens, at::Tensor rows,
                               at::Tensor state_rows, at::Tensor state_counts) const;

@@ -36,8 +36,8 @@ constexpr int kMaxTileRows = 4;
 // One row: per group, the int8 term q (and with TERMS 2 the second one, r), the scale s and the
 // exact float sum.
 template <int TERMS>
-void quantize_row(const at::BFloat16* x, int64_t k, int8_t* q, int8_t* r, float* scale,
-                  float* sum) {
+[[gnu::noinline]] void quantize_row(const at::BFloat16* x, int64_t k, int8_t* q, int8_t* r,
+                                    float* scale, float* sum) {
   for (int64_t g = 0; g < k / kGroup; ++g) {
     __m512 half[2] = {load_bf16(x + g * kGroup), load_bf16(x + g * kGroup + 16)};
     float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(half[0]),
@@ -77,9 +77,11 @@ struct Activations {  // quantize_row's output for all rows
 // ROWS activation rows times one block of 16 output features, over all groups.
 // NOTE: vpdpbusd's latency is several cycles: with few rows, CHAINS independent accumulators
 // per term and row (summed per group) keep the unit busy instead of waiting on one chain.
+// NOTE: never inlined, nor is quantize_row: quant_row_blocks and quant_row_activations run the
+// same code for one row (row_kernels.h).
 template <int ROWS, int BITS, int TERMS>
-void tile(const Activations& a, const uint8_t* codes, const at::Half* dm, at::BFloat16* out,
-          int64_t out_stride) {
+[[gnu::noinline]] void tile(const Activations& a, const uint8_t* codes, const at::Half* dm,
+                            at::BFloat16* out, int64_t out_stride) {
   constexpr int CHAINS = ROWS >= 4 ? 1 : 2;
   constexpr int kVectors = BITS == 4 ? 4 : 8;  // 64-byte code vectors per (block, group)
   const int64_t groups = a.k / kGroup;
