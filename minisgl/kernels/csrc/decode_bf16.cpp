@@ -247,6 +247,15 @@ template <int DIM, typename C>
     values_chunk<DIM>(a, g0, static_cast<int>(std::min<int64_t>(kMostHeads, a.group - g0)), sums);
 }
 
+// attend at the task's head dim, 64 or 128
+template <typename C>
+void attend_task(const Task<C>& a, int64_t dim, float* maxima, float* sums) {
+  if (dim == 64)
+    attend<64>(a, maxima, sums);
+  else
+    attend<128>(a, maxima, sums);
+}
+
 #endif  // MINISGL_VNNI
 
 }  // namespace
@@ -289,10 +298,7 @@ void run_tasks(const at::Tensor& q, const C* kp, const C* vp, const float* k_sca
         next = task_at(task + 1);
         if (decode) a.next_k = next.k, a.next_loc = next.loc, a.next_len = next.len;
       }
-      if (dim == 64)
-        attend<64>(a, maxima.data(), sums.data());
-      else
-        attend<128>(a, maxima.data(), sums.data());
+      attend_task(a, dim, maxima.data(), sums.data());
     }
   });
 }
@@ -366,10 +372,7 @@ void decode_row_task(const at::BFloat16* q, const C* k, const C* v, const float*
   const int64_t stride = (len + kTile - 1) / kTile * kTile;
   const Task<C> a{q, k, v, k_scales, v_scales, loc, len, group, scale, probs, stride, out,
                   nullptr, ahead};
-  if (dim == 64)
-    attend<64>(a, maxima, sums);
-  else
-    attend<128>(a, maxima, sums);
+  attend_task(a, dim, maxima, sums);
 #endif
 }
 

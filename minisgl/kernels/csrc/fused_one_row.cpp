@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 using bf16 = at::BFloat16;
 
@@ -54,6 +55,36 @@ struct RowScratch {
   std::vector<int8_t> q, r;
   std::vector<float> scale, sum, norm_row, probs, maxima, sums;
 };
+
+// x ([k]) quantized into the thread's activations, for its next linear.
+void quantize(RowScratch& own, const bf16* x, int64_t k, int64_t terms) {
+  quant_row_activations(x, k, terms, own.q.data(), own.r.data(), own.scale.data(),
+                        own.sum.data());
+}
+
+// One KV head's new K and V row into its pages (int8 ones with their scales), then its
+// query heads' attention over the token's locations.
+template <typename C>
+void attend_kv_head(const RowSublayer& layer, int64_t h, int64_t pool, int64_t slot,
+                    const bf16* q, const bf16* k, const bf16* v, const int64_t* loc,
+                    int64_t len, int64_t group, int64_t d, float scale, RowScratch& own,
+                    bf16* out) {
+  C* k_pages = static_cast<C*>(layer.k_cache) + h * pool * d;
+  C* v_pages = static_cast<C*>(layer.v_cache) + h * pool * d;
+  const float* k_scales = nullptr;
+  const float* v_scales = nullptr;
+  if constexpr (std::is_same_v<C, int8_t>) {
+    int8_kv_row<bf16>(k, k_pages + slot * d, layer.k_scales + h * pool + slot, d);
+    int8_kv_row<bf16>(v, v_pages + slot * d, layer.v_scales + h * pool + slot, d);
+    k_scales = layer.k_scales + h * pool;
+    v_scales = layer.v_scales + h * pool;
+  } else {
+    std::memcpy(k_pages + slot * d, k, d * sizeof(bf16));
+    std::memcpy(v_pages + slot * d, v, d * sizeof(bf16));
+  }
+  decode_row_task<C>(q, k_pages, v_pages, k_scales, v_scales, loc, len, group, d, scale,
+                     own.probs.data(), own.maxima.data(), own.sums.data(), out);
+}
 
 // This thread's share of a linear's output blocks, by weight bytes whatever part they are in:
 // fn(part, begin, end, the part's first output) for each part.
@@ -244,7 +275,6 @@ c10::optional<std::vector<at::Tensor>> FusedLayers::run_one_row(
   }
   std::memcpy(plan->residual[0].data(), x.data_ptr(), hidden * sizeof(bf16));
   const float eps = static_cast<float>(eps_), scale = static_cast<float>(scale_);
-  int current = 0;  // which residual buffer holds the residual
 
 #pragma omp parallel num_threads(threads)
   {
@@ -264,8 +294,7 @@ c10::optional<std::vector<at::Tensor>> FusedLayers::run_one_row(
                        own.normed.data(), hidden, eps, own.norm_row.data());
         residual ^= 1;
       }
-      quant_row_activations(own.normed.data(), hidden, terms, own.q.data(), own.r.data(),
-                            own.scale.data(), own.sum.data());
+      quantize(own, own.normed.data(), hidden, terms);
     };
     for (const RowSublayer& layer : plan->sublayers) {
       norm(layer);
@@ -282,31 +311,16 @@ c10::optional<std::vector<at::Tensor>> FusedLayers::run_one_row(
             rotate_row(q, group, d, 2 * half, cos, sin);
             rotate_row(k, 1, d, 2 * half, cos, sin);
           }
-          const int64_t at_row = h * plan->pool + slot;
-          if (plan->int8_pages) {
-            auto* k_pages = static_cast<int8_t*>(layer.k_cache);
-            auto* v_pages = static_cast<int8_t*>(layer.v_cache);
-            int8_kv_row<bf16>(k, k_pages + at_row * d, layer.k_scales + at_row, d);
-            int8_kv_row<bf16>(v, v_pages + at_row * d, layer.v_scales + at_row, d);
-            decode_row_task(q, k_pages + h * plan->pool * d, v_pages + h * plan->pool * d,
-                            layer.k_scales + h * plan->pool, layer.v_scales + h * plan->pool,
-                            loc, len, group, d, scale, own.probs.data(), own.maxima.data(),
-                            own.sums.data(), plan->attended.data() + h * group * d);
-          } else {
-            auto* k_pages = static_cast<bf16*>(layer.k_cache);
-            auto* v_pages = static_cast<bf16*>(layer.v_cache);
-            std::memcpy(k_pages + at_row * d, k, d * sizeof(bf16));
-            std::memcpy(v_pages + at_row * d, v, d * sizeof(bf16));
-            decode_row_task(q, k_pages + h * plan->pool * d,
-                            static_cast<const bf16*>(v_pages + h * plan->pool * d), nullptr,
-                            nullptr, loc, len, group, d, scale, own.probs.data(),
-                            own.maxima.data(), own.sums.data(),
-                            plan->attended.data() + h * group * d);
-          }
+          bf16* out = plan->attended.data() + h * group * d;
+          if (plan->int8_pages)
+            attend_kv_head<int8_t>(layer, h, plan->pool, slot, q, k, v, loc, len, group, d,
+                                   scale, own, out);
+          else
+            attend_kv_head<bf16>(layer, h, plan->pool, slot, q, k, v, loc, len, group, d,
+                                 scale, own, out);
         }
 #pragma omp barrier
-        quant_row_activations(plan->attended.data(), q_width, terms, own.q.data(),
-                              own.r.data(), own.scale.data(), own.sum.data());
+        quantize(own, plan->attended.data(), q_width, terms);
         row_linear(layer.out, own, terms, thread, team, plan->x.data());
 #pragma omp barrier
       } else {
@@ -314,17 +328,17 @@ c10::optional<std::vector<at::Tensor>> FusedLayers::run_one_row(
 #pragma omp barrier
         const int64_t width = layer.out.k;
         silu_mul_row(static_cast<const bf16*>(plan->up.data()), own.act.data(), width);
-        quant_row_activations(own.act.data(), width, terms, own.q.data(), own.r.data(),
-                              own.scale.data(), own.sum.data());
+        quantize(own, own.act.data(), width, terms);
         row_linear(layer.out, own, terms, thread, team, plan->x.data());
 #pragma omp barrier
       }
     }
-    if (thread == 0) current = residual;
   }
   ++one_row_steps_;
   auto out = at::empty(x.sizes(), x.options()), carried = at::empty(x.sizes(), x.options());
   std::memcpy(out.data_ptr(), plan->x.data(), hidden * sizeof(bf16));
-  std::memcpy(carried.data_ptr(), plan->residual[current].data(), hidden * sizeof(bf16));
+  // every sublayer after the first swaps the residual's buffer
+  const size_t last = (plan->sublayers.size() - 1) % 2;
+  std::memcpy(carried.data_ptr(), plan->residual[last].data(), hidden * sizeof(bf16));
   return std::vector<at::Tensor>{out, carried};
 }

@@ -163,6 +163,12 @@ template <int BITS, int TERMS>
 constexpr TileFn kTiles[kMaxTileRows + 1] = {nullptr, tile<1, BITS, TERMS>, tile<2, BITS, TERMS>,
                                              tile<3, BITS, TERMS>, tile<4, BITS, TERMS>};
 
+// The tiles for activations of `terms` int8 terms times codes of 8 bits (else 4).
+const TileFn* tiles_for(int64_t terms, bool eight_bit) {
+  return terms == 1 ? (eight_bit ? kTiles<8, 1> : kTiles<4, 1>)
+                    : (eight_bit ? kTiles<8, 2> : kTiles<4, 2>);
+}
+
 #endif  // MINISGL_VNNI
 
 }  // namespace
@@ -178,9 +184,7 @@ void quant_row_blocks(const int8_t* q, const int8_t* r, const float* scale, cons
                       int64_t k, int64_t terms, const uint8_t* codes, const at::Half* dm,
                       int64_t block_bytes, int64_t begin, int64_t end, at::BFloat16* out) {
 #ifdef MINISGL_VNNI
-  const bool eight_bit = block_bytes == kGroup * kLanes;
-  const TileFn one_row = (terms == 1 ? (eight_bit ? kTiles<8, 1> : kTiles<4, 1>)
-                                     : (eight_bit ? kTiles<8, 2> : kTiles<4, 2>))[1];
+  const TileFn one_row = tiles_for(terms, block_bytes == kGroup * kLanes)[1];
   const int64_t groups = k / kGroup;
   const Activations a{q, r, scale, sum, k};
   for (int64_t b = begin; b < end; ++b)
@@ -288,8 +292,7 @@ at::Tensor quant_matmul(at::Tensor x, at::Tensor codes, at::Tensor dm, int64_t t
                                                        sum.data() + r * groups);
   });
   const bool eight_bit = block_bytes == kGroup * kLanes;
-  const TileFn* tiles = terms == 1 ? (eight_bit ? kTiles<8, 1> : kTiles<4, 1>)
-                                   : (eight_bit ? kTiles<8, 2> : kTiles<4, 2>);
+  const TileFn* tiles = tiles_for(terms, eight_bit);
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const at::Half* dp = dm.data_ptr<at::Half>();
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
