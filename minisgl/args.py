@@ -98,6 +98,17 @@ class ServerArgs:
     host: str = _flag("127.0.0.1", "Address to listen on.")
     port: int = _flag(30000, "Port to listen on (0: any free port).")
     api_key: str | None = _flag(None, "Require `Authorization: Bearer KEY` on every request.")
+    admin_api_key: str | None = _flag(
+        None, "Require `Authorization: Bearer KEY` with this key (not --api-key's) on the "
+        "endpoints that change the server: adapter loading, /flush_cache, aborting every "
+        "request; it serves the other endpoints too.")
+    shutdown_timeout: float = _flag(
+        20.0, "On SIGTERM: answer new requests 503 (Retry-After) and let running ones finish "
+        "for up to this many seconds, then abort the rest and exit 0 (SIGINT aborts at once).")
+    stream_write_timeout: float = _flag(
+        30.0, "Seconds a streaming response may wait for its client to read before its "
+        "requests are aborted (a client that stops reading holds no more than the socket's "
+        "buffers meanwhile).")
     allowed_hosts: str | None = _flag(
         None, "Comma-separated host names the Host header may name besides the bound address "
         "and localhost; '*' for any (default: any when bound to a non-loopback address).")
@@ -275,6 +286,9 @@ class ServerArgs:
     lora_paths: list[str] | None = _flag(
         None, "Adapters to load at start: PATH, NAME=PATH or JSON {\"lora_name\": ..., "
         "\"lora_path\": ..., \"pinned\": ...}.", nargs="+")
+    lora_dirs: list[str] | None = _flag(
+        None, "Folders /load_lora_adapter may load adapters from (with the folders of "
+        "--lora-paths); an adapter path outside them is refused with 403.", nargs="+")
     max_loras_per_batch: int = _flag(8, "Distinct adapters in one batch (its slots).")
     max_lora_rank: int | None = _flag(
         None, "Largest adapter rank served (default: the largest of --lora-paths, else 16).")
@@ -329,8 +343,11 @@ class ServerArgs:
                              f">= 0, got {threshold!r}")
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port!r}")
-        if not self.image_fetch_timeout > 0:
-            raise ValueError(f"--image-fetch-timeout must be > 0, got {self.image_fetch_timeout}")
+        for name in ("image_fetch_timeout", "stream_write_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{flag(name)} must be > 0, got {getattr(self, name)}")
+        if not self.shutdown_timeout >= 0:
+            raise ValueError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
         fraction = self.mem_fraction_static
         if fraction is not None and not 0 < fraction <= 1:
             raise ValueError(f"--mem-fraction-static must be in (0, 1], got {fraction}")
@@ -415,8 +432,9 @@ class ServerArgs:
 
     def to_dict(self) -> dict[str, Any]:
         values = dataclasses.asdict(self)
-        if values.get("api_key"):
-            values["api_key"] = "<set>"
+        for secret in ("api_key", "admin_api_key"):
+            if values.get(secret):
+                values[secret] = "<set>"
         return values
 
 

@@ -6,6 +6,7 @@ controls that keep OpenMP on the engine's thread, and giving freed heap memory b
 - MINISGL_DISABLE_CUDA_KERNELS: plain torch ops instead of FlashInfer's fused kernels
 - MINISGL_CUDA_WAIT: how the scheduler awaits a CUDA forward: "thread" (default) or "poll"
 - TOKENIZERS_PARALLELISM: set to false unless the user set it (quiet_tokenizer_threads)
+- MINISGL_FAULT_AFTER_STEPS: for fault tests only: the engine's step N+1 raises (rank 0)
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ def cpu_kernels_disabled() -> bool:
 
 def cuda_kernels_disabled() -> bool:
     return bool(os.environ.get("MINISGL_DISABLE_CUDA_KERNELS"))
+
+
+def fault_after_steps() -> int | None:
+    value = os.environ.get("MINISGL_FAULT_AFTER_STEPS")
+    return None if not value else int(value)
 
 
 def quiet_tokenizer_threads() -> None:

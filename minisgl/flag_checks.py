@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 from typing import Any
 
 HARMONY_PARSER = "gpt-oss"  # both parser flags' name for the harmony format
@@ -80,7 +81,7 @@ def check_speculation(args: Any) -> None:
 
 def check_lora(args: Any) -> None:
     """--enable-lora and its flags."""
-    if args.lora_paths:
+    if args.lora_paths or args.lora_dirs:
         args.enable_lora = True
     for name in ("max_loras_per_batch", "max_lora_rank", "max_loaded_loras"):
         value = getattr(args, name)
@@ -92,6 +93,9 @@ def check_lora(args: Any) -> None:
             and args.max_loaded_loras < args.max_loras_per_batch):
         raise ValueError("--max-loaded-loras must be at least --max-loras-per-batch")
     lora_adapters(args.lora_paths)  # NOTE: refuses a malformed entry at start
+    for folder in args.lora_dirs or []:
+        if not Path(folder).is_dir():
+            raise ValueError(f"--lora-dirs: {folder} is not a folder")
 
 
 def lora_adapters(entries: list[str] | None) -> list[tuple[str, str, bool]]:

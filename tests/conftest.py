@@ -65,12 +65,13 @@ def _drain(stream, sink: list[str], ready: threading.Event | None = None,
         ready.set()  # EOF: the process died before it was ready
 
 
-def start_minisgl_server(*extra_args: str, timeout: float = SERVER_START_TIMEOUT_S
-                         ) -> MinisglServer:
-    """Start a server on a free port (`--port 0`) and wait for its ready line."""
+def start_minisgl_server(*extra_args: str, timeout: float = SERVER_START_TIMEOUT_S,
+                         env: dict[str, str] | None = None) -> MinisglServer:
+    """Start a server on a free port (`--port 0`) and wait for its ready line; `env`: extra
+    environment variables."""
     cmd = [sys.executable, "-m", "minisgl", "serve", "--port", "0", *SERVER_DEFAULT_ARGS,
            *extra_args]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, encoding="utf-8")
     server = MinisglServer(proc, url="")
@@ -100,8 +101,8 @@ def minisgl_server():
 def minisgl_server_factory():
     started: list[MinisglServer] = []
 
-    def start(*extra_args: str) -> MinisglServer:
-        server = start_minisgl_server(*extra_args)
+    def start(*extra_args: str, env: dict[str, str] | None = None) -> MinisglServer:
+        server = start_minisgl_server(*extra_args, env=env)
         started.append(server)
         return server
 

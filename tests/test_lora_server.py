@@ -139,13 +139,21 @@ def test_load_and_unload_while_requests_stream(server, adapters) -> None:
                           .json()["data"]]
 
 
-def test_bad_adapter_requests_get_clear_errors(server, tmp_path) -> None:
+def test_bad_adapter_requests_get_clear_errors(server, adapters, tmp_path) -> None:
     url = server.url
+    empty = adapters["sql"].parent / "not-an-adapter"  # beside --lora-paths': allowed
+    empty.mkdir(exist_ok=True)
     for body, says in (({"lora_path": "x"}, "lora_name"), ({"lora_name": "x"}, "lora_path"),
-                       ({"lora_name": "x", "lora_path": str(tmp_path)}, "not a PEFT adapter"),
-                       ({"lora_name": "sql", "lora_path": str(tmp_path)}, "already loaded")):
+                       ({"lora_name": "x", "lora_path": str(empty)}, "not a PEFT adapter"),
+                       ({"lora_name": "sql", "lora_path": str(empty)}, "already loaded")):
         answer = requests.post(url + "/load_lora_adapter", json=body, timeout=30)
         assert answer.status_code == 400 and says in answer.text, answer.text
+    # anywhere else on the server's disk, by name or by a way out of the allowed folder
+    for outside in (tmp_path, adapters["sql"].parent / ".." / tmp_path.name, "/etc"):
+        answer = requests.post(url + "/load_lora_adapter", json={
+            "lora_name": "x", "lora_path": str(outside)}, timeout=30)
+        assert answer.status_code == 403, answer.text
+        assert "--lora-dirs" in answer.json()["error"]["message"]
     answer = requests.post(url + "/unload_lora_adapter", json={"lora_name": "zzz"}, timeout=30)
     assert answer.status_code == 400 and answer.json()["success"] is False
     for lora_path, says in (("zzz", "unknown LoRA adapter"), (3, "lora_path must be")):

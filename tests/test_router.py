@@ -141,7 +141,7 @@ def test_cache_aware_keeps_prefixes_on_one_worker(workers):
 
 
 def test_killed_worker_the_router_serves_on(workers):
-    """Last in this module: it kills a worker."""
+    """Last in this module: it kills a worker while it runs requests; no request is lost."""
     router = Router(workers, "round_robin")
     results: list[Any] = []
     killed = threading.Event()
@@ -162,14 +162,15 @@ def test_killed_worker_the_router_serves_on(workers):
         with ThreadPoolExecutor(4) as pool:
             futures = [pool.submit(client, i) for i in range(4)]
             wait_for(lambda: len(results) >= 4, timeout=120, what="requests under way")
+            wait_for(lambda: state(workers[1])["num_running_reqs"] > 0, timeout=60,
+                     what="requests running on the worker about to die")
             workers[1].proc.send_signal(signal.SIGKILL)
             workers[1].proc.wait(10)
             killed.set()
             for future in futures:
                 future.result()
-        failed_in_flight = sum(not ok for after, ok in results if not after)
-        assert failed_in_flight <= 4  # at most the requests the dead worker held
-        assert all(ok for after, ok in results if after), results
+        # the router retries what the dead worker held on the survivor: none is lost
+        assert len(results) == 24 and all(ok for _, ok in results), results
         r = requests.post(router.url + "/generate", timeout=60, json={
             "text": "Still there?", "sampling_params": {"max_new_tokens": 2}})
         assert r.status_code == 200

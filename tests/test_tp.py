@@ -9,6 +9,7 @@ no process or shared memory behind.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -301,13 +302,29 @@ def test_server_tp3_generates_and_stops_cleanly(minisgl_server_factory) -> None:
     _assert_cleaned_up(workers, sorted(segments))
 
 
-def test_server_worker_death_gives_503_then_exit(minisgl_server_factory) -> None:
+def test_server_worker_death_mid_stream_ends_it_gives_503_then_exit(minisgl_server_factory
+                                                                   ) -> None:
+    """A rank killed while a stream runs: the stream ends with an abort naming the rank
+    within seconds, /health turns 503, the server exits non-zero, and neither a worker nor a
+    shared-memory segment is left behind."""
     import requests
+    before = _our_segments()
     server = minisgl_server_factory("--tp-size", "3")
     workers = _server_workers(server.proc.pid)
+    segments = sorted(_our_segments() - before)
     assert requests.get(server.url + "/health", timeout=10).status_code == 200
+    r = requests.post(server.url + "/generate", stream=True, timeout=60, json={
+        "text": ref.PLAIN_PROMPTS[0], "stream": True,
+        "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}})
+    lines = (line for line in r.iter_lines() if line)
+    assert next(lines).startswith(b"data: {")
     os.kill(workers[-1], signal.SIGKILL)
     killed = time.monotonic()
+    events = list(lines)
+    assert time.monotonic() - killed < FAIL_WITHIN_S
+    assert events[-1] == b"data: [DONE]"
+    reason = json.loads(events[-2][len(b"data: "):])["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and "rank 2" in reason["message"], reason
     status = None
     while time.monotonic() - killed < FAIL_WITHIN_S:
         try:
@@ -319,4 +336,4 @@ def test_server_worker_death_gives_503_then_exit(minisgl_server_factory) -> None
         time.sleep(0.05)
     assert status in (503, "gone"), status
     assert server.proc.wait(timeout=30) != 0
-    _assert_cleaned_up(workers, [])
+    _assert_cleaned_up(workers, segments)

@@ -29,7 +29,7 @@ from minisgl.distributed.worker import GLOO_TIMEOUT_S, TPWorkers, cpu_threads
 from minisgl.engine.chunking import default_chunk, widest_row_width
 from minisgl.engine.config import EngineConfig, resolve
 from minisgl.engine.draft_model import DraftModel
-from minisgl.engine.failure import FailureWatch
+from minisgl.engine.failure import FailureWatch, FaultAfterSteps
 from minisgl.engine.forward import ForwardInput, ForwardOutput, InputLogprobs, VerifyRows, to_host
 from minisgl.engine.graph import GraphRunner, supports_graphs
 from minisgl.engine.hicache import KVMoves, KVTiers, build_page_store, kv_fingerprint
@@ -46,7 +46,7 @@ from minisgl.engine.scoring import score_rows
 from minisgl.engine.speculation import Speculator, spec_config
 from minisgl.engine.stream import Completion, CpuStream
 from minisgl.engine.tp_message import MSG_MOVES, PHASES, StepMessage, moves_message
-from minisgl.env import cuda_wait_mode, return_freed_heap
+from minisgl.env import cuda_wait_mode, fault_after_steps, return_freed_heap
 from minisgl.errors import EngineFailed
 from minisgl.flag_checks import lora_adapters
 from minisgl.kvcache import KVPool
@@ -72,6 +72,8 @@ class Engine:
         self._failure: str | None = None  # kept after shutdown
         self._failure_watch: FailureWatch | None = None
         self._saved_threads: int | None = None
+        if (steps := fault_after_steps()) is not None and self.tp.rank == 0:
+            self.forward = FaultAfterSteps(self.forward, steps)  # type: ignore[method-assign]
         self.device = resolve_device(config.device)
         if self.device.type == "cuda":
             if self.tp.size > torch.cuda.device_count():

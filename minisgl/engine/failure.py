@@ -1,4 +1,4 @@
-"""The engine's failure, seen on an event loop.
+"""The engine's failure, seen on an event loop; and a step that fails on purpose.
 
 A tensor-parallel rank that dies is noticed by a monitor thread (distributed.worker); the watch
 hands its message to the loop, where `future` completes with it. Every reader on that loop (the
@@ -8,7 +8,7 @@ scheduler, the server) awaits this one future.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     from minisgl.distributed.worker import TPWorkers
@@ -37,3 +37,21 @@ class FailureWatch:
     def close(self) -> None:
         if self.workers is not None:
             self.workers.remove_listener(self._on_failure)
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+class FaultAfterSteps:
+    """A step function that raises InjectedFault on its call `steps` + 1, as a bug inside a
+    step would (MINISGL_FAULT_AFTER_STEPS: the fault tests' hook)."""
+
+    def __init__(self, step: Callable[..., Any], steps: int) -> None:
+        self.step, self.left = step, steps
+
+    def __call__(self, *args: Any) -> Any:
+        if self.left == 0:
+            raise InjectedFault("a fault injected into the step (MINISGL_FAULT_AFTER_STEPS)")
+        self.left -= 1
+        return self.step(*args)

@@ -128,6 +128,8 @@ class RequestManager:
         self._outbox: asyncio.Queue[list[ReqEvent]] | None = None
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
+        self.crash: str | None = None  # why the scheduler or detokenizer task ended early
+        self._crashed = asyncio.Event()
 
     @property
     def running(self) -> bool:
@@ -167,13 +169,22 @@ class RequestManager:
         if isinstance(exc, EngineFailed):  # a tensor-parallel rank died: say which, no trace
             logger.error("%s stopped: %s", task.get_name(), exc)
             message = str(exc)
-        else:
-            logger.error("%s ended unexpectedly", task.get_name(), exc_info=exc)
-            message = f"internal error: the server's {task.get_name()} task stopped"
+        else:  # NOTE: the record's first line names the cause; its trace follows
+            cause = "cancelled" if exc is None else f"{type(exc).__name__}: {exc}"
+            logger.error("%s stopped: %s", task.get_name(), cause, exc_info=exc)
+            message = f"internal error: the server's {task.get_name()} task stopped ({cause})"
+        self.crash = message
+        self._crashed.set()
         now = time.perf_counter()
         for handle in list(self.handles.values()):
             self._close(handle, {"type": "abort", "message": message}, now)
             handle.changed.set()
+
+    async def wait_crashed(self) -> str:
+        """Returns `crash` once the scheduler or the detokenizer ended outside `stop`."""
+        await self._crashed.wait()
+        assert self.crash is not None
+        return self.crash
 
     # ---- requests ----------------------------------------------------------------------------
 

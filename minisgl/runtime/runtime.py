@@ -104,13 +104,21 @@ class Runtime:
 
     @property
     def failed(self) -> str | None:
-        """Why the engine cannot serve any more (a tensor-parallel rank died), else None."""
-        return self.engine.failed
+        """Why this runtime cannot serve any more (a tensor-parallel rank died, or the
+        scheduler stopped on an error), else None."""
+        return self.engine.failed or self.requests.crash
 
     async def wait_failed(self) -> str:
-        """Returns the reason once the engine has failed (never on tp 1). The HTTP server
-        races this against its stop signal, answers /health with 503, then exits."""
-        return await asyncio.shield(self.engine.failure())
+        """Returns `failed` once it is set. The HTTP server races this against its stop
+        signal, answers /health with 503, then exits non-zero."""
+        waits = {asyncio.ensure_future(asyncio.shield(self.engine.failure())),
+                 asyncio.ensure_future(self.requests.wait_crashed())}
+        try:
+            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+        return done.pop().result()
 
     @property
     def idle(self) -> bool:

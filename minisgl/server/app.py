@@ -7,6 +7,7 @@ import asyncio
 import logging
 import time
 import uuid
+from pathlib import Path
 from typing import AsyncIterator, Awaitable
 
 from aiohttp import web
@@ -23,9 +24,10 @@ from minisgl.runtime.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from minisgl.scheduler import RequestSpec
 from minisgl.server.dashboard import OPEN_PATHS as DASHBOARD_OPEN_PATHS, Dashboard
 from minisgl.server.embeddings_api import EmbeddingsAPI
-from minisgl.server.guard import Guard, Handler
-from minisgl.server.http import (MAX_BODY, HTTPError, error_response, json_response, read_json,
-                                 stream_response, too_large, wait_all)
+from minisgl.server.guard import AdapterFolders, Guard, Handler
+from minisgl.server.http import (MAX_BODY, STREAM_WRITE_TIMEOUT, HTTPError, error_response,
+                                 json_response, read_json, stream_response, too_large,
+                                 wait_all)
 from minisgl.server.openai_api import OpenAIAPI
 from minisgl.server.responses_api import ResponsesAPI
 from minisgl.server.timeline import Timeline
@@ -34,6 +36,7 @@ from minisgl.version import __version__
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 5.0  # for aborted requests to deliver their last chunk
+RETRY_AFTER = {"Retry-After": "1"}  # shutting down: another replica (or the restart) serves
 HEALTH_GENERATE_TIMEOUT_S = 60.0
 
 
@@ -53,7 +56,11 @@ class Server:
         self.manager.metrics.watch_scheduler(runtime.state, self.timeline.gen_throughput)
         self.dashboard = Dashboard(runtime, self.timeline)
         self.guard = Guard(args.host, args.api_key, args.split_list(args.allowed_hosts),
-                           args.split_list(args.cors_origins), DASHBOARD_OPEN_PATHS)
+                           args.split_list(args.cors_origins), DASHBOARD_OPEN_PATHS,
+                           args.admin_api_key)
+        self.adapter_folders = AdapterFolders(
+            [*(args.lora_dirs or []),
+             *(str(Path(path).resolve().parent) for _, path, _ in args.lora_adapters())])
 
     def build_app(self) -> web.Application:
         middlewares = [self.errors_middleware, self.guard.middleware]
@@ -62,6 +69,7 @@ class Server:
         app = web.Application(client_max_size=self.args.max_request_bytes,
                               middlewares=middlewares)
         app[MAX_BODY] = self.args.max_request_bytes
+        app[STREAM_WRITE_TIMEOUT] = self.args.stream_write_timeout
         app.on_response_prepare.append(self.guard.add_cors_headers)
         app.cleanup_ctx.append(self._timeline_sampling)
         app.add_routes([
@@ -98,7 +106,7 @@ class Server:
         try:
             return await handler(request)
         except HTTPError as exc:
-            return error_response(exc.status, exc.message, exc.type, exc.code)
+            return error_response(exc.status, exc.message, exc.type, exc.code, exc.headers)
         except UnknownModel as exc:
             return error_response(404, str(exc), "invalid_request_error", "model_not_found")
         except InvalidRequest as exc:
@@ -120,7 +128,7 @@ class Server:
 
     def ensure_ready(self) -> None:
         if self.shutting_down:
-            raise HTTPError(503, "the server is shutting down")
+            raise HTTPError(503, "the server is shutting down", headers=RETRY_AFTER)
         if not self.manager.running:
             raise HTTPError(503, "the scheduler is not running (see the server log)")
 
@@ -140,8 +148,10 @@ class Server:
     # ---- operations --------------------------------------------------------------------------
 
     async def health(self, request: web.Request) -> web.Response:
-        if self.shutting_down or not self.manager.running:
-            return error_response(503, "unhealthy: shutting down or the scheduler stopped")
+        if self.shutting_down:
+            return error_response(503, "the server is shutting down", headers=RETRY_AFTER)
+        if not self.manager.running:
+            return error_response(503, "unhealthy: the scheduler stopped (see the server log)")
         return web.Response(status=200)
 
     async def health_generate(self, request: web.Request) -> web.Response:
@@ -167,6 +177,7 @@ class Server:
         return json_response(self.runtime.load())
 
     async def flush_cache(self, request: web.Request) -> web.Response:
+        self.guard.check_admin(request, "flushing the cache")
         if not self.runtime.flush_cache():
             raise HTTPError(400, "cannot flush the cache while requests are running")
         logger.info("prefix cache flushed")
@@ -175,6 +186,7 @@ class Server:
     async def abort_request(self, request: web.Request) -> web.Response:
         abort = parse_abort(await read_json(request))
         if abort.rid is None:
+            self.guard.check_admin(request, "aborting every request")
             rids = list(self.manager.handles)
             self.manager.abort_all("aborted by /abort_request")
             return json_response({"success": True, "aborted": rids})
@@ -183,11 +195,14 @@ class Server:
 
     async def load_adapter(self, request: web.Request) -> web.Response:
         """SGLang's /load_lora_adapter (vLLM's /v1/load_lora_adapter alike)."""
+        self.guard.check_admin(request, "loading an adapter")
         adapter = parse_adapter_request(await read_json(request), load=True)
+        self.adapter_folders.check(adapter.path)
         return await self._adapter_result(
             self.runtime.load_adapter(adapter.name, adapter.path, adapter.pinned))
 
     async def unload_adapter(self, request: web.Request) -> web.Response:
+        self.guard.check_admin(request, "unloading an adapter")
         adapter = parse_adapter_request(await read_json(request), load=False)
         return await self._adapter_result(self.runtime.unload_adapter(adapter.name))
 
@@ -206,6 +221,20 @@ class Server:
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.manager.metrics.render(),
                             headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+    async def drain(self, timeout: float, cut_short: asyncio.Event) -> None:
+        """Refuse new requests (503, Retry-After) and wait until the running ones finished,
+        `timeout` seconds passed or `cut_short` is set."""
+        self.shutting_down = True
+        running = len(self.manager.handles)
+        logger.info("draining: new requests refused; %d running get up to %g s to finish",
+                    running, timeout)
+        deadline = time.monotonic() + timeout
+        while (self.manager.handles and self.manager.running and not cut_short.is_set()
+               and time.monotonic() < deadline):
+            await asyncio.sleep(0.05)
+        if self.manager.handles:
+            logger.warning("%d requests still running are aborted", len(self.manager.handles))
 
     async def shutdown(self, runner: web.AppRunner) -> None:
         """Refuse new requests, abort the running ones (their clients get a last chunk with

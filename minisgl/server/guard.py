@@ -1,4 +1,5 @@
-"""Who may call the server: the API key, and the browser rules that keep web pages out.
+"""Who may call the server: the API keys, the folders adapters may be loaded from, and the
+browser rules that keep web pages out.
 
 A server on localhost without a key is still reachable by any page the operator opens: a page
 can post to it cross-site (simple requests need no preflight) or rebind its own DNS name to
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+from pathlib import Path
 from typing import Awaitable, Callable
 from urllib.parse import urlsplit
 
@@ -43,11 +45,30 @@ def host_name(header: str) -> str | None:
         return None
 
 
+class AdapterFolders:
+    """The folders /load_lora_adapter may read: --lora-dirs and the folders holding
+    --lora-paths' adapters. A path is resolved (links followed) before it is compared, so
+    neither `..` nor a link leads out of them."""
+
+    def __init__(self, folders: list[str]) -> None:
+        self.folders = [Path(f).resolve() for f in folders]
+
+    def check(self, path: str) -> None:
+        try:
+            resolved = Path(path).resolve()
+        except (OSError, ValueError) as exc:
+            raise HTTPError(400, f"lora_path is not a usable path: {exc}") from None
+        if not any(resolved.is_relative_to(folder) for folder in self.folders):
+            raise HTTPError(403, f"adapter path {path!r} refused: adapters load only from the "
+                            "folders given at start (--lora-dirs, or the folders of "
+                            "--lora-paths)" + ("" if self.folders else "; none were given"))
+
+
 class Guard:
     def __init__(self, bound_host: str, api_key: str | None, allowed_hosts: list[str] | None,
-                 cors_origins: list[str] | None, open_paths: frozenset[str] = frozenset()
-                 ) -> None:
-        self.api_key = api_key
+                 cors_origins: list[str] | None, open_paths: frozenset[str] = frozenset(),
+                 admin_api_key: str | None = None) -> None:
+        self.api_key, self.admin_api_key = api_key, admin_api_key
         self.open_paths = OPEN_PATHS | open_paths
         self.any_host = (allowed_hosts is None and not is_loopback(bound_host)) or (
             allowed_hosts is not None and "*" in allowed_hosts)
@@ -79,14 +100,30 @@ class Guard:
         raise HTTPError(403, f"cross-origin request from {origin or 'another site'} refused; "
                         "start the server with --cors-origins to allow a web page")
 
+    @staticmethod
+    def _presents(request: web.Request, key: str | None) -> bool:
+        """Whether the request's bearer token is `key` (None: no key to present)."""
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        # NOTE: the scheme is case-insensitive (RFC 7235); the key is compared in constant time
+        return key is not None and scheme.lower() == "bearer" and hmac.compare_digest(
+            token.strip().encode(), key.encode())
+
     def _check_key(self, request: web.Request) -> None:
         if not self.api_key or request.path in self.open_paths:
             return
-        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        # NOTE: the scheme is case-insensitive (RFC 7235); the key is compared in constant time
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-                token.strip().encode(), self.api_key.encode()):
+        if not (self._presents(request, self.api_key)
+                or self._presents(request, self.admin_api_key)):
             raise HTTPError(401, "a valid API key is needed: Authorization: Bearer KEY")
+
+    def check_admin(self, request: web.Request, what: str) -> None:
+        """An operation that changes the server (`what`): with --admin-api-key, that key only
+        (--api-key, when set, was checked by the middleware)."""
+        if self.admin_api_key is None or self._presents(request, self.admin_api_key):
+            return
+        if self.api_key is not None and self._presents(request, self.api_key):
+            raise HTTPError(403, f"{what} needs the admin API key (--admin-api-key), not the "
+                            "API key")
+        raise HTTPError(401, f"{what} needs the admin API key: Authorization: Bearer KEY")
 
     @web.middleware
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:

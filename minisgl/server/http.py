@@ -6,6 +6,7 @@ every endpoint uses (`data: <json>` events, then `data: [DONE]`)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from contextlib import aclosing
 from typing import Any, AsyncIterator, Callable
 
@@ -15,6 +16,7 @@ from sse_starlette import ServerSentEvent
 
 from minisgl.runtime import ReqHandle, RequestManager
 
+logger = logging.getLogger(__name__)
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
@@ -24,25 +26,32 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
 
 class HTTPError(Exception):
     def __init__(self, status: int, message: str, type: str | None = None,
-                 code: int | str | None = None) -> None:
+                 code: int | str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
-        self.status, self.message = status, message
+        self.status, self.message, self.headers = status, message, headers
         self.type = type or ERROR_TYPES.get(status, "error")
         self.code = status if code is None else code
 
 
-def json_response(obj: Any, status: int = 200) -> web.Response:
-    return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
+def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None
+                  ) -> web.Response:
+    return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json",
+                        headers=headers)
 
 
 def error_response(status: int, message: str, type: str | None = None,
-                   code: int | str | None = None) -> web.Response:
+                   code: int | str | None = None, headers: dict[str, str] | None = None
+                   ) -> web.Response:
     body = {"error": {"message": message, "type": type or ERROR_TYPES.get(status, "error"),
                       "code": status if code is None else code}}
-    return json_response(body, status)
+    return json_response(body, status, headers)
 
 
 MAX_BODY = web.AppKey("max_body", int)  # --max-request-bytes
+STREAM_WRITE_TIMEOUT = web.AppKey("stream_write_timeout", float)  # --stream-write-timeout
+# Below this many bytes queued in the transport (far below its high-water mark) a write
+# cannot wait for the client, so it needs no timer.
+UNBLOCKED_WRITE_BYTES = 16 * 1024
 
 
 def too_large(request: web.Request) -> HTTPError:
@@ -124,6 +133,10 @@ async def wait_all(manager: RequestManager, handles: list[ReqHandle]) -> None:
     await asyncio.gather(*(manager.wait(h) for h in handles))
 
 
+class SlowReader(Exception):
+    """A stream's client read nothing for --stream-write-timeout seconds."""
+
+
 async def stream_response(request: web.Request, manager: RequestManager,
                           handles: list[ReqHandle],
                           chunk: Callable[[int, ReqHandle], Any | None],
@@ -137,25 +150,48 @@ async def stream_response(request: web.Request, manager: RequestManager,
     response = web.StreamResponse(headers=SSE_HEADERS)
     response.content_type = "text/event-stream"
     response.charset = "utf-8"
+    timeout = request.app[STREAM_WRITE_TIMEOUT]
+    ended_by = "the client disconnected"
+
+    async def write(data: bytes) -> None:
+        """A client that stops reading fills the socket's buffers, then the transport's up to
+        its high-water mark, where a write waits: for `timeout` seconds at most. Meanwhile
+        the request's later tokens coalesce into the next event."""
+        transport = request.transport
+        if transport is not None and (transport.get_write_buffer_size() + len(data)
+                                      < UNBLOCKED_WRITE_BYTES):
+            await response.write(data)
+            return
+        try:
+            await asyncio.wait_for(response.write(data), timeout)
+        except asyncio.TimeoutError:
+            raise SlowReader from None
+
     try:
         encode = encode_typed_event if typed else encode_event
         await response.prepare(request)
         for event in first:
-            await response.write(encode(event))
+            await write(encode(event))
         async with aclosing(follow(manager, handles)) as updates:
             async for i, handle in updates:
                 news = chunk(i, handle)
                 for event in news if isinstance(news, list) else [news]:
                     if event is not None:
-                        await response.write(encode(event))
+                        await write(encode(event))
         for event in (last() if last is not None else []):
-            await response.write(encode(event))
+            await write(encode(event))
         if not typed:
-            await response.write(DONE)
+            await write(DONE)
     except ConnectionResetError:
         pass  # the client went away
+    except SlowReader:
+        ended_by = "the client stopped reading the stream"
+        logger.warning("a stream's client read nothing for %g s (--stream-write-timeout): "
+                       "its requests are aborted", timeout)
+        if request.transport is not None:
+            request.transport.abort()  # NOTE: its buffered events are dropped, not waited on
     finally:
         for handle in handles:  # NOTE: all finished unless the client went away
             if not handle.finished:
-                manager.abort(handle.rid, "the client disconnected")
+                manager.abort(handle.rid, ended_by)
     return response

@@ -1,5 +1,7 @@
 """`serve(args)`: bind the port, build the runtime, listen, print one ready line, and run until
-SIGINT/SIGTERM or an engine failure; then shut down cleanly."""
+a signal or a failure. SIGTERM drains (new requests get 503, running ones get
+--shutdown-timeout to finish) and SIGINT aborts at once; both exit 0. A failure (a rank died,
+the scheduler stopped on an error) turns /health 503, ends every request and exits 1."""
 
 from __future__ import annotations
 
@@ -65,20 +67,25 @@ async def run_server(args: ServerArgs) -> None:
     except ValueError:
         await runtime.stop()
         raise
-    stop = asyncio.Event()
+    interrupted, terminated = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGINT, interrupted.set)
+    loop.add_signal_handler(signal.SIGTERM, terminated.set)
     print(f"minisgl ready: listening on {_url(args.host, port)}", flush=True)
     failed = asyncio.ensure_future(runtime.wait_failed())
-    stopped = asyncio.ensure_future(stop.wait())
-    await asyncio.wait({failed, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    signalled = [asyncio.ensure_future(e.wait()) for e in (interrupted, terminated)]
+    await asyncio.wait({failed, *signalled}, return_when=asyncio.FIRST_COMPLETED)
     if failed.done():
-        logger.error("the engine failed (%s); exiting", failed.result())
+        logger.error("exiting: the server cannot serve any more (the cause is logged above)")
         server.shutting_down = True  # /health answers 503 while probes notice
-        await asyncio.wait({stopped}, timeout=FAILURE_GRACE_S)
-    failed.cancel()
-    stopped.cancel()
+        await asyncio.wait(signalled, timeout=FAILURE_GRACE_S)
+    elif terminated.is_set() and not interrupted.is_set():
+        # a second SIGTERM, SIGINT or a failure ends the drain early
+        loop.add_signal_handler(signal.SIGTERM, interrupted.set)
+        failed.add_done_callback(lambda _: interrupted.set())
+        await server.drain(args.shutdown_timeout, interrupted)
+    for wait in (failed, *signalled):
+        wait.cancel()
     logger.info("shutting down")
     await server.shutdown(runner)  # runtime.stop: TP workers stopped, shared memory unlinked
     logger.info("stopped")
