@@ -195,7 +195,8 @@ def test_admin_key_guards_what_changes_the_server(minisgl_server_factory, tmp_pa
         assert_error(post(server, path, payload,
                           headers={"Authorization": "Bearer nope"}), 401)
     assert post(server, "/flush_cache", headers=admin).status_code == 200
-    assert post(server, "/abort_request", {"abort_all": True}, headers=admin).json()["success"] is True
+    aborted = post(server, "/abort_request", {"abort_all": True}, headers=admin)
+    assert aborted.json()["success"] is True
     # aborting one request by its id stays the user's
     assert post(server, "/abort_request", {"rid": "nobody"}, headers=user).status_code == 200
 

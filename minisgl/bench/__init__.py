@@ -40,6 +40,8 @@ SUBCOMMANDS = [
                "embedding throughput beside the same model's prefill"),
     Subcommand("dashboard", "dashboard", "serving",
                "throughput and /health latency with the dashboard closed and open"),
+    Subcommand("soak", "soak", "serving",
+               "every feature at once, the KV pool full, for an hour: leaks, errors, end state"),
     Subcommand("hicache", "hicache", "serving",
                "the hierarchical cache off and on, a working set past the pool (SGLang's client)"),
     Subcommand("offline", "offline", "offline",

@@ -20,6 +20,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, AsyncIterator
 
 import aiohttp
 
@@ -91,32 +92,37 @@ async def one_request(session: aiohttp.ClientSession, args: argparse.Namespace,
             if resp.status != 200:
                 result.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return result
-            buffer = b""
-            async for chunk in resp.content.iter_any():
-                buffer += chunk
-                while b"\n\n" in buffer:
-                    event, buffer = buffer.split(b"\n\n", 1)
-                    # NOTE: only data lines: a line starting with ":" is an SSE comment (the
-                    # keep-alive llama-server sends while a request waits)
-                    data = b"".join(line.removeprefix(b"data:").strip()
-                                    for line in event.strip().splitlines()
-                                    if line.startswith(b"data:"))
-                    if not data or data == b"[DONE]":
-                        continue
-                    now = time.perf_counter()
-                    count = tokens_so_far(args.backend, json.loads(data), result.output_len)
-                    if count > result.output_len:
-                        if result.output_len == 0:
-                            result.ttft = now - started
-                        else:
-                            result.itl.append(now - last)
-                        last = now
-                    result.output_len = max(result.output_len, count)
+            async for message in sse_messages(resp):
+                now = time.perf_counter()
+                count = tokens_so_far(args.backend, message, result.output_len)
+                if count > result.output_len:
+                    if result.output_len == 0:
+                        result.ttft = now - started
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                result.output_len = max(result.output_len, count)
         result.latency = time.perf_counter() - started
         result.ok = result.output_len > 0
     except aiohttp.ClientError as exc:
         result.error = repr(exc)
     return result
+
+
+async def sse_messages(resp: aiohttp.ClientResponse) -> AsyncIterator[Any]:
+    """Each server-sent event's JSON in `resp`, as it arrives ([DONE] left out)."""
+    buffer = b""
+    async for chunk in resp.content.iter_any():
+        buffer += chunk
+        while b"\n\n" in buffer:
+            event, buffer = buffer.split(b"\n\n", 1)
+            # NOTE: only data lines: a line starting with ":" is an SSE comment (the
+            # keep-alive llama-server sends while a request waits)
+            data = b"".join(line.removeprefix(b"data:").strip()
+                            for line in event.strip().splitlines()
+                            if line.startswith(b"data:"))
+            if data and data != b"[DONE]":
+                yield json.loads(data)
 
 
 def tokens_so_far(backend: str, message: dict, previous: int) -> int:
