@@ -6,6 +6,8 @@ controls that keep OpenMP on the engine's thread, and giving freed heap memory b
 - MINISGL_DISABLE_CUDA_KERNELS: plain torch ops instead of FlashInfer's fused kernels
 - MINISGL_CUDA_WAIT: how the scheduler awaits a CUDA forward: "thread" (default) or "poll"
 - TOKENIZERS_PARALLELISM: set to false unless the user set it (quiet_tokenizer_threads)
+- ONEDNN_PRIMITIVE_CACHE_CAPACITY, LRU_CACHE_CAPACITY: oneDNN's and ideep's caches, set to
+  ONEDNN_CACHE_ENTRIES unless the user set them (bound_onednn_caches)
 - MINISGL_FAULT_AFTER_STEPS: for fault tests only: the engine's step N+1 raises (rank 0)
 """
 
@@ -40,6 +42,19 @@ def quiet_tokenizer_threads() -> None:
     batched detokenization step; long inputs leave the loop thread instead (runtime.tokenizer).
     A user's TOKENIZERS_PARALLELISM wins."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+ONEDNN_CACHE_ENTRIES = 64
+
+
+def bound_onednn_caches() -> None:
+    """NOTE: torch's bfloat16 CPU matmuls keep one oneDNN primitive per shape (and ideep one
+    computation per shape), up to 1024 each, some holding a reordered copy of the weight:
+    every new prompt or KV length adds entries, and a server's resident memory grows for
+    hours (BENCHMARKS.md, "Soak"). A decode step's few shapes stay within 64, the most
+    recently used. Both are read when the first primitive is made; a user's value wins."""
+    for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+        os.environ.setdefault(name, str(ONEDNN_CACHE_ENTRIES))
 
 
 def cuda_wait_mode() -> str:

@@ -22,6 +22,9 @@ pytestmark = pytest.mark.slow
 def test_a_short_soak_passes_every_check(tmp_path: Path):
     cmd = [sys.executable, "-m", "minisgl.bench", "soak", "--minutes", "1", "--interval", "5",
            "--max-total-tokens", "1500", "--dtype", "float32", "--out", str(tmp_path),
+           # float32: a greedy probe may leave its solo run only where the reference's top
+           # two logprobs are within 1e-2 (tests/reference.py's bound)
+           "--margin-bound", "0.01",
            "--server-args", " ".join(SHALLOW[:3]) + f" '{SHALLOW[3]}'"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]

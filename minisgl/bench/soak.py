@@ -93,8 +93,9 @@ MIX: dict[str, tuple[int, str]] = {
     "hang-up": (1, "/generate stream closed by the client after 3 events (intended abort)"),
     "abort": (1, "/generate stream with rid, /abort_request after 2 events (intended abort)"),
     "prefix": (2, "/generate, 300-word prompts sharing one of 3 prefixes, 16 tokens"),
-    "long": (1, "/generate stream, sampled, as many tokens as half the pool: while it grows, "
-                "the admission estimate falls short and the newest requests are retracted"),
+    "long": (1, "/generate stream, sampled, as many tokens as a third of the pool: while it "
+                "grows, the admission estimate falls short and the newest requests are "
+                "retracted"),
 }
 STATUSES = ("ok", "aborted", "4xx", "5xx", "unanswered", "invalid")
 SAMPLED = ("kv_pool_tokens", "kv_used_tokens", "kv_cached_tokens", "kv_evictable_tokens",
@@ -425,7 +426,7 @@ class Traffic:
         return reply
 
     async def send_long(self, rng: random.Random, outcome: Outcome) -> Reply:
-        tokens = self.args.max_total_tokens // 2
+        tokens = self.args.max_total_tokens // 3
         reply = await self.post("/generate", {
             "text": words(rng, 20), "stream": True,
             "sampling_params": {"temperature": 0.7, "max_new_tokens": tokens,
@@ -736,7 +737,7 @@ def soak_parser() -> argparse.ArgumentParser:
                         "on an AVX-512 CPU, spaces logits of magnitude 16-32 by 0.125, so the "
                         "top two may swap within a step or two; a wrong row, adapter or KV "
                         "page differs at margins of whole logits; 0.01 suffices in float32)")
-    parser.add_argument("--request-timeout", type=float, default=120.0,
+    parser.add_argument("--request-timeout", type=float, default=300.0,
                         help="seconds a request may take before it counts as unanswered")
     parser.add_argument("--out", type=Path, default=None,
                         help="folder for series.json and soak.png (default: a new one in /tmp)")

@@ -12,7 +12,7 @@ from typing import Any
 
 from minisgl.args import ServerArgs
 from minisgl.engine import Engine, EngineConfig
-from minisgl.env import quiet_tokenizer_threads
+from minisgl.env import bound_onednn_caches, quiet_tokenizer_threads
 from minisgl.errors import InvalidRequest
 from minisgl.flag_checks import HARMONY_PARSER
 from minisgl.grammar import create_grammar_backend
@@ -32,6 +32,7 @@ class Runtime:
     def __init__(self, args: ServerArgs) -> None:
         self.args = args
         quiet_tokenizer_threads()  # NOTE: before the engine spawns its TP workers
+        bound_onednn_caches()
         engine_config = args.pick(EngineConfig)
         if args.is_embedding:  # NOTE: it never decodes, so decode graphs would be dead weight
             engine_config = replace(engine_config, disable_cuda_graph=True)
