@@ -25,18 +25,23 @@ RANK = 16
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def make_adapters(base: Path, root: Path) -> list[Path]:
+def save_random_adapter(model: torch.nn.Module, rank: int, path: Path) -> None:
+    """A PEFT adapter of `rank` on every linear of `model`, its weights random (not PEFT's
+    zero B), saved at `path`."""
     import peft
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS,
+                             init_lora_weights=False)
+    peft.get_peft_model(model, config).save_pretrained(path)
+
+
+def make_adapters(base: Path, root: Path) -> list[Path]:
     import transformers
     paths = [root / f"r{RANK}-{i}" for i in range(ADAPTERS)]
     for i, path in enumerate(paths):
         if (path / "adapter_config.json").exists():
             continue
         torch.manual_seed(i)
-        model = transformers.AutoModelForCausalLM.from_pretrained(base)
-        config = peft.LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=TARGETS,
-                                 init_lora_weights=False)
-        peft.get_peft_model(model, config).save_pretrained(path)
+        save_random_adapter(transformers.AutoModelForCausalLM.from_pretrained(base), RANK, path)
     return paths
 
 

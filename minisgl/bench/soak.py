@@ -43,13 +43,13 @@ import aiohttp
 import psutil
 
 from minisgl.bench.compare import ServerProcess, log, start_minisgl
+from minisgl.bench.lora import save_random_adapter
 from minisgl.bench.plot import Panel, draw_panels
 from minisgl.bench.serving import sse_messages
 from minisgl.server.timeline import percentile
 
 ADAPTER = "soak"
 RANK = 8
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 WORDS = ("river stone light garden window music letter morning winter city road forest "
          "market paper engine signal harbor lantern valley bridge station orchard ribbon "
          "compass thunder meadow candle mirror anchor").split()
@@ -156,7 +156,6 @@ def model_overrides(server_args: list[str]) -> dict[str, Any]:
 def make_adapter(model_path: str | None, overrides: dict[str, Any]) -> Path:
     """A random rank-8 PEFT adapter on every linear of the served model's shapes, made once
     under minisgl's cache dir (only shapes matter: the base's weights are not loaded)."""
-    import peft
     import torch
     import transformers
 
@@ -171,10 +170,7 @@ def make_adapter(model_path: str | None, overrides: dict[str, Any]) -> Path:
     for name, value in overrides.items():
         setattr(config, name, value)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    lora = peft.LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=TARGETS,
-                           init_lora_weights=False)
-    peft.get_peft_model(model, lora).save_pretrained(path)
+    save_random_adapter(transformers.AutoModelForCausalLM.from_config(config), RANK, path)
     return path
 
 
