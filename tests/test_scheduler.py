@@ -286,6 +286,29 @@ def test_abort_fuzz_keeps_every_page_accounted_for() -> None:
     assert aborted > 50, f"only {aborted} aborts landed on live requests"
 
 
+def test_a_handle_that_finishes_while_its_reader_is_busy_still_yields_its_end() -> None:
+    """A stream's writer awaits between two updates (a slow socket, a drain): the request may
+    finish meanwhile, and its finished state is still yielded, so the client gets its last
+    chunk (finish_reason) before [DONE]."""
+
+    async def scenario() -> list[bool]:
+        runtime = Runtime(ServerArgs(**FUZZ_ARGS))
+        await runtime.start()
+        manager = runtime.requests
+        params = SamplingParams(max_new_tokens=4, ignore_eos=True, temperature=0)
+        [handle] = manager.submit([RequestSpec([1, 2, 3], params)])
+        seen = []
+        async for update in manager.updates(handle):
+            seen.append(update.finished)
+            while not handle.finished:  # the writer is busy until the request ended
+                await asyncio.sleep(0.01)
+        await runtime.stop()
+        return seen
+
+    seen = asyncio.run(scenario())
+    assert seen[0] is False and seen[-1] is True, seen
+
+
 def test_default_chunk_keeps_cpu_activations_under_the_allocator_limit() -> None:
     from minisgl.engine.chunking import CPU_ALLOCATION_LIMIT, default_chunk
 

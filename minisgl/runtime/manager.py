@@ -299,8 +299,11 @@ class RequestManager:
             while True:
                 await handle.changed.wait()
                 handle.changed.clear()
+                # NOTE: read before the yield: the handle may finish while the consumer writes,
+                # and its finished state must still be yielded
+                finished = handle.finished
                 yield handle
-                if handle.finished:
+                if finished:
                     return
         finally:
             if not handle.finished:
