@@ -232,3 +232,53 @@ def test_a_batch_of_spans_through_the_kernels_equals_the_torch_forward(
         return out, layer.states.windows, layer.states.states
 
     assert_steps_agree(dtype, forward(kernels), forward(None))
+
+
+
+def kernel_inputs(kind: str, generator: torch.Generator) -> list:
+    """One mixed batch's arguments of a layer kernel: 18 tokens in spans of 5, 11, 1 and 1
+    (the first two continuing their state); small heads (a Gated DeltaNet's value heads of 8,
+    a Mamba2 state of 12, past its blocks of 8)."""
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator)
+
+    rows, counts = torch.tensor([2, 3, 0, 1]), torch.tensor([5, 11, 1, 1])
+    if kind == "gated_delta":
+        nk, nv, dk, dv = 2, 8, 8, 8
+        conv_dim = 2 * nk * dk + nv * dv
+        return [randn(18, conv_dim), randn(18, nv * dv), randn(18, nv), randn(18, nv),
+                randn(conv_dim, 1, KERNEL) * 0.5, randn(POOL_ROWS, conv_dim, KERNEL - 1),
+                randn(POOL_ROWS, nv, dk, dv), rows, counts, randn(nv), -torch.rand(nv),
+                randn(dv), 1e-6, nk, True]
+    heads, head_dim, groups, d_state = 4, 8, 2, 12
+    inner = heads * head_dim
+    conv_dim = inner + 2 * groups * d_state
+    return [randn(18, inner + conv_dim + heads), randn(conv_dim, 1, KERNEL) * 0.5,
+            randn(conv_dim), randn(POOL_ROWS, conv_dim, KERNEL - 1),
+            randn(POOL_ROWS, heads, head_dim, d_state), rows, counts, randn(heads),
+            -torch.rand(heads), randn(heads), randn(inner), groups, 1e-3, 100.0, 1e-6]
+
+
+@pytest.mark.parametrize("kind", sorted(LAYER_KERNELS))
+def test_the_kernels_give_the_same_bits_wherever_their_buffers_lie(kernels, kind) -> None:
+    """One batch again and again, fresh copies of its inputs each time while other
+    allocations come and go: a loop vectorised behind a run-time check that its buffers do
+    not overlap ran its scalar copy whenever the allocator put them close, and under fast
+    math that copy rounds otherwise."""
+    generator = torch.Generator().manual_seed(0)
+    inputs = kernel_inputs(kind, generator)
+    kernel = getattr(kernels, LAYER_KERNELS[kind])
+    held, outs = [], []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # NOTE: the kernel's scratch then comes from this thread's arena
+    try:
+        for _ in range(2000):
+            held.append(torch.empty(int(torch.randint(1, 4096, (1,), generator=generator))))
+            if len(held) > 16:
+                held.pop(int(torch.randint(0, len(held), (1,), generator=generator)))
+            outs.append(kernel(*(x.clone() if isinstance(x, torch.Tensor) else x
+                                 for x in inputs)))
+    finally:
+        torch.set_num_threads(threads)
+    differing = sum(not torch.equal(out, outs[0]) for out in outs)
+    assert differing == 0, f"{differing} of {len(outs)} calls differ from the first"

@@ -157,6 +157,10 @@ void decode(const T* q, const C* k_cache, const C* v_cache, const int64_t* locat
       }
       T* oh = out + (b * heads + h * group) * vdim;
       for (int64_t g = 0; g < group; ++g)
+        // NOTE: `omp simd`, or the loop is vectorised behind a run-time check that acc and
+        // out do not overlap, whose scalar copy rounds otherwise (the bits would follow the
+        // addresses)
+#pragma omp simd
         for (int64_t d = 0; d < vdim; ++d)
           store(oh, g * vdim + d, acc[g * vdim + d] / sums[g]);
     }

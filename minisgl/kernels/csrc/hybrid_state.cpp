@@ -114,6 +114,7 @@ inline void delta_columns(S_t* S, int64_t dk, int64_t dv, int64_t j0, const floa
   float delta[W], o[W] = {};
 #pragma omp simd
   for (int j = 0; j < W; ++j) delta[j] = beta * (v[j0 + j] - g * acc[j]);
+#pragma GCC ivdep
   for (int64_t i = 0; i < dk; ++i) {
     S_t* row = S + i * dv + j0;
     const float ki = k[i], qi = q[i];
@@ -226,6 +227,7 @@ inline void mamba2_rows(S_t* H, int64_t N, float g, float dt, const float* x, co
   for (int j = 0; j < R; ++j) {
     float sum = 0.f;
     for (int l = 0; l < 8; ++l) sum += sums[j][l];
+#pragma omp simd reduction(+ : sum)
     for (int64_t t = i; t < N; ++t) {
       const float v = g * scalar(H, j * N + t) + u[j] * B[t];
       put(H, j * N + t, v);
@@ -405,6 +407,10 @@ void delta_gated_norm(const float* y, const T* z, int64_t z_stride, const float*
 #pragma omp simd
       for (int64_t i = 0; i < dv; ++i) gate[i] = silu(gate[i]);
       T* o = out + (r * nv + (tiled ? (h % group) * nk + h / group : h)) * dv;
+      // NOTE: `omp simd` on loops that mix buffers: without it the compiler vectorises them
+      // behind a run-time overlap check, and the scalar copy it runs when the allocator put
+      // two buffers close rounds otherwise (fast math): the bits would depend on addresses
+#pragma omp simd
       for (int64_t i = 0; i < dv; ++i)
         o[i] = static_cast<T>(yh[i] * factor * weight[i] * gate[i]);
     }
@@ -513,6 +519,7 @@ void mamba2_gated_norm(const float* y, const float* conv, const T* proj, int64_t
       }
       const float factor = 1.f / std::sqrt(squares / static_cast<float>(width) + eps);
       T* o = out + r * inner + c0;
+#pragma omp simd
       for (int64_t i = 0; i < width; ++i)
         o[i] = static_cast<T>(static_cast<float>(weight[c0 + i]) *
                               static_cast<float>(static_cast<T>(gated[i] * factor)));
