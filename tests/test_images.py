@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import http.server
 import io
+import json
 import threading
 from pathlib import Path
 from typing import Any
@@ -454,18 +455,24 @@ def test_speculative_decoding_refuses_images_and_serves_text(qwen) -> None:
 
 # ---- real shapes ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("model,ids", [
-    ("qwen2.5-vl-7b", [1, 2, 151652, 151655, 151653, 3]),
-    ("gemma-3-4b-it", [2, 255999] + [262144] * 256 + [256000, 3])])
-def test_real_shapes_run_a_step_with_an_image(model, ids, caplog) -> None:
-    """Shape-only configs (--load-format dummy) at their real vision shape and two decoder
-    layers: a prompt with an image runs, and the start-up line reports the tower's memory."""
+@pytest.mark.parametrize("model,ids,tower_depth", [
+    # Qwen2.5-VL's eighth block is its first of full attention, the seven before it windowed
+    ("qwen2.5-vl-7b", [1, 2, 151652, 151655, 151653, 3], {"depth": 8}),
+    ("gemma-3-4b-it", [2, 255999] + [262144] * 256 + [256000, 3], {"num_hidden_layers": 2})])
+def test_real_shapes_run_a_step_with_an_image(model, ids, tower_depth, caplog) -> None:
+    """Shape-only configs (--load-format dummy) at their real vision shape, fewer vision
+    blocks and two decoder layers: a prompt with an image runs, and the start-up line reports
+    the tower's memory."""
     import logging
 
+    import minisgl.models
     from minisgl.llm import LLM
     caplog.set_level(logging.INFO, logger="minisgl.models.loader")
+    config = Path(minisgl.models.__file__).parent / "configs" / model / "config.json"
+    vision = {**json.loads(config.read_text())["vision_config"], **tower_depth}
+    overrides = json.dumps({"num_hidden_layers": 2, "vision_config": vision})
     with LLM(model=model, load_format="dummy", dtype="bfloat16", max_total_tokens=1024,
-             json_model_override_args='{"num_hidden_layers": 2}') as llm:
+             json_model_override_args=overrides) as llm:
         out = llm.generate(input_ids=ids, image_data=random_image("square"),
                            sampling_params={"max_new_tokens": 2, "ignore_eos": True})
         llm.check_integrity()

@@ -36,29 +36,29 @@ def run(prompts: list[list[int]], params=GREEDY, **args) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def prompts64() -> list[list[int]]:
-    return random_prompts(64, 5, 250)
+def prompts() -> list[list[int]]:
+    return random_prompts(32, 5, 250)
 
 
 @pytest.fixture(scope="module")
-def alone(prompts64) -> list[list[int]]:
+def alone(prompts) -> list[list[int]]:
     """Each prompt alone in its batch: one request may run at a time, one token per page
     (the other tests run the CPU default of 16)."""
-    return run(prompts64, max_running_requests=1, disable_radix_cache=True,
+    return run(prompts, max_running_requests=1, disable_radix_cache=True,
                max_total_tokens=4096, page_size=1)
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
-def test_64_prompts_together_equal_each_alone(prompts64, alone, overlap: bool) -> None:
-    together = run(prompts64, max_running_requests=64, max_total_tokens=48000,
+def test_32_prompts_together_equal_each_alone(prompts, alone, overlap: bool) -> None:
+    together = run(prompts, max_running_requests=32, max_total_tokens=24000,
                    disable_overlap_schedule=not overlap)
-    for ids, ours, expected in zip(prompts64, together, alone):
+    for ids, ours, expected in zip(prompts, together, alone):
         ref.assert_greedy_matches(ids, ours, expected)
 
 
 @pytest.mark.parametrize("chunk", [16, 64, 4096])
-def test_chunked_prefill_equals_unchunked(prompts64, alone, chunk: int) -> None:
-    subset = prompts64[:12]
+def test_chunked_prefill_equals_unchunked(prompts, alone, chunk: int) -> None:
+    subset = prompts[:12]
     chunked = run(subset, chunked_prefill_size=chunk, max_running_requests=12,
                   max_total_tokens=12000)
     for ids, ours, expected in zip(subset, chunked, alone[:12]):
@@ -101,8 +101,8 @@ def test_lpm_policy_serves_shared_prefixes_first_with_same_outputs() -> None:
     assert max(latency[i] for i in (1, 3, 5)) < min(latency[i] for i in (0, 2, 4)), latency
 
 
-def test_page_size_does_not_change_outputs(prompts64, alone) -> None:
-    subset = prompts64[:8]
+def test_page_size_does_not_change_outputs(prompts, alone) -> None:
+    subset = prompts[:8]
     paged = run(subset, page_size=64, max_running_requests=8, max_total_tokens=8192)
     for ids, ours, expected in zip(subset, paged, alone[:8]):
         ref.assert_greedy_matches(ids, ours, expected)
