@@ -1,9 +1,11 @@
 """Shared fixtures.
 
 Server fixtures: `minisgl_server` runs one real `python -m minisgl serve` subprocess per test
-module (the bundled SmolLM2 in float32, on a port the OS picks) and stops it with SIGTERM at
-the end, asserting a clean exit. `minisgl_server_factory` starts extra ones inside a test
-(`factory(*extra_flags)`); those still running at the end of the test are stopped.
+module (the bundled SmolLM2 in float32, on a port the OS picks; a module's `SERVER_ARGS` adds
+flags, as a module that checks protocol, not numerics, serves two layers of random weights)
+and stops it with SIGTERM at the end, asserting a clean exit. `minisgl_server_factory` starts
+extra ones inside a test (`factory(*extra_flags)`); those still running at the end of the test
+are stopped.
 """
 
 from __future__ import annotations
@@ -90,8 +92,8 @@ def start_minisgl_server(*extra_args: str, timeout: float = SERVER_START_TIMEOUT
 
 
 @pytest.fixture(scope="module")
-def minisgl_server():
-    server = start_minisgl_server()
+def minisgl_server(request):
+    server = start_minisgl_server(*getattr(request.module, "SERVER_ARGS", ()))
     yield server
     code = server.stop(signal.SIGTERM)
     assert code == 0, f"server exited with {code} after SIGTERM:\n{server.log()}"

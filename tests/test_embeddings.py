@@ -21,6 +21,9 @@ import torch
 
 from tests import reference as ref
 from tests.conftest import start_minisgl_server
+from tests.test_hardening import SHALLOW
+
+SERVER_ARGS = SHALLOW  # the module's server checks protocol, not numerics
 
 MAX_ABS_DIFF = 1e-4  # against transformers
 MIN_COSINE = 0.99999

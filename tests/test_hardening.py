@@ -23,6 +23,7 @@ from tests.test_server import (PROMPT, assert_error, assert_idle_and_freed, gene
 GREEDY = {"temperature": 0, "max_new_tokens": 8}
 # protocol, not numerics: the bundled model's shape and tokenizer, 2 layers of random weights
 SHALLOW = ("--load-format", "dummy", "--json-model-override-args", '{"num_hidden_layers": 2}')
+SERVER_ARGS = SHALLOW  # the module's server (conftest's minisgl_server)
 
 
 def counters(server: Any) -> tuple[int, int]:

@@ -18,6 +18,9 @@ import requests
 from tests.conftest import start_minisgl_server
 from tests.lora_fixtures import assert_lora_greedy, merged_greedy, save_adapter
 from tests.reference import model_folder, prompt_ids
+from tests.test_hardening import SHALLOW
+
+SERVER_ARGS = SHALLOW  # the module's server checks protocol, not numerics
 
 LAYERS = 4
 PROMPT = "The capital of France is"

@@ -27,6 +27,9 @@ from minisgl.runtime.metrics import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS
 from minisgl.bench.browser import Browser, chromium_path
 from tests.conftest import REPO_ROOT, start_minisgl_server
 from tests.test_server import wait_for
+from tests.test_hardening import SHALLOW
+
+SERVER_ARGS = SHALLOW  # the module's server checks protocol, not numerics
 
 KEY = "observability-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -7,6 +7,9 @@ from typing import Any
 import openai
 import pytest
 import requests
+from tests.test_hardening import SHALLOW
+
+SERVER_ARGS = SHALLOW  # the module's server checks protocol, not numerics
 
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -116,10 +119,13 @@ def test_completions_echo_with_logprobs_scores_the_prompt(client, minisgl_server
         assert tokens[1:n] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
 
 
-def test_logit_bias_forces_and_bans_tokens(client):
+def test_logit_bias_forces_and_bans_tokens(minisgl_server, client):
     from tests import reference as ref
     ids = ref.prompt_ids(PROMPT)
-    top2 = ref.hf_logits(ids)[-1].topk(2).indices.tolist()
+    native = requests.post(minisgl_server.url + "/generate", timeout=120, json={
+        "input_ids": ids, "return_logprob": True, "top_logprobs_num": 2,
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0}}).json()
+    top2 = [token for _, token, _ in native["meta_info"]["output_top_logprobs"][0]]
     free = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0)
     assert free.choices[0].text == ref.tokenizer().decode([top2[0]])
     banned = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0,

@@ -25,6 +25,9 @@ from minisgl.grammar.matcher import ReasonerMatcher
 from minisgl.protocol.reasoning import (ReasoningParser, TemplateThinking, markers,
                                         starts_in_reasoning)
 from tests.conftest import start_minisgl_server
+from tests.test_hardening import SHALLOW
+
+SERVER_ARGS = SHALLOW  # the module's server checks protocol, not numerics
 
 # ---- the parser, no server ----------------------------------------------------------------------
 

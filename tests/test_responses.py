@@ -15,6 +15,9 @@ import pytest
 import requests
 
 from tests.conftest import start_minisgl_server
+from tests.test_hardening import SHALLOW
+
+SERVER_ARGS = SHALLOW  # the module's server checks protocol, not numerics
 
 STORED = 3  # --max-stored-responses
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather of a city",
