@@ -21,6 +21,12 @@ from pathlib import Path
 
 import pytest
 
+from minisgl.models.gguf_reader import install as install_cheap_gguf_reads
+
+# the tests' own GGUF readers (the files they write copy the bundled one's tokenizer) read as
+# minisgl's do
+install_cheap_gguf_reads()
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 READY = re.compile(r"minisgl ready: listening on (http://\S+)")
 SERVER_DEFAULT_ARGS = ("--dtype", "float32", "--max-total-tokens", "20000",

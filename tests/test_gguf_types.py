@@ -207,3 +207,28 @@ def test_a_tensor_the_model_does_not_have_is_a_one_line_error(tmp_path: Path):
     message = str(error.value)
     assert "unknown tensors ['model.layers.0.mlp.extra.weight']" in message, message
     assert "\n" not in message
+
+
+def test_the_cheap_reads_give_the_readers_own_fields_and_tensors(monkeypatch):
+    """minisgl.models.gguf_reader's reads (plain views of the mapping, not memmap slices):
+    every field's parts and every tensor's bytes as the gguf package's own reads give them."""
+    from gguf import GGUFReader
+
+    from minisgl.models import gguf_reader
+    from minisgl.models.weights import bundled_gguf
+    gguf_reader.install()
+    assert gguf_reader.stock_get is not None, "this gguf release keeps its own reads"
+    ours = gguf_reader.gguf_reader(bundled_gguf())
+    monkeypatch.setattr(GGUFReader, "_get", gguf_reader.stock_get)
+    theirs = GGUFReader(str(bundled_gguf()))
+    assert list(ours.fields) == list(theirs.fields)
+    for name, field in theirs.fields.items():
+        mine = ours.fields[name]
+        assert mine.types == field.types and mine.data == field.data, name
+        assert len(mine.parts) == len(field.parts), name
+        assert all(np.array_equal(a, b) and a.dtype == b.dtype
+                   for a, b in zip(mine.parts, field.parts)), name
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for mine, tensor in zip(ours.tensors, theirs.tensors):
+        assert mine.tensor_type == tensor.tensor_type and mine.shape.tolist() == \
+            tensor.shape.tolist() and np.array_equal(mine.data, tensor.data), tensor.name

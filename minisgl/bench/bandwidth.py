@@ -31,8 +31,8 @@ def gguf_bytes_per_token(path: Path) -> tuple[int, int]:
     """What llama.cpp reads per decode token of a GGUF file: (weight bytes: every tensor as
     stored but the token table, which it reads one row of, unless the output head is tied to
     it; KV bytes per token of context, its default float16 cache)."""
-    from gguf import GGUFReader
-    reader = GGUFReader(str(path))
+    from minisgl.models.gguf_reader import gguf_reader
+    reader = gguf_reader(path)
     arch = reader.fields["general.architecture"].contents()
 
     def field(key: str) -> int | None:

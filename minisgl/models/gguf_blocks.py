@@ -107,9 +107,9 @@ def read_block_linears(path: Path, config: dict[str, Any], skips: Callable[[str]
     weights, which stay dense), leaving out the names `skips` (the model's: layers past a
     layer-count override). `config`: the model's, with num_heads and num_kv_heads. The
     embedding / LM head tables come as GgufBlocks only."""
-    from gguf import GGUFReader
+    from minisgl.models.gguf_reader import gguf_reader
 
-    reader = GGUFReader(str(path))
+    reader = gguf_reader(path)
     field = reader.fields["general.architecture"]
     arch = bytes(field.parts[field.data[0]]).decode()
     blocks, dense = {}, {}
@@ -145,9 +145,9 @@ def file_linears(path: Path, config: dict[str, Any], names: set[str]
     """Linear weights `names` that a hybrid family's converted folder left in the GGUF file
     (gguf_hybrid.in_file_name), by HF name: each a reader of the float32 weight, rows in our
     order (experts: [E, out, in])."""
-    from gguf import GGUFReader
+    from minisgl.models.gguf_reader import gguf_reader
 
-    reader = GGUFReader(str(path))
+    reader = gguf_reader(path)
     arch = reader.fields["general.architecture"].contents()
     readers = {}
     for tensor in reader.tensors:

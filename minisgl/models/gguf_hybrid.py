@@ -33,6 +33,8 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
+from minisgl.models.gguf_reader import gguf_reader
+
 logger = logging.getLogger(__name__)
 
 Metadata = dict[str, Any]  # the family's keys, without the "<architecture>." prefix
@@ -750,12 +752,11 @@ def convert_hybrid_gguf(gguf: Path, staging: Path) -> bool:
     (config.json, model.safetensors in float32 without the quantized linear weights, which
     stay in the file: `in_file_name`, listed in LEFT_IN_FILE; the tokenizer); False if it is
     not one."""
-    from gguf import GGUFReader
     from safetensors.torch import save_file
     from transformers import PreTrainedTokenizerFast
     from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
 
-    reader = GGUFReader(str(gguf))
+    reader = gguf_reader(gguf)
     architecture, meta = _metadata(reader)
     family = FAMILIES.get(architecture)
     if family is None:

@@ -90,8 +90,8 @@ GGUF_CONFIG_GAPS = {"qwen3moe": {"expert_feed_forward_length": "moe_intermediate
 
 def gguf_config_gaps(gguf: Path) -> dict[str, object]:
     """The config fields a GGUF file sets that transformers would leave at their defaults."""
-    from gguf import GGUFReader
-    fields = GGUFReader(str(gguf)).fields
+    from minisgl.models.gguf_reader import gguf_reader
+    fields = gguf_reader(gguf).fields
     architecture = fields["general.architecture"].contents()
     return {config: fields[f"{architecture}.{key}"].contents()
             for key, config in GGUF_CONFIG_GAPS.get(architecture, {}).items()
@@ -111,6 +111,9 @@ def convert_gguf(gguf: Path) -> Path:
         return target
     logger.warning("converting %s to safetensors (once; cached in %s)", gguf.name, target)
     from minisgl.models.gguf_hybrid import convert_hybrid_gguf
+    from minisgl.models.gguf_reader import install as install_cheap_gguf_reads
+
+    install_cheap_gguf_reads()  # transformers' readers too
 
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
