@@ -234,7 +234,6 @@ def test_a_batch_of_spans_through_the_kernels_equals_the_torch_forward(
     assert_steps_agree(dtype, forward(kernels), forward(None))
 
 
-
 def kernel_inputs(kind: str, generator: torch.Generator) -> list:
     """One mixed batch's arguments of a layer kernel: 18 tokens in spans of 5, 11, 1 and 1
     (the first two continuing their state); small heads (a Gated DeltaNet's value heads of 8,

@@ -1,11 +1,11 @@
 """GGUF files through the gguf package's reader, its per-value reads made cheap.
 
-The reader parses every metadata value (a tokenizer's vocabulary and merges: ~100k strings) as
-one slice of the file's numpy memmap each, and a memmap slice pays memmap's __array_finalize__:
-opening the bundled file took ~4 s, and one conversion opens a file several times (ours and
-transformers' readers). A plain ndarray view of the same mapping slices to the same bytes ~4x
-faster. `install` gives the reader class that read, once and process-wide (transformers'
-readers included): the arrays it returns are plain ndarray views of the mapping, not memmaps.
+The reader parses every metadata value (a tokenizer's vocabulary and merges) as one slice of
+the file's numpy memmap each, and a memmap slice pays memmap's __array_finalize__; one
+conversion opens a file several times (ours and transformers' readers). A plain ndarray view of
+the same mapping slices to the same bytes for less (BENCHMARKS.md, "Opening a GGUF file").
+`install` gives the reader class that read, once and process-wide (transformers' readers
+included): the arrays it returns are plain ndarray views of the mapping, not memmaps.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import numpy as np
 # the private method's signature this replacement was written against: another gguf release
 # keeps its own reads
 _GET_PARAMETERS = ["self", "offset", "dtype", "count", "override_order"]
+stock_get: Any = None  # the reader's own, once replaced
 
 
 def _get(self: Any, offset: int, dtype: Any, count: int = 1,
@@ -39,9 +40,6 @@ def install() -> None:
         global stock_get
         stock_get = current
         GGUFReader._get = _get
-
-
-stock_get: Any = None  # the reader's own, once replaced
 
 
 def gguf_reader(path: Path | str) -> Any:
