@@ -301,6 +301,12 @@ class ServerArgs:
         "--max-loras-per-batch.")
     disable_overlap_schedule: bool = _flag(
         False, "Process each batch's results before launching the next one.")
+    num_continuous_decode_steps: int | None = _flag(
+        None, "Decode steps one launch runs back to back while no request waits (the same "
+        "tokens; a stream gets them that many at a time). Default: on CPU 4 while one request "
+        "runs, else 1. Runs only on a CPU engine with --tp-size 1, without speculative "
+        "decoding; requests with a grammar, penalties, images or min_new_tokens still to "
+        "reach decode one step at a time.")
     attention_backend: str | None = _flag(
         None, "torch or flashinfer (default: flashinfer on CUDA for float16/bfloat16 when "
         "installed, else torch).",
@@ -333,7 +339,8 @@ class ServerArgs:
                      "max_sequences_per_request", "max_stop_strings", "max_stop_string_length",
                      "max_images_per_request", "max_image_bytes", "max_image_pixels",
                      "max_running_requests", "max_total_tokens", "context_length",
-                     "max_queued_requests", "page_size", "max_mamba_cache_size"):
+                     "max_queued_requests", "page_size", "max_mamba_cache_size",
+                     "num_continuous_decode_steps"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{flag(name)} must be an integer >= 1, got {value!r}")

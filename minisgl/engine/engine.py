@@ -28,6 +28,7 @@ from minisgl.distributed.shm_queue import QueueClosed
 from minisgl.distributed.worker import GLOO_TIMEOUT_S, TPWorkers, cpu_threads
 from minisgl.engine.chunking import default_chunk, widest_row_width
 from minisgl.engine.config import EngineConfig, resolve
+from minisgl.engine.decode_steps import run_steps
 from minisgl.engine.draft_model import DraftModel
 from minisgl.engine.failure import FailureWatch, FaultAfterSteps
 from minisgl.engine.forward import ForwardInput, ForwardOutput, InputLogprobs, VerifyRows, to_host
@@ -320,6 +321,8 @@ class Engine:
         """The step itself, on the calling thread and stream; `launch` queues it there."""
         if fwd.verify is not None and not fwd.verify_step:  # not laid out yet
             self.runner.resolve(fwd)
+        if fwd.steps > 1:
+            return run_steps(fwd, self.runner.forward, self.runner.plan_batch)
         return self.runner.forward(fwd)
 
     def launch(self, fwd: ForwardInput) -> Completion:

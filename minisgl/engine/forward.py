@@ -115,6 +115,11 @@ class ForwardInput:
     images: list[ImageSlice] | None = None
     # --enable-hierarchical-cache: pages copied to and from the lower tiers before the step
     kv_moves: KVMoves | None = None
+    # continuous decode steps (engine.decode_steps): a decode step that runs `steps` steps,
+    # each row's KV location in each ([B, steps] int64, host), and per row the ids that stop it
+    steps: int = 1
+    step_locations: torch.Tensor | None = None
+    stop_ids: list[frozenset[int]] | None = None
 
     @property
     def num_scored_rows(self) -> int:

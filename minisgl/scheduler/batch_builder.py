@@ -52,6 +52,15 @@ class ScheduledBatch:
         grammar.release()
 
 
+def decodes_in_runs(req: Req) -> bool:
+    """Whether a run of decode steps (engine.decode_steps) samples `req` as lone steps would:
+    nothing of its sampling changes with its length (penalties, min_new_tokens' bans still on)
+    or waits for the host (a grammar), and its positions are plain (no images)."""
+    params = req.params
+    return (req.matcher is None and req.images is None and not params.needs_penalties
+            and req.kv_len + 1 - req.prompt_len >= params.min_new_tokens)
+
+
 def logprob_nums(reqs: list[Req]) -> list[int] | None:
     """Per row the logprobs it asked for (-1: none); None when no row asked (the sampler then
     computes none)."""
@@ -122,9 +131,30 @@ class BatchBuilder:
                            [c.count for c in chunks], [c.is_last for c in chunks],
                            torch.cat([c.locations for c in chunks]))
 
-    def decode(self, reqs: list[Req], locations: torch.Tensor) -> ScheduledBatch:
-        return self._build("decode", reqs, [r.kv_len for r in reqs], [1] * len(reqs),
-                           [True] * len(reqs), locations)
+    def decode(self, reqs: list[Req], locations: torch.Tensor, steps: int = 1
+               ) -> ScheduledBatch:
+        """One decode step; `steps` > 1: a run of that many (engine.decode_steps), `locations`
+        each row's `steps` KV slots in turn. The run is committed whole, as one step is."""
+        if steps == 1:
+            return self._build("decode", reqs, [r.kv_len for r in reqs], [1] * len(reqs),
+                               [True] * len(reqs), locations)
+        per_step = locations.view(len(reqs), steps)
+        starts = [r.kv_len for r in reqs]
+        scheduled = self._build("decode", reqs, starts, [1] * len(reqs), [True] * len(reqs),
+                                per_step[:, 0].contiguous())
+        rows = [r.table_idx for r in reqs]
+        _, later = span_indices(rows, [s + 1 for s in starts], [steps - 1] * len(reqs),
+                                self.table.context_len)
+        self.table.write_locations(later, per_step[:, 1:].reshape(-1))
+        tails = per_step[:, -1].tolist()
+        for req, tail in zip(reqs, tails):
+            req.kv_len += steps - 1
+            req.device_len += steps - 1
+            req.tail_loc = tail
+        fwd = scheduled.fwd
+        fwd.steps, fwd.step_locations = steps, per_step
+        fwd.stop_ids = [r.stop_ids for r in reqs]
+        return scheduled
 
     def verify(self, reqs: list[Req], counts: list[int], locations: torch.Tensor
                ) -> ScheduledBatch:

@@ -18,6 +18,7 @@ class SchedulerConfig:
     disable_radix_cache: bool
     hicache_write_policy: str
     disable_overlap_schedule: bool
+    num_continuous_decode_steps: int | None  # None: AUTO_DECODE_STEPS for a lone request
     speculative_always_draft: bool
     max_queued_requests: int | None
     max_sequences_per_request: int

@@ -28,7 +28,7 @@ from minisgl.core import LogprobState, Req
 from minisgl.engine import Engine, ForwardOutput
 from minisgl.errors import EngineFailed, IntegrityError, InvalidRequest
 from minisgl.kvcache import NaiveCache, PrefixCache, RadixCache, StateRadixCache
-from minisgl.scheduler.batch_builder import BatchBuilder, ScheduledBatch
+from minisgl.scheduler.batch_builder import BatchBuilder, ScheduledBatch, decodes_in_runs
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.hicache import TierCache
 from minisgl.scheduler.intake import RequestLimits, RequestSpec, check_batch, fill_max_new_tokens
@@ -45,6 +45,9 @@ from minisgl.scheduler.stats import SchedulerStats, report
 logger = logging.getLogger(__name__)
 # The idle check reads every page id: bigger pools (a small model, a large GPU) on demand only
 IDLE_CHECK_MAX_PAGES = 1 << 22
+# --num-continuous-decode-steps' default while one request runs, on an engine that takes runs
+AUTO_DECODE_STEPS = 4
+
 
 def prefix_cache_of(engine: Engine, disabled: bool) -> PrefixCache:
     """The radix cache; for a hybrid model one whose prefixes carry state snapshots, or none
@@ -94,6 +97,9 @@ class Scheduler:
             stats=self.stats)
         self.selector = BatchSelector(config, self.prefill, self.decode, self.cache, self.builder,
                                       self.stats, self.speculation, self.snapshots)
+        # runs of decode steps: on the CPU engine thread, one rank, no verify steps to lay out
+        self.selector.runs_decode_steps = (engine.runs_steps_in_order and engine.tp.size == 1
+                                           and self.speculation is None)
         self.context_len = engine.context_len
         self.eos_ids = frozenset(engine.eos_token_ids)
         self.limits = RequestLimits(
@@ -455,6 +461,7 @@ class BatchSelector:
         self.config, self.prefill, self.decode, self.cache = config, prefill, decode, cache
         self.builder, self.stats, self.speculation = builder, stats, speculation
         self.snapshots = snapshots
+        self.runs_decode_steps = False  # whether the engine takes runs of decode steps
 
     def next_batch(self, in_flight: bool, verify_in_flight: bool = False) -> Selection:
         """SETTLE only when `in_flight` (`verify_in_flight`: it is a verify step, so the
@@ -479,11 +486,16 @@ class BatchSelector:
             if counts is None and spec is not None and spec.waits_for_verify(reqs,
                                                                               verify_in_flight):
                 return SETTLE
-            locations = self._decode_locations(reqs, counts)
+            steps = self._decode_steps(reqs) if counts is None else 1
+            locations = self._decode_locations(reqs, counts if steps == 1 else
+                                               [steps] * len(reqs))
+            if locations is None and steps > 1:  # short of pages for the run: one step
+                steps, locations = 1, self._decode_locations(reqs)
             if locations is not None:
-                self.prefill.on_decode_step()
+                for _ in range(steps):
+                    self.prefill.on_decode_step()
                 if counts is None:
-                    batch = self.builder.decode(reqs, locations)
+                    batch = self.builder.decode(reqs, locations, steps)
                     if self.snapshots is not None:
                         self.snapshots.plan(batch, [])
                     return Selection(batch)
@@ -516,6 +528,17 @@ class BatchSelector:
             if chunk.is_last and not chunk.req.prefill_only:
                 self.decode.add(chunk.req)
         return batch
+
+    def _decode_steps(self, reqs: list[Req]) -> int:
+        """Decode steps the next launch runs (engine.decode_steps): one while a request waits
+        to be admitted, or where some row's sampling would change from step to step."""
+        steps = self.config.num_continuous_decode_steps
+        if steps is None:
+            steps = AUTO_DECODE_STEPS if len(reqs) == 1 else 1
+        if (steps == 1 or not self.runs_decode_steps or self.prefill.runnable
+                or self.snapshots is not None or not all(map(decodes_in_runs, reqs))):
+            return 1
+        return min(steps, min(r.remain_len for r in reqs))
 
     def _decode_locations(self, reqs: list[Req], counts: list[int] | None = None
                           ) -> torch.Tensor | None:
