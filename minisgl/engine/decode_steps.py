@@ -57,14 +57,15 @@ def run_steps(fwd: ForwardInput, forward: Callable[[ForwardInput], ForwardOutput
                    in zip(stopped, out.token_ids.tolist(), fwd.stop_ids)]
         if all(stopped):
             break
-    ran = len(outputs)
+
+    def stacked(part: Callable[[ForwardOutput], torch.Tensor | None]) -> torch.Tensor | None:
+        """A field of every step's output, [B, n, ...] (None where the steps gave none)."""
+        parts = [part(o) for o in outputs]
+        return None if parts[0] is None else torch.stack(parts, dim=1)  # type: ignore[misc]
+
     tops = None
     if outputs[0].top_logprobs is not None:
-        tops = tuple(torch.stack([o.top_logprobs[i] for o in outputs], dim=1)  # type: ignore
-                     for i in (0, 1))
-    return ForwardOutput(
-        token_ids=torch.stack([o.token_ids for o in outputs], dim=1),  # type: ignore[misc]
-        logprobs=(None if outputs[0].logprobs is None
-                  else torch.stack([o.logprobs for o in outputs], dim=1)),  # type: ignore
-        top_logprobs=tops,  # type: ignore[arg-type]
-        counts=torch.full((fwd.batch.size,), ran, dtype=torch.int64))
+        tops = (stacked(lambda o: o.top_logprobs[0]), stacked(lambda o: o.top_logprobs[1]))
+    return ForwardOutput(token_ids=stacked(lambda o: o.token_ids),
+                         logprobs=stacked(lambda o: o.logprobs), top_logprobs=tops,  # type: ignore
+                         counts=torch.full((fwd.batch.size,), len(outputs), dtype=torch.int64))
