@@ -95,11 +95,10 @@ class Scheduler:
             engine.speculation, grammar_drafts=engine.runs_steps_in_order,
             governed=not config.speculative_always_draft, cache=self.cache, table=self.table,
             stats=self.stats)
-        self.selector = BatchSelector(config, self.prefill, self.decode, self.cache, self.builder,
-                                      self.stats, self.speculation, self.snapshots)
         # runs of decode steps: on the CPU engine thread, one rank, no verify steps to lay out
-        self.selector.runs_decode_steps = (engine.runs_steps_in_order and engine.tp.size == 1
-                                           and self.speculation is None)
+        runs = engine.runs_steps_in_order and engine.tp.size == 1 and self.speculation is None
+        self.selector = BatchSelector(config, self.prefill, self.decode, self.cache, self.builder,
+                                      self.stats, self.speculation, self.snapshots, runs)
         self.context_len = engine.context_len
         self.eos_ids = frozenset(engine.eos_token_ids)
         self.limits = RequestLimits(
@@ -457,11 +456,12 @@ class BatchSelector:
     def __init__(self, config: SchedulerConfig, prefill: PrefillManager, decode: DecodeManager,
                  cache: CacheManager, builder: BatchBuilder, stats: SchedulerStats,
                  speculation: HostSpeculation | None = None,
-                 snapshots: StateSnapshots | None = None) -> None:
+                 snapshots: StateSnapshots | None = None, runs_decode_steps: bool = False
+                 ) -> None:
+        """`runs_decode_steps`: whether the engine takes runs of decode steps."""
         self.config, self.prefill, self.decode, self.cache = config, prefill, decode, cache
         self.builder, self.stats, self.speculation = builder, stats, speculation
-        self.snapshots = snapshots
-        self.runs_decode_steps = False  # whether the engine takes runs of decode steps
+        self.snapshots, self.runs_decode_steps = snapshots, runs_decode_steps
 
     def next_batch(self, in_flight: bool, verify_in_flight: bool = False) -> Selection:
         """SETTLE only when `in_flight` (`verify_in_flight`: it is a verify step, so the
