@@ -63,7 +63,7 @@ def served(fused: bool, int8_activations: bool = False, path: str | None = None,
              cpu_int8_activations=int8_activations, kv_cache_dtype=kv_cache_dtype) as llm:
         model = llm.runtime.engine.model
         assert model.fused_layers is not None
-        if dtype == "bfloat16":
+        if dtype == "bfloat16" and path == q4_1_six_layers():
             assert isinstance(model.layers[0].mlp.down_proj.quantized, VnniWeight)
         counting = CountingFusedLayers(model.fused_layers.program, model.fused_layers.max_rows)
         model.fused_layers = counting if fused else None
@@ -77,7 +77,7 @@ def served(fused: bool, int8_activations: bool = False, path: str | None = None,
         hybrid = llm.runtime.engine.arch.is_hybrid
         one_row_steps = counting.program.one_row_steps()
     assert steps["decode"] and steps["mixed"]
-    if fused and dtype == "bfloat16":  # quant_matmul's layout: the one-row program's
+    if fused and dtype == "bfloat16":  # bfloat16 activations: the one-row program's
         assert one_row_steps >= params["max_new_tokens"] - 1
     else:
         assert one_row_steps == 0
@@ -118,16 +118,30 @@ def test_fused_vnni_weight_layers_serve_the_modules_outputs_to_the_bit(int8_acti
 
 
 @pytest.mark.skipif(vnni_kernels() is None, reason="needs the VNNI kernel")
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
-def test_one_row_program_equals_the_batched_layers(kv_cache_dtype: str):
+@pytest.mark.parametrize("int8_activations", [False, True])
+def test_fused_block_layers_in_bfloat16_serve_the_modules_outputs_to_the_bit(
+        int8_activations: bool):
+    """The Q4_K_M-style file in bfloat16: its one-row steps take the one-row program through
+    block_matmul's layouts (Q5_0 and Q8_0 parts in one linear, Q4_K, Q6_K)."""
+    def run(fused: bool) -> list[dict]:
+        return served(fused, int8_activations, dtype="bfloat16")
+    assert_same_outputs(run(fused=True), run(fused=False))
+
+
+@pytest.mark.skipif(vnni_kernels() is None, reason="needs the VNNI kernel")
+@pytest.mark.parametrize(("weights", "kv_cache_dtype"),
+                         [("Q4_1", "auto"), ("Q4_1", "int8"), ("Q4_K_M", "auto")])
+def test_one_row_program_equals_the_batched_layers(weights: str, kv_cache_dtype: str):
     """One decode token through the one-row program against the same token in two decode rows
     through the batched path (one result each), at contexts inside one tile of 16 keys, across
-    tiles, and past a page: the output and the residual equal to the bit."""
+    tiles, and past a page: the output and the residual equal to the bit. Q4_1: quant_matmul's
+    layout; Q4_K_M: block_matmul's."""
     import torch
 
     from minisgl.bench.decode_step import decode_batch, fill_kv_pool
 
-    with LLM(q4_1_six_layers(), dtype="bfloat16", quantization="gguf", max_total_tokens=1024,
+    path = q4_1_six_layers() if weights == "Q4_1" else q4_k_m_six_layers()
+    with LLM(path, dtype="bfloat16", quantization="gguf", max_total_tokens=1024,
              max_running_requests=2, kv_cache_dtype=kv_cache_dtype) as llm:
         engine = llm.runtime.engine
         program = engine.model.fused_layers.program

@@ -5,8 +5,8 @@ plain Llama layers, Granite 4.0-H's (Mamba2 or attention without RoPE, a shared 
 residual multiplier), dense Qwen3.5's (Gated DeltaNet or gated attention with QK-norm and
 partial RoPE) and Nemotron-H's blocks (Mamba2, attention without RoPE, a relu² MLP, or its
 mixture of experts: a block is one norm and one of these). A step of one decode row through
-Llama layers in VnniWeight's layout runs as one parallel region on buffers kept between steps
-(kernels/csrc/fused_one_row.cpp), again to the bit.
+Llama layers in bfloat16 (VnniWeight's layout or GgufWeight's blocks) runs as one parallel
+region on buffers kept between steps (kernels/csrc/fused_one_row.cpp), again to the bit.
 
 Why: between two block-kernel calls, each streaming its weight through the caches, the
 interpreter's working set falls out of them, and each of a layer's many Python-level calls

@@ -27,6 +27,7 @@
 // folds into the integer dot product, d' s sum_i (code_i - o) q_i: the whole weight times the
 // rounded activations, as llama.cpp computes these types, and one float sum fewer per group.
 #include "aten.h"
+#include "row_kernels.h"
 
 #include <algorithm>
 #include <cmath>
@@ -76,16 +77,7 @@ int64_t group_bytes(int64_t bits) {
 
 // ---- the reference: one weight of the layout, scalar ----------------------------------------
 
-struct Weight {
-  const uint8_t* codes;
-  const at::Half* scales;
-  const uint8_t* subs;
-  int64_t groups;
-  int64_t bits;
-  int64_t mode;
-  int64_t groups_per_super;  // kMins / kSixBit: groups sharing one d (and dmin)
-  int64_t blocks;  // of 8 output features
-};
+using Weight = BlockWeight;  // row_kernels.h
 
 int code_at(const Weight& w, int64_t block, int64_t g, int lane, int i) {
   const uint8_t* c = w.codes + (block * w.groups + g) * group_bytes(w.bits);
@@ -246,8 +238,10 @@ void quantize_rows(const T* x, int64_t rows, int64_t k, bool exact_sums, Activat
 
 #ifdef MINISGL_BLOCK_VNNI
 // One term: q only where a tile reads it (a folding weight's decoded spans read u alone).
+// NOTE: never inlined: block_matmul and the one-row program (BlockRowActivations) run the same
+// code for a row, and so get the same bits.
 template <int TERMS, typename T>
-void quantize_activations(const T* x, int64_t rows, int64_t k, Reads reads, Activations& a) {
+[[gnu::noinline]] void quantize_activations(const T* x, int64_t rows, int64_t k, Reads reads, Activations& a) {
   if (reads.signed_copy) grow(a.q, rows * k);
   if (TERMS == 2) grow(a.r, rows * k);
   if (reads.q_sums) grow(a.q_sum, rows * k / kGroup * 2);
@@ -964,6 +958,48 @@ at::Tensor block_matmul(at::Tensor x, at::Tensor codes, at::Tensor scales,
   return result.view(sizes);
 #else
   TORCH_CHECK(false, "block_matmul needs AVX2, FMA and F16C (built with -march=native)");
+#endif
+}
+
+BlockWeight block_weight(const at::Tensor& codes, const at::Tensor& scales,
+                         const at::Tensor& subs, int64_t bits, int64_t mode) {
+  return weight_of(codes, scales, subs, bits, mode);
+}
+
+int64_t block_weight_block_bytes(const BlockWeight& w) { return w.groups * group_bytes(w.bits); }
+
+struct BlockRowActivations::Buffers {
+#ifdef MINISGL_AVX2
+  Activations a;
+#endif
+};
+
+BlockRowActivations::BlockRowActivations() : buffers_(std::make_unique<Buffers>()) {}
+BlockRowActivations::BlockRowActivations(BlockRowActivations&&) noexcept = default;
+BlockRowActivations::~BlockRowActivations() = default;
+
+// As block_matmul quantizes one row for each weight in turn: the values do not depend on what
+// a weight's tiles read, so one quantization with every weight's reads serves them all.
+void BlockRowActivations::quantize(const at::BFloat16* x, int64_t k, int64_t terms,
+                                   const BlockWeight* weights, int64_t count) {
+#ifdef MINISGL_BLOCK_VNNI
+  Reads reads{false, false, false, false};
+  for (int64_t i = 0; i < count; ++i) {
+    const Reads r = reads_for(weights[i].bits, weights[i].mode, terms, true, false);
+    reads = {reads.signed_copy || r.signed_copy, reads.exact_sums || r.exact_sums,
+             reads.q_sums || r.q_sums, false};
+  }
+  quantize_activations(x, 1, k, terms, reads, buffers_->a);
+#else
+  TORCH_CHECK(false, "the one-row block kernel needs AVX-512 VNNI");
+#endif
+}
+
+void BlockRowActivations::blocks(const BlockWeight& w, int64_t terms, int64_t begin,
+                                 int64_t end, at::BFloat16* out) const {
+#ifdef MINISGL_BLOCK_VNNI
+  for (int64_t b = begin; b < end; ++b)
+    tiled_span_rows(buffers_->a, w, terms, b, 1, 0, 1, out, w.blocks * kLanes);
 #endif
 }
 

@@ -91,9 +91,9 @@ class FusedLayers {
                               at::Tensor state_rows, at::Tensor state_counts) const;
 
   // Whether a one-token step takes the one-row program (fused_one_row.cpp): Llama layers
-  // (attention without a gate or QK-norm, a silu MLP), every linear in quant_matmul's layout,
-  // bfloat16 or int8 KV pages, head dim 64 or 128, no query or residual factor; and how many
-  // steps took it.
+  // (attention without a gate or QK-norm, a silu MLP), every linear in quant_matmul's layout or
+  // block_matmul's (AVX-512 VNNI), bfloat16 or int8 KV pages, head dim 64 or 128, no query or
+  // residual factor; and how many steps took it.
   bool one_row_applies() const;
   int64_t one_row_steps() const { return one_row_steps_; }
 

@@ -12,7 +12,8 @@
 // attention's KV heads, are split over the threads; the row-sized work before a linear (the
 // norm, silu(gate) * up, the activations' quantization) each thread repeats for itself, which
 // costs less than a barrier. The residual alternates between two buffers so that one thread
-// can write the new one while the others still read the old.
+// can write the new one while the others still read the old. A linear's parts are in
+// quant_matmul's layout or block_matmul's (any GGUF block type), one linear's in either or both.
 #include "fused_layers.h"
 #include "row_kernels.h"
 
@@ -26,15 +27,25 @@ using bf16 = at::BFloat16;
 
 namespace {
 
+// A linear's part: in quant_matmul's layout (blocks of 16 outputs, `block_bytes` of codes per
+// group of 32 inputs) or, `block`, in block_matmul's (BlockWeight's blocks of 8).
 struct RowPart {
   const uint8_t* codes;
   const at::Half* dm;
   int64_t blocks, block_bytes;
+  bool block;
+  BlockWeight weight;
+  int64_t outputs() const { return blocks * (block ? 8 : 16); }
+  int64_t bytes_per_block(int64_t k) const {
+    return block ? block_weight_block_bytes(weight) : k / 32 * block_bytes;
+  }
 };
 
 struct RowLinear {
   std::vector<RowPart> parts;
+  std::vector<BlockWeight> block_weights;  // the block parts' (what their input is quantized for)
   int64_t k, n;  // inputs, outputs (the parts' together)
+  bool quant_parts = false;
 };
 
 struct RowSublayer {
@@ -54,12 +65,17 @@ struct RowScratch {
   std::vector<bf16> carry, normed, act;
   std::vector<int8_t> q, r;
   std::vector<float> scale, sum, norm_row, probs, maxima, sums;
+  BlockRowActivations block;  // the block parts' input
 };
 
-// x ([k]) quantized into the thread's activations, for its next linear.
-void quantize(RowScratch& own, const bf16* x, int64_t k, int64_t terms) {
-  quant_row_activations(x, k, terms, own.q.data(), own.r.data(), own.scale.data(),
-                        own.sum.data());
+// x ([k]) quantized into the thread's activations, as `linear`'s parts read them.
+void quantize(RowScratch& own, const bf16* x, const RowLinear& linear, int64_t terms) {
+  if (linear.quant_parts)
+    quant_row_activations(x, linear.k, terms, own.q.data(), own.r.data(), own.scale.data(),
+                          own.sum.data());
+  if (!linear.block_weights.empty())
+    own.block.quantize(x, linear.k, terms, linear.block_weights.data(),
+                       static_cast<int64_t>(linear.block_weights.size()));
 }
 
 // One KV head's new K and V row into its pages (int8 ones with their scales), then its
@@ -90,20 +106,19 @@ void attend_kv_head(const RowSublayer& layer, int64_t h, int64_t pool, int64_t s
 // fn(part, begin, end, the part's first output) for each part.
 template <typename Fn>
 void for_share(const RowLinear& linear, int thread, int threads, Fn fn) {
-  const int64_t per_group = linear.k / 32;
   int64_t total = 0;
-  for (const RowPart& p : linear.parts) total += p.blocks * per_group * p.block_bytes;
+  for (const RowPart& p : linear.parts) total += p.blocks * p.bytes_per_block(linear.k);
   const int64_t from = total * thread / threads, to = total * (thread + 1) / threads;
   int64_t start = 0, first_output = 0;
   for (const RowPart& p : linear.parts) {
-    const int64_t per_block = per_group * p.block_bytes;
+    const int64_t per_block = p.bytes_per_block(linear.k);
     // the blocks whose first byte lies in [from, to)
     const auto first_at = [&](int64_t byte) {
       return std::clamp<int64_t>((byte - start + per_block - 1) / per_block, 0, p.blocks);
     };
     fn(p, first_at(from), first_at(to), first_output);
     start += p.blocks * per_block;
-    first_output += p.blocks * 16;
+    first_output += p.outputs();
   }
 }
 
@@ -112,14 +127,18 @@ void row_linear(const RowLinear& linear, const RowScratch& a, int64_t terms, int
                 int threads, bf16* out) {
   for_share(linear, thread, threads, [&](const RowPart& p, int64_t begin, int64_t end,
                                          int64_t first_output) {
-    quant_row_blocks(a.q.data(), a.r.data(), a.scale.data(), a.sum.data(), linear.k, terms,
-                     p.codes, p.dm, p.block_bytes, begin, end, out + first_output);
+    if (p.block)
+      a.block.blocks(p.weight, terms, begin, end, out + first_output);
+    else
+      quant_row_blocks(a.q.data(), a.r.data(), a.scale.data(), a.sum.data(), linear.k, terms,
+                       p.codes, p.dm, p.block_bytes, begin, end, out + first_output);
   });
 }
 
 }  // namespace
 
-bool vnni_available();  // quant_matmul.cpp
+bool vnni_available();     // quant_matmul.cpp
+bool block_kernel_vnni();  // block_matmul.cpp
 
 struct FusedLayers::RowPlan {
   std::vector<RowSublayer> sublayers;
@@ -151,22 +170,31 @@ FusedLayers::RowPlan* FusedLayers::row_plan() const {
                             !sin_->is_contiguous() || 2 * cos_->size(1) > head_dim_)))
     return nullptr;
   auto plan = std::make_shared<RowPlan>();
-  // every part in quant_matmul's layout, one input width and one `terms`, else nullopt
+  // every part in quant_matmul's layout or block_matmul's, one input width and one `terms`,
+  // else nullopt
   const auto row_linear_of = [&](const Linear& parts) -> c10::optional<RowLinear> {
-    RowLinear linear{{}, 0, 0};
+    RowLinear linear{{}, {}, 0, 0};
     for (const Part& p : parts) {
-      if (p.mode != kQuantLayout || p.codes.scalar_type() != at::kByte || p.codes.dim() != 3 ||
+      const bool block = p.mode != kQuantLayout;
+      if (p.codes.scalar_type() != at::kByte || p.codes.dim() != 3 ||
           !p.codes.is_contiguous() || p.scales.scalar_type() != at::kHalf ||
-          !p.scales.is_contiguous() || (p.codes.size(2) != 256 && p.codes.size(2) != 512) ||
-          (p.terms != 1 && p.terms != 2) || (plan->terms != 0 && p.terms != plan->terms))
+          !p.scales.is_contiguous() || (p.terms != 1 && p.terms != 2) ||
+          (plan->terms != 0 && p.terms != plan->terms) || (block && !block_kernel_vnni()) ||
+          (!block && p.codes.size(2) != 256 && p.codes.size(2) != 512))
         return c10::nullopt;
       plan->terms = p.terms;
       const int64_t k = p.codes.size(1) * 32;
       if (linear.k != 0 && k != linear.k) return c10::nullopt;
       linear.k = k;
-      linear.n += p.codes.size(0) * 16;
-      linear.parts.push_back({p.codes.data_ptr<uint8_t>(), p.scales.data_ptr<at::Half>(),
-                              p.codes.size(0), p.codes.size(2)});
+      RowPart part{p.codes.data_ptr<uint8_t>(), p.scales.data_ptr<at::Half>(), p.codes.size(0),
+                   p.codes.size(2), block, {}};
+      if (block) {
+        part.weight = block_weight(p.codes, p.scales, p.subs, p.bits, p.mode);
+        linear.block_weights.push_back(part.weight);
+      }
+      linear.quant_parts = linear.quant_parts || !block;
+      linear.n += part.outputs();
+      linear.parts.push_back(part);
     }
     return linear;
   };
@@ -294,7 +322,7 @@ c10::optional<std::vector<at::Tensor>> FusedLayers::run_one_row(
                        own.normed.data(), hidden, eps, own.norm_row.data());
         residual ^= 1;
       }
-      quantize(own, own.normed.data(), hidden, terms);
+      quantize(own, own.normed.data(), layer.in, terms);
     };
     for (const RowSublayer& layer : plan->sublayers) {
       norm(layer);
@@ -320,7 +348,7 @@ c10::optional<std::vector<at::Tensor>> FusedLayers::run_one_row(
                                  scale, own, out);
         }
 #pragma omp barrier
-        quantize(own, plan->attended.data(), q_width, terms);
+        quantize(own, plan->attended.data(), layer.out, terms);
         row_linear(layer.out, own, terms, thread, team, plan->x.data());
 #pragma omp barrier
       } else {
@@ -328,7 +356,7 @@ c10::optional<std::vector<at::Tensor>> FusedLayers::run_one_row(
 #pragma omp barrier
         const int64_t width = layer.out.k;
         silu_mul_row(static_cast<const bf16*>(plan->up.data()), own.act.data(), width);
-        quantize(own, own.act.data(), width, terms);
+        quantize(own, own.act.data(), layer.out, terms);
         row_linear(layer.out, own, terms, thread, team, plan->x.data());
 #pragma omp barrier
       }

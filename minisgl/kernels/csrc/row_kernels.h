@@ -6,6 +6,8 @@
 
 #include "aten.h"
 
+#include <memory>
+
 // cpu_kernels.cpp. T: float, at::BFloat16 or at::Half.
 // out = RMSNorm(carry) * weight, where carry = x + residual (rounded to T, written to
 // carry_out: the residual's own buffer in place, or another) or, without a residual, x.
@@ -44,3 +46,39 @@ void decode_row_task(const at::BFloat16* q, const C* k, const C* v, const float*
                      const float* v_scales, const int64_t* loc, int64_t len, int64_t group,
                      int64_t dim, float scale, float* probs, float* maxima, float* sums,
                      at::BFloat16* out);
+
+// block_matmul.cpp: one row through its layout (every GGUF block type). A weight as its kernel
+// reads it: blocks of 8 output features, `groups` groups of 32 inputs each.
+struct BlockWeight {
+  const uint8_t* codes;
+  const at::Half* scales;
+  const uint8_t* subs;
+  int64_t groups;
+  int64_t bits;
+  int64_t mode;
+  int64_t groups_per_super;  // kMins / kSixBit: groups sharing one d (and dmin)
+  int64_t blocks;
+};
+// The operands block_matmul takes, checked as it checks them.
+BlockWeight block_weight(const at::Tensor& codes, const at::Tensor& scales,
+                         const at::Tensor& subs, int64_t bits, int64_t mode);
+// Bytes of codes a block of `w` holds.
+int64_t block_weight_block_bytes(const BlockWeight& w);
+
+// One row's activations as a one-row block_matmul call quantizes them: quantize() for a linear
+// whose parts are `weights` (one quantization that serves each of them), then blocks() writes
+// output blocks [begin, end) of one of those weights to out[8 * begin, 8 * end).
+class BlockRowActivations {
+ public:
+  BlockRowActivations();
+  BlockRowActivations(BlockRowActivations&&) noexcept;
+  ~BlockRowActivations();
+  void quantize(const at::BFloat16* x, int64_t k, int64_t terms, const BlockWeight* weights,
+                int64_t count);
+  void blocks(const BlockWeight& w, int64_t terms, int64_t begin, int64_t end,
+              at::BFloat16* out) const;
+
+ private:
+  struct Buffers;
+  std::unique_ptr<Buffers> buffers_;
+};
