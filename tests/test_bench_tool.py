@@ -81,3 +81,22 @@ def test_benchmarks_md_commands_run_through_the_tool():
     unknown = sorted({n for n in names if find(n) is None})
     assert not unknown, f"not subcommands of python -m minisgl.bench: {unknown}"
     assert not re.search(r"scripts/(bench_|compare|profile_)", text)
+
+
+def test_the_bandwidth_probe_reads_every_byte():
+    """bench.bandwidth's kernel read (stream_read) touches each 8-byte word of the buffer: its
+    result is their xor, whichever thread read which share."""
+    import numpy as np
+    import torch
+
+    from minisgl.bench.bandwidth import streaming_read_gbps
+    from minisgl.kernels.cpu import cpu_kernels
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("needs the CPU kernels")
+    words = torch.randint(-2**62, 2**62, (3 * 2**16 + 32,), dtype=torch.int64,
+                          generator=torch.Generator().manual_seed(0))
+    assert kernels.stream_read(words) == int(np.bitwise_xor.reduce(words.numpy()))
+    with pytest.raises(RuntimeError, match="256-byte"):
+        kernels.stream_read(words[:5])
+    assert streaming_read_gbps(mib=4, repeats=2) > 0

@@ -114,8 +114,8 @@ def median_of(rounds: list[dict], key: str) -> float:
 
 def table(args: argparse.Namespace, runs: dict[str, dict[int, list[dict]]]) -> str:
     first = args.variant[0].name
-    lines = ["| variant | streams | output tok/s | ratio | TPOT ms | TTFT ms | MBU |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| variant | streams | output tok/s | ratio | TPOT ms | TTFT ms | MBU | MBU (DRAM) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for variant in args.variant:
         for c in args.concurrency:
             rounds = runs[variant.name][c]
@@ -123,13 +123,19 @@ def table(args: argparse.Namespace, runs: dict[str, dict[int, list[dict]]]) -> s
             base = median_of(runs[first][c], "output_tok_s")
             tpot = median_of(rounds, "tpot_ms")
             read = args.read.get(variant.name)
-            mbu = f"{read / (tpot / 1e3) / args.bandwidth:.0%}" if read and c == 1 else ""
+            mbu = dram = ""
+            if read and c == 1:
+                mbu = f"{read / (tpot / 1e3) / args.held_bandwidth[variant.name]:.0%}"
+                dram = f"{read / (tpot / 1e3) / args.bandwidth:.0%}"
             lines.append(f"| {variant.name} | {c} | {tok:.0f} | {tok / base:.2f}x | "
-                         f"{tpot:.1f} | {median_of(rounds, 'ttft_ms'):.0f} | {mbu} |")
+                         f"{tpot:.1f} | {median_of(rounds, 'ttft_ms'):.0f} | {mbu} | {dram} |")
+    held = ", ".join(f"{name} {read / 1e6:.0f} MB: {args.held_bandwidth[name] / 1e9:.1f} GB/s"
+                     for name, read in args.read.items() if read)
     return "\n".join(lines) + (
         f"\n\nMBU (one stream): the bytes a token reads at the mean context "
-        f"({args.input_len + args.output_len / 2:.0f} tokens) / TPOT / the streaming read "
-        f"bandwidth measured first, {args.bandwidth / 1e9:.1f} GB/s (bench.bandwidth)")
+        f"({args.input_len + args.output_len / 2:.0f} tokens) / TPOT / the streaming read of a "
+        f"buffer of that size, read again and again ({held}); MBU (DRAM): of a 1 GiB buffer, "
+        f"{args.bandwidth / 1e9:.1f} GB/s, measured first (bench.bandwidth)")
 
 
 def main() -> dict:
@@ -148,9 +154,12 @@ def main() -> dict:
     args.bandwidth = streaming_read_gbps() * 1e9
     args.read = {}
     runs = run_rounds(args)
+    args.held_bandwidth = {name: streaming_read_gbps(mib=max(1, round(read / 2**20))) * 1e9
+                           for name, read in args.read.items() if read}
     print(table(args, runs))
     return {"gguf": str(args.gguf) if args.gguf else None,
             "variants": {v.name: {"flags": list(v.flags), "checkout": str(v.checkout),
                                   "llama_server": v.llama_server} for v in args.variant},
             "runs": runs, "bandwidth_gbps": args.bandwidth / 1e9,
+            "held_bandwidth_gbps": {k: v / 1e9 for k, v in args.held_bandwidth.items()},
             "bytes_per_token": args.read}

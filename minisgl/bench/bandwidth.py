@@ -1,7 +1,10 @@
 """The machine's streaming read bandwidth, as the engine's threads see it: the best of several
-sums of a buffer far larger than the caches, on the engine's torch threads. The bandwidth-
-utilisation figures (MBU: bytes a step must read / its time / this) divide by it, measured in
-the same run; `gguf_bytes_per_token` gives llama.cpp's side of them.
+reads of a buffer far larger than the caches, on the engine's torch threads, each read both as
+torch's sum and as the CPU kernels' stream_read (the widest loads, one contiguous share a
+thread, as the decode kernels stream a weight): on some hosts the sum reads well below what
+the kernels stream. The bandwidth-utilisation figures (MBU: bytes a step must read / its time /
+this) divide by it, measured in the same run; `gguf_bytes_per_token` gives llama.cpp's side of
+them.
 
     python -m minisgl.bench bandwidth [--mib 1024] [--repeats 15]
 """
@@ -16,14 +19,18 @@ import torch
 
 
 def streaming_read_gbps(mib: int = 1024, repeats: int = 15) -> float:
-    """GB/s of the best of `repeats` full reads of a `mib`-MiB float32 buffer (its pages mapped
-    first), on the calling thread's torch threads."""
+    """GB/s of the best of `repeats` full reads of a `mib`-MiB buffer (its pages mapped first)
+    on the calling thread's torch threads, each read made by torch's sum and by stream_read."""
+    from minisgl.kernels.cpu import cpu_kernels
     buffer = torch.ones(mib * 2**18, dtype=torch.float32)
+    kernels = cpu_kernels()
+    readers = [buffer.sum] + ([lambda: kernels.stream_read(buffer)] if kernels else [])
     best = float("inf")
     for _ in range(repeats):
-        started = time.perf_counter()
-        buffer.sum()
-        best = min(best, time.perf_counter() - started)
+        for read in readers:
+            started = time.perf_counter()
+            read()
+            best = min(best, time.perf_counter() - started)
     return buffer.numel() * 4 / best / 1e9
 
 

@@ -13,9 +13,10 @@ a Mistral with a window, beside the same model without one:
 
 Reports ms per step, tokens/s, the weight bytes read per second and the memory-bandwidth
 utilisation (MBU, as gpt-fast reports it: the weights and KV a step must read / its time / the
-machine's streaming read bandwidth, measured first in the same run on the engine's threads,
-bench.bandwidth); where the layers run as one call (models.fused_layers), the same step with
-their modules too.
+machine's streaming read bandwidth, measured in the same run on the engine's threads,
+bench.bandwidth, of a buffer of the step's weights' size read again and again: where the caches
+hold that size, faster than memory; MBU (DRAM): of 1 GiB); where the layers run as one call
+(models.fused_layers), the same step with their modules too.
 """
 
 from __future__ import annotations
@@ -118,25 +119,28 @@ def time_steps(args: argparse.Namespace, kv_cache_dtype: str) -> None:
     # and with more team threads than cores libgomp sleeps at every barrier instead of spinning
     run(lambda: fill_kv_pool(engine))
     bandwidth = run(streaming_read_gbps) * 1e9
+    held = run(lambda: streaming_read_gbps(mib=max(1, round(read / 2**20)))) * 1e9
     kv_per_token = engine.kv_pool.layout.bytes_per_token(engine.kv_pool.cache_dtype)
     states = getattr(engine, "states", None)
     print(f"{args.dtype}, quantization {engine.quantization}, KV pages "
           f"{engine.config.kv_cache_dtype}, context {args.context}, "
           f"weights read per step {read / 1e6:.0f} MB, "
-          f"{torch.get_num_threads()} threads, streaming read {bandwidth / 1e9:.1f} GB/s, "
+          f"{torch.get_num_threads()} threads, streaming read {held / 1e9:.1f} GB/s of a buffer "
+          f"that size ({bandwidth / 1e9:.1f} GB/s of 1 GiB: MBU (DRAM)), "
           f"peak RSS after loading "
           f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:.2f} GB"
           + ("" if states is None else f", state pool {states.nbytes / 1e6:.0f} MB"))
     fused = getattr(engine.model, "fused_layers", None)
     extra = ("", "") if fused is None else (" layers as modules: step ms | fused / modules |",
                                             "---|---|")
-    print(f"| batch | step ms | tok/s | weight GB/s | KV MB read | MBU |{extra[0]}\n"
-          f"|---|---|---|---|---|---|{extra[1]}")
+    print(f"| batch | step ms | tok/s | weight GB/s | KV MB read | MBU | MBU (DRAM) |{extra[0]}\n"
+          f"|---|---|---|---|---|---|---|{extra[1]}")
     for batch_size in args.batch:
         step = decode_step_seconds(engine, batch_size, args.context, args.steps)
         kv = batch_size * (args.context + 1) * kv_per_token
         row = f"| {batch_size} | {step * 1e3:.1f} | {batch_size / step:.0f} | " \
-              f"{read / step / 1e9:.1f} | {kv / 1e6:.1f} | {(read + kv) / step / bandwidth:.0%} |"
+              f"{read / step / 1e9:.1f} | {kv / 1e6:.1f} | {(read + kv) / step / held:.0%} | " \
+              f"{(read + kv) / step / bandwidth:.0%} |"
         if fused is not None:  # the same step with the layers' modules (models.fused_layers)
             engine.model.fused_layers = None
             modules = decode_step_seconds(engine, batch_size, args.context, args.steps)

@@ -8,6 +8,7 @@
 // - silu(gate) * up over a merged [rows, 2 * d] projection, one pass (float32 math);
 // - rotary embedding ("rotate half") of q and k in place, one pass (float32 math);
 // - each row's argmax (greedy sampling over the vocabulary; torch's CPU argmax is scalar);
+// - a read of a buffer at the machine's streaming bandwidth (bench.bandwidth's probe);
 // - 4- and 8-bit block-quantized weight matmuls (quant_matmul.cpp), the W8A8 int8 one
 //   (int8_matmul.cpp), the mixture-of-experts one (expert_matmul.cpp) and multi-LoRA's
 //   (lora_matmul.cpp);
@@ -422,6 +423,32 @@ at::Tensor argmax_rows(at::Tensor x) {
   return out;
 }
 
+// Every byte of x (contiguous, a multiple of 256 bytes, 64-byte aligned) read once with the
+// widest loads the build has, each thread one contiguous share, as the decode kernels stream a
+// weight. Returns the bytes xor-ed together in 8-byte words, so that no load can be dropped.
+int64_t stream_read(const at::Tensor& x) {
+  using Line = int64_t __attribute__((vector_size(64)));
+  TORCH_CHECK(x.is_contiguous() && x.nbytes() % 256 == 0 &&
+              reinterpret_cast<uintptr_t>(x.data_ptr()) % 64 == 0,
+              "stream_read takes a contiguous buffer of 256-byte lines, 64-byte aligned");
+  const Line* lines = static_cast<const Line*>(x.data_ptr());
+  const int64_t quads = static_cast<int64_t>(x.nbytes() / 256);
+  const int threads = std::max(1, at::get_num_threads());
+  std::vector<int64_t> words(threads, 0);
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      Line acc[4] = {};
+      for (int64_t i = quads * t / threads; i < quads * (t + 1) / threads; ++i)
+        for (int j = 0; j < 4; ++j) acc[j] ^= lines[4 * i + j];
+      const Line all = acc[0] ^ acc[1] ^ acc[2] ^ acc[3];
+      for (int j = 0; j < 8; ++j) words[t] ^= all[j];
+    }
+  });
+  int64_t word = 0;
+  for (int64_t w : words) word ^= w;
+  return word;
+}
+
 // Returns (normed, carry). With a residual: carry = x + residual, written into `residual` in
 // place (the caller owns that buffer); without: carry = x.
 std::vector<at::Tensor> rms_norm(at::Tensor x, c10::optional<at::Tensor> residual,
@@ -557,6 +584,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scale"), py::arg("token_rows") = py::none(), py::arg("softcap") = 0.0,
         py::arg("sinks") = py::none(), py::arg("k_scales") = py::none(),
         py::arg("v_scales") = py::none(), py::call_guard<py::gil_scoped_release>());
+  m.def("stream_read", &stream_read, "every byte of a buffer read once, for its bandwidth",
+        py::call_guard<py::gil_scoped_release>());
   m.def("argmax_rows", &argmax_rows, "each row's first index of its largest value (CPU)",
         py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "residual add + RMSNorm (CPU)",
