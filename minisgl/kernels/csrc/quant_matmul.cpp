@@ -60,6 +60,8 @@ template <int TERMS>
   }
 }
 
+constexpr int64_t kPrefetchBytes = 4096;  // how far ahead a tile prefetches its codes
+
 inline __m512i broadcast_quad(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, sizeof(v));
@@ -79,6 +81,11 @@ struct Activations {  // quantize_row's output for all rows
 // per term and row (summed per group) keep the unit busy instead of waiting on one chain.
 // NOTE: never inlined, nor is quantize_row: quant_row_blocks and quant_row_activations run the
 // same code for one row (row_kernels.h).
+// NOTE: a tile runs enough instructions per line of codes that too few of its loads are in
+// flight to cover DRAM's latency, and on some hosts it streamed well below a plain read's
+// bandwidth; prefetching the codes and scales kPrefetchBytes of codes ahead keeps the stream
+// going (BENCHMARKS.md, "One stream at the bandwidth limit"). A block's codes and the next
+// block's lie back to back; a later tile of rows over the same block finds them cached.
 template <int ROWS, int BITS, int TERMS>
 [[gnu::noinline]] void tile(const Activations& a, const uint8_t* codes, const at::Half* dm,
                             at::BFloat16* out, int64_t out_stride) {
@@ -90,6 +97,10 @@ template <int ROWS, int BITS, int TERMS>
   for (int r = 0; r < ROWS; ++r) acc[r] = offset_acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* c = codes + g * kVectors * 64;
+    const char* ahead = reinterpret_cast<const char*>(c) + kPrefetchBytes;
+    for (int p = 0; p < kVectors; ++p) _mm_prefetch(ahead + p * 64, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(dm + g * 2 * kLanes) + kPrefetchBytes / kVectors,
+                 _MM_HINT_T0);
     __m512i coarse[ROWS][CHAINS], fine[ROWS][CHAINS];
     for (int r = 0; r < ROWS; ++r)
       for (int h = 0; h < CHAINS; ++h) coarse[r][h] = fine[r][h] = _mm512_setzero_si512();
