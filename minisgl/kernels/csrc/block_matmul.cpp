@@ -241,7 +241,8 @@ void quantize_rows(const T* x, int64_t rows, int64_t k, bool exact_sums, Activat
 // NOTE: never inlined: block_matmul and the one-row program (BlockRowActivations) run the same
 // code for a row, and so get the same bits.
 template <int TERMS, typename T>
-[[gnu::noinline]] void quantize_activations(const T* x, int64_t rows, int64_t k, Reads reads, Activations& a) {
+[[gnu::noinline]] void quantize_activations(const T* x, int64_t rows, int64_t k, Reads reads,
+                                            Activations& a) {
   if (reads.signed_copy) grow(a.q, rows * k);
   if (TERMS == 2) grow(a.r, rows * k);
   if (reads.q_sums) grow(a.q_sum, rows * k / kGroup * 2);
