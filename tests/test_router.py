@@ -32,14 +32,14 @@ def free_port() -> int:
 
 
 class Router:
-    def __init__(self, workers: list[MinisglServer], policy: str) -> None:
+    def __init__(self, workers: list[MinisglServer], policy: str, *flags: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
              "--port", str(self.port), "--worker-urls", *(w.url for w in workers),
              "--policy", policy, "--prometheus-host", "127.0.0.1",
-             "--prometheus-port", str(free_port()), "--log-level", "warn"],
+             "--prometheus-port", str(free_port()), "--log-level", "warn", *flags],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         wait_for(self._ready, timeout=60, what="router readiness")
 
@@ -141,8 +141,12 @@ def test_cache_aware_keeps_prefixes_on_one_worker(workers):
 
 
 def test_killed_worker_the_router_serves_on(workers):
-    """Last in this module: it kills a worker while it runs requests; no request is lost."""
-    router = Router(workers, "round_robin")
+    """Last in this module: it kills a worker while it runs requests; no request is lost.
+    The router fails over at the dead worker's first failed request (its circuit breaker; by
+    default after 10, so that round robin can land a request's 5 retries on the dead worker
+    while other clients' requests turn the robin)."""
+    router = Router(workers, "round_robin", "--cb-failure-threshold", "1",
+                    "--retry-max-retries", "8")
     results: list[Any] = []
     failures: list[tuple[int, int, bool, str]] = []  # (client, request, after the kill, why)
     killed = threading.Event()
