@@ -967,8 +967,6 @@ BlockWeight block_weight(const at::Tensor& codes, const at::Tensor& scales,
   return weight_of(codes, scales, subs, bits, mode);
 }
 
-int64_t block_weight_block_bytes(const BlockWeight& w) { return w.groups * group_bytes(w.bits); }
-
 struct BlockRowActivations::Buffers {
 #ifdef MINISGL_AVX2
   Activations a;

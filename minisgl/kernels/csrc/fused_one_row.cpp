@@ -35,10 +35,8 @@ struct RowPart {
   int64_t blocks, block_bytes;
   bool block;
   BlockWeight weight;
+  int64_t codes_per_block;  // bytes, every group's
   int64_t outputs() const { return blocks * (block ? 8 : 16); }
-  int64_t bytes_per_block(int64_t k) const {
-    return block ? block_weight_block_bytes(weight) : k / 32 * block_bytes;
-  }
 };
 
 struct RowLinear {
@@ -107,11 +105,11 @@ void attend_kv_head(const RowSublayer& layer, int64_t h, int64_t pool, int64_t s
 template <typename Fn>
 void for_share(const RowLinear& linear, int thread, int threads, Fn fn) {
   int64_t total = 0;
-  for (const RowPart& p : linear.parts) total += p.blocks * p.bytes_per_block(linear.k);
+  for (const RowPart& p : linear.parts) total += p.blocks * p.codes_per_block;
   const int64_t from = total * thread / threads, to = total * (thread + 1) / threads;
   int64_t start = 0, first_output = 0;
   for (const RowPart& p : linear.parts) {
-    const int64_t per_block = p.bytes_per_block(linear.k);
+    const int64_t per_block = p.codes_per_block;
     // the blocks whose first byte lies in [from, to)
     const auto first_at = [&](int64_t byte) {
       return std::clamp<int64_t>((byte - start + per_block - 1) / per_block, 0, p.blocks);
@@ -187,7 +185,7 @@ FusedLayers::RowPlan* FusedLayers::row_plan() const {
       if (linear.k != 0 && k != linear.k) return c10::nullopt;
       linear.k = k;
       RowPart part{p.codes.data_ptr<uint8_t>(), p.scales.data_ptr<at::Half>(), p.codes.size(0),
-                   p.codes.size(2), block, {}};
+                   p.codes.size(2), block, {}, p.codes.size(1) * p.codes.size(2)};
       if (block) {
         part.weight = block_weight(p.codes, p.scales, p.subs, p.bits, p.mode);
         linear.block_weights.push_back(part.weight);

@@ -62,8 +62,6 @@ struct BlockWeight {
 // The operands block_matmul takes, checked as it checks them.
 BlockWeight block_weight(const at::Tensor& codes, const at::Tensor& scales,
                          const at::Tensor& subs, int64_t bits, int64_t mode);
-// Bytes of codes a block of `w` holds.
-int64_t block_weight_block_bytes(const BlockWeight& w);
 
 // One row's activations as a one-row block_matmul call quantizes them: quantize() for a linear
 // whose parts are `weights` (one quantization that serves each of them), then blocks() writes
