@@ -88,8 +88,10 @@ def shared_prefix_traffic(url: str, groups: int = 4, per_group: int = 6) -> None
         list(pool.map(group, range(groups)))
 
 
-def hit_rates(workers: list[MinisglServer], policy: str) -> tuple[float, list[int]]:
-    """The prefix-cache hit rate over both workers, and the prompt tokens each received."""
+def prefix_traffic_counts(workers: list[MinisglServer], policy: str
+                          ) -> tuple[list[int], list[int]]:
+    """Prompt tokens each worker received under the shared-prefix traffic, and of those how many
+    it served from its prefix cache."""
     router = Router(workers, policy)
     try:
         r = requests.post(router.url + "/flush_cache", timeout=30)
@@ -101,7 +103,7 @@ def hit_rates(workers: list[MinisglServer], policy: str) -> tuple[float, list[in
         router.stop()
     prompt = [a[0] - b[0] for a, b in zip(after, before)]
     cached = [a[1] - b[1] for a, b in zip(after, before)]
-    return sum(cached) / sum(prompt), prompt
+    return prompt, cached
 
 
 def test_router_learns_the_model_and_routes_every_api(workers):
@@ -131,13 +133,15 @@ def test_router_learns_the_model_and_routes_every_api(workers):
 
 
 def test_cache_aware_keeps_prefixes_on_one_worker(workers):
-    aware, aware_load = hit_rates(workers, "cache_aware")
-    robin, robin_load = hit_rates(workers, "round_robin")
-    print(f"prefix-cache hit rate: cache_aware {aware:.1%} (prompt tokens per worker "
-          f"{aware_load}), round_robin {robin:.1%} ({robin_load})")
-    assert all(load > 0 for load in aware_load)  # the load spreads over both workers
-    # each group's first request misses on its worker; round robin repeats that per worker
-    assert aware > robin
+    """Each group's prefix misses once, on the worker its first request went to; every later
+    request of the group lands there and reads the prefix from the cache. (Round robin is not
+    the contrast asserted: concurrent clients that keep in step can land each group on one
+    worker by chance.)"""
+    groups, per_group, prefix = 4, 6, 512
+    prompt, cached = prefix_traffic_counts(workers, "cache_aware")
+    print(f"cache_aware: prompt tokens per worker {prompt}, from the prefix cache {cached}")
+    assert all(load > 0 for load in prompt)  # the load spreads over both workers
+    assert sum(cached) >= groups * (per_group - 1) * prefix
 
 
 def test_killed_worker_the_router_serves_on(workers):
