@@ -162,6 +162,11 @@ class ServerArgs:
     schedule_policy: str = _flag(
         "fcfs", "Order of the waiting queue: fcfs, lpm (longest cached prefix first), lof "
         "(longest output first) or random.", choices=["fcfs", "lpm", "lof", "random"])
+    schedule_conservativeness: float = _flag(
+        1.0, "How cautiously requests are admitted into a full KV pool: admission assumes this "
+        "times the scheduler's estimate (70%, decaying to 10% over 600 decode steps and raised "
+        "after each retraction) of each running request's remaining max_new_tokens is still to "
+        "come. Larger admits fewer and retracts less; smaller admits more and retracts more.")
     enable_priority_scheduling: bool = _flag(
         False, "Order the waiting queue by each request's `priority` (higher first), let an "
         "urgent request preempt a running one, and displace the least urgent waiting one "
@@ -350,7 +355,7 @@ class ServerArgs:
                              f">= 0, got {threshold!r}")
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port!r}")
-        for name in ("image_fetch_timeout", "stream_write_timeout"):
+        for name in ("image_fetch_timeout", "stream_write_timeout", "schedule_conservativeness"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{flag(name)} must be > 0, got {getattr(self, name)}")
         if not self.shutdown_timeout >= 0:

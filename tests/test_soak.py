@@ -14,6 +14,7 @@ import pytest
 from PIL import Image
 
 from minisgl.bench.soak import MIX
+from tests.conftest import RETRACTING
 from tests.test_hardening import SHALLOW
 
 pytestmark = pytest.mark.slow
@@ -25,7 +26,10 @@ def test_a_short_soak_passes_every_check(tmp_path: Path):
            # float32: a greedy probe may leave its solo run only where the reference's top
            # two logprobs are within 1e-2 (tests/reference.py's bound)
            "--margin-bound", "0.01",
-           "--server-args", " ".join(SHALLOW[:3]) + f" '{SHALLOW[3]}'"]
+           # half a minute is shorter than the default admission's decay to its optimistic
+           # floor (600 decode steps): start below it, so the small pool must retract
+           "--server-args", " ".join(SHALLOW[:3]) + f" '{SHALLOW[3]}'"
+           + f" --schedule-conservativeness {RETRACTING['schedule_conservativeness']}"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     assert "verdict: PASS" in run.stdout

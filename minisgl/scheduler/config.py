@@ -10,6 +10,7 @@ from minisgl.args import flag_config
 class SchedulerConfig:
     chunked_prefill_size: int | None  # None: Engine.default_chunked_prefill_size
     schedule_policy: str
+    schedule_conservativeness: float
     enable_priority_scheduling: bool
     schedule_low_priority_values_first: bool
     priority_scheduling_preemption_threshold: int

@@ -4,8 +4,9 @@ with the same prefix runs reuses them; under lpm, a request that shares an uncac
 one admitted in the same round waits for the next round to hit it.
 
 A request is admitted when a slot is free and the pool can hold its next chunk plus a
-reservation for the decode tokens of everything running (SGLang's adaptive new-token ratio:
-optimistic while memory is plentiful, raised after each retraction). The manager owns a
+reservation for the decode tokens of everything running and everything admitted in the same
+round (SGLang's adaptive new-token ratio, scaled by --schedule-conservativeness: optimistic
+while memory is plentiful, raised after each retraction). The manager owns a
 request's slot and pages from admission on: `release` gives them back (a finished request) and
 `retract` sends a running request back to the queue (out of pages, or preempted).
 
@@ -152,11 +153,22 @@ class PrefillChunk:
     first: bool = False  # the first chunk after an admission (start: the cached prefix)
 
 
-class NewTokenRatio:
-    """Fraction of each running request's remaining max_new_tokens assumed still to come."""
+def future_tokens(req: Req) -> int:
+    """Decode tokens a request whose prompt is not yet run may still take (clipped)."""
+    return min(req.max_device_len - len(req.host_ids), RESERVE_CLIP)
 
-    def __init__(self, initial: float = 0.7, minimum: float = 0.1, decay: float = 0.001) -> None:
-        self.value, self.initial, self.minimum, self.decay = initial, initial, minimum, decay
+
+class NewTokenRatio:
+    """Fraction of each running request's remaining max_new_tokens assumed still to come: from
+    `initial` down to `minimum` over DECAY_STEPS decode steps, both scaled by
+    --schedule-conservativeness."""
+
+    DECAY_STEPS = 600
+
+    def __init__(self, conservativeness: float = 1.0) -> None:
+        self.initial = self.value = min(1.0, 0.7 * conservativeness)
+        self.minimum = min(1.0, 0.1 * conservativeness)
+        self.decay = (self.initial - self.minimum) / self.DECAY_STEPS
 
     def step(self) -> None:
         self.value = max(self.minimum, self.value - self.decay)
@@ -179,7 +191,8 @@ class PrefillManager:
     def __init__(self, cache: CacheManager, table: TableManager, decode: DecodeManager,
                  order: WaitingOrder, adapters: AdapterTable,
                  long_rope: LongRopeSwitch | None = None,
-                 on_release: Callable[[Req], None] | None = None) -> None:
+                 on_release: Callable[[Req], None] | None = None,
+                 conservativeness: float = 1.0) -> None:
         self.cache, self.table, self.decode = cache, table, decode
         self.tiers = cache.tiers  # --enable-hierarchical-cache
         self.on_release = on_release  # after a request's pages went back (hybrids' snapshots)
@@ -188,7 +201,7 @@ class PrefillManager:
         self.order = order
         self.waiting: deque[Req] = deque()
         self.chunked: Req | None = None  # admitted, prompt only partly prefilled
-        self.ratio = NewTokenRatio()
+        self.ratio = NewTokenRatio(conservativeness)
 
     def add(self, req: Req) -> None:
         self.waiting.append(req)
@@ -238,10 +251,14 @@ class PrefillManager:
             return list(self.waiting)
         return [r for r in self.waiting if not self.tiers.reading(r)]
 
-    def _reserved_pages(self) -> int:
+    def _reserved_pages(self, decoding_next: list[Req]) -> int:
+        """Pages held back for the decode tokens still to come: the running requests' and
+        those of `decoding_next`, whose prompts this round's batch ends."""
         ps = self.cache.page_size
         tokens = sum(min(r.remain_len, RESERVE_CLIP) for r in self.decode.running)
-        return int(tokens * self.ratio.value) // ps + len(self.decode.running)
+        tokens += sum(future_tokens(r) for r in decoding_next)
+        count = len(self.decode.running) + len(decoding_next)
+        return int(tokens * self.ratio.value) // ps + count
 
     def schedule(self, budget: int) -> list[PrefillChunk]:
         chunks: list[PrefillChunk] = []
@@ -254,6 +271,7 @@ class PrefillManager:
             if chunk.is_last:
                 self.chunked = None
         admitted: list[Req] = []
+        decoding_next = [c.req for c in chunks if c.is_last and not c.req.prefill_only]
         matches: dict[Req, tuple[CacheHandle, torch.Tensor, int]] = {}
 
         def match(req: Req) -> tuple[CacheHandle, torch.Tensor]:
@@ -280,7 +298,7 @@ class PrefillManager:
                 if found is None:
                     continue  # NOTE: its pages are being read; the loop is woken when done
                 loaded = found
-            if not self._admit(req, *match(req), budget, loaded):
+            if not self._admit(req, *match(req), budget, decoding_next, loaded):
                 break
             admitted.append(req)
             self.waiting.remove(req)
@@ -291,6 +309,8 @@ class PrefillManager:
             budget -= chunk.count
             if not chunk.is_last:
                 self.chunked = req
+            elif not req.prefill_only:
+                decoding_next.append(req)
         return chunks
 
     def _cache_ids(self, req: Req, end: int | None = None) -> list[int]:
@@ -325,16 +345,15 @@ class PrefillManager:
             req.cache_handle = shared
 
     def _admit(self, req: Req, handle: CacheHandle, prefix: torch.Tensor, budget: int,
-               loaded: int = 0) -> bool:
+               decoding_next: list[Req], loaded: int = 0) -> bool:
         """Take a slot for `req`, with the cached prefix `handle` matched for it and `loaded`
         pages after it from the lower tiers, if the pool can hold those, its first chunk and
-        the decode reservation."""
+        the decode reservation (none for a request that would run alone: it always may)."""
         ps = self.cache.page_size
         input_len = len(req.host_ids)
-        future = min(req.max_device_len - input_len, RESERVE_CLIP) * self.ratio.value
         reserved = 0
-        if self.decode.running or self.chunked is not None:
-            reserved = int(future) // ps + 1 + self._reserved_pages()
+        if self.decode.running or decoding_next:
+            reserved = self._reserved_pages([req, *decoding_next])
 
         def need(loaded: int) -> int:
             start = handle.length + loaded * ps

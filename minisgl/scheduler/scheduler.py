@@ -89,7 +89,8 @@ class Scheduler:
                                      engine.config.max_loaded_loras)
         self.prefill = PrefillManager(self.cache, self.table, self.decode, self.order,
                                       self.adapters, engine.arch.long_rope,
-                                      self.snapshots and self.snapshots.released)
+                                      self.snapshots and self.snapshots.released,
+                                      config.schedule_conservativeness)
         self.builder = BatchBuilder(engine, self.table, ps, self.adapters)
         self.speculation = None if engine.speculation is None else HostSpeculation(
             engine.speculation, grammar_drafts=engine.runs_steps_in_order,
