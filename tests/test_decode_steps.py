@@ -14,7 +14,6 @@ import pytest
 from minisgl import LLM
 from minisgl.args import ServerArgs
 from tests import reference as ref
-from tests.conftest import RETRACTING
 from tests.test_scheduler import random_prompts
 
 # a seeded sampled request with logprobs, a greedy one, one that may stop at EOS part-way
@@ -75,7 +74,7 @@ def test_a_pool_too_small_for_the_runs_retracts_and_loses_nothing() -> None:
     results = {}
     for steps in (1, 7):
         with LLM(dtype="float32", num_continuous_decode_steps=steps, max_total_tokens=256,
-                 page_size=16, **RETRACTING) as llm:
+                 page_size=16) as llm:
             outs = llm.generate(input_ids=prompts, sampling_params=params)
             llm.check_integrity()
             results[steps] = ([o["output_ids"] for o in outs],

@@ -14,7 +14,6 @@ import jsonschema
 import openai
 import pytest
 
-from tests.conftest import RETRACTING
 from tests.test_server import assert_error, generate, post, requests_total, stream
 
 pytest.importorskip("xgrammar")
@@ -313,8 +312,7 @@ def test_offline_grammar_through_retraction_and_chunked_prefill():
     from minisgl import LLM
     pattern = "[0-9]{40}"
     prompts = [f"Numbers for row {i}, listed one by one: " * 3 for i in range(12)]
-    with LLM(dtype="float32", max_total_tokens=400, max_running_requests=12,
-             **RETRACTING) as llm:
+    with LLM(dtype="float32", max_total_tokens=400, max_running_requests=12) as llm:
         outs = llm.generate(prompt=prompts, sampling_params={
             "max_new_tokens": 41, "temperature": 0.8, "sampling_seed": 3, "regex": pattern})
         assert all(re.fullmatch(pattern, o["text"]) for o in outs), [o["text"] for o in outs]

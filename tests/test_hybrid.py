@@ -13,7 +13,6 @@ import torch
 
 from minisgl.engine import Engine, EngineConfig
 from minisgl.llm import LLM
-from tests.conftest import RETRACTING
 from tests.test_model import forward_spans
 
 LOGIT_TOLERANCE = 1e-4  # max |ours - transformers| over all vocab logits, float32
@@ -164,8 +163,7 @@ def assert_retraction_recomputes_the_state(model: torch.nn.Module, path: str) ->
     prompts = random_prompts((20, 25, 30, 35, 40, 45))
     expected = reference_greedy(model, prompts, 30)
     params = {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True}
-    with LLM(model=path, dtype="float32", max_total_tokens=192, max_running_requests=6,
-             **RETRACTING) as llm:
+    with LLM(model=path, dtype="float32", max_total_tokens=192, max_running_requests=6) as llm:
         outs = llm.generate(input_ids=prompts, sampling_params=params)
         retractions = llm.runtime.state()["retractions"]
         llm.check_integrity()

@@ -13,7 +13,6 @@ import torch
 
 from minisgl.errors import InvalidRequest
 from minisgl.llm import LLM
-from tests.conftest import RETRACTING
 from tests.lora_fixtures import (ALL_TARGETS, TINY_LORA_BASE, assert_lora_greedy,
                                  merged_greedy, save_adapter, save_base)
 
@@ -201,7 +200,7 @@ def test_retraction_keeps_each_rows_adapter(lora_models) -> None:
     rows = [prompts()[i % len(LENGTHS)] for i in range(len(names))]
     params = {**GREEDY, "max_new_tokens": 40}
     with lora_llm(lora_models, max_total_tokens=240, page_size=8,
-                  max_loras_per_batch=3, **RETRACTING) as llm:
+                  max_loras_per_batch=3) as llm:
         out = [r["output_ids"] for r in llm.generate(input_ids=rows, sampling_params=params,
                                                      lora_path=names)]
         assert llm.runtime.state()["retractions"] > 0, "the pool was meant to be too small"

@@ -30,7 +30,6 @@ from minisgl.engine.tp_message import StepMessage
 from minisgl.layers.quant import vnni_kernels
 from minisgl.models import resolve_model_path
 from tests import reference as ref
-from tests.conftest import RETRACTING
 from tests.test_scheduler import FUZZ_ARGS, abort_fuzz
 
 TV_BOUND = 0.01
@@ -341,7 +340,7 @@ def test_draft_model_kv_follows_prefix_hits_retraction_and_long_prompts(plain, d
     for o in second + [out]:
         assert o["meta_info"]["spec_accept_length"] > 3.0, o["meta_info"]
     outs, state = generate(prompts, max_total_tokens=360, max_running_requests=8,
-                           **drafts["self"], **RETRACTING)
+                           **drafts["self"])
     assert state["retractions"] > 0, "the pool was meant to be too small for everything"
     assert_same_greedy(prompts, outs, plain)
     assert state["spec_accept_length"] > 3.0, state
@@ -410,8 +409,7 @@ def test_logprobs_are_the_targets_for_every_accepted_token(drafts, algorithm: st
 
 def test_retraction_in_a_small_pool(plain) -> None:
     prompts = copy_prompts()
-    outs, state = generate(prompts, max_total_tokens=360, max_running_requests=8, **SPEC,
-                           **RETRACTING)
+    outs, state = generate(prompts, max_total_tokens=360, max_running_requests=8, **SPEC)
     assert state["retractions"] > 0, "the pool was meant to be too small for everything"
     assert_same_greedy(prompts, outs, plain)
 

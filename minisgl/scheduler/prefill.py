@@ -4,11 +4,11 @@ with the same prefix runs reuses them; under lpm, a request that shares an uncac
 one admitted in the same round waits for the next round to hit it.
 
 A request is admitted when a slot is free and the pool can hold its next chunk plus a
-reservation for the decode tokens of everything running and everything admitted in the same
-round (SGLang's adaptive new-token ratio, scaled by --schedule-conservativeness: optimistic
-while memory is plentiful, raised after each retraction). The manager owns a
-request's slot and pages from admission on: `release` gives them back (a finished request) and
-`retract` sends a running request back to the queue (out of pages, or preempted).
+reservation for the decode tokens of everything running (SGLang's adaptive new-token ratio,
+scaled by --schedule-conservativeness: optimistic while memory is plentiful, raised after each
+retraction). The manager owns a request's slot and pages from admission on: `release` gives
+them back (a finished request) and `retract` sends a running request back to the queue (out of
+pages, or preempted).
 
 The waiting queue's order (`WaitingOrder`): priority first (with --enable-priority-scheduling),
 then the schedule policy, and which running request a more urgent one may preempt. Policies
@@ -153,11 +153,6 @@ class PrefillChunk:
     first: bool = False  # the first chunk after an admission (start: the cached prefix)
 
 
-def future_tokens(req: Req) -> int:
-    """Decode tokens a request whose prompt is not yet run may still take (clipped)."""
-    return min(req.max_device_len - len(req.host_ids), RESERVE_CLIP)
-
-
 class NewTokenRatio:
     """Fraction of each running request's remaining max_new_tokens assumed still to come: from
     `initial` down to `minimum` over DECAY_STEPS decode steps, both scaled by
@@ -251,14 +246,10 @@ class PrefillManager:
             return list(self.waiting)
         return [r for r in self.waiting if not self.tiers.reading(r)]
 
-    def _reserved_pages(self, decoding_next: list[Req]) -> int:
-        """Pages held back for the decode tokens still to come: the running requests' and
-        those of `decoding_next`, whose prompts this round's batch ends."""
+    def _reserved_pages(self) -> int:
         ps = self.cache.page_size
         tokens = sum(min(r.remain_len, RESERVE_CLIP) for r in self.decode.running)
-        tokens += sum(future_tokens(r) for r in decoding_next)
-        count = len(self.decode.running) + len(decoding_next)
-        return int(tokens * self.ratio.value) // ps + count
+        return int(tokens * self.ratio.value) // ps + len(self.decode.running)
 
     def schedule(self, budget: int) -> list[PrefillChunk]:
         chunks: list[PrefillChunk] = []
@@ -271,7 +262,6 @@ class PrefillManager:
             if chunk.is_last:
                 self.chunked = None
         admitted: list[Req] = []
-        decoding_next = [c.req for c in chunks if c.is_last and not c.req.prefill_only]
         matches: dict[Req, tuple[CacheHandle, torch.Tensor, int]] = {}
 
         def match(req: Req) -> tuple[CacheHandle, torch.Tensor]:
@@ -298,7 +288,7 @@ class PrefillManager:
                 if found is None:
                     continue  # NOTE: its pages are being read; the loop is woken when done
                 loaded = found
-            if not self._admit(req, *match(req), budget, decoding_next, loaded):
+            if not self._admit(req, *match(req), budget, loaded):
                 break
             admitted.append(req)
             self.waiting.remove(req)
@@ -309,8 +299,6 @@ class PrefillManager:
             budget -= chunk.count
             if not chunk.is_last:
                 self.chunked = req
-            elif not req.prefill_only:
-                decoding_next.append(req)
         return chunks
 
     def _cache_ids(self, req: Req, end: int | None = None) -> list[int]:
@@ -345,15 +333,16 @@ class PrefillManager:
             req.cache_handle = shared
 
     def _admit(self, req: Req, handle: CacheHandle, prefix: torch.Tensor, budget: int,
-               decoding_next: list[Req], loaded: int = 0) -> bool:
+               loaded: int = 0) -> bool:
         """Take a slot for `req`, with the cached prefix `handle` matched for it and `loaded`
         pages after it from the lower tiers, if the pool can hold those, its first chunk and
-        the decode reservation (none for a request that would run alone: it always may)."""
+        the decode reservation."""
         ps = self.cache.page_size
         input_len = len(req.host_ids)
+        future = min(req.max_device_len - input_len, RESERVE_CLIP) * self.ratio.value
         reserved = 0
-        if self.decode.running or decoding_next:
-            reserved = self._reserved_pages([req, *decoding_next])
+        if self.decode.running or self.chunked is not None:
+            reserved = int(future) // ps + 1 + self._reserved_pages()
 
         def need(loaded: int) -> int:
             start = handle.length + loaded * ps
