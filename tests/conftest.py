@@ -32,10 +32,6 @@ READY = re.compile(r"minisgl ready: listening on (http://\S+)")
 SERVER_DEFAULT_ARGS = ("--dtype", "float32", "--max-total-tokens", "20000",
                        "--max-running-requests", "32")
 SERVER_START_TIMEOUT_S = 180.0
-# Admission that reserves a tenth of the default's share of the running requests' future
-# tokens from the first step on (the default's decays to its floor over 600 decode steps): a
-# small pool under steady traffic over-commits and must retract.
-RETRACTING = {"schedule_conservativeness": 0.1}
 SERVER_STOP_TIMEOUT_S = 30.0
 
 

@@ -14,7 +14,6 @@ import pytest
 from PIL import Image
 
 from minisgl.bench.soak import MIX
-from tests.conftest import RETRACTING
 from tests.test_hardening import SHALLOW
 
 pytestmark = pytest.mark.slow
@@ -29,7 +28,7 @@ def test_a_short_soak_passes_every_check(tmp_path: Path):
            # half a minute is shorter than the default admission's decay to its optimistic
            # floor (600 decode steps): start below it, so the small pool must retract
            "--server-args", " ".join(SHALLOW[:3]) + f" '{SHALLOW[3]}'"
-           + f" --schedule-conservativeness {RETRACTING['schedule_conservativeness']}"]
+           + " --schedule-conservativeness 0.1"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     assert "verdict: PASS" in run.stdout
