@@ -164,9 +164,10 @@ class ServerArgs:
         "(longest output first) or random.", choices=["fcfs", "lpm", "lof", "random"])
     schedule_conservativeness: float = _flag(
         1.0, "How cautiously requests are admitted into a full KV pool: admission assumes this "
-        "times the scheduler's estimate (70%, decaying to 10% over 600 decode steps and raised "
-        "after each retraction) of each running request's remaining max_new_tokens is still to "
-        "come. Larger admits fewer and retracts less; smaller admits more and retracts more.")
+        "times the scheduler's estimate (0.7, decaying to 0.1 over 600 decode steps and raised "
+        "after each retraction) of the share of each running request's remaining "
+        "max_new_tokens still to come. Larger admits fewer and retracts less; smaller admits "
+        "more and retracts more.")
     enable_priority_scheduling: bool = _flag(
         False, "Order the waiting queue by each request's `priority` (higher first), let an "
         "urgent request preempt a running one, and displace the least urgent waiting one "
