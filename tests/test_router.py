@@ -74,18 +74,21 @@ def prompt_counts(workers: list[MinisglServer]) -> list[tuple[int, int]]:
     return [(s["prompt_tokens"], s["cached_prompt_tokens"]) for s in map(state, workers)]
 
 
-def shared_prefix_traffic(url: str, groups: int = 4, per_group: int = 6) -> None:
-    """Each group's requests share a 512-token prefix; the groups run at once."""
+GROUPS, PER_GROUP, PREFIX_LEN = 4, 6, 512
+
+
+def shared_prefix_traffic(url: str) -> None:
+    """Each group's requests share a PREFIX_LEN-token prefix; the groups run at once."""
     def group(g: int) -> None:
-        prefix = [1000 + 97 * g + i for i in range(512)]
-        for j in range(per_group):
+        prefix = [1000 + 97 * g + i for i in range(PREFIX_LEN)]
+        for j in range(PER_GROUP):
             r = requests.post(url + "/generate", timeout=120, json={
                 "input_ids": prefix + [30000 + g, 31000 + j],
                 "sampling_params": {"max_new_tokens": 16, "ignore_eos": True}})
             assert r.status_code == 200, r.text
 
-    with ThreadPoolExecutor(groups) as pool:
-        list(pool.map(group, range(groups)))
+    with ThreadPoolExecutor(GROUPS) as pool:
+        list(pool.map(group, range(GROUPS)))
 
 
 def prefix_traffic_counts(workers: list[MinisglServer], policy: str
@@ -137,11 +140,10 @@ def test_cache_aware_keeps_prefixes_on_one_worker(workers):
     request of the group lands there and reads the prefix from the cache. (Round robin is not
     the contrast asserted: concurrent clients that keep in step can land each group on one
     worker by chance.)"""
-    groups, per_group, prefix = 4, 6, 512
     prompt, cached = prefix_traffic_counts(workers, "cache_aware")
     print(f"cache_aware: prompt tokens per worker {prompt}, from the prefix cache {cached}")
     assert all(load > 0 for load in prompt)  # the load spreads over both workers
-    assert sum(cached) >= groups * (per_group - 1) * prefix
+    assert sum(cached) >= GROUPS * (PER_GROUP - 1) * PREFIX_LEN
 
 
 def test_killed_worker_the_router_serves_on(workers):
